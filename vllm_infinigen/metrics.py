@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""InfiniGen counters: per-step stats from the workers, Prometheus on the frontend.
+
+Stats travel as a flat ``{"<counter>.<layer_idx>": int}`` dict: the workers
+drain their counters once per step, vLLM sums the ranks and hands the dict to
+``InfiniGenPromMetrics.observe`` in the API server (``/metrics``) or in the
+``LLM`` process (``LLM.get_metrics()`` with ``disable_log_stats=False``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+COUNTERS = {
+    "selected_tokens": "Context tokens that InfiniGen's sparse layers attended to.",
+    "candidate_tokens": "Context tokens that dense attention would have read "
+    "in the same sparse layers.",
+    "swap_bytes": "Bytes of selected K/V entries moved to the attention.",
+}
+
+
+@dataclass
+class InfiniGenStats(KVConnectorStats):
+    """Counter increments since the last step, keyed ``"<counter>.<layer_idx>"``."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        totals = {name: 0 for name in COUNTERS}
+        for key, value in self.data.items():
+            totals[key.split(".", 1)[0]] += value
+        if totals["candidate_tokens"]:
+            totals["selected_fraction"] = round(
+                totals["selected_tokens"] / totals["candidate_tokens"], 4
+            )
+        return totals
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class InfiniGenPromMetrics(KVConnectorPromMetrics):
+    """``vllm:infinigen_<counter>_total{model_name, engine, layer}``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:infinigen_{name}",
+                documentation=doc,
+                labelnames=[*labelnames, "layer"],
+            )
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine_labels = self.per_engine_labelvalues[engine_idx]
+        for key, value in transfer_stats_data.items():
+            name, _, layer = key.partition(".")
+            counter = self._counters.get(name)
+            if counter is not None and value:
+                counter.labels(*engine_labels, layer).inc(value)
+
+
+def summarize(metrics: list) -> dict[str, dict[str, float]]:
+    """InfiniGen counters from ``LLM.get_metrics()``, as {counter: {layer: value}}."""
+    out: dict[str, dict[str, float]] = {}
+    for metric in metrics:
+        name = getattr(metric, "name", "")
+        if not name.startswith("vllm:infinigen_"):
+            continue
+        counter = name[len("vllm:infinigen_") :].removesuffix("_total")
+        layer = metric.labels.get("layer", "")
+        out.setdefault(counter, {})
+        out[counter][layer] = out[counter].get(layer, 0) + metric.value
+    return out

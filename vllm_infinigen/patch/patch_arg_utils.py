@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Patch of ``vllm.engine.arg_utils``: InfiniGen's flags and engine set-up."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+from typing import Any
+
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.logger import init_logger
+
+from vllm_infinigen.config import (
+    FLAG_OF_FIELD,
+    KV_MANAGERS,
+    InfiniGenConfig,
+    infinigen_config_of,
+)
+
+logger = init_logger(__name__)
+
+KWARG_PREFIX = "infinigen_"
+CONNECTOR_NAME = "InfiniGenConnector"
+CONNECTOR_MODULE = "vllm_infinigen.connector"
+WORKER_CLS = "vllm_infinigen.worker.InfiniGenCPUWorker"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
+
+_original_init: dict[type, Any] = {}
+_original_add_cli_args = None
+_original_from_cli_args = None
+_original_create_engine_config = None
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Removes ``kv_manager`` and ``infinigen_*`` from kwargs and returns them."""
+    extras = {}
+    for key in list(kwargs):
+        if key == "kv_manager" or key.startswith(KWARG_PREFIX):
+            extras[key] = kwargs.pop(key)
+    return extras
+
+
+def fold_into_additional_config(
+    additional_config: dict[str, Any] | None, extras: dict[str, Any]
+) -> dict[str, Any]:
+    """Merges ``kv_manager``/``infinigen_*`` values (None = not given) into a copy.
+
+    Raises:
+        ValueError: On an unknown ``infinigen_*`` name or bad value.
+    """
+    merged = dict(additional_config or {})
+    settings = dict(merged.get("infinigen") or {})
+    for key, value in extras.items():
+        if value is None:
+            continue
+        if key == "kv_manager":
+            merged["kv_manager"] = value
+            continue
+        field = key[len(KWARG_PREFIX) :]
+        if field not in FLAG_OF_FIELD:
+            raise ValueError(
+                f"unknown InfiniGen option {key!r}; known: "
+                f"{[KWARG_PREFIX + name for name in FLAG_OF_FIELD]}"
+            )
+        settings[field] = value
+    if settings:
+        merged["infinigen"] = settings
+    infinigen_config_of(merged)  # validates, naming the flag
+    return merged
+
+
+def _make_init(cls: type):
+    original = cls.__dict__["__init__"]
+    _original_init[cls] = original
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        extras = _split_kwargs(kwargs)
+        original(self, *args, **kwargs)
+        if extras:
+            self.additional_config = fold_into_additional_config(
+                self.additional_config, extras
+            )
+
+    return __init__
+
+
+def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(
+        "InfiniGen", "Dynamic KV-cache management (vllm-infinigen)."
+    )
+    group.add_argument(
+        "--kv-manager",
+        choices=KV_MANAGERS,
+        default=None,
+        help="KV-cache manager: 'vllm' (default, unchanged behaviour) or "
+        "'infinigen' (speculative sparse decode attention).",
+    )
+    defaults = InfiniGenConfig()
+    helps = {
+        "alpha": "Score margin (logits) under the best token within which tokens "
+        "are counted as important (default: 4 without RoPE, 5 with RoPE).",
+        "partial_ratio": f"Fraction of head channels in the partial query/key "
+        f"(default {defaults.partial_ratio}).",
+        "budget": f"Cap on selected tokens, as a fraction of the context "
+        f"(default {defaults.budget}).",
+        "skew_file": "Skew file from `vllm-infinigen prepare` (default: computed "
+        "at start-up on bundled calibration text, then cached).",
+        "dense_layers": f"First layers kept dense (default {defaults.dense_layers}).",
+        "sink_tokens": f"First context tokens always attended (default {defaults.sink_tokens}).",
+        "recent_tokens": f"Last context tokens always attended (default {defaults.recent_tokens}).",
+    }
+    types = {"alpha": float, "partial_ratio": float, "budget": float,
+             "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int}
+    for field, flag in FLAG_OF_FIELD.items():
+        group.add_argument(flag, type=types[field], default=None, help=helps[field])
+    return parser
+
+
+def _add_cli_args(parser):
+    return add_infinigen_args(_original_add_cli_args(parser))
+
+
+def _from_cli_args(cls, args: argparse.Namespace):
+    engine_args = _original_from_cli_args.__func__(cls, args)
+    extras = {"kv_manager": getattr(args, "kv_manager", None)}
+    for field in FLAG_OF_FIELD:
+        extras[KWARG_PREFIX + field] = getattr(args, KWARG_PREFIX + field, None)
+    engine_args.additional_config = fold_into_additional_config(
+        engine_args.additional_config, extras
+    )
+    return engine_args
+
+
+def _create_engine_config(self, *args, **kwargs):
+    config = infinigen_config_of(self.additional_config)
+    if config is None:
+        return _original_create_engine_config(self, *args, **kwargs)
+    check_engine_args(self)
+    skew_file = prepare_skew_file(self.model, config)
+    self.additional_config = {
+        **self.additional_config,
+        "infinigen": {**config.to_dict(), "skew_file": skew_file},
+    }
+    from vllm.config import KVTransferConfig
+
+    self.enable_prefix_caching = False
+    self.worker_cls = WORKER_CLS
+    self.kv_transfer_config = KVTransferConfig(
+        kv_connector=CONNECTOR_NAME,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+    )
+    vllm_config = _original_create_engine_config(self, *args, **kwargs)
+    if vllm_config.speculative_config is not None:
+        raise ValueError(
+            "--kv-manager infinigen does not support speculative decoding; "
+            "remove --speculative-config"
+        )
+    return vllm_config
+
+
+def check_engine_args(args: EngineArgs) -> None:
+    """Refuses what InfiniGen cannot run yet, naming the flag to change."""
+    from vllm.platforms import current_platform
+
+    def refuse(reason: str) -> None:
+        raise ValueError(f"--kv-manager infinigen: {reason}")
+
+    if not current_platform.is_cpu():
+        refuse("only vLLM's CPU backend is supported in this release")
+    if args.speculative_config:
+        refuse("speculative decoding is not supported; remove --speculative-config")
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        refuse("--tensor-parallel-size and --pipeline-parallel-size must be 1 "
+               "in this release")
+    if args.enable_prefix_caching:
+        refuse("prefix caching is not supported (the pool and the device would "
+               "diverge); use --no-enable-prefix-caching")
+    if getattr(args, "kv_offloading_size", None):
+        refuse("--kv-offloading-size replaces the KV connector InfiniGen needs; "
+               "remove it")
+    kv_transfer = args.kv_transfer_config
+    if kv_transfer is not None and getattr(kv_transfer, "kv_connector", None) != CONNECTOR_NAME:
+        refuse("--kv-transfer-config is taken by InfiniGen's own connector; remove it")
+    if args.worker_cls not in ("auto", WORKER_CLS):
+        refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
+    if args.kv_cache_dtype not in ("auto", None):
+        refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
+    hf_config = _read_hf_config(local_model_dir(args.model))
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        refuse(f"model type {model_type!r} is not supported; supported: "
+               f"{list(SUPPORTED_MODEL_TYPES)}")
+    if hf_config.get("sliding_window") and model_type != "opt":
+        refuse("sliding-window attention models are not supported")
+
+
+def local_model_dir(model: str) -> str:
+    """A local directory for ``model`` (a path, or a snapshot in the HF cache)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception as e:
+        raise ValueError(
+            f"--kv-manager infinigen needs the model files on disk; {model!r} is "
+            f"neither a directory nor in the local Hugging Face cache ({e})"
+        ) from e
+
+
+def _read_hf_config(model_dir: str) -> dict[str, Any]:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def model_shapes(model_dir: str) -> dict[str, int]:
+    hf = _read_hf_config(model_dir)
+    num_heads = hf["num_attention_heads"]
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "num_kv_heads": hf.get("num_key_value_heads") or num_heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads,
+    }
+
+
+def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
+    """Validates the given skew file, or computes and caches one; returns its path."""
+    from vllm_infinigen.skewing import (
+        cached_skew_path,
+        compute_skew_tables,
+        load_skew_tables,
+        model_fingerprint,
+        save_skew_tables,
+    )
+
+    model_dir = local_model_dir(model)
+    fingerprint = model_fingerprint(model_dir)
+    shapes = model_shapes(model_dir)
+    if config.skew_file is not None:
+        load_skew_tables(config.skew_file, fingerprint, config.partial_ratio, **shapes)
+        return config.skew_file
+    path = cached_skew_path(fingerprint, config.partial_ratio)
+    if path.is_file():
+        try:
+            load_skew_tables(str(path), fingerprint, config.partial_ratio, **shapes)
+            logger.info("InfiniGen: using cached skew file %s", path)
+            return str(path)
+        except ValueError as e:
+            logger.warning("InfiniGen: recomputing unusable cached skew file (%s)", e)
+    start = time.perf_counter()
+    tables = compute_skew_tables(model_dir, config.partial_ratio)
+    save_skew_tables(tables, str(path))
+    logger.info(
+        "InfiniGen: computed skewing for %s on the bundled calibration text in "
+        "%.1f s (cached at %s; `vllm-infinigen prepare` makes one ahead of time)",
+        model, time.perf_counter() - start, path,
+    )
+    return str(path)
+
+
+def apply() -> None:
+    global _original_add_cli_args, _original_from_cli_args, _original_create_engine_config
+    for cls in (EngineArgs, AsyncEngineArgs):
+        cls.__init__ = _make_init(cls)
+    _original_add_cli_args = EngineArgs.add_cli_args
+    EngineArgs.add_cli_args = staticmethod(_add_cli_args)
+    _original_from_cli_args = EngineArgs.__dict__["from_cli_args"]
+    EngineArgs.from_cli_args = classmethod(_from_cli_args)
+    _original_create_engine_config = EngineArgs.create_engine_config
+    EngineArgs.create_engine_config = _create_engine_config

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The InfiniGen worker: vLLM's worker plus the InfiniGen runtime on its model."""
+
+from __future__ import annotations
+
+import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_infinigen.config import infinigen_config_of
+from vllm_infinigen.runtime import InfiniGenRuntime, install
+from vllm_infinigen.skewing import load_skew_tables, model_fingerprint
+
+logger = init_logger(__name__)
+
+
+def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """The KV heads of one tensor-parallel rank. skew: [H_kv_total, D, R]."""
+    total = skew.shape[0]
+    if total >= world_size:
+        per_rank = total // world_size
+        return skew[rank * per_rank : (rank + 1) * per_rank]
+    # Fewer KV heads than ranks: vLLM replicates each KV head.
+    return skew[rank * total // world_size][None]
+
+
+def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device) -> InfiniGenRuntime:
+    """Loads the skew file named in the config and installs InfiniGen on ``model``."""
+    config = infinigen_config_of(vllm_config.additional_config)
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_text_config
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    tables = load_skew_tables(
+        config.skew_file,
+        fingerprint=model_fingerprint(model_config.model),
+        partial_ratio=config.partial_ratio,
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=model_config.get_head_size(),
+    )
+    rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
+    uses_rope = any(hasattr(m, "rotary_emb") for m in model.modules())
+    return install(model, vllm_config, config, skew, config.resolved_alpha(uses_rope), device)
+
+
+class InfiniGenCPUWorker(CPUWorker):
+    """CPUWorker whose attention layers run InfiniGen's selection."""
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self.infinigen_runtime = build_runtime(
+            self.model_runner.model, self.vllm_config, torch.device("cpu")
+        )
+
+    def initialize_from_config(self, *args, **kwargs) -> None:
+        super().initialize_from_config(*args, **kwargs)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            raise RuntimeError("InfiniGen worker started without its KV connector")
+        get_kv_transfer_group().bind_runtime(self.infinigen_runtime)
