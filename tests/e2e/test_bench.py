@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm bench throughput|latency` accept and use the InfiniGen flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import models
+from tests.models import BUNDLED_MODEL
+
+pytestmark = pytest.mark.slow
+VLLM = str(Path(sys.executable).parent / "vllm")
+FLAGS = ["--kv-manager", "infinigen", "--infinigen-budget", "0.2", "--dtype", "float32",
+         "--max-model-len", "512", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20)]
+
+
+def _run(args: list[str]) -> str:
+    proc = subprocess.run([VLLM, "bench", *args], capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "InfiniGen: 4 layers" in output or "InfiniGen: 5 layers" in output, output[-4000:]
+    return output
+
+
+def test_bench_throughput():
+    output = _run(["throughput", "--model", str(BUNDLED_MODEL), "--dataset-name", "random",
+                   "--random-input-len", "200", "--random-output-len", "16",
+                   "--num-prompts", "4", *FLAGS])
+    assert "Throughput:" in output
+
+
+def test_bench_latency(tmp_path):
+    model = models.build_wide_vocab_llama(tmp_path / "wide")
+    output = _run(["latency", "--model", str(model), "--input-len", "200",
+                   "--output-len", "8", "--batch-size", "2", "--num-iters-warmup", "1",
+                   "--num-iters", "2", *FLAGS])
+    assert "Avg latency:" in output

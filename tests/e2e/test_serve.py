@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm serve --kv-manager infinigen` answers OpenAI requests and exports counters."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.models import BUNDLED_MODEL
+
+pytestmark = pytest.mark.slow
+VLLM = str(Path(sys.executable).parent / "vllm")
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+COMMON_FLAGS = [
+    "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+    "--kv-cache-memory-bytes", str(32 << 20),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [VLLM, "serve", str(BUNDLED_MODEL), "--served-model-name", "tiny",
+             "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
+             "--chat-template", str(template), "--host", "127.0.0.1",
+             "--port", str(port), *COMMON_FLAGS],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-3000:]}")
+    yield base
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("vllm serve did not stop on SIGINT")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+LONG_PROMPT = "Once upon a time, there was a little girl named Lily. " * 12
+
+
+def test_completion(client):
+    out = client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=24,
+                                    temperature=0.0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 24
+    assert out.choices[0].text.strip()
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = dict(model="tiny", prompt=LONG_PROMPT, max_tokens=20, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    assert streamed == whole
+
+
+def test_chat(client):
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                         temperature=0.0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16
+    chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                            temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == out.choices[0].message.content
+
+
+def test_metrics_exported(client, server):
+    client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=8, temperature=0.0)
+    text = requests.get(f"{server}/metrics", timeout=10).text
+    values = {}
+    for name in ("selected_tokens", "candidate_tokens", "swap_bytes"):
+        pattern = rf'^vllm:infinigen_{name}_total\{{.*layer="(\d+)".*\}} ([0-9.e+]+)$'
+        values[name] = {m[0]: float(m[1]) for m in re.findall(pattern, text, re.M)}
+    assert sorted(values["candidate_tokens"]) == ["2", "3", "4"]
+    for layer, candidates in values["candidate_tokens"].items():
+        assert 0 < values["selected_tokens"][layer] <= 0.2 * candidates
+        assert values["swap_bytes"][layer] > 0

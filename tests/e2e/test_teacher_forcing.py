@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Teacher-forced scoring measures InfiniGen's decode attention, not dense attention.
+
+Two engines, one after the other: stock vLLM, then InfiniGen at budget 0.05.
+The InfiniGen worker is then switched to select everything (budget 1.0,
+alpha 1e4) through a worker extension, so the file starts only two engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.accuracy.teacher_forcing import engine_kwargs, score_continuations
+from tests import models
+from tests.e2e.engines import engine
+from vllm_infinigen.metrics import summarize
+
+pytestmark = pytest.mark.slow
+
+MODEL = "models/stories260k-vllm-cpu"
+TEXT = "data/text/tinystories-sample.txt"
+PROMPT_TOKENS = 64
+# Windows end at different steps, so the batch shrinks and is condensed
+# (requests removed and moved) while the others are still being forced.
+SCORE_TOKENS = [400, 150, 275]
+LONG_WINDOW = 0
+SMALL_BUDGET = 0.05
+SELECT_ALL = dict(budget=1.0, alpha=1e4)
+
+
+class InfiniGenSelectionOverride:
+    """Worker extension: replaces the running InfiniGen selection settings."""
+
+    def override_infinigen_selection(self, budget: float, alpha: float) -> None:
+        runtime = self.infinigen_runtime
+        runtime.config = dataclasses.replace(runtime.config, budget=budget)
+        runtime.alpha = alpha
+
+
+def _counts(llm) -> tuple[float, float]:
+    """(selected, candidate) tokens so far, summed over the sparse layers."""
+    counters = summarize(llm.get_metrics())
+    return (sum(counters.get("selected_tokens", {}).values()),
+            sum(counters.get("candidate_tokens", {}).values()))
+
+
+def _score_with_fraction(llm, windows) -> tuple[list[list[float]], float]:
+    """Scores, and the selected fraction of this call alone."""
+    selected_before, candidates_before = _counts(llm)
+    scores = score_continuations(llm, *zip(*windows))
+    selected, candidates = _counts(llm)
+    assert candidates > candidates_before, "no sparse decode step ran"
+    return scores, (selected - selected_before) / (candidates - candidates_before)
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    path = models.shared_path(MODEL)
+    if path is None:
+        pytest.skip(f"../shared/{MODEL} is absent")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def windows(model) -> list[tuple[list[int], list[int]]]:
+    """(prompt, continuation) token windows cut one after another from the text."""
+    from transformers import AutoTokenizer
+
+    path = models.shared_path(TEXT)
+    if path is None:
+        pytest.skip(f"../shared/{TEXT} is absent")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    token_ids = []
+    for story in path.read_text(encoding="utf-8").split("<|endoftext|>"):
+        if story.strip():
+            token_ids += tokenizer.encode(story.strip())
+    out, start = [], 0
+    for num_scored in SCORE_TOKENS:
+        end = start + PROMPT_TOKENS + num_scored
+        assert end <= len(token_ids), "the sample text is too short"
+        out.append((token_ids[start : start + PROMPT_TOKENS],
+                    token_ids[start + PROMPT_TOKENS : end]))
+        start = end
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense(model, windows) -> dict:
+    """Engine 1 (stock vLLM): teacher-forced logprobs and prefill logprobs."""
+    from vllm import SamplingParams
+
+    with engine(model, kv_manager="vllm", **engine_kwargs()) as llm:
+        forced = score_continuations(llm, *zip(*windows))
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompt + continuation} for prompt, continuation in windows],
+            params, use_tqdm=False,
+        )
+    prefill = [
+        [out.prompt_logprobs[PROMPT_TOKENS + step][token].logprob
+         for step, token in enumerate(continuation)]
+        for out, (_, continuation) in zip(outputs, windows)
+    ]
+    return {"forced": forced, "prefill": prefill}
+
+
+@pytest.fixture(scope="module")
+def infinigen(model, windows) -> dict:
+    """Engine 2 (InfiniGen): scores at budget 0.05, then with everything selected."""
+    with engine(
+        model,
+        kv_manager="infinigen",
+        infinigen_budget=SMALL_BUDGET,
+        worker_extension_cls=f"{__name__}.{InfiniGenSelectionOverride.__name__}",
+        **engine_kwargs(),
+    ) as llm:
+        sparse, sparse_fraction = _score_with_fraction(llm, windows)
+        llm.collective_rpc("override_infinigen_selection", kwargs=SELECT_ALL)
+        full, full_fraction = _score_with_fraction(llm, windows)
+    return {"sparse": sparse, "sparse_fraction": sparse_fraction,
+            "full": full, "full_fraction": full_fraction}
+
+
+def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+def test_dense_teacher_forcing_equals_prefill_logprobs(dense):
+    # The same conditional log-probabilities, once by decode and once by prefill:
+    # the forced tokens are fed back and the logprobs are read unmasked.
+    assert [len(row) for row in dense["forced"]] == SCORE_TOKENS
+    assert _max_abs_diff(dense["forced"], dense["prefill"]) < 1e-4
+
+
+def test_small_budget_changes_decode_logprobs(dense, infinigen):
+    # Budget 0.05 keeps about 5% of the context in the sparse layers ...
+    assert 0 < infinigen["sparse_fraction"] <= SMALL_BUDGET
+    # ... and the per-token logprobs of a long window move with it.
+    long_dense = dense["forced"][LONG_WINDOW]
+    long_sparse = infinigen["sparse"][LONG_WINDOW]
+    num_changed = sum(abs(x - y) > 1e-2 for x, y in zip(long_dense, long_sparse))
+    assert num_changed > len(long_dense) // 4
+    # The first token is scored from the dense prefill: identical.
+    assert long_sparse[0] == pytest.approx(long_dense[0], abs=1e-5)
+
+
+def test_selecting_everything_equals_dense(dense, infinigen):
+    assert infinigen["full_fraction"] == 1.0
+    assert _max_abs_diff(infinigen["full"], dense["forced"]) < 1e-3

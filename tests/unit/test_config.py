@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""InfiniGenConfig validation and the kv_manager switch in additional_config."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from vllm_infinigen.config import (
+    FLAG_OF_FIELD,
+    InfiniGenConfig,
+    infinigen_config_of,
+    kv_manager_of,
+)
+
+
+def test_defaults():
+    config = InfiniGenConfig()
+    assert config.to_dict() == {
+        "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "skew_file": None,
+        "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0,
+    }
+    assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        InfiniGenConfig().budget = 0.5
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("alpha", 0), ("alpha", 0.0), ("alpha", -1.0), ("alpha", math.nan),
+        ("alpha", True), ("alpha", "5"),
+        ("partial_ratio", 0.0), ("partial_ratio", 1.5), ("partial_ratio", -0.2),
+        ("partial_ratio", math.nan), ("partial_ratio", False),
+        ("budget", 0.0), ("budget", 1.01), ("budget", -0.1), ("budget", math.nan),
+        ("budget", True), ("budget", "0.2"), ("budget", math.inf),
+        ("dense_layers", 0), ("dense_layers", -1), ("dense_layers", 1.0),
+        ("dense_layers", True),
+        ("sink_tokens", -1), ("sink_tokens", 2.5), ("sink_tokens", True),
+        ("recent_tokens", -2), ("recent_tokens", "3"),
+        ("skew_file", ""), ("skew_file", 7),
+    ],
+)
+def test_bad_value_names_flag(field, value):
+    with pytest.raises(ValueError) as info:
+        InfiniGenConfig(**{field: value})
+    assert FLAG_OF_FIELD[field] in str(info.value)
+
+
+def test_missing_skew_file_names_flag_and_path(tmp_path):
+    path = str(tmp_path / "absent.safetensors")
+    with pytest.raises(ValueError) as info:
+        InfiniGenConfig(skew_file=path)
+    assert "--infinigen-skew-file" in str(info.value)
+    assert path in str(info.value)
+    with pytest.raises(ValueError, match="--infinigen-skew-file"):
+        InfiniGenConfig(skew_file=str(tmp_path))  # a directory is not a file
+
+
+def test_existing_skew_file_accepted(tmp_path):
+    path = tmp_path / "skew.safetensors"
+    path.write_bytes(b"x")
+    assert InfiniGenConfig(skew_file=str(path)).skew_file == str(path)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"alpha": 1e-3}, {"alpha": 5}, {"budget": 1.0}, {"partial_ratio": 1.0},
+     {"dense_layers": 1}, {"sink_tokens": 0, "recent_tokens": 16}],
+)
+def test_good_values_accepted(values):
+    config = InfiniGenConfig(**values)
+    for name, value in values.items():
+        assert getattr(config, name) == value
+
+
+def test_from_dict():
+    assert InfiniGenConfig.from_dict(None) == InfiniGenConfig()
+    assert InfiniGenConfig.from_dict({}) == InfiniGenConfig()
+    config = InfiniGenConfig.from_dict({"alpha": 3, "budget": 1, "sink_tokens": 4})
+    assert config == InfiniGenConfig(alpha=3.0, budget=1.0, sink_tokens=4)
+    assert type(config.alpha) is float and type(config.budget) is float
+    assert InfiniGenConfig.from_dict(config.to_dict()) == config
+
+
+def test_from_dict_does_not_coerce_bools():
+    with pytest.raises(ValueError, match="--infinigen-alpha"):
+        InfiniGenConfig.from_dict({"alpha": True})
+
+
+def test_from_dict_unknown_keys():
+    with pytest.raises(ValueError) as info:
+        InfiniGenConfig.from_dict({"budget": 0.3, "foo": 1, "alpah": 4})
+    message = str(info.value)
+    assert "'alpah'" in message and "'foo'" in message
+    assert "--infinigen-budget" in message  # lists the flags that exist
+
+
+def test_from_dict_bad_value_names_flag():
+    with pytest.raises(ValueError, match="--infinigen-budget"):
+        InfiniGenConfig.from_dict({"budget": 2})
+
+
+def test_resolved_alpha():
+    assert InfiniGenConfig().resolved_alpha(uses_rope=True) == 5.0
+    assert InfiniGenConfig().resolved_alpha(uses_rope=False) == 4.0
+    assert InfiniGenConfig(alpha=2.5).resolved_alpha(uses_rope=True) == 2.5
+    assert InfiniGenConfig(alpha=2.5).resolved_alpha(uses_rope=False) == 2.5
+
+
+def test_kv_manager_of():
+    assert kv_manager_of(None) == "vllm"
+    assert kv_manager_of({}) == "vllm"
+    assert kv_manager_of({"kv_manager": "infinigen"}) == "infinigen"
+    with pytest.raises(ValueError, match="--kv-manager"):
+        kv_manager_of({"kv_manager": "lmcache"})
+
+
+@pytest.mark.parametrize(
+    "additional_config",
+    [None, {}, {"kv_manager": "vllm"}, {"other_plugin": {"x": 1}},
+     {"kv_manager": "vllm", "infinigen": {}}],
+)
+def test_infinigen_config_of_off(additional_config):
+    assert infinigen_config_of(additional_config) is None
+
+
+def test_infinigen_config_of_on():
+    assert infinigen_config_of({"kv_manager": "infinigen"}) == InfiniGenConfig()
+    config = infinigen_config_of(
+        {"kv_manager": "infinigen", "infinigen": {"budget": 0.5, "alpha": 3.0}}
+    )
+    assert config == InfiniGenConfig(budget=0.5, alpha=3.0)
+
+
+@pytest.mark.parametrize(
+    "additional_config",
+    [{"infinigen": {"budget": 0.5}}, {"kv_manager": "vllm", "infinigen": {"alpha": 3.0}}],
+)
+def test_settings_without_infinigen_manager_raise(additional_config):
+    with pytest.raises(ValueError, match="--kv-manager infinigen"):
+        infinigen_config_of(additional_config)
+
+
+def test_infinigen_config_of_validates():
+    with pytest.raises(ValueError, match="--infinigen-dense-layers"):
+        infinigen_config_of({"kv_manager": "infinigen", "infinigen": {"dense_layers": 0}})
+    with pytest.raises(ValueError, match="--kv-manager"):
+        infinigen_config_of({"kv_manager": "infinigen2"})

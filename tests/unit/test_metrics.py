@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""InfiniGen stats and their Prometheus counters, in a private registry."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from vllm.config import VllmConfig
+from vllm.v1.metrics import reader
+
+from vllm_infinigen.metrics import COUNTERS, InfiniGenPromMetrics, InfiniGenStats, summarize
+
+LABELNAMES = ["model_name", "engine"]
+PER_ENGINE = {0: ["tiny", "0"], 1: ["tiny", "1"]}
+
+
+def step_stats():
+    return {
+        "selected_tokens.2": 10, "candidate_tokens.2": 40, "swap_bytes.2": 1280,
+        "selected_tokens.3": 6, "candidate_tokens.3": 40, "swap_bytes.3": 768,
+    }
+
+
+def test_reduce_exact():
+    assert InfiniGenStats(data=step_stats()).reduce() == {
+        "selected_tokens": 16,
+        "candidate_tokens": 80,
+        "swap_bytes": 2048,
+        "selected_fraction": 0.2,
+    }
+
+
+def test_reduce_without_candidates():
+    assert InfiniGenStats().reduce() == {name: 0 for name in COUNTERS}
+    assert "selected_fraction" not in InfiniGenStats(data={"swap_bytes.2": 5}).reduce()
+
+
+def test_reduce_rounds_fraction():
+    stats = InfiniGenStats(data={"selected_tokens.2": 1, "candidate_tokens.2": 3})
+    assert stats.reduce()["selected_fraction"] == 0.3333
+
+
+def test_aggregate_sums_per_key():
+    first = InfiniGenStats(data=step_stats())
+    second = InfiniGenStats(data={"selected_tokens.2": 5, "candidate_tokens.2": 41,
+                                  "selected_tokens.4": 7})
+    result = first.aggregate(second)
+    assert result is first
+    assert first.data == {
+        "selected_tokens.2": 15, "candidate_tokens.2": 81, "swap_bytes.2": 1280,
+        "selected_tokens.3": 6, "candidate_tokens.3": 40, "swap_bytes.3": 768,
+        "selected_tokens.4": 7,
+    }
+    assert second.data == {"selected_tokens.2": 5, "candidate_tokens.2": 41,
+                           "selected_tokens.4": 7}
+
+
+def test_is_empty_and_reset():
+    assert InfiniGenStats().is_empty()
+    assert InfiniGenStats(data={"selected_tokens.2": 0, "swap_bytes.2": 0}).is_empty()
+    stats = InfiniGenStats(data={"selected_tokens.2": 0, "swap_bytes.2": 1})
+    assert not stats.is_empty()
+    stats.reset()
+    assert stats.data == {} and stats.is_empty()
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    return VllmConfig()
+
+
+@pytest.fixture
+def registry():
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def prom(vllm_config, registry):
+    metric_types = {
+        Gauge: functools.partial(Gauge, registry=registry),
+        Counter: functools.partial(Counter, registry=registry),
+        Histogram: functools.partial(Histogram, registry=registry),
+    }
+    return InfiniGenPromMetrics(vllm_config, metric_types, LABELNAMES, PER_ENGINE)
+
+
+def sample(registry, name, layer, engine="0"):
+    return registry.get_sample_value(
+        f"vllm:infinigen_{name}_total",
+        {"model_name": "tiny", "engine": engine, "layer": layer},
+    )
+
+
+def test_observe_counts_per_layer_and_engine(prom, registry):
+    prom.observe(step_stats())
+    prom.observe({"selected_tokens.2": 4, "candidate_tokens.2": 40}, engine_idx=0)
+    prom.observe({"selected_tokens.2": 9, "candidate_tokens.2": 0}, engine_idx=1)
+    assert sample(registry, "selected_tokens", "2") == 14.0
+    assert sample(registry, "candidate_tokens", "2") == 80.0
+    assert sample(registry, "swap_bytes", "2") == 1280.0
+    assert sample(registry, "selected_tokens", "3") == 6.0
+    assert sample(registry, "swap_bytes", "3") == 768.0
+    assert sample(registry, "selected_tokens", "2", engine="1") == 9.0
+    # A zero increment creates no series.
+    assert sample(registry, "candidate_tokens", "2", engine="1") is None
+    text = generate_latest(registry).decode()
+    assert ('\nvllm:infinigen_selected_tokens_total{engine="0",layer="2",'
+            'model_name="tiny"} 14.0\n') in text
+
+
+def test_observe_ignores_unknown_counters(prom, registry):
+    prom.observe({"something_else.2": 3, "selected_tokens.5": 2})
+    assert sample(registry, "selected_tokens", "5") == 2.0
+    names = {metric.name for metric in registry.collect()}
+    assert names == {f"vllm:infinigen_{name}" for name in COUNTERS}
+
+
+def test_metrics_stay_out_of_the_global_registry(prom):
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value(
+        "vllm:infinigen_selected_tokens_total",
+        {"model_name": "tiny", "engine": "0", "layer": "2"},
+    ) is None
+
+
+def test_summarize():
+    metrics = [
+        reader.Counter(name="vllm:infinigen_selected_tokens_total",
+                       labels={"engine": "0", "layer": "2"}, value=10),
+        reader.Counter(name="vllm:infinigen_selected_tokens_total",
+                       labels={"engine": "1", "layer": "2"}, value=5),
+        reader.Counter(name="vllm:infinigen_selected_tokens_total",
+                       labels={"engine": "0", "layer": "3"}, value=7),
+        reader.Counter(name="vllm:infinigen_candidate_tokens",
+                       labels={"engine": "0", "layer": "2"}, value=40),
+        reader.Counter(name="vllm:prompt_tokens_total", labels={"engine": "0"}, value=99),
+        reader.Gauge(name="vllm:num_requests_running", labels={"engine": "0"}, value=1.0),
+    ]
+    assert summarize(metrics) == {
+        "selected_tokens": {"2": 15, "3": 7},
+        "candidate_tokens": {"2": 40},
+    }
+    assert summarize([]) == {}

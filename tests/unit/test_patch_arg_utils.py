@@ -1,0 +1,271 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The EngineArgs patch: InfiniGen kwargs and flags, stock behaviour when off, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+import vllm_infinigen
+from vllm_infinigen import patch
+from vllm_infinigen.patch import patch_arg_utils
+
+STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
+
+
+# ---------------------------------------------------------------------------
+# Keyword arguments (LLM(...) and EngineArgs(...))
+
+
+@pytest.mark.parametrize("cls", [EngineArgs, AsyncEngineArgs])
+def test_kwargs_fold_into_additional_config(cls):
+    args = cls(model="x", kv_manager="infinigen", infinigen_budget=0.5)
+    assert args.additional_config == {"kv_manager": "infinigen", "infinigen": {"budget": 0.5}}
+    assert not hasattr(args, "kv_manager") and not hasattr(args, "infinigen_budget")
+
+
+def test_kwargs_merge_with_given_additional_config():
+    given = {"other": 1, "infinigen": {"alpha": 2.0}}
+    args = EngineArgs(model="x", additional_config=given, kv_manager="infinigen",
+                      infinigen_budget=0.5, infinigen_sink_tokens=4, infinigen_alpha=None)
+    assert args.additional_config == {
+        "other": 1,
+        "kv_manager": "infinigen",
+        "infinigen": {"alpha": 2.0, "budget": 0.5, "sink_tokens": 4},
+    }
+    assert given == {"other": 1, "infinigen": {"alpha": 2.0}}  # not mutated
+
+
+def test_unknown_infinigen_kwarg_raises():
+    with pytest.raises(ValueError) as info:
+        EngineArgs(model="x", kv_manager="infinigen", infinigen_foo=1)
+    assert "'infinigen_foo'" in str(info.value)
+    assert "infinigen_budget" in str(info.value)  # lists the known ones
+
+
+def test_bad_kwarg_value_names_flag():
+    with pytest.raises(ValueError, match="--infinigen-budget"):
+        EngineArgs(model="x", kv_manager="infinigen", infinigen_budget=2.0)
+
+
+def test_infinigen_kwargs_need_the_manager():
+    with pytest.raises(ValueError, match="--kv-manager infinigen"):
+        EngineArgs(model="x", infinigen_budget=0.5)
+
+
+def test_unknown_kv_manager_raises():
+    with pytest.raises(ValueError, match="--kv-manager"):
+        EngineArgs(model="x", kv_manager="lmcache")
+
+
+def stock_engine_args(cls, **kwargs):
+    """``cls(**kwargs)`` through vLLM's own, unpatched ``__init__``."""
+    args = cls.__new__(cls)
+    patch_arg_utils._original_init[cls](args, **kwargs)
+    return args
+
+
+@pytest.mark.parametrize("cls", [EngineArgs, AsyncEngineArgs])
+@pytest.mark.parametrize("kwargs", [{}, {"additional_config": {"a": 1}}])
+def test_without_infinigen_kwargs_behaves_as_stock(cls, kwargs):
+    args = cls(model="x", **kwargs)
+    assert args.additional_config == kwargs.get("additional_config", {})
+    assert vars(args) == vars(stock_engine_args(cls, model="x", **kwargs))
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def parse(argv, cls=AsyncEngineArgs):
+    parser = FlexibleArgumentParser()
+    cls.add_cli_args(parser)
+    return cls.from_cli_args(parser.parse_args(argv))
+
+
+def test_cli_flags_fold_into_additional_config():
+    args = parse(["--model", "x", "--kv-manager", "infinigen", "--infinigen-alpha", "3"])
+    assert type(args) is AsyncEngineArgs
+    assert args.additional_config == {"kv_manager": "infinigen", "infinigen": {"alpha": 3.0}}
+
+
+def test_cli_every_flag():
+    args = parse([
+        "--model", "x", "--kv-manager", "infinigen", "--infinigen-alpha", "4.5",
+        "--infinigen-partial-ratio", "0.25", "--infinigen-budget", "0.1",
+        "--infinigen-dense-layers", "3", "--infinigen-sink-tokens", "4",
+        "--infinigen-recent-tokens", "8",
+    ], cls=EngineArgs)
+    assert args.additional_config["infinigen"] == {
+        "alpha": 4.5, "partial_ratio": 0.25, "budget": 0.1, "dense_layers": 3,
+        "sink_tokens": 4, "recent_tokens": 8,
+    }
+
+
+def test_cli_flags_merge_with_additional_config_flag():
+    args = parse([
+        "--model", "x", "--additional-config",
+        json.dumps({"a": 1, "kv_manager": "infinigen",
+                    "infinigen": {"alpha": 2.0, "budget": 0.1}}),
+        "--infinigen-budget", "0.5",
+    ])
+    assert args.additional_config == {
+        "a": 1, "kv_manager": "infinigen", "infinigen": {"alpha": 2.0, "budget": 0.5},
+    }
+
+
+def test_cli_bad_flag_value_names_flag():
+    with pytest.raises(ValueError, match="--infinigen-budget"):
+        parse(["--model", "x", "--kv-manager", "infinigen", "--infinigen-budget", "1.5"])
+
+
+def test_cli_unknown_kv_manager_is_a_parse_error():
+    with pytest.raises(SystemExit):
+        parse(["--model", "x", "--kv-manager", "lmcache"])
+
+
+@pytest.mark.parametrize("extra", [[], ["--additional-config", '{"a": 1}']])
+def test_cli_without_infinigen_flags_behaves_as_stock(extra):
+    argv = ["--model", "x", *extra]
+    stock_parser = FlexibleArgumentParser()
+    patch_arg_utils._original_add_cli_args(stock_parser)
+    stock_ns = stock_parser.parse_args(argv)
+    stock = patch_arg_utils._original_from_cli_args.__func__(EngineArgs, stock_ns)
+
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    namespace = parser.parse_args(argv)
+    args = EngineArgs.from_cli_args(namespace)
+
+    assert args.additional_config == ({"a": 1} if extra else {})
+    assert vars(args) == vars(stock)
+    # Only the InfiniGen flags are new, and they default to "not given".
+    added = set(vars(namespace)) - set(vars(stock_ns))
+    assert added == {"kv_manager"} | {f"infinigen_{name}" for name in
+                                      patch_arg_utils.FLAG_OF_FIELD}
+    assert all(getattr(namespace, name) is None for name in added)
+    assert {k: v for k, v in vars(namespace).items() if k not in added} == vars(stock_ns)
+
+
+# ---------------------------------------------------------------------------
+# check_engine_args
+
+
+def test_check_engine_args_accepts_plain_args():
+    assert patch_arg_utils.check_engine_args(EngineArgs(model=STORIES_DIR)) is None
+    own = KVTransferConfig(kv_connector=patch_arg_utils.CONNECTOR_NAME, kv_role="kv_both")
+    args = EngineArgs(model=STORIES_DIR, kv_transfer_config=own,
+                      worker_cls=patch_arg_utils.WORKER_CLS, enable_prefix_caching=False)
+    assert patch_arg_utils.check_engine_args(args) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+         "--speculative-config"),
+        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
+        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
+        ({"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector",
+                                                 kv_role="kv_both")},
+         "--kv-transfer-config"),
+        ({"kv_offloading_size": 4.0}, "--kv-offloading-size"),
+        ({"worker_cls": "my.Worker"}, "--worker-cls"),
+        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_check_engine_args_refuses(kwargs, flag):
+    with pytest.raises(ValueError) as info:
+        patch_arg_utils.check_engine_args(EngineArgs(model=STORIES_DIR, **kwargs))
+    assert str(info.value).startswith("--kv-manager infinigen: ")
+    assert flag in str(info.value)
+
+
+def fake_model_dir(path, config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_check_engine_args_refuses_unsupported_models(tmp_path):
+    gpt2 = fake_model_dir(tmp_path / "gpt2", {"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
+        patch_arg_utils.check_engine_args(EngineArgs(model=gpt2))
+    windowed = fake_model_dir(tmp_path / "mistral",
+                              {"model_type": "mistral", "sliding_window": 4096})
+    with pytest.raises(ValueError, match="sliding-window"):
+        patch_arg_utils.check_engine_args(EngineArgs(model=windowed))
+
+
+def test_check_engine_args_needs_local_files(tmp_path):
+    with pytest.raises(ValueError, match="needs the model files on disk"):
+        patch_arg_utils.check_engine_args(EngineArgs(model=str(tmp_path / "absent")))
+
+
+def test_model_shapes(tmp_path):
+    assert patch_arg_utils.model_shapes(STORIES_DIR) == {
+        "num_layers": 5, "num_kv_heads": 4, "head_dim": 32,
+    }
+    # Without num_key_value_heads and head_dim: MHA, hidden_size / heads.
+    opt = fake_model_dir(tmp_path / "opt", {
+        "model_type": "opt", "num_hidden_layers": 3, "num_attention_heads": 4,
+        "hidden_size": 64,
+    })
+    assert patch_arg_utils.model_shapes(opt) == {
+        "num_layers": 3, "num_kv_heads": 4, "head_dim": 16,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Run-once guard
+
+
+def test_apply_all_twice_is_idempotent(monkeypatch):
+    before = {
+        "init": EngineArgs.__dict__["__init__"],
+        "async_init": AsyncEngineArgs.__dict__["__init__"],
+        "add_cli_args": EngineArgs.__dict__["add_cli_args"],
+        "from_cli_args": EngineArgs.__dict__["from_cli_args"],
+        "create_engine_config": EngineArgs.__dict__["create_engine_config"],
+    }
+    patch.apply_all()
+    patch.apply_all()
+    vllm_infinigen.register()
+    after = {
+        "init": EngineArgs.__dict__["__init__"],
+        "async_init": AsyncEngineArgs.__dict__["__init__"],
+        "add_cli_args": EngineArgs.__dict__["add_cli_args"],
+        "from_cli_args": EngineArgs.__dict__["from_cli_args"],
+        "create_engine_config": EngineArgs.__dict__["create_engine_config"],
+    }
+    assert after == before
+    # One wrapper around vLLM's own __init__, not a wrapper of a wrapper.
+    for cls in (EngineArgs, AsyncEngineArgs):
+        original = patch_arg_utils._original_init[cls]
+        assert cls.__dict__["__init__"].__wrapped__ is original
+        assert not hasattr(original, "__wrapped__")
+    assert patch_arg_utils._original_create_engine_config is not (
+        patch_arg_utils._create_engine_config
+    )
+
+    calls = []
+    post_init = EngineArgs.__post_init__
+
+    def counting_post_init(self):
+        calls.append(type(self))
+        post_init(self)
+
+    monkeypatch.setattr(EngineArgs, "__post_init__", counting_post_init)
+    args = EngineArgs(model="x", kv_manager="infinigen", infinigen_alpha=3.0)
+    assert calls == [EngineArgs]
+    assert args.additional_config == {"kv_manager": "infinigen", "infinigen": {"alpha": 3.0}}
+    async_args = parse(["--model", "x", "--kv-manager", "infinigen"])
+    assert calls == [EngineArgs, AsyncEngineArgs]
+    assert async_args.additional_config == {"kv_manager": "infinigen"}

@@ -1,0 +1,292 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Skew matrices: SVD slices, the skew file format and its checks, model fingerprints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_infinigen.skewing import (
+    SKEW_FLAG,
+    SkewTables,
+    compute_skew_tables,
+    load_skew_tables,
+    model_fingerprint,
+    partial_rank,
+    save_skew_tables,
+    skew_from_activations,
+)
+
+STORIES_DIR = "/work/shared/models/stories260k-vllm-cpu"
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 16
+NUM_CALIBRATION_TOKENS = 64
+
+
+def orthonormal_basis(dim: int, rank: int, gen: torch.Generator) -> torch.Tensor:
+    """[dim, rank] with orthonormal columns, float64."""
+    basis, _ = torch.linalg.qr(torch.randn(dim, rank, generator=gen, dtype=torch.float64))
+    return basis
+
+
+def low_rank_activations(rank: int, seed: int):
+    """Queries and keys of KV head h lie in their own rank-dim subspace.
+
+    Returns:
+        queries [H_q, T, D], keys [H_kv, T, D] (float32) and the subspace
+        bases [H_kv, D, rank] (float64).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    group = NUM_HEADS // NUM_KV_HEADS
+    bases = torch.stack([orthonormal_basis(HEAD_DIM, rank, gen) for _ in range(NUM_KV_HEADS)])
+    coeffs_q = torch.randn(NUM_HEADS, NUM_CALIBRATION_TOKENS, rank, generator=gen,
+                           dtype=torch.float64)
+    coeffs_k = torch.randn(NUM_KV_HEADS, NUM_CALIBRATION_TOKENS, rank, generator=gen,
+                           dtype=torch.float64)
+    # Query head q belongs to KV head q // group (vLLM's GQA layout).
+    queries = torch.stack([coeffs_q[q] @ bases[q // group].T for q in range(NUM_HEADS)])
+    keys = torch.stack([coeffs_k[h] @ bases[h].T for h in range(NUM_KV_HEADS)])
+    return queries.float(), keys.float(), bases
+
+
+def test_skew_from_activations_orthonormal_columns():
+    gen = torch.Generator().manual_seed(0)
+    queries = torch.randn(NUM_HEADS, NUM_CALIBRATION_TOKENS, HEAD_DIM, generator=gen)
+    keys = torch.randn(NUM_KV_HEADS, NUM_CALIBRATION_TOKENS, HEAD_DIM, generator=gen)
+    skew = skew_from_activations(queries, keys, rank=5)
+    assert skew.shape == (NUM_KV_HEADS, HEAD_DIM, 5)
+    assert skew.dtype == torch.float32
+    gram = skew.transpose(1, 2) @ skew  # [H_kv, rank, rank]
+    torch.testing.assert_close(gram, torch.eye(5).expand_as(gram), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rank", [1, 3, 6])
+def test_partial_scores_exact_for_low_rank_queries(rank):
+    queries, keys, _ = low_rank_activations(rank, seed=rank)
+    skew = skew_from_activations(queries, keys, rank)
+    group = NUM_HEADS // NUM_KV_HEADS
+    for q in range(NUM_HEADS):
+        h = q // group
+        full = queries[q] @ keys[h].T  # [T, T]
+        partial = (queries[q] @ skew[h]) @ (keys[h] @ skew[h]).T
+        torch.testing.assert_close(partial, full, atol=1e-4, rtol=1e-4)
+
+
+def test_skew_is_per_kv_head_group():
+    """Each KV head's slice spans the subspace of its own query group only."""
+    rank = 3
+    queries, keys, bases = low_rank_activations(rank, seed=11)
+    skew = skew_from_activations(queries, keys, rank).double()
+    for h in range(NUM_KV_HEADS):
+        # Same column space: projecting the true basis onto the slice keeps it.
+        projected = skew[h] @ (skew[h].T @ bases[h])
+        torch.testing.assert_close(projected, bases[h], atol=1e-5, rtol=0)
+        other = bases[(h + 1) % NUM_KV_HEADS]
+        assert torch.linalg.norm(skew[h] @ (skew[h].T @ other) - other) > 0.1
+    # The slice of another KV head does not reproduce this head's scores.
+    full = queries[0] @ keys[0].T
+    wrong = (queries[0] @ skew[1].float()) @ (keys[0] @ skew[1].float()).T
+    assert (wrong - full).abs().max() > 0.1
+
+
+def test_partial_rank():
+    assert partial_rank(32, 0.2) == 6
+    assert partial_rank(128, 0.2) == 25
+    assert partial_rank(64, 1.0) == 64
+    assert partial_rank(4, 0.1) == 1  # at least one channel
+
+
+# ---------------------------------------------------------------------------
+# Skew files
+
+
+def make_tables(num_layers=2, partial_ratio=0.2, fingerprint="f" * 32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rank = partial_rank(HEAD_DIM, partial_ratio)
+    skew = [torch.randn(NUM_KV_HEADS, HEAD_DIM, rank, generator=gen) for _ in range(num_layers)]
+    return SkewTables(skew, fingerprint, partial_ratio)
+
+
+def load(path, **overrides):
+    kwargs = dict(fingerprint="f" * 32, partial_ratio=0.2, num_layers=2,
+                  num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+    kwargs.update(overrides)
+    return load_skew_tables(str(path), **kwargs)
+
+
+def test_save_load_round_trip_exact(tmp_path):
+    tables = make_tables()
+    path = tmp_path / "sub" / "skew.safetensors"
+    save_skew_tables(tables, str(path))
+    assert os.listdir(path.parent) == ["skew.safetensors"]  # no temporary left
+    loaded = load(path)
+    assert loaded.fingerprint == tables.fingerprint
+    assert loaded.partial_ratio == 0.2
+    assert loaded.rank == 3
+    assert len(loaded.skew) == 2
+    for got, want in zip(loaded.skew, tables.skew):
+        assert got.dtype == torch.float32
+        assert torch.equal(got, want)
+
+
+def assert_load_fails(path, match=None, **overrides):
+    with pytest.raises(ValueError) as info:
+        load(path, **overrides)
+    message = str(info.value)
+    assert str(path) in message
+    assert SKEW_FLAG in message
+    if match is not None:
+        assert match in message
+    return message
+
+
+@pytest.mark.parametrize("keep", [0, 4, 8, 60, -1])
+def test_load_truncated_file(tmp_path, keep):
+    path = tmp_path / "skew.safetensors"
+    save_skew_tables(make_tables(), str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep >= 0 else data[:-1])
+    assert_load_fails(path, match="not a readable safetensors file")
+
+
+def test_load_not_safetensors(tmp_path):
+    path = tmp_path / "skew.safetensors"
+    path.write_text("this is not a safetensors file, just text that is long enough\n" * 4)
+    assert_load_fails(path, match="not a readable safetensors file")
+
+
+def test_load_missing_file(tmp_path):
+    assert_load_fails(tmp_path / "absent.safetensors", match="not a readable")
+
+
+def test_load_safetensors_of_another_kind(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    save_file({"layers.0.skew": torch.zeros(NUM_KV_HEADS, HEAD_DIM, 3)}, str(path))
+    assert_load_fails(path, match="not a skew file")
+
+
+def test_load_wrong_fingerprint(tmp_path):
+    path = tmp_path / "skew.safetensors"
+    save_skew_tables(make_tables(fingerprint="a" * 32), str(path))
+    message = assert_load_fails(path, match="another model")
+    assert "a" * 32 in message and "f" * 32 in message
+
+
+def test_load_wrong_partial_ratio(tmp_path):
+    path = tmp_path / "skew.safetensors"
+    save_skew_tables(make_tables(partial_ratio=0.25), str(path))
+    assert_load_fails(path, match="--infinigen-partial-ratio 0.25")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"num_kv_heads": 2}, {"head_dim": 32}],
+    ids=["kv-heads", "head-dim"],
+)
+def test_load_wrong_shapes(tmp_path, overrides):
+    path = tmp_path / "skew.safetensors"
+    save_skew_tables(make_tables(), str(path))
+    assert_load_fails(path, match="layer 0 has shape (4, 16, 3)", **overrides)
+
+
+def test_load_missing_layer(tmp_path):
+    path = tmp_path / "skew.safetensors"
+    save_skew_tables(make_tables(num_layers=2), str(path))
+    assert_load_fails(path, match="no tensor for layer 2", num_layers=3)
+
+
+# ---------------------------------------------------------------------------
+# Fingerprints
+
+FAKE_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "vocab_size": 128,
+}
+
+
+def make_model_dir(path, config=None, num_floats=600_000):
+    """A fake model dir: config.json and one ~2.3 MiB safetensors file."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config or FAKE_CONFIG))
+    gen = torch.Generator().manual_seed(0)
+    save_file({"weight": torch.randn(num_floats, generator=gen)}, str(path / "model.safetensors"))
+    return path
+
+
+def flip_data_byte(model_dir, data_offset):
+    """Flips one byte at ``data_offset`` bytes into the tensor data."""
+    path = model_dir / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    data[8 + header_len + data_offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_fingerprint_stable_across_copies(tmp_path):
+    first = make_model_dir(tmp_path / "a")
+    second = tmp_path / "b"
+    shutil.copytree(first, second)
+    assert model_fingerprint(str(first)) == model_fingerprint(str(second))
+    assert len(model_fingerprint(str(first))) == 32
+
+
+@pytest.mark.parametrize("data_offset", [0, 12345, (1 << 20) - 1])
+def test_fingerprint_changes_with_one_weight_byte(tmp_path, data_offset):
+    model_dir = make_model_dir(tmp_path / "m")
+    before = model_fingerprint(str(model_dir))
+    flip_data_byte(model_dir, data_offset)
+    assert model_fingerprint(str(model_dir)) != before
+
+
+def test_fingerprint_reads_only_first_mib(tmp_path):
+    model_dir = make_model_dir(tmp_path / "m")
+    before = model_fingerprint(str(model_dir))
+    flip_data_byte(model_dir, (1 << 20) + 10)
+    assert model_fingerprint(str(model_dir)) == before
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("hidden_size", 128), ("num_hidden_layers", 3), ("num_attention_heads", 4),
+     ("num_key_value_heads", 2), ("head_dim", 16), ("vocab_size", 256),
+     ("model_type", "mistral"), ("architectures", ["MistralForCausalLM"])],
+)
+def test_fingerprint_changes_with_config_shape(tmp_path, field, value):
+    before = model_fingerprint(str(make_model_dir(tmp_path / "a")))
+    after = model_fingerprint(str(make_model_dir(tmp_path / "b", {**FAKE_CONFIG, field: value})))
+    assert after != before
+
+
+def test_fingerprint_without_weights(tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(FAKE_CONFIG))
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        model_fingerprint(str(model_dir))
+
+
+# ---------------------------------------------------------------------------
+# The real tiny model
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES_DIR), reason=f"{STORIES_DIR} not present")
+def test_compute_skew_tables_stories260k():
+    tables = compute_skew_tables(STORIES_DIR, 0.2, max_tokens=256)
+    assert len(tables.skew) == 5
+    assert [tuple(s.shape) for s in tables.skew] == [(4, 32, 6)] * 5
+    assert tables.rank == 6
+    assert tables.partial_ratio == 0.2
+    assert tables.fingerprint == model_fingerprint(STORIES_DIR)
+    for skew in tables.skew:
+        gram = skew.transpose(1, 2) @ skew
+        torch.testing.assert_close(gram, torch.eye(6).expand_as(gram), atol=1e-5, rtol=0)
