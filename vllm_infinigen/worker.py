@@ -54,6 +54,14 @@ class InfiniGenCPUWorker(CPUWorker):
             self.model_runner.model, self.vllm_config, torch.device("cpu")
         )
 
+    def set_infinigen_selection(self, **changes) -> None:
+        """``LLM.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.1})``.
+
+        Changes alpha, budget or the sink/recent window of the running engine,
+        so that a sweep needs one engine start (see ``update_selection``).
+        """
+        self.infinigen_runtime.update_selection(**changes)
+
     def initialize_from_config(self, *args, **kwargs) -> None:
         super().initialize_from_config(*args, **kwargs)
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

@@ -3,12 +3,11 @@
 
 Two engines, one after the other: stock vLLM, then InfiniGen at budget 0.05.
 The InfiniGen worker is then switched to select everything (budget 1.0,
-alpha 1e4) through a worker extension, so the file starts only two engines.
+alpha 1e4) with the worker's ``set_infinigen_selection``, so the file starts
+only two engines.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
@@ -28,15 +27,6 @@ SCORE_TOKENS = [400, 150, 275]
 LONG_WINDOW = 0
 SMALL_BUDGET = 0.05
 SELECT_ALL = dict(budget=1.0, alpha=1e4)
-
-
-class InfiniGenSelectionOverride:
-    """Worker extension: replaces the running InfiniGen selection settings."""
-
-    def override_infinigen_selection(self, budget: float, alpha: float) -> None:
-        runtime = self.infinigen_runtime
-        runtime.config = dataclasses.replace(runtime.config, budget=budget)
-        runtime.alpha = alpha
 
 
 def _counts(llm) -> tuple[float, float]:
@@ -113,11 +103,10 @@ def infinigen(model, windows) -> dict:
         model,
         kv_manager="infinigen",
         infinigen_budget=SMALL_BUDGET,
-        worker_extension_cls=f"{__name__}.{InfiniGenSelectionOverride.__name__}",
         **engine_kwargs(),
     ) as llm:
         sparse, sparse_fraction = _score_with_fraction(llm, windows)
-        llm.collective_rpc("override_infinigen_selection", kwargs=SELECT_ALL)
+        llm.collective_rpc("set_infinigen_selection", kwargs=SELECT_ALL)
         full, full_fraction = _score_with_fraction(llm, windows)
     return {"sparse": sparse, "sparse_fraction": sparse_fraction,
             "full": full, "full_fraction": full_fraction}
