@@ -35,6 +35,9 @@ _FINGERPRINT_CONFIG_KEYS = (
     "num_key_value_heads",
     "head_dim",
     "vocab_size",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
 )
 
 

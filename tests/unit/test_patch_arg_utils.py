@@ -269,3 +269,19 @@ def test_apply_all_twice_is_idempotent(monkeypatch):
     async_args = parse(["--model", "x", "--kv-manager", "infinigen"])
     assert calls == [EngineArgs, AsyncEngineArgs]
     assert async_args.additional_config == {"kv_manager": "infinigen"}
+
+
+def test_apply_twice_keeps_the_originals():
+    original = patch_arg_utils._original_create_engine_config
+    patch_arg_utils.apply()
+    assert patch_arg_utils._original_create_engine_config is original
+    assert patch_arg_utils._original_create_engine_config is not patch_arg_utils._create_engine_config
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())  # no recursion
+    assert parser.parse_args(["--kv-manager", "infinigen"]).kv_manager == "infinigen"
+
+
+@pytest.mark.parametrize("cls", [EngineArgs, AsyncEngineArgs])
+def test_explicit_vllm_manager_keeps_config_stock(cls):
+    assert cls(model="x", kv_manager="vllm").additional_config == cls(model="x").additional_config
+    ns = cls.add_cli_args(FlexibleArgumentParser()).parse_args(["--kv-manager", "vllm"])
+    assert cls.from_cli_args(ns).additional_config == cls(model="x").additional_config

@@ -57,7 +57,11 @@ def fold_into_additional_config(
         if value is None:
             continue
         if key == "kv_manager":
-            merged["kv_manager"] = value
+            # "vllm" is the default: leave the config (and its hash) as stock.
+            if value == "vllm":
+                merged.pop("kv_manager", None)
+            else:
+                merged["kv_manager"] = value
             continue
         field = key[len(KWARG_PREFIX) :]
         if field not in FLAG_OF_FIELD:
@@ -265,7 +269,10 @@ def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
 
 
 def apply() -> None:
+    """Wraps the EngineArgs methods; a second call changes nothing."""
     global _original_add_cli_args, _original_from_cli_args, _original_create_engine_config
+    if _original_create_engine_config is not None:
+        return
     for cls in (EngineArgs, AsyncEngineArgs):
         cls.__init__ = _make_init(cls)
     _original_add_cli_args = EngineArgs.add_cli_args

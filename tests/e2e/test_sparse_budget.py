@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""At budget 0.2 on long prompts, sparse layers read at most 20% of the context."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.engines import engine, greedy_tokens
+from tests.models import BUNDLED_MODEL
+from vllm_infinigen.skewing import CALIBRATION_TEXT
+from vllm_infinigen.metrics import summarize
+
+pytestmark = pytest.mark.slow
+BUDGET = 0.2
+PROMPT_TOKENS = [400, 430, 460]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(BUNDLED_MODEL)(CALIBRATION_TEXT.read_text()).input_ids
+    return [{"prompt_token_ids": ids[start : start + n]}
+            for start, n in zip((0, 700, 1400), PROMPT_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def eager_run(prompts):
+    with engine(str(BUNDLED_MODEL), kv_manager="infinigen", infinigen_budget=BUDGET) as llm:
+        tokens = greedy_tokens(llm, prompts, MAX_TOKENS)
+        text = llm.get_tokenizer().decode(tokens[0])
+        return tokens, summarize(llm.get_metrics()), text
+
+
+def test_selected_fraction_within_budget(eager_run):
+    _, counters, _ = eager_run
+    assert sorted(counters["candidate_tokens"], key=int) == ["2", "3", "4"]
+    for layer, candidates in counters["candidate_tokens"].items():
+        # Every decode step of every request: at least 400 context tokens.
+        assert candidates >= len(PROMPT_TOKENS) * (MAX_TOKENS - 1) * 400
+        assert 0 < counters["selected_tokens"][layer] <= BUDGET * candidates
+
+
+def test_output_is_story_text(eager_run):
+    _, _, text = eager_run
+    words = [w.strip('.,!?"') for w in text.split()]
+    known = set(CALIBRATION_TEXT.read_text().replace("\n", " ").split())
+    known |= {w.strip('.,!?"') for w in known}
+    assert len(words) >= 20
+    assert sum(w in known for w in words) >= 0.6 * len(words), text
+
+
+def test_compiled_engine_selects_the_same(prompts, eager_run):
+    """The qkv_proj capture hook survives torch.compile (vLLM's default on CPU)."""
+    tokens, counters, _ = eager_run
+    with engine(str(BUNDLED_MODEL), kv_manager="infinigen", infinigen_budget=BUDGET,
+                enforce_eager=False) as llm:
+        assert greedy_tokens(llm, prompts, MAX_TOKENS) == tokens
+        assert summarize(llm.get_metrics()) == counters
