@@ -149,7 +149,9 @@ def compute_skew_tables(
         model_dir, dtype=torch.float32, attn_implementation="infinigen_calibration"
     )
     limit = min(max_tokens, getattr(model.config, "max_position_embeddings", max_tokens))
-    ids = tokenizer(calibration_text, return_tensors="pt").input_ids[:, :limit]
+    ids = tokenizer(
+        calibration_text, return_tensors="pt", truncation=True, max_length=limit
+    ).input_ids
     if ids.shape[1] < 16:
         raise ValueError(
             f"calibration text gives only {ids.shape[1]} tokens; give a longer one"
