@@ -15,14 +15,21 @@ __version__ = "0.1.0"
 SUPPORTED_VLLM = "0.32."
 
 
+class _ToVllmLogger(logging.Handler):
+    """Hands our records to the ``vllm`` logger, whatever its handlers are now."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if vllm_logger.isEnabledFor(record.levelno):
+            vllm_logger.handle(record)
+
+
 def _route_logging() -> None:
-    """vLLM configures only the ``vllm`` logger: share its handlers with ours."""
-    vllm_logger = logging.getLogger("vllm")
+    """vLLM configures only the ``vllm`` logger (lazily): forward ours to it."""
     ours = logging.getLogger("vllm_infinigen")
-    if vllm_logger.handlers and not ours.handlers:
-        for handler in vllm_logger.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(vllm_logger.level)
+    if not any(isinstance(h, _ToVllmLogger) for h in ours.handlers):
+        ours.addHandler(_ToVllmLogger())
+        ours.setLevel(logging.DEBUG)
         ours.propagate = False
 
 
@@ -41,8 +48,10 @@ def register() -> None:
         )
     _route_logging()
     from vllm_infinigen.patch import apply_all
+    from vllm_infinigen.spec import register_spec
 
     apply_all()
+    register_spec()
 
 
 register()

@@ -38,8 +38,7 @@ def vllm_main() -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from vllm_infinigen.patch.patch_arg_utils import local_model_dir
-    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+    from vllm_infinigen.skewing import compute_skew_tables, local_model_dir, save_skew_tables
 
     text = Path(args.calibration_text).read_text() if args.calibration_text else None
     start = time.perf_counter()

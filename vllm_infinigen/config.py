@@ -135,7 +135,9 @@ def kv_manager_of(additional_config: dict[str, Any] | None) -> str:
     Raises:
         ValueError: If the name is not one of ``KV_MANAGERS``.
     """
-    name = (additional_config or {}).get("kv_manager", "vllm")
+    if not isinstance(additional_config, dict):
+        return "vllm"  # vLLM also accepts a hashable config object: not ours
+    name = additional_config.get("kv_manager", "vllm")
     if name not in KV_MANAGERS:
         raise ValueError(
             f"--kv-manager must be one of {list(KV_MANAGERS)}, got {name!r}"

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from vllm_infinigen.metrics import InfiniGenPromMetrics, InfiniGenStats
@@ -22,10 +23,11 @@ if TYPE_CHECKING:
     from vllm_infinigen.runtime import InfiniGenRuntime
 
 
-class InfiniGenConnector(KVConnectorBase_V1):
+class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._runtime: InfiniGenRuntime | None = None
+        self._pool_bytes_per_token = pool_bytes_per_token(vllm_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -52,15 +54,37 @@ class InfiniGenConnector(KVConnectorBase_V1):
         return None
 
     def get_kv_connector_stats(self) -> InfiniGenStats | None:
-        """Called by the model runner every step, on every rank."""
-        if self.role != KVConnectorRole.WORKER or self._runtime is None:
+        """Called every step: by the model runner on every rank (counters),
+        and by the scheduler (gauges of the pool and the device blocks)."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            return self._scheduler_gauges()
+        if self._runtime is None:
             return None
-        stats = InfiniGenStats(data=self._runtime.take_counters())
-        return None if stats.is_empty() else stats
+        counters = self._runtime.take_counters()
+        return InfiniGenStats(data=counters) if counters else None
 
     # ==============================
     # Scheduler-side methods
     # ==============================
+
+    def _scheduler_gauges(self) -> InfiniGenStats | None:
+        """Pool and device usage, from vLLM's block pool.
+
+        The pool's slots are those of the dense layers' blocks, so both are
+        the blocks in use, at block granularity.
+        """
+        manager = self._kv_cache_manager
+        if manager is None:
+            return None
+        block_pool = manager.block_pool
+        total = block_pool.num_gpu_blocks - 1  # the null block
+        used = total - block_pool.get_num_free_blocks()
+        block_bytes = self._vllm_config.cache_config.block_size * self._pool_bytes_per_token
+        return InfiniGenStats(data={
+            "pool_used_bytes": used * block_bytes,
+            "pool_capacity_bytes": total * block_bytes,
+            "device_blocks": used,
+        })
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
@@ -70,6 +94,10 @@ class InfiniGenConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return KVConnectorMetadata()
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, None]:
+        """The pool's slots are the dense group's: vLLM frees both at once."""
+        return False, None
 
     # ==============================
     # Frontend-side (class) methods
@@ -82,3 +110,15 @@ class InfiniGenConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return InfiniGenPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def pool_bytes_per_token(vllm_config) -> int:
+    """Bytes of K and V of all sparse layers (all ranks) for one token."""
+    from vllm_infinigen.config import infinigen_config_of
+
+    config = infinigen_config_of(vllm_config.additional_config)
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    num_sparse = max(hf.num_hidden_layers - config.dense_layers, 0)
+    return 2 * num_sparse * num_kv_heads * model.get_head_size() * model.dtype.itemsize

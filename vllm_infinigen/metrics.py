@@ -25,6 +25,13 @@ COUNTERS = {
 }
 
 
+GAUGES = {
+    "pool_used_bytes": "Bytes of InfiniGen's host pool held by running requests.",
+    "pool_capacity_bytes": "Capacity of InfiniGen's host pool in bytes.",
+    "device_blocks": "KV-cache blocks on the device held by InfiniGen requests.",
+}
+
+
 @dataclass
 class InfiniGenStats(KVConnectorStats):
     """Counter increments since the last step, keyed ``"<counter>.<layer_idx>"``."""
@@ -40,7 +47,11 @@ class InfiniGenStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         totals = {name: 0 for name in COUNTERS}
         for key, value in self.data.items():
-            totals[key.split(".", 1)[0]] += value
+            name = key.split(".", 1)[0]
+            if name in totals:
+                totals[name] += value
+            else:  # a gauge: the scheduler reports it once per step
+                totals[name] = value
         if totals["candidate_tokens"]:
             totals["selected_fraction"] = round(
                 totals["selected_tokens"] / totals["candidate_tokens"], 4
@@ -48,11 +59,12 @@ class InfiniGenStats(KVConnectorStats):
         return totals
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # A gauge counts even at zero: /metrics must fall back to 0.
+        return not any(value or key in GAUGES for key, value in self.data.items())
 
 
 class InfiniGenPromMetrics(KVConnectorPromMetrics):
-    """``vllm:infinigen_<counter>_total{model_name, engine, layer}``."""
+    """``vllm:infinigen_<counter>_total{model_name, engine, layer}`` and gauges."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -65,10 +77,21 @@ class InfiniGenPromMetrics(KVConnectorPromMetrics):
             for name, doc in COUNTERS.items()
         }
 
+        self._gauges = {
+            name: self._gauge_cls(
+                name=f"vllm:infinigen_{name}", documentation=doc,
+                labelnames=labelnames, multiprocess_mode="mostrecent",
+            )
+            for name, doc in GAUGES.items()
+        }
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
             name, _, layer = key.partition(".")
+            if name in self._gauges:
+                self._gauges[name].labels(*engine_labels).set(value)
+                continue
             counter = self._counters.get(name)
             if counter is not None and value:
                 counter.labels(*engine_labels, layer).inc(value)

@@ -24,7 +24,9 @@ def capture_attention_input(hidden_states: torch.Tensor, layer_name: str) -> tor
         layer = context.no_compile_layers.get(layer_name)
         state = getattr(getattr(layer, "impl", None), "infinigen_layer", None)
         if state is not None and context.attn_metadata is not None:
-            state.captured_input = hidden_states
+            # A private copy: the compiler may reuse the input's buffer
+            # before the attention op of this layer runs.
+            state.captured_input = hidden_states.clone()
     return hidden_states.clone()
 
 

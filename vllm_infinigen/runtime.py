@@ -1,17 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker-side InfiniGen: per-layer state, speculation and sparse decode.
+"""Worker-side InfiniGen: per-layer state, the pool, speculation and sparse attention.
 
 Data path of one decode step, for a model with L layers and ``dense_layers=2``::
 
-    layer 0   dense
-    layer 1   dense attention; speculates for layer 2 from its attention input
-    layer 2   attends over what layer 1 selected; speculates for layer 3
+    layer 0   dense (vLLM's kernel and paged cache)
+    layer 1   dense; speculates for layer 2 from its attention input
+    layer 2   attends over what layer 1 selected, read from the pool;
+              speculates for layer 3
     ...
     layer L-1 attends over what layer L-2 selected
 
-Every sparse layer writes its K/V (in a simple [slot, head, dim] layout, by
-vLLM slot id) and its partial keys as they are produced, prefill and decode
-alike. Prefill rows and mixed batches attend densely with the platform kernel.
+Sparse layers hold no blocks in vLLM's cache (see ``spec.py``). Their K/V is
+written through to the pool as it is produced, in a simple [slot, head, dim]
+layout indexed by the slot ids of the dense layers' KV-cache group (a dense
+block exists for every token of every running request, so vLLM's own
+allocator, preemption and freeing manage the pool's slots). Their partial keys
+sit beside it on the device. Prefill rows of a sparse layer attend densely
+over the pool; decode rows over the selected entries only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
@@ -27,8 +33,14 @@ from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.ops import capture_pre_hook
 from vllm_infinigen.selector import Selection, max_selected, select_tokens
 from vllm_infinigen.sparse_attention import attend_selected, slots_of_positions
+from vllm_infinigen.spec import InfiniGenSparseSpec
 
 logger = init_logger(__name__)
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Pool memory: pinned host memory where a CUDA device copies from it."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 # Counters per layer, columns of InfiniGenRuntime.counters.
 SELECTED, CANDIDATE, SWAP_BYTES = 0, 1, 2
@@ -44,7 +56,11 @@ class StepPlan:
     block_table: torch.Tensor  # [B, max_blocks]
     context_slots: torch.Tensor  # [B, N] slot of every context position
     num_slots: int  # K of the selections this step
-    has_other_rows: bool  # prefill rows present: run the dense kernel too
+    has_other_rows: bool  # prefill rows present
+    other_rows: list[int]  # request index of every non-decode row
+    query_start: list[int]  # [num_reqs + 1] host copy of query_start_loc
+    seq_lens: list[int]  # [num_reqs] host copy
+    all_block_table: torch.Tensor  # [num_reqs, max_blocks] dense group
 
     @property
     def num_decodes(self) -> int:
@@ -76,14 +92,21 @@ class LayerState:
         self.partial_key_cache: torch.Tensor | None = None
 
     def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The pool (host) and partial key cache (device) of one sparse layer."""
         rows = num_slots + 1
         shape = (rows, self.num_kv_heads, self.head_size)
-        self.key_store = torch.zeros(shape, dtype=dtype, device=device)
-        self.value_store = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_store = host_zeros(shape, dtype)
+        self.value_store = host_zeros(shape, dtype)
         rank = self.skew.shape[-1]
         self.partial_key_cache = torch.zeros(
             (rows, self.num_kv_heads, rank), dtype=dtype, device=device
         )
+
+    def pool_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_size * dtype.itemsize
+
+    def partial_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.num_kv_heads * self.skew.shape[-1] * dtype.itemsize
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Stores new K/V and partial keys. key, value: [T, H_kv, D]."""
@@ -107,8 +130,34 @@ class InfiniGenRuntime:
         self.device = device
         # counters: [num_layers, 3] selected / candidate tokens, swap bytes.
         self.counters = torch.zeros((len(layers), 3), dtype=torch.int64, device=device)
+        self.reference_layer = ""  # a dense layer: its metadata indexes the pool
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
+
+    def allocate_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        """Allocates every sparse layer's pool and partial keys, by dense slot id."""
+        import psutil
+
+        sparse = [state for state in self.layers if state.sparse]
+        tokens = num_blocks * block_size
+        pool_bytes = tokens * sum(s.pool_bytes_per_token(dtype) for s in sparse)
+        free_bytes = psutil.virtual_memory().available
+        if pool_bytes > 0.9 * free_bytes:
+            raise ValueError(
+                f"InfiniGen's pool for {tokens} tokens needs {pool_bytes / 2**30:.2f} GiB "
+                f"of host memory, {free_bytes / 2**30:.2f} GiB is free; lower "
+                "--kv-cache-memory-bytes (the pool holds every token the dense "
+                "layers' blocks can hold)"
+            )
+        for state in sparse:
+            state.allocate(tokens, dtype, self.device)
+        logger.info(
+            "InfiniGen: pool of %d tokens x %d sparse layers: %.3f GiB host memory; "
+            "partial keys %.3f GiB device memory",
+            tokens, len(sparse),
+            tokens * sum(s.pool_bytes_per_token(dtype) for s in sparse) / 2**30,
+            tokens * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
+        )
 
     def update_selection(self, alpha: float | None = None, **changes) -> None:
         """Changes the selection settings of the running engine (for sweeps).
@@ -142,6 +191,7 @@ class InfiniGenRuntime:
         return out
 
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
+        """The step's decode rows, from the dense group's metadata (cached per step)."""
         if self._plan_source is attn_metadata:
             return self._plan
         query_start = attn_metadata.query_start_loc.cpu()
@@ -165,6 +215,10 @@ class InfiniGenRuntime:
             context_slots=slots_of_positions(positions, block_table, block_size),
             num_slots=max_selected(context_host, self.config.budget, num_window),
             has_other_rows=len(context_host) < num_reqs,
+            other_rows=torch.nonzero(~is_decode).flatten().tolist(),
+            query_start=query_start.tolist(),
+            seq_lens=seq_lens.tolist(),
+            all_block_table=attn_metadata.block_table,
         )
         self._plan_source = attn_metadata
         return self._plan
@@ -178,7 +232,7 @@ class InfiniGenRuntime:
                 "input; the qkv_proj pre-hook did not run"
             )
         hidden = state.captured_input[plan.tokens]  # [B, hidden]
-        qkv, _ = target.qkv_proj(hidden)
+        qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
         q_size = target.num_heads * target.head_size
         kv_size = target.num_kv_heads * target.head_size
         query = qkv[:, :q_size]
@@ -232,12 +286,50 @@ class InfiniGenRuntime:
         return out
 
 
+    def attend_pool(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
+                    output: torch.Tensor, block_size: int) -> None:
+        """Dense causal attention of a sparse layer's non-decode rows, over the pool.
+
+        query: [T, H_q, D]; output: [T, H_q, D], written in place.
+        """
+        group = state.num_heads // state.num_kv_heads
+        for row in plan.other_rows:
+            start, end = plan.query_start[row], plan.query_start[row + 1]
+            seq_len = plan.seq_lens[row]
+            if end == start:
+                continue
+            positions = torch.arange(seq_len, device=query.device)[None]
+            slots = slots_of_positions(positions, plan.all_block_table[row : row + 1],
+                                       block_size)[0]
+            # keys, values: [H_q, L, D], each KV head repeated for its group.
+            keys = state.key_store[slots].transpose(0, 1).repeat_interleave(group, 0)
+            values = state.value_store[slots].transpose(0, 1).repeat_interleave(group, 0)
+            first = seq_len - (end - start)  # position of the first query row
+            causal = (torch.arange(seq_len, device=query.device)[None, :]
+                      <= first + torch.arange(end - start, device=query.device)[:, None])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query[start:end].transpose(0, 1).float(), keys.float(), values.float(),
+                attn_mask=causal, scale=state.scale,
+            )
+            output[start:end] = out.transpose(0, 1).to(output.dtype)
+
+
 class InfiniGenImplMixin:
     """Mixed into a layer's attention impl class; runs InfiniGen around it.
 
     ``install`` adds the instance attributes ``infinigen_runtime`` and
-    ``infinigen_layer``.
+    ``infinigen_layer``. Dense layers run the platform kernel; sparse layers
+    never touch vLLM's cache (their KV-cache group has no blocks).
     """
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        state = self.infinigen_layer
+        if not state.sparse:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        context = get_forward_context()
+        slots = context.slot_mapping[self.infinigen_runtime.reference_layer]
+        num_tokens = slots.shape[0]
+        state.write(key[:num_tokens], value[:num_tokens], slots)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -245,24 +337,21 @@ class InfiniGenImplMixin:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
         runtime, state = self.infinigen_runtime, self.infinigen_layer
-        num_tokens = attn_metadata.num_actual_tokens
         block_size = kv_cache.shape[2]
-        if state.sparse:
-            if state.key_store is None:
-                state.allocate(kv_cache.shape[0] * block_size, key.dtype, key.device)
-            state.write(key[:num_tokens], value[:num_tokens],
-                        attn_metadata.slot_mapping[:num_tokens])
-        plan = runtime.plan_for(attn_metadata, block_size)
+        dense_metadata = get_forward_context().attn_metadata[runtime.reference_layer]
+        plan = runtime.plan_for(dense_metadata, block_size)
         if state.next is not None and plan.num_decodes:
             runtime.speculate(state, plan)
         state.captured_input = None
-        if not (state.sparse and plan.num_decodes):
+        if not state.sparse:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
         if plan.has_other_rows:
-            super().forward(layer, query, key, value, kv_cache, attn_metadata,
-                            output, output_scale, output_block_scale)
-        output[plan.tokens] = runtime.attend_sparse(state, plan, query, key, value, block_size)
+            runtime.attend_pool(state, plan, query, output, block_size)
+        if plan.num_decodes:
+            output[plan.tokens] = runtime.attend_sparse(
+                state, plan, query, key, value, block_size
+            )
         return output
 
 
@@ -292,9 +381,12 @@ def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
         state.skew = skew[idx].to(device)
         layers.append(state)
     runtime = InfiniGenRuntime(config, alpha, layers, device)
+    runtime.reference_layer = by_index[0][1]  # layer 0 is always dense
     for idx, name in by_index:
         state = layers[idx]
         impl = attention[name].impl
+        if state.sparse:
+            attention[name].get_kv_cache_spec = _sparse_spec_getter(attention[name])
         if idx + 1 < len(layers) and layers[idx + 1].sparse:
             state.next = layers[idx + 1]
             if state.next.qkv_proj is None or state.qkv_proj is None:
@@ -316,3 +408,14 @@ def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
         alpha, config.budget, skew[0].shape[-1], layers[0].head_size,
     )
     return runtime
+
+
+def _sparse_spec_getter(attn: torch.nn.Module):
+    """The layer's ``get_kv_cache_spec``, returning the pool-backed sparse spec."""
+    original = attn.get_kv_cache_spec
+
+    def get_kv_cache_spec(vllm_config):
+        spec = original(vllm_config)
+        return None if spec is None else InfiniGenSparseSpec.of(spec)
+
+    return get_kv_cache_spec

@@ -64,6 +64,21 @@ def partial_rank(head_dim: int, partial_ratio: float) -> int:
     return max(1, int(head_dim * partial_ratio))
 
 
+def local_model_dir(model: str) -> str:
+    """A local directory for ``model`` (a path, or a snapshot in the HF cache)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception as e:
+        raise ValueError(
+            f"--kv-manager infinigen needs the model files on disk; {model!r} is "
+            f"neither a directory nor in the local Hugging Face cache ({e})"
+        ) from e
+
+
 def model_fingerprint(model_dir: str) -> str:
     """Identifies a checkpoint: its shape-defining config and weight bytes.
 
@@ -137,8 +152,13 @@ def compute_skew_tables(
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def capture(module, query, key, value, attention_mask, **kwargs):
-        # query: [1, H_q, T, D] and key: [1, H_kv, T, D], after RoPE.
-        captured[module.layer_idx] = (query[0].detach(), key[0].detach())
+        # query: [1, H_q, T, D] and key: [1, H_kv, T, D], after RoPE. OPT
+        # scales its queries before this call (and passes scaling 1.0): undo
+        # it, so that |qV| and |kV| weigh alike for every model family.
+        queries = query[0].detach()
+        if kwargs.get("scaling") == 1.0 and getattr(module, "scaling", 1.0) != 1.0:
+            queries = queries / module.scaling
+        captured[module.layer_idx] = (queries, key[0].detach())
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("infinigen_calibration", capture)

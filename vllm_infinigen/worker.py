@@ -10,7 +10,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_infinigen.config import infinigen_config_of
 from vllm_infinigen.runtime import InfiniGenRuntime, install
-from vllm_infinigen.skewing import load_skew_tables, model_fingerprint
+from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
 
 logger = init_logger(__name__)
 
@@ -33,7 +33,7 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device) -> 
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     tables = load_skew_tables(
         config.skew_file,
-        fingerprint=model_fingerprint(model_config.model),
+        fingerprint=model_fingerprint(local_model_dir(model_config.model)),
         partial_ratio=config.partial_ratio,
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=num_kv_heads,
@@ -62,8 +62,39 @@ class InfiniGenCPUWorker(CPUWorker):
         """
         self.infinigen_runtime.update_selection(**changes)
 
-    def initialize_from_config(self, *args, **kwargs) -> None:
-        super().initialize_from_config(*args, **kwargs)
+    def determine_available_memory(self) -> int:
+        """vLLM's KV space, less the partial keys that InfiniGen keeps beside it.
+
+        The partial keys of every sparse layer cover every token of the dense
+        group; per block id vLLM stores one page per layer of a group
+        (``group_size`` pages, as ``kv_cache_utils`` groups the layers).
+        """
+        available = super().determine_available_memory()
+        runtime = self.infinigen_runtime
+        sparse = [s for s in runtime.layers if s.sparse]
+        if not sparse:
+            return available
+        dtype = self.model_config.dtype
+        block_size = self.cache_config.block_size
+        num_dense = len(runtime.layers) - len(sparse)
+        group_size = min(num_dense, len(sparse))
+        if max(num_dense, len(sparse)) < 1.5 * group_size:
+            group_size = max(num_dense, len(sparse))
+        page = block_size * sparse[0].pool_bytes_per_token(dtype)
+        partial = block_size * sum(s.partial_bytes_per_token(dtype) for s in sparse)
+        kv_space = available * (group_size * page) // (group_size * page + partial)
+        logger.info(
+            "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per "
+            "block id) + %.3f GiB partial keys",
+            available / 2**30, kv_space / 2**30, group_size, (available - kv_space) / 2**30,
+        )
+        return int(kv_space)
+
+    def initialize_from_config(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_from_config(kv_cache_config, *args, **kwargs)
+        self.infinigen_runtime.allocate_pool(
+            kv_cache_config.num_blocks, self.cache_config.block_size, self.model_config.dtype
+        )
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if not has_kv_transfer_group():

@@ -10,7 +10,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from vllm.config import VllmConfig
 from vllm.v1.metrics import reader
 
-from vllm_infinigen.metrics import COUNTERS, InfiniGenPromMetrics, InfiniGenStats, summarize
+from vllm_infinigen.metrics import (
+    COUNTERS,
+    GAUGES,
+    InfiniGenPromMetrics,
+    InfiniGenStats,
+    summarize,
+)
 
 LABELNAMES = ["model_name", "engine"]
 PER_ENGINE = {0: ["tiny", "0"], 1: ["tiny", "1"]}
@@ -114,7 +120,7 @@ def test_observe_ignores_unknown_counters(prom, registry):
     prom.observe({"something_else.2": 3, "selected_tokens.5": 2})
     assert sample(registry, "selected_tokens", "5") == 2.0
     names = {metric.name for metric in registry.collect()}
-    assert names == {f"vllm:infinigen_{name}" for name in COUNTERS}
+    assert names == {f"vllm:infinigen_{name}" for name in [*COUNTERS, *GAUGES]}
 
 
 def test_metrics_stay_out_of_the_global_registry(prom):
@@ -144,3 +150,11 @@ def test_summarize():
         "candidate_tokens": {"2": 40},
     }
     assert summarize([]) == {}
+
+
+def test_gauges_are_not_empty_at_zero_and_keep_their_value():
+    stats = InfiniGenStats(data={"pool_used_bytes": 0, "device_blocks": 0})
+    assert not stats.is_empty()
+    stats.aggregate(InfiniGenStats(data={"selected_tokens.2": 5}))
+    assert stats.reduce()["pool_used_bytes"] == 0
+    assert stats.reduce()["selected_tokens"] == 5

@@ -285,3 +285,32 @@ def test_explicit_vllm_manager_keeps_config_stock(cls):
     assert cls(model="x", kv_manager="vllm").additional_config == cls(model="x").additional_config
     ns = cls.add_cli_args(FlexibleArgumentParser()).parse_args(["--kv-manager", "vllm"])
     assert cls.from_cli_args(ns).additional_config == cls(model="x").additional_config
+
+
+def test_check_engine_args_refuses_no_sparse_layer():
+    args = EngineArgs(model=STORIES_DIR, kv_manager="infinigen", infinigen_dense_layers=5)
+    with pytest.raises(ValueError, match="--infinigen-dense-layers"):
+        patch_arg_utils.check_engine_args(args)
+
+
+def test_check_engine_args_refuses_disabled_hybrid_manager():
+    args = EngineArgs(model=STORIES_DIR, disable_hybrid_kv_cache_manager=True)
+    with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
+        patch_arg_utils.check_engine_args(args)
+
+
+def test_qwen2_checkpoint_with_window_off_is_accepted(tmp_path):
+    config = json.loads((Path(STORIES_DIR) / "config.json").read_text())
+    config.update(model_type="qwen2", sliding_window=32768, use_sliding_window=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert patch_arg_utils.check_engine_args(EngineArgs(model=str(tmp_path))) is None
+    config["use_sliding_window"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="sliding-window"):
+        patch_arg_utils.check_engine_args(EngineArgs(model=str(tmp_path)))
+
+
+def test_non_dict_additional_config_is_stock():
+    from vllm_infinigen.config import kv_manager_of
+
+    assert kv_manager_of(object()) == "vllm"

@@ -19,6 +19,7 @@ from vllm_infinigen.config import (
     InfiniGenConfig,
     infinigen_config_of,
 )
+from vllm_infinigen.skewing import local_model_dir
 
 logger = init_logger(__name__)
 
@@ -199,23 +200,16 @@ def check_engine_args(args: EngineArgs) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         refuse(f"model type {model_type!r} is not supported; supported: "
                f"{list(SUPPORTED_MODEL_TYPES)}")
-    if hf_config.get("sliding_window") and model_type != "opt":
+    uses_window = hf_config.get("sliding_window") and hf_config.get("use_sliding_window", True)
+    if uses_window and model_type != "opt":
         refuse("sliding-window attention models are not supported")
-
-
-def local_model_dir(model: str) -> str:
-    """A local directory for ``model`` (a path, or a snapshot in the HF cache)."""
-    if os.path.isdir(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, local_files_only=True)
-    except Exception as e:
-        raise ValueError(
-            f"--kv-manager infinigen needs the model files on disk; {model!r} is "
-            f"neither a directory nor in the local Hugging Face cache ({e})"
-        ) from e
+    config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
+    if config.dense_layers >= hf_config["num_hidden_layers"]:
+        refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
+               f"in a {hf_config['num_hidden_layers']}-layer model")
+    if getattr(args, "disable_hybrid_kv_cache_manager", None):
+        refuse("InfiniGen's sparse layers need vLLM's hybrid KV-cache manager; "
+               "remove --disable-hybrid-kv-cache-manager")
 
 
 def _read_hf_config(model_dir: str) -> dict[str, Any]:
