@@ -23,7 +23,9 @@ FLAG_OF_FIELD = {
     "dense_layers": "--infinigen-dense-layers",
     "sink_tokens": "--infinigen-sink-tokens",
     "recent_tokens": "--infinigen-recent-tokens",
+    "transfer": "--infinigen-transfer",
 }
+TRANSFERS = ("auto", "in-place", "copy")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class InfiniGenConfig:
             paper keeps none).
         recent_tokens: Last tokens of the context always attended, besides the
             current token, which is always attended.
+        transfer: How selected entries reach the attention: ``in-place``
+            (read from the pool; CPU, where host and device memory are one),
+            ``copy`` (staged through double buffers by a copy worker, as on a
+            GPU), or ``auto`` (in place on CPU, copy elsewhere).
     """
 
     alpha: float | None = None
@@ -56,6 +62,7 @@ class InfiniGenConfig:
     dense_layers: int = 2
     sink_tokens: int = 0
     recent_tokens: int = 0
+    transfer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not _is_number(self.alpha, positive=True):
@@ -74,6 +81,11 @@ class InfiniGenConfig:
                 raise ValueError(
                     f"{FLAG_OF_FIELD[name]} must be an integer >= 0, got {value!r}"
                 )
+        if self.transfer not in TRANSFERS:
+            raise ValueError(
+                f"{FLAG_OF_FIELD['transfer']} must be one of {list(TRANSFERS)}, "
+                f"got {self.transfer!r}"
+            )
         if self.dense_layers < 1:
             raise ValueError(
                 f"{FLAG_OF_FIELD['dense_layers']} must be >= 1: layer 0 has no "

@@ -22,6 +22,7 @@ COUNTERS = {
     "candidate_tokens": "Context tokens that dense attention would have read "
     "in the same sparse layers.",
     "swap_bytes": "Bytes of selected K/V entries moved to the attention.",
+    "swap_wait_us": "Microseconds sparse layers waited for their selected K/V.",
 }
 
 

@@ -32,8 +32,9 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.ops import capture_pre_hook
 from vllm_infinigen.selector import Selection, max_selected, select_tokens
-from vllm_infinigen.sparse_attention import attend_selected, slots_of_positions
+from vllm_infinigen.sparse_attention import attend_gathered, slots_of_positions
 from vllm_infinigen.spec import InfiniGenSparseSpec
+from vllm_infinigen.transfer import make_transfer
 
 logger = init_logger(__name__)
 
@@ -131,6 +132,9 @@ class InfiniGenRuntime:
         # counters: [num_layers, 3] selected / candidate tokens, swap bytes.
         self.counters = torch.zeros((len(layers), 3), dtype=torch.int64, device=device)
         self.reference_layer = ""  # a dense layer: its metadata indexes the pool
+        self.block_size = 0  # of the dense group, set with the pool
+        self.transfer = make_transfer(config.transfer, device)
+        self.swap_wait_us = [0] * len(layers)
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
 
@@ -149,14 +153,16 @@ class InfiniGenRuntime:
                 "--kv-cache-memory-bytes (the pool holds every token the dense "
                 "layers' blocks can hold)"
             )
+        self.block_size = block_size
         for state in sparse:
             state.allocate(tokens, dtype, self.device)
         logger.info(
             "InfiniGen: pool of %d tokens x %d sparse layers: %.3f GiB host memory; "
-            "partial keys %.3f GiB device memory",
+            "partial keys %.3f GiB device memory; transfer %s",
             tokens, len(sparse),
             tokens * sum(s.pool_bytes_per_token(dtype) for s in sparse) / 2**30,
             tokens * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
+            self.transfer.name,
         )
 
     def update_selection(self, alpha: float | None = None, **changes) -> None:
@@ -188,6 +194,8 @@ class InfiniGenRuntime:
                 out[f"selected_tokens.{state.layer_idx}"] = selected
                 out[f"candidate_tokens.{state.layer_idx}"] = candidate
                 out[f"swap_bytes.{state.layer_idx}"] = swap_bytes
+                out[f"swap_wait_us.{state.layer_idx}"] = self.swap_wait_us[state.layer_idx]
+        self.swap_wait_us = [0] * len(self.layers)
         return out
 
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
@@ -245,7 +253,7 @@ class InfiniGenRuntime:
         partial_query = torch.einsum("bhgd,hdr->bhgr", query, target.skew)
         partial_query = partial_query.reshape(query.shape[0], target.num_heads, -1)
         partial_keys = target.partial_key_cache[plan.context_slots]  # [B, N, H_kv, R]
-        target.selection = select_tokens(
+        selection = select_tokens(
             partial_query,
             partial_keys,
             plan.context_lens,
@@ -256,9 +264,12 @@ class InfiniGenRuntime:
             sink_tokens=self.config.sink_tokens,
             recent_tokens=self.config.recent_tokens,
         )
+        target.selection = selection
+        slots = slots_of_positions(selection.positions, plan.block_table, self.block_size)
+        self.transfer.start(target.layer_idx, target.key_store, target.value_store, slots)
 
     def attend_sparse(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
-                      key: torch.Tensor, value: torch.Tensor, block_size: int) -> torch.Tensor:
+                      key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Decode attention of a sparse layer; query: [T, H_q, D]. Returns [B, H_q, D]."""
         selection = state.selection
         if selection is None:
@@ -267,17 +278,10 @@ class InfiniGenRuntime:
                 f"layer {state.layer_idx - 1} did not speculate for it"
             )
         state.selection = None
-        slots = slots_of_positions(selection.positions, plan.block_table, block_size)
-        out = attend_selected(
-            query[plan.tokens],
-            state.key_store,
-            state.value_store,
-            slots,
-            selection.valid,
-            key[plan.tokens],
-            value[plan.tokens],
-            state.scale,
-        )
+        keys, values, waited = self.transfer.wait(state.layer_idx)
+        self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
+        out = attend_gathered(query[plan.tokens], keys, values, selection.valid,
+                              key[plan.tokens], value[plan.tokens], state.scale)
         selected = selection.num_selected.sum()
         entry_bytes = 2 * state.num_kv_heads * state.head_size * state.key_store.element_size()
         self.counters[state.layer_idx] += torch.stack(
@@ -350,7 +354,7 @@ class InfiniGenImplMixin:
             runtime.attend_pool(state, plan, query, output, block_size)
         if plan.num_decodes:
             output[plan.tokens] = runtime.attend_sparse(
-                state, plan, query, key, value, block_size
+                state, plan, query, key, value
             )
         return output
 

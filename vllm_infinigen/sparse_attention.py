@@ -36,7 +36,7 @@ def attend_selected(
     current_value: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of one query token per request over selected entries.
+    """Attention of one query token per request over selected pool entries.
 
     Args:
         query: [B, H_q, D] decode queries.
@@ -51,12 +51,26 @@ def attend_selected(
     Returns:
         [B, H_q, D] attention output, in the query's dtype.
     """
+    heads = torch.arange(key_store.shape[1], device=slots.device)[None, :, None]
+    return attend_gathered(query, key_store[slots, heads], value_store[slots, heads],
+                           valid, current_key, current_value, scale)
+
+
+def attend_gathered(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    current_key: torch.Tensor,
+    current_value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Like ``attend_selected``, over entries already gathered: [B, H_kv, K, D]."""
     num_reqs, num_heads, head_size = query.shape
-    num_kv_heads = key_store.shape[1]
+    num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    heads = torch.arange(num_kv_heads, device=slots.device)[None, :, None]
-    keys = torch.cat([key_store[slots, heads], current_key[:, :, None]], dim=2)
-    values = torch.cat([value_store[slots, heads], current_value[:, :, None]], dim=2)
+    keys = torch.cat([keys, current_key[:, :, None]], dim=2)
+    values = torch.cat([values, current_value[:, :, None]], dim=2)
     mask = torch.cat([valid, valid.new_ones(num_reqs, num_kv_heads, 1)], dim=2)
     # keys, values: [B, H_kv, K + 1, D]; logits: [B, H_kv, G, K + 1]
     grouped = query.float().view(num_reqs, num_kv_heads, group, head_size)

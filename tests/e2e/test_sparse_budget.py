@@ -71,3 +71,15 @@ def test_compiled_equals_eager_when_buffers_alias(tiny_models):
                     enforce_eager=eager) as llm:
             runs.append((greedy_tokens(llm, prompts, 24), summarize(llm.get_metrics())))
     assert runs[0] == runs[1]
+
+
+def test_copy_transfer_selects_and_outputs_the_same(prompts, eager_run):
+    """Staging the selected entries through the copy worker changes nothing."""
+    tokens, counters, _ = eager_run
+    with engine(str(BUNDLED_MODEL), kv_manager="infinigen", infinigen_budget=BUDGET,
+                infinigen_transfer="copy") as llm:
+        assert greedy_tokens(llm, prompts, MAX_TOKENS) == tokens
+        copied = summarize(llm.get_metrics())
+    for name in ("selected_tokens", "candidate_tokens", "swap_bytes"):
+        assert copied[name] == counters[name]
+    assert sum(copied["swap_wait_us"].values()) > 0

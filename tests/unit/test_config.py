@@ -152,3 +152,9 @@ def test_infinigen_config_of_validates():
         infinigen_config_of({"kv_manager": "infinigen", "infinigen": {"dense_layers": 0}})
     with pytest.raises(ValueError, match="--kv-manager"):
         infinigen_config_of({"kv_manager": "infinigen2"})
+
+
+def test_transfer_values():
+    assert InfiniGenConfig(transfer="copy").transfer == "copy"
+    with pytest.raises(ValueError, match="--infinigen-transfer"):
+        InfiniGenConfig(transfer="dma")

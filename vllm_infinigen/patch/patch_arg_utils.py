@@ -117,9 +117,12 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "dense_layers": f"First layers kept dense (default {defaults.dense_layers}).",
         "sink_tokens": f"First context tokens always attended (default {defaults.sink_tokens}).",
         "recent_tokens": f"Last context tokens always attended (default {defaults.recent_tokens}).",
+        "transfer": "How selected KV reaches the attention: in-place (CPU: read "
+        "from the pool), copy (staged by a copy worker), auto (default).",
     }
     types = {"alpha": float, "partial_ratio": float, "budget": float,
-             "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int}
+             "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int,
+             "transfer": str}
     for field, flag in FLAG_OF_FIELD.items():
         group.add_argument(flag, type=types[field], default=None, help=helps[field])
     return parser
