@@ -20,7 +20,7 @@ def test_defaults():
     config = InfiniGenConfig()
     assert config.to_dict() == {
         "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "skew_file": None,
-        "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0,
+        "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 

@@ -34,6 +34,7 @@ def test_reduce_exact():
         "selected_tokens": 16,
         "candidate_tokens": 80,
         "swap_bytes": 2048,
+        "swap_wait_us": 0,
         "selected_fraction": 0.2,
     }
 
