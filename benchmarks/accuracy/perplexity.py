@@ -12,12 +12,18 @@ Example::
     python benchmarks/accuracy/perplexity.py --kv-manager vllm infinigen --budget 0.2
 
 Several ``--kv-manager`` values run one after the other, one engine at a time.
+InfiniGen sweeps every combination of ``--budget``, ``--sink-tokens`` and
+``--recent-tokens`` on one engine, switching with ``set_infinigen_selection``::
+
+    python benchmarks/accuracy/perplexity.py --kv-manager infinigen \
+        --budget 0.05 0.2 --sink-tokens 0 4 --recent-tokens 0 16
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import sys
@@ -71,17 +77,62 @@ def cut_windows(
     return windows
 
 
+def selection_settings(args: argparse.Namespace) -> list[dict]:
+    """Every (budget, sink, recent) combination, in command-line order."""
+    return [
+        {"budget": budget, "sink_tokens": sink, "recent_tokens": recent}
+        for budget, sink, recent in itertools.product(
+            args.budget, args.sink_tokens, args.recent_tokens)
+    ]
+
+
+def _counts(llm) -> tuple[float, float]:
+    """(selected, candidate) tokens so far, summed over the sparse layers."""
+    from vllm_infinigen.metrics import summarize
+
+    counters = summarize(llm.get_metrics())
+    return (sum(counters.get("selected_tokens", {}).values()),
+            sum(counters.get("candidate_tokens", {}).values()))
+
+
+def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
+          selection: dict | None, alpha: float | None) -> dict:
+    """Scores every window in one batched call; counters of this call alone."""
+    selected_before, candidates_before = _counts(llm)
+    start = time.perf_counter()
+    scores = score_continuations(llm, *zip(*windows))
+    elapsed = time.perf_counter() - start
+    selected, candidates = _counts(llm)
+    selected, candidates = selected - selected_before, candidates - candidates_before
+    logprobs = [logprob for window in scores for logprob in window]
+    return {
+        "kv_manager": kv_manager,
+        "budget": None, "sink_tokens": None, "recent_tokens": None,
+        **(selection or {}),
+        "alpha": alpha,
+        "num_windows": len(windows),
+        "num_scored_tokens": len(logprobs),
+        "mean_nll": -sum(logprobs) / len(logprobs),
+        "perplexity": perplexity(logprobs),
+        "selected_fraction": selected / candidates if candidates else None,
+        "score_seconds": elapsed,
+        "window_logprobs": scores,
+    }
+
+
 def run_engine(args: argparse.Namespace, kv_manager: str,
-               windows: list[tuple[list[int], list[int]]]) -> dict:
-    """Starts one engine, scores every window in one batched call, shuts it down."""
+               windows: list[tuple[list[int], list[int]]]) -> list[dict]:
+    """Starts one engine, scores every window per selection setting, shuts it down.
+
+    Dense vLLM scores once; InfiniGen scores once per ``selection_settings``,
+    changed on the running engine.
+    """
     import vllm_infinigen  # noqa: F401  (adds the kv_manager keyword)
     from vllm import LLM
 
-    from vllm_infinigen.metrics import summarize
-
     infinigen = {}
     if kv_manager == "infinigen":
-        infinigen = {"infinigen_budget": args.budget, "infinigen_alpha": args.alpha}
+        infinigen = {"infinigen_budget": args.budget[0], "infinigen_alpha": args.alpha}
     llm = LLM(
         model=args.model,
         kv_manager=kv_manager,
@@ -95,42 +146,35 @@ def run_engine(args: argparse.Namespace, kv_manager: str,
         seed=0,
     )
     try:
-        start = time.perf_counter()
-        scores = score_continuations(llm, *zip(*windows))
-        elapsed = time.perf_counter() - start
-        counters = summarize(llm.get_metrics())
+        if kv_manager != "infinigen":
+            return [score(llm, windows, kv_manager, None, None)]
+        results = []
+        for selection in selection_settings(args):
+            changes = selection if args.alpha is None else {**selection, "alpha": args.alpha}
+            llm.collective_rpc("set_infinigen_selection", kwargs=changes)
+            results.append(score(llm, windows, kv_manager, selection, args.alpha))
+        return results
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    logprobs = [logprob for window in scores for logprob in window]
-    selected = sum(counters.get("selected_tokens", {}).values())
-    candidates = sum(counters.get("candidate_tokens", {}).values())
-    return {
-        "kv_manager": kv_manager,
-        "budget": args.budget if kv_manager == "infinigen" else None,
-        "alpha": args.alpha if kv_manager == "infinigen" else None,
-        "num_windows": len(windows),
-        "num_scored_tokens": len(logprobs),
-        "mean_nll": -sum(logprobs) / len(logprobs),
-        "perplexity": perplexity(logprobs),
-        "selected_fraction": selected / candidates if candidates else None,
-        "score_seconds": elapsed,
-        "window_logprobs": scores,
-    }
 
 
-def print_table(results: list[dict]) -> None:
-    dense = next((r for r in results if r["kv_manager"] == "vllm"), None)
-    print(f"{'kv_manager':>10} {'budget':>6} {'windows':>7} {'tokens':>6} "
-          f"{'mean_nll':>8} {'ppl':>7} {'d_nll':>7} {'selected':>8} {'seconds':>7}")
+def markdown_table(results: list[dict]) -> str:
+    """mode | budget | sink | recent | NLL | perplexity | selected fraction."""
+    def cell(value, spec: str = "") -> str:
+        return "" if value is None else format(value, spec)
+
+    lines = ["| mode | budget | sink | recent | NLL (nats/token) | perplexity "
+             "| selected fraction |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
-        d_nll = "" if dense is None else f"{r['mean_nll'] - dense['mean_nll']:+.4f}"
-        budget = "" if r["budget"] is None else f"{r['budget']:g}"
-        fraction = "" if r["selected_fraction"] is None else f"{r['selected_fraction']:.3f}"
-        print(f"{r['kv_manager']:>10} {budget:>6} {r['num_windows']:>7} "
-              f"{r['num_scored_tokens']:>6} {r['mean_nll']:>8.4f} {r['perplexity']:>7.3f} "
-              f"{d_nll:>7} {fraction:>8} {r['score_seconds']:>7.1f}")
+        lines.append(
+            f"| {r['kv_manager']} | {cell(r['budget'], 'g')} | {cell(r['sink_tokens'])} "
+            f"| {cell(r['recent_tokens'])} | {r['mean_nll']:.4f} | {r['perplexity']:.3f} "
+            f"| {cell(r['selected_fraction'], '.3f')} |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,9 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-manager", nargs="+", required=True,
                         choices=["vllm", "infinigen"],
                         help="one or more, run one after the other")
-    parser.add_argument("--budget", type=float, default=0.2, help="InfiniGen budget")
+    parser.add_argument("--budget", type=float, nargs="+", default=[0.2],
+                        help="InfiniGen budget(s)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="InfiniGen alpha (default: the paper's value)")
+    parser.add_argument("--sink-tokens", type=int, nargs="+", default=[0],
+                        help="InfiniGen sink window(s): first tokens always attended")
+    parser.add_argument("--recent-tokens", type=int, nargs="+", default=[0],
+                        help="InfiniGen recent window(s): last tokens always attended")
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="P: dense-prefill tokens per window")
     parser.add_argument("--score-tokens", type=int, default=400,
@@ -159,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skipped: default input {path} is absent", file=sys.stderr)
                 return 0
             parser.error(f"no such file or directory: {path}")
+    if not all(0 < budget <= 1 for budget in args.budget):
+        parser.error("--budget values must be in (0, 1]")
+    if min(args.sink_tokens + args.recent_tokens) < 0:
+        parser.error("--sink-tokens and --recent-tokens must be >= 0")
     if args.prompt_tokens < 1 or args.score_tokens < 1:
         parser.error("--prompt-tokens and --score-tokens must be >= 1")
     if args.prompt_tokens + args.score_tokens > args.max_model_len:
@@ -171,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
 
-    results = [run_engine(args, kv_manager, windows) for kv_manager in args.kv_manager]
+    results = [result for kv_manager in args.kv_manager
+               for result in run_engine(args, kv_manager, windows)]
     print(f"\n{args.text}: {len(windows)} window(s) of {args.prompt_tokens} prompt + "
-          f"{args.score_tokens} scored tokens, model {args.model}")
-    print_table(results)
+          f"{args.score_tokens} scored tokens, model {args.model}\n")
+    print(markdown_table(results))
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         Path(args.json).write_text(json.dumps({"settings": settings, "results": results}))

@@ -49,7 +49,8 @@ def run_all(llm) -> dict:
                 outputs[out.request_id] = len(out.outputs[0].token_ids)
         max_running = max(max_running, _metric(llm, "vllm:num_requests_running"))
     return {"max_running": max_running, "outputs": outputs,
-            "preemptions": _metric(llm, "vllm:num_preemptions")}
+            "preemptions": _metric(llm, "vllm:num_preemptions"),
+            "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,17 @@ def runs(deep_model) -> dict:
     with engine(deep_model, kv_manager="infinigen", infinigen_budget=0.2, **common) as llm:
         ours = run_all(llm)
     return {"stock": stock, "infinigen": ours}
+
+
+def test_block_counts_follow_the_footprint_arithmetic(runs):
+    # Stock: 16 layers x 128 tokens x 256 B = 512 KiB per block id.
+    assert runs["stock"]["num_blocks"] == KV_SPACE // (16 * 128 * 256)
+    # InfiniGen: 2 dense pages (64 KiB) per block id, plus the partial keys of
+    # 14 sparse layers for its 128 tokens (14 x 128 x 6 x 4 B = 42 KiB).
+    expected = KV_SPACE * 65536 // (65536 + 14 * 128 * 24) // 65536
+    assert abs(runs["infinigen"]["num_blocks"] - expected) <= 1
+    blocks_per_request = (PROMPT_TOKENS + OUTPUT_TOKENS) // 128
+    assert runs["infinigen"]["num_blocks"] // blocks_per_request >= 3 * STOCK_CAPACITY
 
 
 def test_stock_holds_only_n(runs):
