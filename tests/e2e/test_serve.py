@@ -117,3 +117,48 @@ def test_metrics_exported(client, server):
     for layer, candidates in values["candidate_tokens"].items():
         assert 0 < values["selected_tokens"][layer] <= 0.2 * candidates
         assert values["swap_bytes"][layer] > 0
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "Once upon a time " * 400, "max_tokens": 4},  # longer than the model
+    {"prompt": "Once upon a time", "max_tokens": 4096},  # beyond max_model_len
+    {"prompt": "", "max_tokens": 4},
+])
+def test_bad_requests_get_400_and_serving_goes_on(server, client, body):
+    response = requests.post(f"{server}/v1/completions", json={"model": "tiny", **body},
+                             timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json().get("error", {}).get("message")
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4,
+                                    temperature=0.0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+
+
+def _start_error(tmp_path, skew_file: str) -> str:
+    proc = subprocess.run(
+        [VLLM, "serve", str(BUNDLED_MODEL), "--kv-manager", "infinigen",
+         "--infinigen-skew-file", skew_file, *COMMON_FLAGS],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode != 0
+    return proc.stdout + proc.stderr
+
+
+def test_corrupt_skew_file_stops_start_up_naming_it(tmp_path):
+    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+
+    good = tmp_path / "good.safetensors"
+    save_skew_tables(compute_skew_tables(str(BUNDLED_MODEL), 0.2), str(good))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    output = _start_error(tmp_path, str(truncated))
+    assert "--infinigen-skew-file" in output and str(truncated) in output
+
+
+def test_skew_file_of_another_model_stops_start_up(tmp_path, tiny_models):
+    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+
+    other = tmp_path / "other.safetensors"
+    save_skew_tables(compute_skew_tables(tiny_models["llama-gqa"], 0.2), str(other))
+    output = _start_error(tmp_path, str(other))
+    assert "written for another model" in output and str(other) in output
