@@ -41,8 +41,9 @@ class InfiniGenStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Counters add up (ranks, steps); a gauge keeps its latest value."""
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:

@@ -159,3 +159,9 @@ def test_gauges_are_not_empty_at_zero_and_keep_their_value():
     stats.aggregate(InfiniGenStats(data={"selected_tokens.2": 5}))
     assert stats.reduce()["pool_used_bytes"] == 0
     assert stats.reduce()["selected_tokens"] == 5
+
+
+def test_aggregate_keeps_the_latest_gauge():
+    stats = InfiniGenStats(data={"pool_capacity_bytes": 100, "selected_tokens.2": 1})
+    stats.aggregate(InfiniGenStats(data={"pool_capacity_bytes": 100, "selected_tokens.2": 2}))
+    assert stats.data == {"pool_capacity_bytes": 100, "selected_tokens.2": 3}
