@@ -5,9 +5,10 @@ python benchmarks/perf/decode_latency.py [--model DIR] [--contexts 256 512 1024 
     [--batch-sizes 1 4] [--budget 0.2] [--out benchmarks/results/decode_latency]
 
 Each configuration (stock vLLM, InfiniGen with the in-place transfer, InfiniGen
-with the copy transfer) gets one engine; for every (context, batch) it times a
-1-token generation (prefill) and a 1+N-token one, so that
-decode time per token = (t(1+N) - t(1)) / N. KV bytes read per decode step are
+with the copy transfer) gets one engine, prefix caching off; for every
+(context, batch) it generates 1+N tokens per request and reads the engine's own
+timestamps: decode time per token = (last token - first token) / N, averaged
+over the batch. KV bytes read per decode step are
 computed from the model shape (dense) and from InfiniGen's counters (selected
 K/V + partial keys of every context token + the dense layers' full KV).
 """
@@ -21,7 +22,6 @@ import os
 import platform
 import random
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,13 +43,16 @@ def model_shape(model_dir: Path) -> dict:
     }
 
 
-def timed_generate(llm, prompts, max_tokens: int) -> float:
+def timed_generate(llm, prompts, max_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds per token), from the engine's timestamps."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = [out.metrics for out in outputs]
+    prefill = max(s.first_token_ts for s in stats) - min(s.scheduled_ts for s in stats)
+    decode = sum((s.last_token_ts - s.first_token_ts) / (max_tokens - 1) for s in stats)
+    return prefill, decode / len(stats)
 
 
 def run_config(name: str, model: Path, args) -> list[dict]:
@@ -64,23 +67,22 @@ def run_config(name: str, model: Path, args) -> list[dict]:
         extra["infinigen_budget"] = args.budget
     llm = LLM(model=str(model), dtype="float32", max_model_len=args.max_model_len,
               kv_cache_memory_bytes=args.kv_cache_bytes, seed=0,
-              disable_log_stats=False, **extra)
+              enable_prefix_caching=False, disable_log_stats=False, **extra)
     rng = random.Random(0)
     rows = []
     try:
-        timed_generate(llm, [{"prompt_token_ids": [1, 5, 6]}], 4)  # warm-up
+        timed_generate(llm, [{"prompt_token_ids": [1, 5, 6]}], 8)  # warm-up
         for context in args.contexts:
             for batch in args.batch_sizes:
                 prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(context)]}
                            for _ in range(batch)]
                 before = summarize(llm.get_metrics())
-                prefill = timed_generate(llm, prompts, 1)
-                total = timed_generate(llm, prompts, 1 + args.decode_tokens)
+                prefill, decode = timed_generate(llm, prompts, 1 + args.decode_tokens)
                 after = summarize(llm.get_metrics())
                 counters = {key: sum(after.get(key, {}).values())
                             - sum(before.get(key, {}).values())
                             for key in ("selected_tokens", "candidate_tokens", "swap_bytes")}
-                rows.append(measure_row(name, context, batch, prefill, total, counters,
+                rows.append(measure_row(name, context, batch, prefill, decode, counters,
                                         shape, args))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -90,15 +92,14 @@ def run_config(name: str, model: Path, args) -> list[dict]:
     return rows
 
 
-def measure_row(name, context, batch, prefill, total, counters, shape, args) -> dict:
-    steps = args.decode_tokens * batch  # decode rows over the second call
+def measure_row(name, context, batch, prefill, decode, counters, shape, args) -> dict:
+    steps = args.decode_tokens * batch  # decode rows
     kv_token_layer = 2 * shape["kv_heads"] * shape["head_dim"] * 4  # fp32 K+V
     dense_bytes = kv_token_layer * shape["layers"] * (context + args.decode_tokens / 2)
     row = {"config": name, "context": context, "batch": batch,
-           "decode_ms_per_token": 1000 * (total - prefill) / args.decode_tokens,
+           "decode_ms_per_token": 1000 * decode,
            "prefill_s": prefill, "dense_kv_bytes_per_row": dense_bytes}
     if counters["candidate_tokens"]:
-        # Counters cover both calls: the first adds 0 decode rows (1 token).
         sparse_layers = shape["layers"] - 2
         rank = max(1, int(shape["head_dim"] * 0.2))
         partial = counters["candidate_tokens"] * shape["kv_heads"] * rank * 4
