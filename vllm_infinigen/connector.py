@@ -78,7 +78,11 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         block_pool = manager.block_pool
         total = block_pool.num_gpu_blocks - 1  # the null block
-        used = total - block_pool.get_num_free_blocks()
+        # Group 0 holds the dense layers (layer 0 first): its blocks are the
+        # pool's slots, and the only device blocks InfiniGen requests hold.
+        dense = manager.coordinator.single_type_managers[0]
+        used = sum(sum(not block.is_null for block in blocks)
+                   for blocks in dense.req_to_blocks.values())
         block_bytes = self._vllm_config.cache_config.block_size * self._pool_bytes_per_token
         return InfiniGenStats(data={
             "pool_used_bytes": used * block_bytes,

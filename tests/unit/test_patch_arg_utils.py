@@ -314,3 +314,12 @@ def test_non_dict_additional_config_is_stock():
     from vllm_infinigen.config import kv_manager_of
 
     assert kv_manager_of(object()) == "vllm"
+
+
+def test_check_engine_args_refuses_split_dense_groups_and_block_override():
+    args = EngineArgs(model=STORIES_DIR, kv_manager="infinigen", infinigen_dense_layers=4)
+    with pytest.raises(ValueError, match="--infinigen-dense-layers 4"):
+        patch_arg_utils.check_engine_args(args)
+    args = EngineArgs(model=STORIES_DIR, num_gpu_blocks_override=100)
+    with pytest.raises(ValueError, match="--num-gpu-blocks-override"):
+        patch_arg_utils.check_engine_args(args)

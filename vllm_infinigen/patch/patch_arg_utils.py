@@ -210,6 +210,16 @@ def check_engine_args(args: EngineArgs) -> None:
     if config.dense_layers >= hf_config["num_hidden_layers"]:
         refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
                f"in a {hf_config['num_hidden_layers']}-layer model")
+    num_sparse = hf_config["num_hidden_layers"] - config.dense_layers
+    if config.dense_layers > num_sparse and config.dense_layers >= 1.5 * num_sparse:
+        # vLLM would split the dense layers over several KV-cache groups; the
+        # pool follows the slots of the first one only.
+        refuse(f"--infinigen-dense-layers {config.dense_layers} would split the dense "
+               f"layers over several KV-cache groups; use at most "
+               f"{hf_config['num_hidden_layers'] // 2}")
+    if getattr(args, "num_gpu_blocks_override", None):
+        refuse("--num-gpu-blocks-override would size the cache past the KV space "
+               "that InfiniGen shares with its partial keys; remove it")
     if getattr(args, "disable_hybrid_kv_cache_manager", None):
         refuse("InfiniGen's sparse layers need vLLM's hybrid KV-cache manager; "
                "remove --disable-hybrid-kv-cache-manager")
