@@ -43,9 +43,6 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Pool memory: pinned host memory where a CUDA device copies from it."""
     return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
-# Counters per layer, columns of InfiniGenRuntime.counters.
-SELECTED, CANDIDATE, SWAP_BYTES = 0, 1, 2
-
 
 @dataclass
 class StepPlan:
@@ -57,11 +54,15 @@ class StepPlan:
     block_table: torch.Tensor  # [B, max_blocks]
     context_slots: torch.Tensor  # [B, N] slot of every context position
     num_slots: int  # K of the selections this step
-    has_other_rows: bool  # prefill rows present
     other_rows: list[int]  # request index of every non-decode row
     query_start: list[int]  # [num_reqs + 1] host copy of query_start_loc
     seq_lens: list[int]  # [num_reqs] host copy
     all_block_table: torch.Tensor  # [num_reqs, max_blocks] dense group
+
+    @property
+    def has_other_rows(self) -> bool:
+        """Prefill (or chunked-prefill) rows are present."""
+        return bool(self.other_rows)
 
     @property
     def num_decodes(self) -> int:
@@ -160,7 +161,7 @@ class InfiniGenRuntime:
             "InfiniGen: pool of %d tokens x %d sparse layers: %.3f GiB host memory; "
             "partial keys %.3f GiB device memory; transfer %s",
             tokens, len(sparse),
-            tokens * sum(s.pool_bytes_per_token(dtype) for s in sparse) / 2**30,
+            pool_bytes / 2**30,
             tokens * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
             self.transfer.name,
         )
@@ -222,7 +223,6 @@ class InfiniGenRuntime:
             block_table=block_table,
             context_slots=slots_of_positions(positions, block_table, block_size),
             num_slots=max_selected(context_host, self.config.budget, num_window),
-            has_other_rows=len(context_host) < num_reqs,
             other_rows=torch.nonzero(~is_decode).flatten().tolist(),
             query_start=query_start.tolist(),
             seq_lens=seq_lens.tolist(),

@@ -26,6 +26,18 @@ def slots_of_positions(
     return (block_ids * block_size + flat % block_size).view_as(positions)
 
 
+def gather_selected(key_store: torch.Tensor, value_store: torch.Tensor,
+                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected entries of one layer: [B, H_kv, K, D] keys and values.
+
+    Args:
+        key_store: [S, H_kv, D] pool keys; value_store likewise.
+        slots: [B, H_kv, K] pool slot of each selected entry, per KV head.
+    """
+    heads = torch.arange(key_store.shape[1], device=slots.device)[None, :, None]
+    return key_store[slots, heads], value_store[slots, heads]
+
+
 def attend_selected(
     query: torch.Tensor,
     key_store: torch.Tensor,
@@ -51,8 +63,7 @@ def attend_selected(
     Returns:
         [B, H_q, D] attention output, in the query's dtype.
     """
-    heads = torch.arange(key_store.shape[1], device=slots.device)[None, :, None]
-    return attend_gathered(query, key_store[slots, heads], value_store[slots, heads],
+    return attend_gathered(query, *gather_selected(key_store, value_store, slots),
                            valid, current_key, current_value, scale)
 
 

@@ -24,17 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-
-def gather_selected(key_store: torch.Tensor, value_store: torch.Tensor,
-                    slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selected entries of one layer: [B, H_kv, K, D] keys and values.
-
-    Args:
-        key_store: [S, H_kv, D] pool keys; value_store likewise.
-        slots: [B, H_kv, K] pool slot of each selected entry, per KV head.
-    """
-    heads = torch.arange(key_store.shape[1], device=slots.device)[None, :, None]
-    return key_store[slots, heads], value_store[slots, heads]
+from vllm_infinigen.sparse_attention import gather_selected
 
 
 class InPlaceTransfer:

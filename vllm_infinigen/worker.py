@@ -11,6 +11,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_infinigen.config import infinigen_config_of
 from vllm_infinigen.runtime import InfiniGenRuntime, install
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
+from vllm_infinigen.spec import kv_cache_group_size
 
 logger = init_logger(__name__)
 
@@ -67,7 +68,7 @@ class InfiniGenCPUWorker(CPUWorker):
 
         The partial keys of every sparse layer cover every token of the dense
         group; per block id vLLM stores one page per layer of a group
-        (``group_size`` pages, as ``kv_cache_utils`` groups the layers).
+        (``group_size`` pages, see ``kv_cache_group_size``).
         """
         available = super().determine_available_memory()
         runtime = self.infinigen_runtime
@@ -77,9 +78,7 @@ class InfiniGenCPUWorker(CPUWorker):
         dtype = self.model_config.dtype
         block_size = self.cache_config.block_size
         num_dense = len(runtime.layers) - len(sparse)
-        group_size = min(num_dense, len(sparse))
-        if max(num_dense, len(sparse)) < 1.5 * group_size:
-            group_size = max(num_dense, len(sparse))
+        group_size = kv_cache_group_size(num_dense, len(sparse))
         page = block_size * sparse[0].pool_bytes_per_token(dtype)
         partial = block_size * sum(s.partial_bytes_per_token(dtype) for s in sparse)
         kv_space = available * (group_size * page) // (group_size * page + partial)

@@ -323,3 +323,24 @@ def test_check_engine_args_refuses_split_dense_groups_and_block_override():
     args = EngineArgs(model=STORIES_DIR, num_gpu_blocks_override=100)
     with pytest.raises(ValueError, match="--num-gpu-blocks-override"):
         patch_arg_utils.check_engine_args(args)
+
+
+@pytest.mark.parametrize("dense,sparse", [
+    (2, 14), (2, 3), (3, 4), (4, 2), (5, 3), (1, 7), (3, 3),
+])
+def test_kv_cache_group_size_matches_vllm(dense, sparse):
+    """Our mirror of the grouping equals vLLM's own grouping of the specs."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_infinigen.spec import InfiniGenSparseSpec, kv_cache_group_size
+
+    full = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=32,
+                             dtype=torch.float32)
+    specs = {f"model.layers.{i}.self_attn.attn": full for i in range(dense)}
+    specs.update({f"model.layers.{dense + i}.self_attn.attn": InfiniGenSparseSpec.of(full)
+                  for i in range(sparse)})
+    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    # A group short of layers is padded to the size (the padding is unnamed).
+    assert max(len(group.layer_names) for group in groups) == kv_cache_group_size(dense, sparse)

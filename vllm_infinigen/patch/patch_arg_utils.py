@@ -20,6 +20,7 @@ from vllm_infinigen.config import (
     infinigen_config_of,
 )
 from vllm_infinigen.skewing import local_model_dir
+from vllm_infinigen.spec import kv_cache_group_size
 
 logger = init_logger(__name__)
 
@@ -211,7 +212,7 @@ def check_engine_args(args: EngineArgs) -> None:
         refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
                f"in a {hf_config['num_hidden_layers']}-layer model")
     num_sparse = hf_config["num_hidden_layers"] - config.dense_layers
-    if config.dense_layers > num_sparse and config.dense_layers >= 1.5 * num_sparse:
+    if config.dense_layers > kv_cache_group_size(config.dense_layers, num_sparse):
         # vLLM would split the dense layers over several KV-cache groups; the
         # pool follows the slots of the first one only.
         refuse(f"--infinigen-dense-layers {config.dense_layers} would split the dense "
