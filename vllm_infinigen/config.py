@@ -24,8 +24,11 @@ FLAG_OF_FIELD = {
     "sink_tokens": "--infinigen-sink-tokens",
     "recent_tokens": "--infinigen-recent-tokens",
     "transfer": "--infinigen-transfer",
+    "cpu_pool_gib": "--infinigen-cpu-pool-gib",
+    "eviction": "--infinigen-eviction",
 }
 TRANSFERS = ("auto", "in-place", "copy")
+EVICTION_POLICIES = ("counter", "lru", "fifo")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,12 @@ class InfiniGenConfig:
             (read from the pool; CPU, where host and device memory are one),
             ``copy`` (staged through double buffers by a copy worker, as on a
             GPU), or ``auto`` (in place on CPU, copy elsewhere).
+        cpu_pool_gib: Cap on the host pool of the sparse layers' K/V, in GiB
+            (``None``: a row for every token the dense layers' blocks hold, so
+            nothing is ever evicted). When full, each (layer, KV head) evicts
+            by ``eviction``.
+        eviction: ``counter`` (the least often selected of the oldest half;
+            the paper's best), ``lru`` or ``fifo``; see ``pool.py``.
     """
 
     alpha: float | None = None
@@ -63,6 +72,8 @@ class InfiniGenConfig:
     sink_tokens: int = 0
     recent_tokens: int = 0
     transfer: str = "auto"
+    cpu_pool_gib: float | None = None
+    eviction: str = "counter"
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not _is_number(self.alpha, positive=True):
@@ -85,6 +96,16 @@ class InfiniGenConfig:
             raise ValueError(
                 f"{FLAG_OF_FIELD['transfer']} must be one of {list(TRANSFERS)}, "
                 f"got {self.transfer!r}"
+            )
+        if self.cpu_pool_gib is not None and not _is_number(self.cpu_pool_gib, positive=True):
+            raise ValueError(
+                f"{FLAG_OF_FIELD['cpu_pool_gib']} must be a number > 0, "
+                f"got {self.cpu_pool_gib!r}"
+            )
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(
+                f"{FLAG_OF_FIELD['eviction']} must be one of {list(EVICTION_POLICIES)}, "
+                f"got {self.eviction!r}"
             )
         if self.dense_layers < 1:
             raise ValueError(
@@ -117,7 +138,7 @@ class InfiniGenConfig:
                 f"unknown InfiniGen setting(s) {unknown}; known: {sorted(known)} "
                 f"(flags {', '.join(FLAG_OF_FIELD.values())})"
             )
-        for name in ("alpha", "partial_ratio", "budget"):
+        for name in ("alpha", "partial_ratio", "budget", "cpu_pool_gib"):
             if isinstance(values.get(name), int) and not isinstance(
                 values.get(name), bool
             ):

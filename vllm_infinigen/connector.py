@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_infinigen.metrics import InfiniGenPromMetrics, InfiniGenStats
+from vllm_infinigen.pool import pool_bytes_per_token, pool_rows
 
 if TYPE_CHECKING:
     from vllm_infinigen.runtime import InfiniGenRuntime
@@ -70,25 +71,30 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def _scheduler_gauges(self) -> InfiniGenStats | None:
         """Pool and device usage, from vLLM's block pool.
 
-        The pool's slots are those of the dense layers' blocks, so both are
-        the blocks in use, at block granularity.
+        Uncapped, the pool's rows are the slots of the dense layers' blocks, so
+        both are the blocks in use, at block granularity. Capped, the workers
+        report the pool's use (each layer and head evicts on its own).
         """
         manager = self._kv_cache_manager
         if manager is None:
             return None
         block_pool = manager.block_pool
-        total = block_pool.num_gpu_blocks - 1  # the null block
+        block_size = self._vllm_config.cache_config.block_size
         # Group 0 holds the dense layers (layer 0 first): its blocks are the
-        # pool's slots, and the only device blocks InfiniGen requests hold.
+        # only device blocks InfiniGen requests hold.
         dense = manager.coordinator.single_type_managers[0]
         used = sum(sum(not block.is_null for block in blocks)
                    for blocks in dense.req_to_blocks.values())
-        block_bytes = self._vllm_config.cache_config.block_size * self._pool_bytes_per_token
-        return InfiniGenStats(data={
-            "pool_used_bytes": used * block_bytes,
-            "pool_capacity_bytes": total * block_bytes,
-            "device_blocks": used,
-        })
+        num_slots = block_pool.num_gpu_blocks * block_size
+        rows = pool_rows(self._vllm_config, num_slots)
+        gauges = {"device_blocks": used}
+        if rows < num_slots:
+            gauges["pool_capacity_bytes"] = rows * self._pool_bytes_per_token
+        else:
+            block_bytes = block_size * self._pool_bytes_per_token
+            gauges["pool_used_bytes"] = used * block_bytes
+            gauges["pool_capacity_bytes"] = (block_pool.num_gpu_blocks - 1) * block_bytes
+        return InfiniGenStats(data=gauges)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
@@ -114,15 +120,3 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return InfiniGenPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def pool_bytes_per_token(vllm_config) -> int:
-    """Bytes of K and V of all sparse layers (all ranks) for one token."""
-    from vllm_infinigen.config import infinigen_config_of
-
-    config = infinigen_config_of(vllm_config.additional_config)
-    model = vllm_config.model_config
-    hf = model.hf_text_config
-    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    num_sparse = max(hf.num_hidden_layers - config.dense_layers, 0)
-    return 2 * num_sparse * num_kv_heads * model.get_head_size() * model.dtype.itemsize

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """InfiniGen counters: per-step stats from the workers, Prometheus on the frontend.
 
-Stats travel as a flat ``{"<counter>.<layer_idx>": int}`` dict: the workers
-drain their counters once per step, vLLM sums the ranks and hands the dict to
+Stats travel as a flat ``{"<counter>.<layer_idx>": int}`` dict (gauges:
+``"<gauge>"`` from the scheduler, ``"<gauge>.<rank>"`` from each worker, summed
+over ranks): the workers drain their counters once per step, vLLM sums the ranks and hands the dict to
 ``InfiniGenPromMetrics.observe`` in the API server (``/metrics``) or in the
 ``LLM`` process (``LLM.get_metrics()`` with ``disable_log_stats=False``).
 """
@@ -23,6 +24,7 @@ COUNTERS = {
     "in the same sparse layers.",
     "swap_bytes": "Bytes of selected K/V entries moved to the attention.",
     "swap_wait_us": "Microseconds sparse layers waited for their selected K/V.",
+    "evictions": "K/V entries (one layer, one KV head) a capped pool evicted.",
 }
 
 
@@ -43,17 +45,16 @@ class InfiniGenStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Counters add up (ranks, steps); a gauge keeps its latest value."""
         for key, value in other.data.items():
-            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
+            self.data[key] = value if is_gauge(key) else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
         totals = {name: 0 for name in COUNTERS}
+        totals.update(gauge_totals(self.data))
         for key, value in self.data.items():
             name = key.split(".", 1)[0]
-            if name in totals:
+            if name in COUNTERS:
                 totals[name] += value
-            else:  # a gauge: the scheduler reports it once per step
-                totals[name] = value
         if totals["candidate_tokens"]:
             totals["selected_fraction"] = round(
                 totals["selected_tokens"] / totals["candidate_tokens"], 4
@@ -62,7 +63,21 @@ class InfiniGenStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         # A gauge counts even at zero: /metrics must fall back to 0.
-        return not any(value or key in GAUGES for key, value in self.data.items())
+        return not any(value or is_gauge(key) for key, value in self.data.items())
+
+
+def is_gauge(key: str) -> bool:
+    return key.split(".", 1)[0] in GAUGES
+
+
+def gauge_totals(data: dict[str, Any]) -> dict[str, int | float]:
+    """Each gauge's value: the sum of its per-rank latest values."""
+    totals: dict[str, int | float] = {}
+    for key, value in data.items():
+        if is_gauge(key):
+            name = key.split(".", 1)[0]
+            totals[name] = totals.get(name, 0) + value
+    return totals
 
 
 class InfiniGenPromMetrics(KVConnectorPromMetrics):
@@ -89,11 +104,10 @@ class InfiniGenPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in gauge_totals(transfer_stats_data).items():
+            self._gauges[name].labels(*engine_labels).set(value)
         for key, value in transfer_stats_data.items():
             name, _, layer = key.partition(".")
-            if name in self._gauges:
-                self._gauges[name].labels(*engine_labels).set(value)
-                continue
             counter = self._counters.get(name)
             if counter is not None and value:
                 counter.labels(*engine_labels, layer).inc(value)

@@ -11,11 +11,13 @@ Data path of one decode step, for a model with L layers and ``dense_layers=2``::
     layer L-1 attends over what layer L-2 selected
 
 Sparse layers hold no blocks in vLLM's cache (see ``spec.py``). Their K/V is
-written through to the pool as it is produced, in a simple [slot, head, dim]
-layout indexed by the slot ids of the dense layers' KV-cache group (a dense
-block exists for every token of every running request, so vLLM's own
-allocator, preemption and freeing manage the pool's slots). Their partial keys
-sit beside it on the device. Prefill rows of a sparse layer attend densely
+written through to the pool as it is produced, in a simple [row, head, dim]
+layout. Tokens are named by their slot ids in the dense layers' KV-cache group
+(a dense block exists for every token of every running request, so vLLM's own
+allocator, preemption and freeing manage them); ``pool.py`` maps a slot to its
+row, one to one when the pool is uncapped, per (layer, head) with eviction
+when ``--infinigen-cpu-pool-gib`` caps it. The partial keys sit beside the
+pool on the device, by slot. Prefill rows of a sparse layer attend densely
 over the pool; decode rows over the selected entries only.
 """
 
@@ -31,6 +33,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.ops import capture_pre_hook
+from vllm_infinigen.pool import IdentityPoolIndex, make_pool_index
 from vllm_infinigen.selector import Selection, max_selected, select_tokens
 from vllm_infinigen.sparse_attention import attend_gathered, slots_of_positions
 from vllm_infinigen.spec import InfiniGenSparseSpec
@@ -77,6 +80,7 @@ class LayerState:
         self.layer_idx = layer_idx
         self.layer_name = layer_name
         self.sparse = sparse
+        self.pool_layer = -1  # index among the sparse layers, in the pool index
         impl = attn.impl
         self.num_heads = impl.num_heads
         self.num_kv_heads = impl.num_kv_heads
@@ -88,21 +92,24 @@ class LayerState:
         self.next: LayerState | None = None  # the sparse layer it speculates for
         self.captured_input: torch.Tensor | None = None  # [T, hidden]
         self.selection: Selection | None = None
-        # [S + 1, H_kv, D] and [S + 1, H_kv, R]; row S takes padding slots.
+        # Pool: [P + 1, H_kv, D] by row; partial keys: [S + 1, H_kv, R] by
+        # slot. The last row / slot takes padding.
         self.key_store: torch.Tensor | None = None
         self.value_store: torch.Tensor | None = None
         self.partial_key_cache: torch.Tensor | None = None
+        self.heads: torch.Tensor | None = None  # [H_kv] KV head ids
 
-    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def allocate(self, num_rows: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         """The pool (host) and partial key cache (device) of one sparse layer."""
-        rows = num_slots + 1
-        shape = (rows, self.num_kv_heads, self.head_size)
+        shape = (num_rows + 1, self.num_kv_heads, self.head_size)
         self.key_store = host_zeros(shape, dtype)
         self.value_store = host_zeros(shape, dtype)
         rank = self.skew.shape[-1]
         self.partial_key_cache = torch.zeros(
-            (rows, self.num_kv_heads, rank), dtype=dtype, device=device
+            (num_slots + 1, self.num_kv_heads, rank), dtype=dtype, device=device
         )
+        self.heads = torch.arange(self.num_kv_heads, device=device)
 
     def pool_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_kv_heads * self.head_size * dtype.itemsize
@@ -110,15 +117,21 @@ class LayerState:
     def partial_bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.num_kv_heads * self.skew.shape[-1] * dtype.itemsize
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Stores new K/V and partial keys. key, value: [T, H_kv, D]."""
-        pad_row = self.key_store.shape[0] - 1
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+              index) -> None:
+        """Stores new K/V in the rows ``index`` gave them, and partial keys.
+
+        key, value: [T, H_kv, D]; slot_mapping: [T] (< 0: padding).
+        """
         slots = slot_mapping.to(torch.int64)
-        slots = torch.where(slots < 0, pad_row, slots)
-        self.key_store[slots] = key
-        self.value_store[slots] = value
+        rows = index.rows(self.pool_layer, slots[:, None], self.heads[None, :])  # [T, H_kv]
+        self.key_store[rows, self.heads] = key
+        self.value_store[rows, self.heads] = value
+        pad_slot = self.partial_key_cache.shape[0] - 1
         partial = torch.einsum("thd,hdr->thr", key.float(), self.skew)
-        self.partial_key_cache[slots] = partial.to(self.partial_key_cache.dtype)
+        self.partial_key_cache[torch.where(slots < 0, pad_slot, slots)] = partial.to(
+            self.partial_key_cache.dtype
+        )
 
 
 class InfiniGenRuntime:
@@ -132,39 +145,68 @@ class InfiniGenRuntime:
         self.device = device
         # counters: [num_layers, 3] selected / candidate tokens, swap bytes.
         self.counters = torch.zeros((len(layers), 3), dtype=torch.int64, device=device)
+        self.pool_index = IdentityPoolIndex(0)
+        self.pool_entry_bytes = 0  # one (layer, head) entry: K and V
+        self._admitted_for: object | None = None
         self.reference_layer = ""  # a dense layer: its metadata indexes the pool
+        self.rank = 0  # tensor-parallel rank of this worker
         self.block_size = 0  # of the dense group, set with the pool
         self.transfer = make_transfer(config.transfer, device)
         self.swap_wait_us = [0] * len(layers)
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
 
-    def allocate_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-        """Allocates every sparse layer's pool and partial keys, by dense slot id."""
+    def allocate_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      num_rows: int) -> None:
+        """Allocates every sparse layer's pool and partial keys.
+
+        Args:
+            num_blocks: Blocks of the dense group (its slots name the tokens).
+            num_rows: Tokens the pool holds per layer and head (``pool_rows``).
+        """
         import psutil
 
         sparse = [state for state in self.layers if state.sparse]
-        tokens = num_blocks * block_size
-        pool_bytes = tokens * sum(s.pool_bytes_per_token(dtype) for s in sparse)
+        num_slots = num_blocks * block_size
+        pool_bytes = num_rows * sum(s.pool_bytes_per_token(dtype) for s in sparse)
         free_bytes = psutil.virtual_memory().available
         if pool_bytes > 0.9 * free_bytes:
             raise ValueError(
-                f"InfiniGen's pool for {tokens} tokens needs {pool_bytes / 2**30:.2f} GiB "
-                f"of host memory, {free_bytes / 2**30:.2f} GiB is free; lower "
-                "--kv-cache-memory-bytes (the pool holds every token the dense "
-                "layers' blocks can hold)"
+                f"InfiniGen's pool for {num_rows} tokens needs {pool_bytes / 2**30:.2f} GiB "
+                f"of host memory, {free_bytes / 2**30:.2f} GiB is free; set "
+                "--infinigen-cpu-pool-gib or lower --kv-cache-memory-bytes (uncapped, "
+                "the pool holds every token the dense layers' blocks can hold)"
             )
         self.block_size = block_size
-        for state in sparse:
-            state.allocate(tokens, dtype, self.device)
+        for pool_layer, state in enumerate(sparse):
+            state.pool_layer = pool_layer
+            state.allocate(num_rows, num_slots, dtype, self.device)
+        self.pool_index = make_pool_index(
+            len(sparse), sparse[0].num_kv_heads, num_slots, num_rows,
+            self.config.eviction, self.device,
+        )
+        self.pool_entry_bytes = 2 * sparse[0].head_size * dtype.itemsize
         logger.info(
-            "InfiniGen: pool of %d tokens x %d sparse layers: %.3f GiB host memory; "
-            "partial keys %.3f GiB device memory; transfer %s",
-            tokens, len(sparse),
-            pool_bytes / 2**30,
-            tokens * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
+            "InfiniGen: pool of %d tokens x %d sparse layers (%s): %.3f GiB host "
+            "memory; partial keys for %d tokens: %.3f GiB device memory; transfer %s",
+            num_rows, len(sparse),
+            f"capped, {self.config.eviction} eviction" if self.pool_index.capped
+            else "a row per dense slot",
+            pool_bytes / 2**30, num_slots,
+            num_slots * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
             self.transfer.name,
         )
+
+    def begin_step(self, attn_metadata, slot_mapping: torch.Tensor) -> None:
+        """Gives the step's new tokens their pool rows (once per step)."""
+        if self._admitted_for is attn_metadata:
+            return
+        self._admitted_for = attn_metadata
+        self.pool_index.admit(slot_mapping.to(torch.int64))
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Frees the pool rows of a finished or preempted request's slots."""
+        self.pool_index.release(slots)
 
     def update_selection(self, alpha: float | None = None, **changes) -> None:
         """Changes the selection settings of the running engine (for sweeps).
@@ -176,7 +218,7 @@ class InfiniGenRuntime:
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
-        allowed = {"budget", "sink_tokens", "recent_tokens"}
+        allowed = {"budget", "sink_tokens", "recent_tokens", "eviction"}
         if set(changes) - allowed:
             raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
         if alpha is not None:
@@ -184,6 +226,8 @@ class InfiniGenRuntime:
         self.config = dataclasses.replace(self.config, **changes)
         if alpha is not None:
             self.alpha = float(alpha)
+        if "eviction" in changes and self.pool_index.capped:
+            self.pool_index.policy = self.config.eviction
 
     def take_counters(self) -> dict[str, int]:
         """Drains the counters (one host copy per step, not per layer)."""
@@ -197,6 +241,15 @@ class InfiniGenRuntime:
                 out[f"swap_bytes.{state.layer_idx}"] = swap_bytes
                 out[f"swap_wait_us.{state.layer_idx}"] = self.swap_wait_us[state.layer_idx]
         self.swap_wait_us = [0] * len(self.layers)
+        index = self.pool_index
+        if index.capped:
+            evictions = index.evictions.tolist()
+            index.evictions.zero_()
+            for state in self.layers:
+                if state.sparse and evictions[state.pool_layer]:
+                    out[f"evictions.{state.layer_idx}"] = evictions[state.pool_layer]
+            # A gauge per rank (summed over ranks by InfiniGenStats.reduce).
+            out[f"pool_used_bytes.{self.rank}"] = int(index.occupied().sum()) * self.pool_entry_bytes
         return out
 
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
@@ -253,6 +306,11 @@ class InfiniGenRuntime:
         partial_query = torch.einsum("bhgd,hdr->bhgr", query, target.skew)
         partial_query = partial_query.reshape(query.shape[0], target.num_heads, -1)
         partial_keys = target.partial_key_cache[plan.context_slots]  # [B, N, H_kv, R]
+        index = self.pool_index
+        present = None
+        if index.capped:  # [B, N, H_kv]: entries the pool still holds
+            present = index.rows(target.pool_layer, plan.context_slots[..., None],
+                                 target.heads) >= 0
         selection = select_tokens(
             partial_query,
             partial_keys,
@@ -263,10 +321,15 @@ class InfiniGenRuntime:
             num_slots=plan.num_slots,
             sink_tokens=self.config.sink_tokens,
             recent_tokens=self.config.recent_tokens,
+            present=present,
         )
         target.selection = selection
         slots = slots_of_positions(selection.positions, plan.block_table, self.block_size)
-        self.transfer.start(target.layer_idx, target.key_store, target.value_store, slots)
+        rows = index.rows(target.pool_layer, slots, target.heads[None, :, None])
+        if index.capped:
+            rows = torch.where(selection.valid, rows, index.num_rows)  # evicted -> padding
+            index.record_use(target.pool_layer, rows, selection.valid)
+        self.transfer.start(target.layer_idx, target.key_store, target.value_store, rows)
 
     def attend_sparse(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -282,7 +345,7 @@ class InfiniGenRuntime:
         self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
         out = attend_gathered(query[plan.tokens], keys, values, selection.valid,
                               key[plan.tokens], value[plan.tokens], state.scale)
-        selected = selection.num_selected.sum()
+        selected = selection.valid.sum() // state.num_kv_heads
         entry_bytes = 2 * state.num_kv_heads * state.head_size * state.key_store.element_size()
         self.counters[state.layer_idx] += torch.stack(
             [selected, plan.context_lens.sum(), selected * entry_bytes]
@@ -294,9 +357,11 @@ class InfiniGenRuntime:
                     output: torch.Tensor, block_size: int) -> None:
         """Dense causal attention of a sparse layer's non-decode rows, over the pool.
 
-        query: [T, H_q, D]; output: [T, H_q, D], written in place.
+        query: [T, H_q, D]; output: [T, H_q, D], written in place. Entries a
+        capped pool evicted are left out.
         """
         group = state.num_heads // state.num_kv_heads
+        index = self.pool_index
         for row in plan.other_rows:
             start, end = plan.query_start[row], plan.query_start[row + 1]
             seq_len = plan.seq_lens[row]
@@ -305,15 +370,20 @@ class InfiniGenRuntime:
             positions = torch.arange(seq_len, device=query.device)[None]
             slots = slots_of_positions(positions, plan.all_block_table[row : row + 1],
                                        block_size)[0]
+            rows = index.rows(state.pool_layer, slots[:, None], state.heads[None, :])  # [L, H_kv]
+            present = rows >= 0
+            rows = torch.where(present, rows, index.num_rows)
             # keys, values: [H_q, L, D], each KV head repeated for its group.
-            keys = state.key_store[slots].transpose(0, 1).repeat_interleave(group, 0)
-            values = state.value_store[slots].transpose(0, 1).repeat_interleave(group, 0)
+            keys = state.key_store[rows, state.heads].transpose(0, 1).repeat_interleave(group, 0)
+            values = state.value_store[rows, state.heads].transpose(0, 1).repeat_interleave(group, 0)
             first = seq_len - (end - start)  # position of the first query row
             causal = (torch.arange(seq_len, device=query.device)[None, :]
                       <= first + torch.arange(end - start, device=query.device)[:, None])
+            # [H_q, rows, L]: causal, and only what the pool holds.
+            mask = causal[None] & present.t().repeat_interleave(group, 0)[:, None, :]
             out = torch.nn.functional.scaled_dot_product_attention(
                 query[start:end].transpose(0, 1).float(), keys.float(), values.float(),
-                attn_mask=causal, scale=state.scale,
+                attn_mask=mask, scale=state.scale,
             )
             output[start:end] = out.transpose(0, 1).to(output.dtype)
 
@@ -330,10 +400,12 @@ class InfiniGenImplMixin:
         state = self.infinigen_layer
         if not state.sparse:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        runtime = self.infinigen_runtime
         context = get_forward_context()
-        slots = context.slot_mapping[self.infinigen_runtime.reference_layer]
+        slots = context.slot_mapping[runtime.reference_layer]
+        runtime.begin_step(context.attn_metadata[runtime.reference_layer], slots)
         num_tokens = slots.shape[0]
-        state.write(key[:num_tokens], value[:num_tokens], slots)
+        state.write(key[:num_tokens], value[:num_tokens], slots, runtime.pool_index)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -342,7 +414,9 @@ class InfiniGenImplMixin:
                                    output, output_scale, output_block_scale)
         runtime, state = self.infinigen_runtime, self.infinigen_layer
         block_size = kv_cache.shape[2]
-        dense_metadata = get_forward_context().attn_metadata[runtime.reference_layer]
+        context = get_forward_context()
+        dense_metadata = context.attn_metadata[runtime.reference_layer]
+        runtime.begin_step(dense_metadata, context.slot_mapping[runtime.reference_layer])
         plan = runtime.plan_for(dense_metadata, block_size)
         if state.next is not None and plan.num_decodes:
             runtime.speculate(state, plan)

@@ -20,8 +20,9 @@ class Selection:
     """Tokens that a sparse layer attends to, for the decode rows of a step.
 
     ``positions[b, h, j]`` is a token position in request b's context, valid
-    where ``valid[b, h, j]``; every head of a request keeps the same number of
-    tokens, ``num_selected[b]``, and the valid entries come first.
+    where ``valid[b, h, j]``; the valid entries come first. Every head of a
+    request keeps ``num_selected[b]`` tokens, or fewer where a capped pool no
+    longer holds enough of them.
     """
 
     positions: torch.Tensor  # [B, H_kv, K] int64
@@ -59,6 +60,7 @@ def select_tokens(
     num_slots: int,
     sink_tokens: int = 0,
     recent_tokens: int = 0,
+    present: torch.Tensor | None = None,
 ) -> Selection:
     """Applies the paper's rule to one layer's decode rows.
 
@@ -73,6 +75,8 @@ def select_tokens(
         num_slots: K of the result, from ``max_selected`` (host side).
         sink_tokens: First tokens always kept (on top of the budget).
         recent_tokens: Last tokens always kept (on top of the budget).
+        present: [B, N, H_kv] whether the pool still holds each entry (None:
+            all); absent entries are never selected, forced ones included.
 
     Returns:
         The selection, per KV head.
@@ -88,6 +92,8 @@ def select_tokens(
     lens = context_lens.to(torch.int64)[:, None]  # [B, 1]
     in_context = positions[None, :] < lens  # [B, N]
     scores = scores.masked_fill(~in_context[:, None, :], float("-inf"))
+    if present is not None:
+        scores = scores.masked_fill(~present.permute(0, 2, 1), float("-inf"))
 
     best = scores.amax(dim=-1, keepdim=True)
     counts = (scores > best - alpha).sum(dim=-1)  # [B, H_kv]
@@ -99,11 +105,14 @@ def select_tokens(
     )
     window &= in_context  # [B, N]
     num_window = window.sum(dim=-1)
-    scores = scores.masked_fill(window[:, None, :], float("inf"))
+    forced = window[:, None, :] if present is None else window[:, None, :] & (scores > float("-inf"))
+    scores = scores.masked_fill(forced, float("inf"))
     num_selected = torch.minimum(num_chosen + num_window, lens[:, 0])
 
     num_slots = min(num_slots, num_tokens)
-    top = torch.topk(scores, num_slots, dim=-1, sorted=True).indices
+    top_scores, top = torch.topk(scores, num_slots, dim=-1, sorted=True)
     valid = torch.arange(num_slots, device=scores.device) < num_selected[:, None, None]
     valid = valid.expand(num_reqs, num_kv_heads, num_slots)
+    if present is not None:
+        valid = valid & (top_scores > float("-inf"))
     return Selection(positions=top, valid=valid, num_selected=num_selected)

@@ -9,6 +9,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_infinigen.config import infinigen_config_of
+from vllm_infinigen.pool import pool_rows
 from vllm_infinigen.runtime import InfiniGenRuntime, install
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
 from vllm_infinigen.spec import kv_cache_group_size
@@ -91,11 +92,38 @@ class InfiniGenCPUWorker(CPUWorker):
 
     def initialize_from_config(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_from_config(kv_cache_config, *args, **kwargs)
-        self.infinigen_runtime.allocate_pool(
-            kv_cache_config.num_blocks, self.cache_config.block_size, self.model_config.dtype
+        runtime = self.infinigen_runtime
+        block_size = self.cache_config.block_size
+        num_slots = kv_cache_config.num_blocks * block_size
+        runtime.allocate_pool(
+            kv_cache_config.num_blocks, block_size, self.model_config.dtype,
+            num_rows=pool_rows(self.vllm_config, num_slots),
+        )
+        runtime.rank = get_tensor_model_parallel_rank()
+        self._dense_group = next(
+            idx for idx, group in enumerate(kv_cache_config.kv_cache_groups)
+            if runtime.reference_layer in group.layer_names
         )
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if not has_kv_transfer_group():
             raise RuntimeError("InfiniGen worker started without its KV connector")
         get_kv_transfer_group().bind_runtime(self.infinigen_runtime)
+
+    def execute_model(self, scheduler_output):
+        """Frees the pool rows of requests that finished or were preempted
+        since the last step, before this step's tokens take rows."""
+        if self.infinigen_runtime.pool_index.capped:
+            gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+            for req_id in gone:
+                request = self.model_runner.requests.get(req_id)
+                if request is not None:
+                    self.infinigen_runtime.release(
+                        self._slots_of(request.block_ids[self._dense_group])
+                    )
+        return super().execute_model(scheduler_output)
+
+    def _slots_of(self, block_ids: list[int]) -> torch.Tensor:
+        block_size = self.cache_config.block_size
+        blocks = torch.tensor(block_ids, dtype=torch.int64)[:, None]
+        return (blocks * block_size + torch.arange(block_size)).flatten()

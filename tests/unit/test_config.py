@@ -21,6 +21,7 @@ def test_defaults():
     assert config.to_dict() == {
         "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "skew_file": None,
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
+        "cpu_pool_gib": None, "eviction": "counter",
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 
@@ -152,6 +153,16 @@ def test_infinigen_config_of_validates():
         infinigen_config_of({"kv_manager": "infinigen", "infinigen": {"dense_layers": 0}})
     with pytest.raises(ValueError, match="--kv-manager"):
         infinigen_config_of({"kv_manager": "infinigen2"})
+
+
+def test_pool_cap_and_eviction_values():
+    config = InfiniGenConfig.from_dict({"cpu_pool_gib": 2, "eviction": "fifo"})
+    assert config.cpu_pool_gib == 2.0 and config.eviction == "fifo"
+    for bad in (0, -1.0, "2", True):
+        with pytest.raises(ValueError, match="--infinigen-cpu-pool-gib"):
+            InfiniGenConfig(cpu_pool_gib=bad)
+    with pytest.raises(ValueError, match="--infinigen-eviction.*counter"):
+        InfiniGenConfig(eviction="random")
 
 
 def test_transfer_values():

@@ -35,8 +35,19 @@ def test_reduce_exact():
         "candidate_tokens": 80,
         "swap_bytes": 2048,
         "swap_wait_us": 0,
+        "evictions": 0,
         "selected_fraction": 0.2,
     }
+
+
+def test_worker_gauges_sum_over_ranks_and_keep_the_latest_step():
+    stats = InfiniGenStats(data={"pool_used_bytes.0": 100, "pool_used_bytes.1": 50,
+                                 "evictions.2": 3})
+    stats.aggregate(InfiniGenStats(data={"pool_used_bytes.0": 70, "evictions.2": 4}))
+    assert stats.data == {"pool_used_bytes.0": 70, "pool_used_bytes.1": 50, "evictions.2": 7}
+    reduced = stats.reduce()
+    assert reduced["pool_used_bytes"] == 120 and reduced["evictions"] == 7
+    assert not InfiniGenStats(data={"pool_used_bytes.1": 0}).is_empty()
 
 
 def test_reduce_without_candidates():

@@ -344,3 +344,15 @@ def test_kv_cache_group_size_matches_vllm(dense, sparse):
     groups = _get_kv_cache_groups_uniform_page_size(specs)
     # A group short of layers is padded to the size (the padding is unnamed).
     assert max(len(group.layer_names) for group in groups) == kv_cache_group_size(dense, sparse)
+
+
+def test_pool_cap_below_one_step_is_refused_before_start():
+    from tests.models import BUNDLED_MODEL
+
+    # stories260K: 3,072 B of pool per token; 100 tokens < 128 per step.
+    args = EngineArgs(model=str(BUNDLED_MODEL), dtype="float32", max_model_len=512,
+                      max_num_batched_tokens=128, kv_manager="infinigen",
+                      infinigen_cpu_pool_gib=100 * 3072 / 2**30)
+    with pytest.raises(ValueError, match=r"--infinigen-cpu-pool-gib .* holds 100 tokens"
+                                         r".*--max-num-batched-tokens"):
+        args.create_engine_config()

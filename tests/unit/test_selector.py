@@ -219,3 +219,25 @@ def test_token_caps_values():
     assert caps.tolist() == [1, 1, 1, 1, 2, 19, 409]
     assert token_caps(torch.tensor([10, 7]), 0.3).tolist() == [3, 2]
     assert token_caps(torch.tensor([10, 7]), 1.0).tolist() == [10, 7]
+
+
+def test_absent_entries_are_never_selected():
+    """Entries a capped pool evicted are out of the running, even forced ones."""
+    partial_query, partial_keys = random_inputs(4, 2, seed=5)
+    lens = torch.tensor(CONTEXT_LENS)
+    kwargs = dict(scale=SCALE, alpha=1e4, budget=1.0, num_slots=NUM_TOKENS,
+                  sink_tokens=2, recent_tokens=2)
+    gen = torch.Generator().manual_seed(6)
+    present = torch.rand(len(CONTEXT_LENS), NUM_TOKENS, 2, generator=gen) < 0.6
+    present[:, 0, 0] = False  # a sink token evicted in head 0 only
+    full = select_tokens(partial_query, partial_keys, lens, **kwargs)
+    capped = select_tokens(partial_query, partial_keys, lens, present=present, **kwargs)
+    for b, n in enumerate(CONTEXT_LENS):
+        for h in range(2):
+            held = {t for t in range(n) if present[b, t, h]}
+            everything = set(full.positions[b, h][full.valid[b, h]].tolist())
+            kept = capped.positions[b, h][capped.valid[b, h]].tolist()
+            assert everything == set(range(n))  # select-all without a pool cap
+            assert sorted(kept) == sorted(held)  # ... and all that is held with one
+            assert capped.valid[b, h].tolist() == sorted(capped.valid[b, h].tolist(),
+                                                         reverse=True)  # valid first

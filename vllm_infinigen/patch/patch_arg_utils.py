@@ -14,6 +14,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.logger import init_logger
 
 from vllm_infinigen.config import (
+    EVICTION_POLICIES,
     FLAG_OF_FIELD,
     KV_MANAGERS,
     InfiniGenConfig,
@@ -120,10 +121,15 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "recent_tokens": f"Last context tokens always attended (default {defaults.recent_tokens}).",
         "transfer": "How selected KV reaches the attention: in-place (CPU: read "
         "from the pool), copy (staged by a copy worker), auto (default).",
+        "cpu_pool_gib": "Cap on the host pool of the sparse layers' K/V in GiB "
+        "(default: no cap, room for every token the dense blocks hold); when "
+        "full, each layer and KV head evicts by --infinigen-eviction.",
+        "eviction": f"Pool eviction policy when capped: {', '.join(EVICTION_POLICIES)} "
+        f"(default {defaults.eviction}: the least often selected of the oldest half).",
     }
     types = {"alpha": float, "partial_ratio": float, "budget": float,
              "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int,
-             "transfer": str}
+             "transfer": str, "cpu_pool_gib": float, "eviction": str}
     for field, flag in FLAG_OF_FIELD.items():
         group.add_argument(flag, type=types[field], default=None, help=helps[field])
     return parser
@@ -169,6 +175,9 @@ def _create_engine_config(self, *args, **kwargs):
             "--kv-manager infinigen does not support speculative decoding; "
             "remove --speculative-config"
         )
+    from vllm_infinigen.pool import pool_rows
+
+    pool_rows(vllm_config, num_slots=2**62)  # a cap too small for one step fails here
     return vllm_config
 
 
