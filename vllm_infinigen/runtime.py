@@ -144,7 +144,10 @@ class InfiniGenRuntime:
         self.layers = layers
         self.device = device
         # counters: [num_layers, 3] selected / candidate tokens, swap bytes.
-        self.counters = torch.zeros((len(layers), 3), dtype=torch.int64, device=device)
+        # Tokens are counted as the mean over all KV heads of the model: a
+        # tensor-parallel rank adds its heads' share, and vLLM sums the ranks.
+        self.counters = torch.zeros((len(layers), 3), dtype=torch.float64, device=device)
+        self.total_kv_heads = layers[0].num_kv_heads  # of the model, all ranks
         self.pool_index = IdentityPoolIndex(0)
         self.pool_entry_bytes = 0  # one (layer, head) entry: K and V
         self._admitted_for: object | None = None
@@ -229,7 +232,7 @@ class InfiniGenRuntime:
         if "eviction" in changes and self.pool_index.capped:
             self.pool_index.policy = self.config.eviction
 
-    def take_counters(self) -> dict[str, int]:
+    def take_counters(self) -> dict[str, float]:
         """Drains the counters (one host copy per step, not per layer)."""
         values = self.counters.tolist()
         self.counters.zero_()
@@ -345,11 +348,13 @@ class InfiniGenRuntime:
         self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
         out = attend_gathered(query[plan.tokens], keys, values, selection.valid,
                               key[plan.tokens], value[plan.tokens], state.scale)
-        selected = selection.valid.sum() // state.num_kv_heads
-        entry_bytes = 2 * state.num_kv_heads * state.head_size * state.key_store.element_size()
-        self.counters[state.layer_idx] += torch.stack(
-            [selected, plan.context_lens.sum(), selected * entry_bytes]
-        )
+        entries = selection.valid.sum().to(torch.float64)  # (token, KV head) pairs
+        entry_bytes = 2 * state.head_size * state.key_store.element_size()
+        self.counters[state.layer_idx] += torch.stack([
+            entries / self.total_kv_heads,
+            plan.context_lens.sum() * (state.num_kv_heads / self.total_kv_heads),
+            entries * entry_bytes,
+        ])
         return out
 
 

@@ -44,7 +44,9 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device) -> 
     rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
     uses_rope = any(hasattr(m, "rotary_emb") for m in model.modules())
-    return install(model, vllm_config, config, skew, config.resolved_alpha(uses_rope), device)
+    runtime = install(model, vllm_config, config, skew, config.resolved_alpha(uses_rope), device)
+    runtime.total_kv_heads = num_kv_heads
+    return runtime
 
 
 class InfiniGenCPUWorker(CPUWorker):

@@ -169,8 +169,9 @@ def test_check_engine_args_accepts_plain_args():
     [
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "--speculative-config"),
-        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+         "--distributed-executor-backend mp"),
         ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
         ({"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector",
                                                  kv_role="kv_both")},
