@@ -22,7 +22,6 @@ InfiniGen sweeps every combination of ``--budget``, ``--sink-tokens`` and
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import math
@@ -30,7 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-from teacher_forcing import engine_kwargs, perplexity, score_continuations
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.accuracy.harness import SelectionMeter, start_engine  # noqa: E402
+from benchmarks.accuracy.teacher_forcing import (  # noqa: E402
+    perplexity,
+    score_continuations,
+)
 
 DEFAULT_MODEL = "/work/shared/models/stories260k-vllm-cpu"
 DEFAULT_TEXT = "/work/shared/data/text/tinystories-sample.txt"
@@ -86,24 +92,13 @@ def selection_settings(args: argparse.Namespace) -> list[dict]:
     ]
 
 
-def _counts(llm) -> tuple[float, float]:
-    """(selected, candidate) tokens so far, summed over the sparse layers."""
-    from vllm_infinigen.metrics import summarize
-
-    counters = summarize(llm.get_metrics())
-    return (sum(counters.get("selected_tokens", {}).values()),
-            sum(counters.get("candidate_tokens", {}).values()))
-
-
 def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
           selection: dict | None, alpha: float | None) -> dict:
     """Scores every window in one batched call; counters of this call alone."""
-    selected_before, candidates_before = _counts(llm)
     start = time.perf_counter()
-    scores = score_continuations(llm, *zip(*windows))
+    with SelectionMeter(llm) as meter:
+        scores = score_continuations(llm, *zip(*windows))
     elapsed = time.perf_counter() - start
-    selected, candidates = _counts(llm)
-    selected, candidates = selected - selected_before, candidates - candidates_before
     logprobs = [logprob for window in scores for logprob in window]
     return {
         "kv_manager": kv_manager,
@@ -114,7 +109,7 @@ def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
         "num_scored_tokens": len(logprobs),
         "mean_nll": -sum(logprobs) / len(logprobs),
         "perplexity": perplexity(logprobs),
-        "selected_fraction": selected / candidates if candidates else None,
+        "selected_fraction": meter.fraction,
         "score_seconds": elapsed,
         "window_logprobs": scores,
     }
@@ -127,25 +122,11 @@ def run_engine(args: argparse.Namespace, kv_manager: str,
     Dense vLLM scores once; InfiniGen scores once per ``selection_settings``,
     changed on the running engine.
     """
-    import vllm_infinigen  # noqa: F401  (adds the kv_manager keyword)
-    from vllm import LLM
-
-    infinigen = {}
+    infinigen = None
     if kv_manager == "infinigen":
-        infinigen = {"infinigen_budget": args.budget[0], "infinigen_alpha": args.alpha}
-    llm = LLM(
-        model=args.model,
-        kv_manager=kv_manager,
-        **infinigen,
-        **engine_kwargs(),
-        dtype="float32",
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=64 << 20,
-        enforce_eager=True,
-        disable_log_stats=False,
-        seed=0,
-    )
-    try:
+        infinigen = {"budget": args.budget[0], "alpha": args.alpha}
+    with start_engine(args.model, kv_manager, max_model_len=args.max_model_len,
+                      infinigen=infinigen, kv_cache_memory_bytes=64 << 20) as llm:
         if kv_manager != "infinigen":
             return [score(llm, windows, kv_manager, None, None)]
         results = []
@@ -154,10 +135,6 @@ def run_engine(args: argparse.Namespace, kv_manager: str,
             llm.collective_rpc("set_infinigen_selection", kwargs=changes)
             results.append(score(llm, windows, kv_manager, selection, args.alpha))
         return results
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def markdown_table(results: list[dict]) -> str:

@@ -101,6 +101,83 @@ def engine_kwargs() -> dict[str, Any]:
     }
 
 
+def check_engine(llm) -> None:
+    """Raises ValueError unless ``llm`` was created with ``**engine_kwargs()``."""
+    model_config = llm.llm_engine.model_config
+    if model_config.logprobs_mode != LOGPROBS_MODE:
+        raise ValueError(
+            f"teacher forcing needs LLM(logprobs_mode={LOGPROBS_MODE!r}), got "
+            f"{model_config.logprobs_mode!r}: the logprobs would be post-mask"
+        )
+    if not any(
+        processor is TeacherForcingLogitsProcessor
+        or str(processor).endswith(":" + TeacherForcingLogitsProcessor.__name__)
+        for processor in model_config.logits_processors or []
+    ):
+        raise ValueError(
+            "teacher forcing needs LLM(logits_processors=[TeacherForcingLogitsProcessor]); "
+            "pass **engine_kwargs() to LLM"
+        )
+
+
+def force_continuations(
+    llm,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    num_logprobs: int = 0,
+) -> list[list[dict[int, Any]]]:
+    """Teacher-forces each continuation through decode; the logprobs of every step.
+
+    Args:
+        llm: A ``vllm.LLM`` created with ``**engine_kwargs()``.
+        prompts: Token ids prefilled densely, one list per sequence.
+        continuations: Token ids teacher-forced through decode, one list per
+            sequence (same order as ``prompts``).
+        num_logprobs: How many of the model's top tokens to return per step
+            (vLLM's ``SamplingParams.logprobs``; at most the engine's
+            ``max_logprobs``). The forced token is always returned as well.
+
+    Returns:
+        For each sequence and step j, vLLM's ``{token id: Logprob}`` of the
+        distribution ``p(. | prompt, continuation[:j])``: the top
+        ``num_logprobs`` tokens and ``continuation[j]``, each with its raw
+        logprob and its rank in the whole vocabulary.
+
+    Raises:
+        ValueError: If the engine lacks the processor or returns processed
+            logprobs.
+        RuntimeError: If a generated token is not the forced one.
+    """
+    check_engine(llm)
+    if len(prompts) != len(continuations):
+        raise ValueError(
+            f"{len(prompts)} prompts but {len(continuations)} continuations"
+        )
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=len(continuation),
+            ignore_eos=True,
+            logprobs=num_logprobs,
+            detokenize=False,
+            extra_args={FORCED_TOKEN_IDS: list(continuation)},
+        )
+        for continuation in continuations
+    ]
+    requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    steps = []
+    for index, (output, continuation) in enumerate(zip(outputs, continuations)):
+        completion = output.outputs[0]
+        if list(completion.token_ids) != list(continuation):
+            raise RuntimeError(
+                f"sequence {index}: the engine did not follow the forced tokens "
+                f"(first {len(completion.token_ids)} of {len(continuation)} generated)"
+            )
+        steps.append(list(completion.logprobs))
+    return steps
+
+
 def score_continuations(
     llm, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
 ) -> list[list[float]]:
@@ -121,50 +198,37 @@ def score_continuations(
             logprobs.
         RuntimeError: If a generated token is not the forced one.
     """
-    model_config = llm.llm_engine.model_config
-    if model_config.logprobs_mode != LOGPROBS_MODE:
-        raise ValueError(
-            f"teacher forcing needs LLM(logprobs_mode={LOGPROBS_MODE!r}), got "
-            f"{model_config.logprobs_mode!r}: the logprobs would be post-mask"
-        )
-    if not any(
-        processor is TeacherForcingLogitsProcessor
-        or str(processor).endswith(":" + TeacherForcingLogitsProcessor.__name__)
-        for processor in model_config.logits_processors or []
-    ):
-        raise ValueError(
-            "teacher forcing needs LLM(logits_processors=[TeacherForcingLogitsProcessor]); "
-            "pass **engine_kwargs() to LLM"
-        )
-    if len(prompts) != len(continuations):
-        raise ValueError(
-            f"{len(prompts)} prompts but {len(continuations)} continuations"
-        )
-    params = [
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=len(continuation),
-            ignore_eos=True,
-            logprobs=0,
-            detokenize=False,
-            extra_args={FORCED_TOKEN_IDS: list(continuation)},
-        )
-        for continuation in continuations
+    steps = force_continuations(llm, prompts, continuations)
+    return [
+        [step[token].logprob for step, token in zip(sequence, continuation)]
+        for sequence, continuation in zip(steps, continuations)
     ]
-    requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    scores = []
-    for index, (output, continuation) in enumerate(zip(outputs, continuations)):
-        completion = output.outputs[0]
-        if list(completion.token_ids) != list(continuation):
-            raise RuntimeError(
-                f"sequence {index}: the engine did not follow the forced tokens "
-                f"(first {len(completion.token_ids)} of {len(continuation)} generated)"
-            )
-        scores.append(
-            [step[token].logprob for step, token in zip(completion.logprobs, continuation)]
+
+
+def split_for_decode(
+    prompt: Sequence[int], continuation: Sequence[int], decode_prompt_tokens: int
+) -> tuple[list[int], list[int]]:
+    """Moves the last ``decode_prompt_tokens`` prompt tokens into the forced part.
+
+    Forcing them through decode makes the first continuation token a decode
+    step too (otherwise it is scored from the dense prefill's last logits),
+    and gives the continuation's context the KV of decode steps, as in
+    generation. The scored logprobs of ``continuation`` are then
+    ``logprobs[decode_prompt_tokens:]`` of the forced sequence.
+
+    Returns:
+        (prefilled tokens, forced tokens).
+
+    Raises:
+        ValueError: If fewer than one prompt token would be left to prefill.
+    """
+    if not 0 <= decode_prompt_tokens < len(prompt):
+        raise ValueError(
+            f"decode_prompt_tokens must be in [0, {len(prompt)}) for a "
+            f"{len(prompt)}-token prompt, got {decode_prompt_tokens}"
         )
-    return scores
+    cut = len(prompt) - decode_prompt_tokens
+    return list(prompt[:cut]), list(prompt[cut:]) + list(continuation)
 
 
 def score_continuation(

@@ -1,0 +1,360 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Accuracy harness logic on hand-written inputs (no engine).
+
+Prompt construction per task (lm-eval's plain-text rendering), lm-eval's
+acc / acc_norm arithmetic, lm-eval's context/continuation split, needle
+buckets, the top-k KL estimate and top-1 agreement, the results files and the
+plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from benchmarks.accuracy import agreement, mc_tasks, report, retrieval
+from benchmarks.accuracy.teacher_forcing import split_for_decode
+
+COPA = {"query": "The man turned on the faucet, therefore", "gold": 1,
+        "choices": ["the toilet filled with water.", "water flowed from the spout."]}
+OBQA = {"query": "Predators eat", "choices": ["lions", "humans", "bunnies", "grass"], "gold": 2}
+PIQA = {"query": "Question: How do I open a jar?\n", "gold": 0,
+        "choices": ["Twist the lid.", "Bake the lid."]}
+WINO = {"context_options": ["Sarah was a better surgeon than Maria so Sarah",
+                            "Sarah was a better surgeon than Maria so Maria"],
+        "continuation": "always got the harder cases.", "gold": 0}
+RTE = {"sentence1": "Bacteria mutate fast.", "sentence2": "Bacteria are winning.",
+       "label": "1", "idx": "7"}
+
+
+# -- prompt construction, one hand-written example per task --------------------
+
+def test_copa_requests_keep_lm_evals_double_space():
+    # lm-eval's COPA choices start with a space and the target delimiter adds one.
+    requests = mc_tasks.build_requests(mc_tasks.TASKS["copa"], COPA, [])
+    assert requests == [
+        ("The man turned on the faucet, therefore", "  the toilet filled with water."),
+        ("The man turned on the faucet, therefore", "  water flowed from the spout."),
+    ]
+    assert mc_tasks.gold_index(mc_tasks.TASKS["copa"], COPA) == 1
+
+
+def test_openbookqa_requests():
+    requests = mc_tasks.build_requests(mc_tasks.TASKS["openbookqa"], OBQA, [])
+    assert requests == [("Predators eat", " lions"), ("Predators eat", " humans"),
+                        ("Predators eat", " bunnies"), ("Predators eat", " grass")]
+
+
+def test_piqa_requests_rebuild_lm_evals_question_answer_prompt():
+    requests = mc_tasks.build_requests(mc_tasks.TASKS["piqa"], PIQA, [])
+    assert requests == [("Question: How do I open a jar?\nAnswer:", " Twist the lid."),
+                        ("Question: How do I open a jar?\nAnswer:", " Bake the lid.")]
+    with pytest.raises(ValueError):
+        mc_tasks.TASKS["piqa"].doc_to_text({"query": "How do I open a jar?"})
+
+
+def test_winogrande_puts_the_options_in_the_contexts():
+    task = mc_tasks.TASKS["winogrande"]
+    requests = mc_tasks.build_requests(task, WINO, [])
+    assert requests == [
+        ("Sarah was a better surgeon than Maria so Sarah", " always got the harder cases."),
+        ("Sarah was a better surgeon than Maria so Maria", " always got the harder cases."),
+    ]
+    assert mc_tasks.gold_index(task, WINO) == 0
+
+
+def test_rte_requests_and_label_mapping():
+    task = mc_tasks.TASKS["rte"]
+    context = "Bacteria mutate fast.\nQuestion: Bacteria are winning. True or False?\nAnswer:"
+    assert mc_tasks.build_requests(task, RTE, []) == [(context, " True"), (context, " False")]
+    assert mc_tasks.gold_index(task, RTE) == 1  # GLUE label 1 = not entailment = False
+
+
+def test_fewshot_prefix_renders_solved_examples():
+    piqa = mc_tasks.TASKS["piqa"]
+    shot = {"query": "Question: Boil water?\n", "gold": 1, "choices": ["Freeze it.", "Heat it."]}
+    context, continuation = mc_tasks.build_requests(piqa, PIQA, [shot, shot])[0]
+    one = "Question: Boil water?\nAnswer: Heat it.\n\n"
+    assert context == one + one + "Question: How do I open a jar?\nAnswer:"
+    assert continuation == " Twist the lid."
+    # Multiple input: the shot's gold context, then its continuation.
+    wino = mc_tasks.TASKS["winogrande"]
+    wino_shot = {"context_options": ["A so B", "A so C"], "continuation": "won.", "gold": 1}
+    context, _ = mc_tasks.build_requests(wino, WINO, [wino_shot])[1]
+    assert context == "A so C won.\n\nSarah was a better surgeon than Maria so Maria"
+    # COPA's answer keeps lm-eval's double space in the shots too.
+    copa_shot = {"query": "It rained, therefore", "gold": 0, "choices": ["we got wet.", "x."]}
+    context, _ = mc_tasks.build_requests(mc_tasks.TASKS["copa"], COPA, [copa_shot])[0]
+    assert context.startswith("It rained, therefore  we got wet.\n\n")
+
+
+def test_fewshot_sampler_excludes_the_document_and_is_seeded():
+    docs = [{"i": i} for i in range(8)]
+    first = [mc_tasks.sample_fewshot(docs, d, 5, random.Random(1234)) for d in docs]
+    again = [mc_tasks.sample_fewshot(docs, d, 5, random.Random(1234)) for d in docs]
+    assert first == again
+    for doc, shots in zip(docs, first):
+        assert len(shots) == 5 and doc not in shots
+        assert len({s["i"] for s in shots}) == 5
+    # lm-eval draws n + 1 and drops the document: same draw as rng.sample(docs, 6).
+    rng = random.Random(1234)
+    drawn = random.Random(1234).sample(docs, 6)
+    assert mc_tasks.sample_fewshot(docs, docs[0], 5, rng) == [d for d in drawn if d != docs[0]][:5]
+    assert mc_tasks.sample_fewshot(docs, docs[0], 0, rng) == []
+
+
+def test_load_docs_reads_glue_tsv_with_quotes(tmp_path):
+    (tmp_path / "rte_dev.tsv").write_text(
+        'sentence1\tsentence2\tlabel\tidx\nHe said "hi.\tHe spoke.\t0\t0\n')
+    docs = mc_tasks.load_docs(mc_tasks.TASKS["rte"], tmp_path)
+    assert docs == [{"sentence1": 'He said "hi.', "sentence2": "He spoke.", "label": "0",
+                     "idx": "0"}]
+
+
+# -- tokenization: lm-eval's context / continuation split ----------------------
+
+def _char_encode(text: str) -> list[int]:
+    """A toy tokenizer: BOS (1), then one id per character, "ab" merged into 2."""
+    ids, i = [1], 0
+    while i < len(text):
+        if text.startswith("ab", i):
+            ids.append(2)
+            i += 2
+        else:
+            ids.append(ord(text[i]))
+            i += 1
+    return ids
+
+
+def test_encode_pair_moves_trailing_spaces_and_splits_the_whole():
+    context, continuation = mc_tasks.encode_pair(_char_encode, "xy  ", "z")
+    assert context == [1, ord("x"), ord("y")]
+    assert continuation == [ord(" "), ord(" "), ord("z")]
+    # The continuation is what follows the context in the encoded whole,
+    # even where a merge crosses the boundary ("a" + "b" -> one token).
+    context, continuation = mc_tasks.encode_pair(_char_encode, "xa", "b")
+    assert context == [1, ord("x"), ord("a")] and continuation == []
+    with pytest.raises(ValueError):
+        mc_tasks.encode_pair(_char_encode, "", "b")
+
+
+def test_truncate_left_keeps_the_last_tokens():
+    assert mc_tasks.truncate_left([1, 2, 3, 4], [5, 6], 10) == ([1, 2, 3, 4], [5, 6])
+    assert mc_tasks.truncate_left([1, 2, 3, 4], [5, 6], 5) == ([3, 4], [5, 6])
+    with pytest.raises(ValueError):
+        mc_tasks.truncate_left([1], [5, 6, 7], 4)
+
+
+def test_split_for_decode_moves_the_prompt_tail_into_the_forced_part():
+    assert split_for_decode([1, 2, 3, 4], [9], 3) == ([1], [2, 3, 4, 9])
+    assert split_for_decode([1, 2, 3, 4], [9, 8], 0) == ([1, 2, 3, 4], [9, 8])
+    with pytest.raises(ValueError):
+        split_for_decode([1, 2], [9], 2)
+
+
+# -- lm-eval's acc / acc_norm / acc_bytes --------------------------------------
+
+def test_acc_and_acc_norm_follow_lm_eval():
+    # Raw: choice 0 wins (-4 > -6). Per character: -4/2 = -2 vs -6/12 = -0.5, choice 1 wins.
+    metrics = mc_tasks.mc_metrics([-4.0, -6.0], ["ab", "abcdefghijkl"], gold=1)
+    assert metrics == {"acc": 0.0, "acc_norm": 1.0, "acc_bytes": 1.0}
+    metrics = mc_tasks.mc_metrics([-4.0, -6.0], ["ab", "abcdefghijkl"], gold=0)
+    assert metrics == {"acc": 1.0, "acc_norm": 0.0, "acc_bytes": 0.0}
+
+
+def test_acc_norm_counts_characters_and_acc_bytes_counts_bytes():
+    # "é" is 1 character but 2 UTF-8 bytes.
+    choices = ["ééé", "ab"]  # 3 characters / 6 bytes vs 2 / 2
+    lls = [-4.0, -2.0]  # per character -1.33 vs -1.0 -> 1; per byte -0.67 vs -1.0 -> 0
+    metrics = mc_tasks.mc_metrics(lls, choices, gold=0)
+    assert metrics["acc"] == 0.0 and metrics["acc_norm"] == 0.0 and metrics["acc_bytes"] == 1.0
+
+
+def test_ties_go_to_the_first_choice_and_multiple_input_has_no_norm():
+    assert mc_tasks.mc_metrics([-1.0, -1.0], ["a", "b"], gold=0)["acc"] == 1.0
+    assert mc_tasks.mc_metrics([-1.0, -1.0], ["a", "b"], gold=1)["acc"] == 0.0
+    metrics = mc_tasks.mc_metrics([-2.0, -1.0], ["long context", "c"], 1, multiple_input=True)
+    assert metrics == {"acc": 1.0, "acc_norm": None, "acc_bytes": None}
+    with pytest.raises(ValueError):
+        mc_tasks.mc_metrics([-1.0], ["a", "b"], gold=0)
+
+
+def test_aggregate_averages_over_documents():
+    task = mc_tasks.TASKS["openbookqa"]
+    docs = [OBQA, {**OBQA, "gold": 0}]
+    requests = [mc_tasks.Request("openbookqa", d, c, [1], [2], False)
+                for d in range(2) for c in range(4)]
+    # doc 0: choice 2 best (gold 2) -> acc 1; doc 1: choice 2 best (gold 0) -> acc 0.
+    lls = [-9.0, -9.0, -1.0, -9.0] * 2
+    out = mc_tasks.aggregate(task, docs, requests, lls)
+    assert out["num_docs"] == 2 and out["acc"] == 0.5 and out["chance"] == 0.25
+
+
+# -- retrieval: buckets, window membership, calibration sequence ---------------
+
+@pytest.mark.parametrize("depth, bucket", [
+    (0.0, "first_quarter"), (0.2499, "first_quarter"), (0.25, "middle"),
+    (0.5, "middle"), (0.7499, "middle"), (0.75, "last_quarter"), (0.999, "last_quarter"),
+])
+def test_depth_bucket(depth, bucket):
+    assert retrieval.depth_bucket(depth) == bucket
+
+
+def test_depth_bucket_rejects_out_of_range():
+    with pytest.raises(ValueError):
+        retrieval.depth_bucket(1.5)
+
+
+def test_load_examples_checks_buckets(tmp_path):
+    good = {"prompt_token_ids": [1] * 100, "answer_token_ids": [300],
+            "answer_positions": [30], "bucket": "middle", "needle_depth": 0.3}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "answer_positions": [80],
+                                                           "bucket": "last_quarter"}) + "\n")
+    assert len(retrieval.load_examples(path, None)) == 2
+    assert len(retrieval.load_examples(path, 1)) == 1
+    path.write_text(json.dumps({**good, "bucket": "first_quarter"}) + "\n")
+    with pytest.raises(ValueError, match="bucket"):
+        retrieval.load_examples(path, None)
+
+
+def test_bucket_accuracy_and_recent_window():
+    rows = [{"bucket": "first_quarter"}, {"bucket": "first_quarter"}, {"bucket": "middle"},
+            {"bucket": "last_quarter"}]
+    acc = retrieval.bucket_accuracy(rows, [True, False, True, True])
+    assert acc["first_quarter"] == {"n": 2, "acc": 0.5}
+    assert acc["middle"] == {"n": 1, "acc": 1.0}
+    assert acc["all"] == {"n": 4, "acc": 0.75}
+    # 1,024-token prompt: context at the answer step is 1,023 tokens; the value
+    # (key + 1) is in the last 128 iff value >= 895.
+    row = {"prompt_token_ids": [0] * 1024, "answer_positions": [894]}
+    assert retrieval.in_recent_window(row, 128)
+    assert not retrieval.in_recent_window({**row, "answer_positions": [893]}, 128)
+
+
+def test_forced_pair_puts_the_query_and_answer_in_decode():
+    row = {"prompt_token_ids": [1, 7, 3, 20, 300, 8, 4, 20, 5], "answer_token_ids": [300]}
+    assert retrieval.forced_pair(row, 3) == ([1, 7, 3, 20, 300, 8], [4, 20, 5, 300])
+
+
+def test_synthetic_calibration_sequence_has_the_task_layout():
+    ids = retrieval.synthetic_recall_ids(seed=3, length=256, num_pairs=6, num_queries=2)
+    assert len(ids) == 255  # BOS is added in front
+    body, queries = ids[:-8], ids[-8:]
+    pairs = {body[i + 1]: body[i + 2] for i, t in enumerate(body) if t == retrieval.SEP}
+    assert len(pairs) == 6 and all(k in retrieval.KEYS for k in pairs)
+    assert all(v in retrieval.VALUES for v in pairs.values())
+    for i in range(0, 8, 4):
+        query, key, marker, value = queries[i:i + 4]
+        assert (query, marker) == (retrieval.QUERY, retrieval.ANSWER) and pairs[key] == value
+
+
+def test_top1_uses_the_rank():
+    class Lp:
+        def __init__(self, logprob, rank):
+            self.logprob, self.rank = logprob, rank
+
+    assert retrieval.top1({300: Lp(-3.0, 4), 301: Lp(-0.1, 1)}) == 301
+
+
+# -- agreement: KL estimate and top-1 ------------------------------------------
+
+def _log(probs: dict[int, float]) -> dict[int, float]:
+    return {t: math.log(p) for t, p in probs.items()}
+
+
+def test_kl_is_exact_on_the_full_vocabulary():
+    p, q = {0: 0.5, 1: 0.3, 2: 0.2}, {0: 0.2, 1: 0.5, 2: 0.3}
+    exact = sum(p[t] * math.log(p[t] / q[t]) for t in p)
+    kl, covered = agreement.kl_lower_bound(_log(p), _log(q))
+    assert kl == pytest.approx(exact, abs=1e-12) and covered == pytest.approx(1.0)
+    assert agreement.kl_lower_bound(_log(p), _log(p))[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_kl_on_top_k_coarse_grains_the_rest_and_bounds_from_below():
+    p = {0: 0.5, 1: 0.3, 2: 0.1, 3: 0.1}
+    q = {0: 0.4, 1: 0.1, 2: 0.3, 3: 0.2}
+    # Top-2 of each side: dense knows {0, 1}, InfiniGen knows {0, 2}: known = {0}.
+    kl, covered = agreement.kl_lower_bound(_log({0: 0.5, 1: 0.3}), _log({0: 0.4, 2: 0.3}))
+    by_hand = 0.5 * math.log(0.5 / 0.4) + 0.5 * math.log(0.5 / 0.6)
+    assert kl == pytest.approx(by_hand, abs=1e-12) and covered == pytest.approx(0.5)
+    exact = sum(p[t] * math.log(p[t] / q[t]) for t in p)
+    assert kl <= exact
+
+
+def test_top1_and_per_position_comparison_skip_the_prefill_step():
+    dense = [_log({5: 0.9, 6: 0.1}), _log({5: 0.6, 6: 0.4}), _log({5: 0.3, 6: 0.7})]
+    sparse = [_log({5: 0.1, 6: 0.9}), _log({5: 0.4, 6: 0.6}), _log({5: 0.2, 6: 0.8})]
+    positions = agreement.compare_steps(dense, sparse)
+    assert len(positions) == 2  # step 0 (prefill) left out
+    assert [p["top1_agree"] for p in positions] == [0.0, 1.0]
+    assert positions[0]["kl"] == pytest.approx(0.6 * math.log(1.5) + 0.4 * math.log(0.4 / 0.6))
+    summary = agreement.summarize_positions(positions)
+    assert summary["top1_agreement"] == 0.5 and summary["num_positions"] == 2
+    assert summary["mean_kl"] == pytest.approx((positions[0]["kl"] + positions[1]["kl"]) / 2)
+    assert agreement.top1_token({3: -1.0, 2: -1.0, 9: -2.0}) == 2  # ties: lowest id
+    with pytest.raises(ValueError):
+        agreement.compare_steps(dense, sparse[:2])
+
+
+# -- results files and plot -----------------------------------------------------
+
+def test_markdown_table_and_cells():
+    table = report.markdown_table(["a", "b"], [["1", report.cell(None)], ["2", report.cell(0.5, ".2f")]])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 |  |", "| 2 | 0.50 |"]
+    with pytest.raises(ValueError):
+        report.markdown_table(["a"], [["1", "2"]])
+
+
+def test_write_results_records_provenance(tmp_path):
+    meta = {"command": "python x.py", "machine": "m", "cpus": 2, "runtime": {"path": "/r"}}
+    json_path, md_path = report.write_results(
+        tmp_path / "sub" / "res", meta, "Title", {"k": 1}, [{"v": 2}], ["## S", "body"])
+    data = json.loads(json_path.read_text())
+    assert data == {"meta": meta, "settings": {"k": 1}, "results": [{"v": 2}]}
+    text = md_path.read_text()
+    assert text.startswith("# Title") and "`python x.py`" in text and "body" in text
+
+
+def test_run_metadata_names_versions_and_runtime():
+    meta = report.run_metadata(model="m")
+    assert meta["model"] == "m" and meta["vllm"] and meta["torch"] and meta["cpus"]
+    assert meta["runtime"]["path"].endswith("vllm_infinigen")
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (plots are optional)")
+    panel = report.Panel("t", "acc", {"infinigen": [(0.2, 0.9), (0.05, 0.5)]}, {"dense": 1.0})
+    path = report.plot_quality_vs_budget(tmp_path / "p.png", [panel, panel], "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError):
+        report.plot_quality_vs_budget(tmp_path / "q.png", [])
+
+
+def test_try_plot_without_matplotlib_reports_and_returns_none(tmp_path, monkeypatch, capsys):
+    def unavailable():
+        raise report.PlotUnavailable("plots need matplotlib")
+
+    monkeypatch.setattr(report, "_pyplot", unavailable)
+    panel = report.Panel("t", "acc", {"x": [(0.1, 0.5)]})
+    assert report.try_plot(tmp_path / "p.png", [panel]) is None
+    assert "matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_prediction_agreement_with_dense():
+    dense = [[-1.0, -2.0], [-3.0, -1.0, -2.0]]
+    sparse = [[-1.5, -1.2], [-3.0, -1.0, -2.5]]
+    out = mc_tasks.prediction_agreement(dense, sparse)
+    assert out["same_choice"] == 0.5  # doc 0 flips to choice 1
+    assert out["mean_abs_delta"] == pytest.approx((0.5 + 0.8 + 0 + 0 + 0.5) / 5)
+    with pytest.raises(ValueError):
+        mc_tasks.prediction_agreement(dense, sparse[:1])
+    results = [{"task": "t", "kv_manager": "vllm", "doc_loglikelihoods": dense},
+               {"task": "t", "kv_manager": "infinigen", "doc_loglikelihoods": sparse}]
+    mc_tasks.add_dense_agreement(results)
+    assert results[0]["vs_dense_same_choice"] == 1.0
+    assert results[1]["vs_dense_same_choice"] == 0.5
