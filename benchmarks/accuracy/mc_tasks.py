@@ -372,7 +372,7 @@ def results_table(results: Sequence[dict]) -> str:
              report.cell(r["selected_fraction"], ".3f")] for r in results]
     return report.markdown_table(
         ["task", "mode", "budget", "docs", "acc", "acc_norm", "chance",
-         "same choice as dense", "mean |dLL| vs dense", "selected fraction"], rows)
+         "same choice as dense", "mean abs dLL vs dense", "selected fraction"], rows)
 
 
 def mean_table(results: Sequence[dict]) -> tuple[str, dict[tuple, dict]]:
@@ -407,7 +407,14 @@ def plot_panels(results: Sequence[dict]) -> list[report.Panel]:
         else:
             panel.series.setdefault(r["kv_manager"], []).append((r["budget"], r["acc"]))
         panel.references.setdefault("chance", r["chance"])
-    return list(panels.values())
+    agree = report.Panel("all tasks: same choice as dense", "fraction of documents")
+    by_budget: dict[float, list[float]] = {}
+    for r in results:
+        if r["kv_manager"] == "infinigen" and r.get("vs_dense_same_choice") is not None:
+            by_budget.setdefault(r["budget"], []).append(r["vs_dense_same_choice"])
+    agree.series["infinigen"] = [(b, sum(v) / len(v)) for b, v in by_budget.items()]
+    agree.references["vllm (dense)"] = 1.0
+    return [*panels.values(), agree] if by_budget else list(panels.values())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -480,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "continuation token are teacher-forced through decode (InfiniGen's selection applies "
         "to every scored token). acc_norm: lm-eval's per-character normalisation "
         "(none for WinoGrande). 'same choice as dense': fraction of documents where the "
-        "run picks the choice dense vLLM picks; 'mean |dLL|': mean absolute change of a "
+        "run picks the choice dense vLLM picks; 'mean abs dLL': mean absolute change of a "
         "choice's summed log-likelihood (nats) against dense.",
         "## Per task", results_table(results),
         "## Mean over tasks", mean_md,

@@ -206,6 +206,10 @@ def plot_quality_vs_budget(path: Path, panels: Sequence[Panel], suptitle: str = 
             line = axis.axhline(value, linestyle="--", color=colors[label], label=label)
             handles.setdefault(label, line)
         axis.set_xscale(panel.xscale)
+        xs = sorted({x for points in panel.series.values() for x, _ in points})
+        if panel.xscale == "log" and xs:  # label the measured budgets, not powers of 10
+            axis.set_xticks(xs, [format(x, "g") for x in xs])
+            axis.minorticks_off()
         axis.set_xlabel(panel.xlabel)
         axis.set_ylabel(panel.ylabel)
         axis.set_title(panel.title, fontsize=10)
