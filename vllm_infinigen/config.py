@@ -26,9 +26,12 @@ FLAG_OF_FIELD = {
     "transfer": "--infinigen-transfer",
     "cpu_pool_gib": "--infinigen-cpu-pool-gib",
     "eviction": "--infinigen-eviction",
+    "policy": "--infinigen-policy",
 }
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
+# Selection policies: InfiniGen's, and baselines on the same machinery.
+POLICIES = ("infinigen", "h2o", "streaming", "quest")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class InfiniGenConfig:
             by ``eviction``.
         eviction: ``counter`` (the least often selected of the oldest half;
             the paper's best), ``lru`` or ``fifo``; see ``pool.py``.
+        policy: ``infinigen``, or a baseline at the same budget on the same
+            machinery: ``h2o``, ``streaming`` or ``quest`` (``baselines.py``).
     """
 
     alpha: float | None = None
@@ -74,6 +79,7 @@ class InfiniGenConfig:
     transfer: str = "auto"
     cpu_pool_gib: float | None = None
     eviction: str = "counter"
+    policy: str = "infinigen"
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not _is_number(self.alpha, positive=True):
@@ -106,6 +112,16 @@ class InfiniGenConfig:
             raise ValueError(
                 f"{FLAG_OF_FIELD['eviction']} must be one of {list(EVICTION_POLICIES)}, "
                 f"got {self.eviction!r}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"{FLAG_OF_FIELD['policy']} must be one of {list(POLICIES)}, "
+                f"got {self.policy!r}"
+            )
+        if self.policy != "infinigen" and self.cpu_pool_gib is not None:
+            raise ValueError(
+                f"{FLAG_OF_FIELD['policy']} {self.policy} runs on an uncapped pool; "
+                f"remove {FLAG_OF_FIELD['cpu_pool_gib']}"
             )
         if self.dense_layers < 1:
             raise ValueError(

@@ -31,6 +31,7 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
+from vllm_infinigen import baselines
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.ops import capture_pre_hook
 from vllm_infinigen.pool import IdentityPoolIndex, make_pool_index
@@ -54,6 +55,7 @@ class StepPlan:
     rows: torch.Tensor  # [B] request index in the batch
     tokens: torch.Tensor  # [B] token index of each decode row
     context_lens: torch.Tensor  # [B] tokens before the current one
+    context_host: list[int]  # host copy of context_lens
     block_table: torch.Tensor  # [B, max_blocks]
     context_slots: torch.Tensor  # [B, N] slot of every context position
     num_slots: int  # K of the selections this step
@@ -98,6 +100,12 @@ class LayerState:
         self.value_store: torch.Tensor | None = None
         self.partial_key_cache: torch.Tensor | None = None
         self.heads: torch.Tensor | None = None  # [H_kv] KV head ids
+        self.selected_slots: torch.Tensor | None = None  # [B, H_kv, K] of the selection
+        # Baseline state, by slot (allocated by ``ensure_policy_state``).
+        self.h2o_accumulated: torch.Tensor | None = None  # [S + 1, H_kv]
+        self.h2o_alive: torch.Tensor | None = None  # [S + 1, H_kv]
+        self.quest_min: torch.Tensor | None = None  # [S / page + 1, H_kv, D]
+        self.quest_max: torch.Tensor | None = None
 
     def allocate(self, num_rows: int, num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -128,10 +136,43 @@ class LayerState:
         self.key_store[rows, self.heads] = key
         self.value_store[rows, self.heads] = value
         pad_slot = self.partial_key_cache.shape[0] - 1
+        slots = torch.where(slots < 0, pad_slot, slots)
         partial = torch.einsum("thd,hdr->thr", key.float(), self.skew)
-        self.partial_key_cache[torch.where(slots < 0, pad_slot, slots)] = partial.to(
-            self.partial_key_cache.dtype
-        )
+        self.partial_key_cache[slots] = partial.to(self.partial_key_cache.dtype)
+        if self.h2o_accumulated is not None:
+            self.h2o_accumulated[slots] = 0
+            self.h2o_alive[slots] = True
+        if self.quest_min is not None:
+            self._update_pages(key, slots)
+
+    def ensure_policy_state(self, policy: str) -> None:
+        """Allocates a baseline's per-slot state (from the pool, if it has data)."""
+        num_slots = self.partial_key_cache.shape[0]
+        device = self.partial_key_cache.device
+        if policy == "h2o" and self.h2o_accumulated is None:
+            self.h2o_accumulated = torch.zeros((num_slots, self.num_kv_heads),
+                                               dtype=torch.float32, device=device)
+            self.h2o_alive = torch.ones((num_slots, self.num_kv_heads),
+                                        dtype=torch.bool, device=device)
+        if policy == "quest" and self.quest_min is None:
+            page = baselines.QUEST_PAGE_SIZE
+            keys = self.key_store[: (num_slots - 1)].to(device)  # uncapped: row = slot
+            pages = keys.view(-1, page, self.num_kv_heads, self.head_size)
+            pad = torch.zeros((1, self.num_kv_heads, self.head_size), dtype=keys.dtype,
+                              device=device)
+            self.quest_min = torch.cat([pages.amin(dim=1), pad])
+            self.quest_max = torch.cat([pages.amax(dim=1), pad])
+
+    def _update_pages(self, key: torch.Tensor, slots: torch.Tensor) -> None:
+        """Folds new keys into their pages' min/max; a page restarts at its first slot."""
+        page_size = baselines.QUEST_PAGE_SIZE
+        pages = slots // page_size
+        first = pages[slots % page_size == 0]
+        self.quest_min[first] = float("inf")
+        self.quest_max[first] = float("-inf")
+        index = pages[:, None, None].expand_as(key)
+        self.quest_min.scatter_reduce_(0, index, key.to(self.quest_min.dtype), "amin")
+        self.quest_max.scatter_reduce_(0, index, key.to(self.quest_max.dtype), "amax")
 
 
 class InfiniGenRuntime:
@@ -189,6 +230,11 @@ class InfiniGenRuntime:
             self.config.eviction, self.device,
         )
         self.pool_entry_bytes = 2 * sparse[0].head_size * dtype.itemsize
+        if block_size % baselines.QUEST_PAGE_SIZE:
+            raise ValueError(f"InfiniGen needs a block size that is a multiple of "
+                             f"{baselines.QUEST_PAGE_SIZE}; got --block-size {block_size}")
+        for state in sparse:
+            state.ensure_policy_state(self.config.policy)
         logger.info(
             "InfiniGen: pool of %d tokens x %d sparse layers (%s): %.3f GiB host "
             "memory; partial keys for %d tokens: %.3f GiB device memory; transfer %s",
@@ -221,7 +267,7 @@ class InfiniGenRuntime:
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
-        allowed = {"budget", "sink_tokens", "recent_tokens", "eviction"}
+        allowed = {"budget", "sink_tokens", "recent_tokens", "eviction", "policy"}
         if set(changes) - allowed:
             raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
         if alpha is not None:
@@ -231,6 +277,9 @@ class InfiniGenRuntime:
             self.alpha = float(alpha)
         if "eviction" in changes and self.pool_index.capped:
             self.pool_index.policy = self.config.eviction
+        for state in self.layers:
+            if state.sparse and state.key_store is not None:
+                state.ensure_policy_state(self.config.policy)
 
     def take_counters(self) -> dict[str, float]:
         """Drains the counters (one host copy per step, not per layer)."""
@@ -276,6 +325,7 @@ class InfiniGenRuntime:
             rows=rows.to(device),
             tokens=query_start[rows].to(device=device, dtype=torch.int64),
             context_lens=context_lens.to(device=device, dtype=torch.int64),
+            context_host=context_host,
             block_table=block_table,
             context_slots=slots_of_positions(positions, block_table, block_size),
             num_slots=max_selected(context_host, self.config.budget, num_window),
@@ -326,17 +376,60 @@ class InfiniGenRuntime:
             recent_tokens=self.config.recent_tokens,
             present=present,
         )
+        self._start_transfer(target, plan, selection)
+
+    def _start_transfer(self, target: LayerState, plan: StepPlan, selection: Selection) -> None:
+        """Sends ``target`` its selected entries, from the pool rows that hold them."""
+        index = self.pool_index
         target.selection = selection
         slots = slots_of_positions(selection.positions, plan.block_table, self.block_size)
+        target.selected_slots = slots
         rows = index.rows(target.pool_layer, slots, target.heads[None, :, None])
         if index.capped:
             rows = torch.where(selection.valid, rows, index.num_rows)  # evicted -> padding
             index.record_use(target.pool_layer, rows, selection.valid)
         self.transfer.start(target.layer_idx, target.key_store, target.value_store, rows)
 
+    def select_in_layer(self, state: LayerState, plan: StepPlan, query: torch.Tensor) -> None:
+        """A baseline policy selects for ``state`` from its own state and query."""
+        policy = self.config.policy
+        budget = self.config.budget
+        context_host = plan.context_host
+        num_tokens = plan.context_slots.shape[1]
+        if policy == "streaming":
+            selection = baselines.streaming_select(
+                plan.context_lens, budget, state.num_kv_heads, num_tokens,
+                max_selected(context_host, budget, 0))
+        elif policy == "h2o":
+            slots = plan.context_slots  # [B, N]
+            selection = baselines.h2o_select(
+                state.h2o_accumulated[slots].permute(0, 2, 1),
+                state.h2o_alive[slots].permute(0, 2, 1),
+                plan.context_lens, budget, max_selected(context_host, budget, 0))
+            # Permanent eviction: whatever was not kept is gone for this request.
+            kept = torch.zeros((slots.shape[0], state.num_kv_heads, num_tokens),
+                               dtype=torch.bool, device=slots.device)
+            kept.scatter_(-1, selection.positions, selection.valid)
+            in_context = (torch.arange(num_tokens, device=slots.device)[None]
+                          < plan.context_lens[:, None])
+            heads = state.heads[None, None, :]
+            drop = (~kept.permute(0, 2, 1)) & in_context[..., None]
+            state.h2o_alive[slots[..., None].expand_as(drop)[drop],
+                            heads.expand_as(drop)[drop]] = False
+        else:
+            page = baselines.QUEST_PAGE_SIZE
+            starts = torch.arange(0, num_tokens, page, device=query.device)
+            page_ids = plan.context_slots[:, starts] // page  # [B, P]
+            selection = baselines.quest_select(
+                query[plan.tokens], state.quest_min[page_ids], state.quest_max[page_ids],
+                plan.context_lens, budget, baselines.quest_num_slots(context_host, budget))
+        self._start_transfer(state, plan, selection)
+
     def attend_sparse(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Decode attention of a sparse layer; query: [T, H_q, D]. Returns [B, H_q, D]."""
+        if self.config.policy != "infinigen":
+            self.select_in_layer(state, plan, query)
         selection = state.selection
         if selection is None:
             raise RuntimeError(
@@ -346,8 +439,14 @@ class InfiniGenRuntime:
         state.selection = None
         keys, values, waited = self.transfer.wait(state.layer_idx)
         self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
-        out = attend_gathered(query[plan.tokens], keys, values, selection.valid,
-                              key[plan.tokens], value[plan.tokens], state.scale)
+        out, probs = attend_gathered(query[plan.tokens], keys, values, selection.valid,
+                                     key[plan.tokens], value[plan.tokens], state.scale,
+                                     return_probs=True)
+        if state.h2o_accumulated is not None and self.config.policy == "h2o":
+            valid = selection.valid
+            heads = state.heads[None, :, None].expand_as(valid)
+            state.h2o_accumulated.index_put_(
+                (state.selected_slots[valid], heads[valid]), probs[valid], accumulate=True)
         entries = selection.valid.sum().to(torch.float64)  # (token, KV head) pairs
         entry_bytes = 2 * state.head_size * state.key_store.element_size()
         self.counters[state.layer_idx] += torch.stack([
@@ -386,10 +485,18 @@ class InfiniGenRuntime:
                       <= first + torch.arange(end - start, device=query.device)[:, None])
             # [H_q, rows, L]: causal, and only what the pool holds.
             mask = causal[None] & present.t().repeat_interleave(group, 0)[:, None, :]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1).float(), keys.float(), values.float(),
-                attn_mask=mask, scale=state.scale,
-            )
+            queries = query[start:end].transpose(0, 1).float()
+            if state.h2o_accumulated is not None and self.config.policy == "h2o":
+                # H2O scores tokens by the attention they receive, prefill included.
+                logits = torch.einsum("hqd,hkd->hqk", queries, keys.float()) * state.scale
+                probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+                out = torch.einsum("hqk,hkd->hqd", probs, values.float())
+                received = probs.sum(dim=1).view(state.num_kv_heads, group, -1).sum(dim=1)
+                state.h2o_accumulated[slots] += received.t()
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    queries, keys.float(), values.float(), attn_mask=mask, scale=state.scale,
+                )
             output[start:end] = out.transpose(0, 1).to(output.dtype)
 
 
@@ -423,7 +530,7 @@ class InfiniGenImplMixin:
         dense_metadata = context.attn_metadata[runtime.reference_layer]
         runtime.begin_step(dense_metadata, context.slot_mapping[runtime.reference_layer])
         plan = runtime.plan_for(dense_metadata, block_size)
-        if state.next is not None and plan.num_decodes:
+        if state.next is not None and plan.num_decodes and runtime.config.policy == "infinigen":
             runtime.speculate(state, plan)
         state.captured_input = None
         if not state.sparse:

@@ -75,8 +75,13 @@ def attend_gathered(
     current_key: torch.Tensor,
     current_value: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """Like ``attend_selected``, over entries already gathered: [B, H_kv, K, D]."""
+    return_probs: bool = False,
+):
+    """Like ``attend_selected``, over entries already gathered: [B, H_kv, K, D].
+
+    With ``return_probs``, also returns the attention each selected entry
+    received, summed over the KV head's query group: [B, H_kv, K].
+    """
     num_reqs, num_heads, head_size = query.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
@@ -89,4 +94,7 @@ def attend_gathered(
     logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhgk,bhkd->bhgd", probs, values.float())
-    return out.reshape(num_reqs, num_heads, head_size).to(query.dtype)
+    out = out.reshape(num_reqs, num_heads, head_size).to(query.dtype)
+    if return_probs:
+        return out, probs[..., :-1].sum(dim=2)
+    return out

@@ -21,7 +21,7 @@ def test_defaults():
     assert config.to_dict() == {
         "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "skew_file": None,
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
-        "cpu_pool_gib": None, "eviction": "counter",
+        "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 
@@ -163,6 +163,14 @@ def test_pool_cap_and_eviction_values():
             InfiniGenConfig(cpu_pool_gib=bad)
     with pytest.raises(ValueError, match="--infinigen-eviction.*counter"):
         InfiniGenConfig(eviction="random")
+
+
+def test_policy_values():
+    assert InfiniGenConfig(policy="quest").policy == "quest"
+    with pytest.raises(ValueError, match="--infinigen-policy.*h2o"):
+        InfiniGenConfig(policy="snapkv")
+    with pytest.raises(ValueError, match="--infinigen-policy h2o.*--infinigen-cpu-pool-gib"):
+        InfiniGenConfig(policy="h2o", cpu_pool_gib=1.0)
 
 
 def test_transfer_values():

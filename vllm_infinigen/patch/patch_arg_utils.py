@@ -126,10 +126,12 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "full, each layer and KV head evicts by --infinigen-eviction.",
         "eviction": f"Pool eviction policy when capped: {', '.join(EVICTION_POLICIES)} "
         f"(default {defaults.eviction}: the least often selected of the oldest half).",
+        "policy": "Selection policy: infinigen (default), or a baseline at the same "
+        "budget on the same machinery: h2o, streaming, quest.",
     }
     types = {"alpha": float, "partial_ratio": float, "budget": float,
              "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int,
-             "transfer": str, "cpu_pool_gib": float, "eviction": str}
+             "transfer": str, "cpu_pool_gib": float, "eviction": str, "policy": str}
     for field, flag in FLAG_OF_FIELD.items():
         group.add_argument(flag, type=types[field], default=None, help=helps[field])
     return parser

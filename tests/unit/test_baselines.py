@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The baseline policies' rules (StreamingLLM, H2O, Quest) on hand-built inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_infinigen import baselines
+from vllm_infinigen.runtime import LayerState
+from vllm_infinigen.pool import IdentityPoolIndex
+
+
+def kept(selection, b: int = 0, h: int = 0) -> list[int]:
+    return sorted(selection.positions[b, h][selection.valid[b, h]].tolist())
+
+
+def test_streaming_keeps_sinks_and_the_most_recent_tokens():
+    lens = torch.tensor([100, 10, 3])
+    selection = baselines.streaming_select(lens, budget=0.1, num_heads=2, num_tokens=100,
+                                           num_slots=10)
+    assert kept(selection, 0) == [0, 1, 2, 3, 94, 95, 96, 97, 98, 99]
+    assert kept(selection, 0, 1) == kept(selection, 0)  # same for every head
+    assert kept(selection, 1) == [0]  # budget 1 token: the first sink
+    assert kept(selection, 2) == [0]
+    assert selection.num_selected.tolist() == [10, 1, 1]
+
+
+def test_h2o_keeps_recent_half_and_heavy_hitters_among_the_living():
+    num_tokens = 20
+    accumulated = torch.zeros(1, 2, num_tokens)
+    accumulated[0, 0, [3, 7, 11]] = torch.tensor([5.0, 4.0, 3.0])
+    accumulated[0, 1, [1, 2]] = torch.tensor([9.0, 8.0])
+    alive = torch.ones(1, 2, num_tokens, dtype=torch.bool)
+    alive[0, 0, 3] = False  # evicted earlier: never comes back
+    selection = baselines.h2o_select(accumulated, alive, torch.tensor([20]), budget=0.2,
+                                     num_slots=4)
+    # Budget 4 tokens: 2 recent (18, 19) + 2 heavy of each head.
+    assert kept(selection, 0, 0) == [7, 11, 18, 19]
+    assert kept(selection, 0, 1) == [1, 2, 18, 19]
+
+
+def test_quest_scores_pages_by_their_upper_bound():
+    page = baselines.QUEST_PAGE_SIZE
+    num_pages, head_size = 4, 2
+    page_min = torch.zeros(1, num_pages, 1, head_size)
+    page_max = torch.zeros(1, num_pages, 1, head_size)
+    # q = (1, -1): the bound is max_0 - min_1 per page.
+    page_max[0, :, 0, 0] = torch.tensor([1.0, 0.0, 5.0, 2.0])
+    page_min[0, :, 0, 1] = torch.tensor([0.0, -3.0, 0.0, 0.0])
+    query = torch.tensor([[[1.0, -1.0]]])
+    context = torch.tensor([num_pages * page - 5])  # the last page is partial
+    selection = baselines.quest_select(query, page_min, page_max, context, budget=0.5,
+                                       num_slots=2 * page)
+    # Bounds 1, 3, 5, 2; budget floor(59 x 0.5) = 29 tokens = 1 whole page:
+    # the page with bound 5.
+    assert kept(selection) == list(range(2 * page, 3 * page))
+
+
+def test_quest_leaves_out_positions_past_the_context():
+    page = baselines.QUEST_PAGE_SIZE
+    page_min = torch.zeros(1, 2, 1, 1)
+    page_max = torch.tensor([0.0, 1.0]).view(1, 2, 1, 1)
+    selection = baselines.quest_select(torch.ones(1, 1, 1), page_min, page_max,
+                                       torch.tensor([page + 3]), budget=1.0,
+                                       num_slots=page)
+    assert kept(selection) == [page, page + 1, page + 2]
+
+
+def test_incremental_pages_equal_pages_rebuilt_from_the_pool():
+    """Quest's per-page key bounds: updated on every write, or rebuilt from the
+    pool when the policy is switched on in a running engine."""
+    torch.manual_seed(0)
+    num_slots, heads, dim = 64, 2, 4
+
+    class _Impl:
+        num_heads, num_kv_heads, head_size, scale = 2, heads, dim, 1.0
+
+    class _Attn:
+        impl = _Impl()
+
+    def layer() -> LayerState:
+        state = LayerState(2, "l2", _Attn(), None, sparse=True)
+        state.skew = torch.eye(dim)[None].repeat(heads, 1, 1)[:, :, :1]
+        state.pool_layer = 0
+        state.allocate(num_slots, num_slots, torch.float32, torch.device("cpu"))
+        return state
+
+    index = IdentityPoolIndex(num_slots)
+    live, late = layer(), layer()
+    live.ensure_policy_state("quest")
+    # Slots 32..47 are written twice: a later request reuses the block.
+    writes = [torch.arange(0, 20), torch.arange(20, 48), torch.arange(32, 40)]
+    for slots in writes:
+        key = torch.randn(len(slots), heads, dim)
+        for state in (live, late):
+            state.write(key, key, slots, index)
+    late.ensure_policy_state("quest")
+    for page in range(2):
+        assert torch.equal(live.quest_min[page], late.quest_min[page]), page
+        assert torch.equal(live.quest_max[page], late.quest_max[page]), page
+    # Page 2 restarted at slot 32: it bounds the new request's 8 keys only. A
+    # rebuild cannot tell stale slots 40..47 apart, so its bound is looser.
+    new_keys = live.key_store[32:40]
+    assert torch.equal(live.quest_min[2], new_keys.amin(dim=0))
+    assert torch.equal(live.quest_max[2], new_keys.amax(dim=0))
+    assert (late.quest_min[2] <= live.quest_min[2]).all()
+    assert (late.quest_max[2] >= live.quest_max[2]).all()
