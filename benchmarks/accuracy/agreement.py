@@ -197,8 +197,9 @@ def results_table(results: Sequence[dict]) -> str:
          "top-1 agreement", "covered dense mass", "selected fraction"], rows)
 
 
-def plot_panels(results: Sequence[dict]) -> list[report.Panel]:
-    kl = report.Panel("KL(dense || InfiniGen), top-k estimate", "mean KL_K (nats/token)")
+def plot_panels(results: Sequence[dict], top_logprobs: int) -> list[report.Panel]:
+    kl = report.Panel(f"KL(dense || InfiniGen), KL_K from the top {top_logprobs}",
+                      "mean KL_K (nats/token)")
     top1 = report.Panel("top-1 agreement with dense", "fraction of positions")
     for r in results:
         if r["control"]:
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens hold.",
         "## Per setting", results_table(results),
     ]
-    png = report.try_plot(args.out.with_suffix(".png"), plot_panels(results),
+    png = report.try_plot(args.out.with_suffix(".png"), plot_panels(results, args.top_logprobs),
                           f"agreement with dense, {args.model.name}")
     if png:
         sections.append(f"![agreement vs budget]({png.name})")
