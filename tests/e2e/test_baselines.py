@@ -55,3 +55,22 @@ def test_each_policy_keeps_to_the_budget(llm, stock, policy):
     for layer, fraction in fractions.items():
         assert 0 < fraction <= 0.2, (layer, fraction)
     assert outputs != stock  # a fifth of the context changes some greedy token
+
+
+def test_same_inputs_give_the_same_selections_and_outputs(llm):
+    """Determinism: twice the same batch, the same tokens selected in every layer."""
+    first_outputs, first = _run_counts(llm)
+    second_outputs, second = _run_counts(llm)
+    assert first_outputs == second_outputs
+    assert first == second
+
+
+def _run_counts(llm) -> tuple[list[list[int]], dict[str, float]]:
+    llm.collective_rpc("set_infinigen_selection", kwargs={"policy": "infinigen", "budget": 0.1})
+    before = summarize(llm.get_metrics())
+    outputs = greedy_tokens(llm, PROMPTS, MAX_TOKENS)
+    after = summarize(llm.get_metrics())
+    return outputs, {
+        f"{name}.{layer}": after[name][layer] - before.get(name, {}).get(layer, 0)
+        for name in ("selected_tokens", "swap_bytes") for layer in after[name]
+    }
