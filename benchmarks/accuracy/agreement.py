@@ -4,7 +4,8 @@
 1. Dense vLLM generates G tokens greedily after each prompt, returning the
    top-k raw logprobs of every step.
 2. An InfiniGen engine teacher-forces that same dense continuation, also with
-   top-k logprobs, once per budget (switched on the running engine).
+   top-k logprobs, once per budget and ``--policy`` (InfiniGen or the
+   runtime's baselines; switched on the running engine).
 3. Per position, the two next-token distributions are compared.
 
 Step 0 is predicted by the (dense) prefill in both engines and is left out:
@@ -42,10 +43,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks.accuracy import report  # noqa: E402
 from benchmarks.accuracy.harness import (  # noqa: E402
-    SELECT_ALL,
+    POLICIES,
     SelectionMeter,
     batched,
     default_path,
+    is_control,
+    policy_of,
+    selection_grid,
     start_engine,
     sweep,
 )
@@ -139,13 +143,6 @@ def dense_generate(args, prompts: Sequence[list[int]]) -> tuple[list[list[int]],
     return tokens, steps
 
 
-def infinigen_settings(args) -> list[dict]:
-    settings = [{"budget": budget} for budget in args.budget]
-    if args.select_all_control:
-        settings.append(dict(SELECT_ALL))  # last: its alpha stays in force
-    return settings
-
-
 def sparse_compare(args, prompts, dense_tokens, dense_steps) -> list[dict]:
     """Teacher-forces the dense continuations through InfiniGen, per setting."""
     from tqdm import tqdm
@@ -157,7 +154,8 @@ def sparse_compare(args, prompts, dense_tokens, dense_steps) -> list[dict]:
                       infinigen={"budget": args.budget[0]},
                       kv_cache_memory_bytes=args.kv_cache_bytes,
                       max_logprobs=args.top_logprobs) as llm:
-        for setting in sweep(llm, "infinigen", infinigen_settings(args)):
+        for setting in sweep(llm, "infinigen", selection_grid(
+                args.budget, args.policy, args.select_all_control)):
             start = time.perf_counter()
             per_prompt = []
             with SelectionMeter(llm) as meter, tqdm(total=len(prompts), unit="prompt",
@@ -175,8 +173,8 @@ def sparse_compare(args, prompts, dense_tokens, dense_steps) -> list[dict]:
             flat = [position for prompt in per_prompt for position in prompt]
             results.append({
                 "kv_manager": "infinigen",
-                "control": setting == SELECT_ALL,
-                **setting, **summarize_positions(flat),
+                "control": is_control(setting),
+                **setting, "policy": policy_of(setting), **summarize_positions(flat),
                 "selected_fraction": meter.fraction,
                 "seconds": time.perf_counter() - start,
                 "per_prompt_kl": [[round(p["kl"], 6) for p in prompt] for prompt in per_prompt],
@@ -187,7 +185,8 @@ def sparse_compare(args, prompts, dense_tokens, dense_steps) -> list[dict]:
 
 
 def results_table(results: Sequence[dict]) -> str:
-    rows = [["select all (control)" if r["control"] else "infinigen", report.cell(r["budget"], "g"),
+    rows = [["select all (control)" if r["control"] else r["policy"],
+             report.cell(r["budget"], "g"),
              report.cell(r.get("alpha"), "g"), str(r["num_positions"]),
              f"{r['mean_kl']:.4f}", f"{r['median_kl']:.4f}", f"{r['p95_kl']:.4f}",
              f"{r['top1_agreement']:.3f}", f"{r['mean_covered_mass']:.3f}",
@@ -198,7 +197,7 @@ def results_table(results: Sequence[dict]) -> str:
 
 
 def plot_panels(results: Sequence[dict], top_logprobs: int) -> list[report.Panel]:
-    kl = report.Panel(f"KL(dense || InfiniGen), KL_K from the top {top_logprobs}",
+    kl = report.Panel(f"KL(dense || sparse), KL_K from the top {top_logprobs}",
                       "mean KL_K (nats/token)")
     top1 = report.Panel("top-1 agreement with dense", "fraction of positions")
     for r in results:
@@ -206,8 +205,8 @@ def plot_panels(results: Sequence[dict], top_logprobs: int) -> list[report.Panel
             kl.references["select all (control)"] = r["mean_kl"]
             top1.references["select all (control)"] = r["top1_agreement"]
         else:
-            kl.series.setdefault("infinigen", []).append((r["budget"], r["mean_kl"]))
-            top1.series.setdefault("infinigen", []).append((r["budget"], r["top1_agreement"]))
+            kl.series.setdefault(r["policy"], []).append((r["budget"], r["mean_kl"]))
+            top1.series.setdefault(r["policy"], []).append((r["budget"], r["top1_agreement"]))
     return [kl, top1]
 
 
@@ -222,6 +221,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-logprobs", type=int, default=20,
                         help="k: top tokens returned per step (vocabulary size: exact KL)")
     parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    parser.add_argument("--policy", nargs="+", default=["infinigen"], choices=POLICIES,
+                        help="selection rules (--infinigen-policy), swept on the InfiniGen engine")
     parser.add_argument("--no-select-all-control", dest="select_all_control",
                         action="store_false",
                         help="skip the control (budget 1, alpha 1e4: should equal dense)")
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         f"dense vLLM generates {args.generate_tokens} tokens greedily, InfiniGen is "
         f"teacher-forced along them; positions 1..{args.generate_tokens - 1} (decode steps) "
         f"compared with the top {args.top_logprobs} logprobs of each side.",
-        "KL_K is a lower bound on KL(dense || InfiniGen): the vocabulary is coarse-grained "
+        "KL_K is a lower bound on KL(dense || sparse): the vocabulary is coarse-grained "
         "into the tokens whose logprobs both sides returned plus one rest bucket (exact when "
         "k covers the vocabulary); 'covered dense mass' is the dense probability those "
         "tokens hold.",

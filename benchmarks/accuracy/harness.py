@@ -30,6 +30,8 @@ KV_MANAGERS = ("vllm", "infinigen")
 # Control setting: InfiniGen selecting every token (the alpha rule cannot bind),
 # which must score as dense vLLM. Sweep it last: its alpha stays in force.
 SELECT_ALL = {"budget": 1.0, "alpha": 1e4}
+# Selection rules of ``--infinigen-policy`` (switchable at run time).
+POLICIES = ("infinigen", "h2o", "streaming", "quest")
 T = TypeVar("T")
 
 
@@ -130,6 +132,36 @@ def sweep(llm, kv_manager: str, settings: Sequence[dict[str, Any]]) -> Iterator[
     for setting in settings:
         llm.collective_rpc("set_infinigen_selection", kwargs=dict(setting))
         yield dict(setting)
+
+
+def selection_grid(budgets: Sequence[float], policies: Sequence[str] = ("infinigen",),
+                   select_all_control: bool = False) -> list[dict[str, Any]]:
+    """Every (policy, budget) setting, policy-major, then the control if asked.
+
+    With the default policy alone the settings carry no ``policy`` key (so
+    they also work on runtimes without ``--infinigen-policy``); otherwise every
+    setting names its policy, since a switched policy stays in force. The
+    select-all control is InfiniGen's rule and comes last (its alpha stays).
+    """
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; known: {POLICIES}")
+    explicit = list(policies) != ["infinigen"]
+    grid = [{**({"policy": policy} if explicit else {}), "budget": budget}
+            for policy in policies for budget in budgets]
+    if select_all_control:
+        grid.append({**({"policy": "infinigen"} if explicit else {}), **SELECT_ALL})
+    return grid
+
+
+def policy_of(setting: dict | None) -> str | None:
+    """The setting's selection rule; None for dense vLLM."""
+    return None if setting is None else setting.get("policy", "infinigen")
+
+
+def is_control(setting: dict | None) -> bool:
+    """Whether the setting is the select-all control."""
+    return setting is not None and all(setting.get(k) == v for k, v in SELECT_ALL.items())
 
 
 def batched(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:

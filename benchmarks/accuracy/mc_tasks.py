@@ -32,7 +32,8 @@ from the encoded whole; over-long inputs lose tokens on the left.
 InfiniGen sparsifies decode only, so the last ``--decode-context-tokens`` of
 the context and every continuation token are teacher-forced through decode:
 each continuation token is then predicted in a decode step, under the
-selection. Example::
+selection. ``--policy`` adds the runtime's baseline rules (H2O, StreamingLLM,
+Quest) at the same budgets, switched on the same engine. Example::
 
     flock /tmp/engine.lock python benchmarks/accuracy/mc_tasks.py --limit 20 \\
         --kv-manager vllm infinigen --budget 0.05 0.1 0.2
@@ -57,10 +58,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.accuracy import report  # noqa: E402
 from benchmarks.accuracy.harness import (  # noqa: E402
     KV_MANAGERS,
-    SELECT_ALL,
+    POLICIES,
     SelectionMeter,
     batched,
     default_path,
+    is_control,
+    policy_of,
+    selection_grid,
     start_engine,
     sweep,
 )
@@ -325,18 +329,13 @@ def add_dense_agreement(results: Sequence[dict]) -> None:
                 dense[r["task"]]["doc_loglikelihoods"], r["doc_loglikelihoods"]).items()})
 
 
-def selection_settings(budgets: Sequence[float], select_all_control: bool) -> list[dict]:
-    """The budgets, then (optionally) the select-all control."""
-    settings = [{"budget": budget} for budget in budgets]
-    return settings + [dict(SELECT_ALL)] if select_all_control else settings
-
-
 def mode_label(kv_manager: str, setting: dict | None) -> str:
+    """"vllm" (dense), the selection policy, or the select-all control."""
     if setting is None:
         return kv_manager
-    if setting == SELECT_ALL:
+    if is_control(setting):
         return "infinigen select-all (control)"
-    return kv_manager
+    return policy_of(setting)
 
 
 def run_engine(args: argparse.Namespace, kv_manager: str,
@@ -346,8 +345,8 @@ def run_engine(args: argparse.Namespace, kv_manager: str,
     results = []
     with start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
                       infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
-        for setting in sweep(llm, kv_manager,
-                             selection_settings(args.budget, args.select_all_control)):
+        for setting in sweep(llm, kv_manager, selection_grid(
+                args.budget, args.policy, args.select_all_control)):
             mode = mode_label(kv_manager, setting)
             label = mode if setting is None else f"{mode} b={setting['budget']:g}"
             for name, (task, docs, requests) in work.items():
@@ -402,19 +401,22 @@ def plot_panels(results: Sequence[dict]) -> list[report.Panel]:
         panel = panels.setdefault(r["task"], report.Panel(r["task"], "acc"))
         if r["budget"] is None:
             panel.references[f"{r['kv_manager']} (dense)"] = r["acc"]
-        elif r["kv_manager"] != "infinigen":
+        elif r["kv_manager"].endswith("(control)"):
             continue  # the select-all control equals dense; it is in the table
         else:
             panel.series.setdefault(r["kv_manager"], []).append((r["budget"], r["acc"]))
         panel.references.setdefault("chance", r["chance"])
     agree = report.Panel("all tasks: same choice as dense", "fraction of documents")
-    by_budget: dict[float, list[float]] = {}
+    by_mode: dict[str, dict[float, list[float]]] = {}
     for r in results:
-        if r["kv_manager"] == "infinigen" and r.get("vs_dense_same_choice") is not None:
-            by_budget.setdefault(r["budget"], []).append(r["vs_dense_same_choice"])
-    agree.series["infinigen"] = [(b, sum(v) / len(v)) for b, v in by_budget.items()]
+        if (r["budget"] is not None and not r["kv_manager"].endswith("(control)")
+                and r.get("vs_dense_same_choice") is not None):
+            by_mode.setdefault(r["kv_manager"], {}).setdefault(r["budget"], []).append(
+                r["vs_dense_same_choice"])
+    for mode, by_budget in by_mode.items():
+        agree.series[mode] = [(b, sum(v) / len(v)) for b, v in by_budget.items()]
     agree.references["vllm (dense)"] = 1.0
-    return [*panels.values(), agree] if by_budget else list(panels.values())
+    return [*panels.values(), agree] if by_mode else list(panels.values())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -429,6 +431,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         choices=KV_MANAGERS, help="one engine each, one after the other")
     parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2],
                         help="InfiniGen budgets, swept on one engine")
+    parser.add_argument("--policy", nargs="+", default=["infinigen"], choices=POLICIES,
+                        help="selection rules (--infinigen-policy), swept on the InfiniGen engine")
     parser.add_argument("--no-select-all-control", dest="select_all_control",
                         action="store_false",
                         help="skip the control (budget 1, alpha 1e4: should equal dense)")

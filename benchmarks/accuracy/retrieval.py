@@ -14,7 +14,8 @@ answer is computed under InfiniGen's selection; the prediction is its argmax
 Accuracy is reported per needle bucket (needle depth = key position / prompt
 length: first quarter < 0.25 <= middle < 0.75 <= last quarter).
 
-Settings: dense vLLM; InfiniGen at each ``--budget`` (one engine per
+Settings: dense vLLM; each ``--policy`` (InfiniGen, or the runtime's
+baselines H2O, StreamingLLM, Quest) at each ``--budget`` (one engine per
 ``--dense-layers`` and ``--calibration`` value, budgets swept on it). The
 skew (partial-channel choice) is calibrated on text: ``default`` is the
 engine's bundled English text, which this model's word-level tokenizer turns
@@ -49,10 +50,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.accuracy import report  # noqa: E402
 from benchmarks.accuracy.harness import (  # noqa: E402
     KV_MANAGERS,
-    SELECT_ALL,
+    POLICIES,
     SelectionMeter,
     batched,
     default_path,
+    is_control,
+    policy_of,
+    selection_grid,
     start_engine,
     sweep,
 )
@@ -178,30 +182,31 @@ def answer(llm, rows: Sequence[dict], decode_prompt_tokens: int, batch_size: int
     return predictions, logprobs
 
 
-def policy_label(setting: dict | None, variant: dict | None) -> str:
-    """"dense", or the InfiniGen engine variant (and the streaming approximation)."""
+def setting_label(setting: dict | None, variant: dict | None) -> str:
+    """"dense", or the policy (control, streaming approximation) and the engine variant."""
     if setting is None or variant is None:
         return "dense"
     engine = f"{variant['dense_layers']} dense layers, {variant['calibration']} skew"
-    if setting == SELECT_ALL:
+    if is_control(setting):
         return f"select all (control), {engine}"
     if setting.get("recent_tokens"):
         return (f"streaming approx (sink {setting['sink_tokens']} + recent "
                 f"{setting['recent_tokens']}), {engine}")
-    return f"infinigen, {engine}"
+    return f"{policy_of(setting)}, {engine}"
 
 
 def evaluate(llm, rows, args, kv_manager: str, setting: dict | None,
              variant: dict | None) -> dict:
-    label = policy_label(setting, variant)
+    label = setting_label(setting, variant)
     start = time.perf_counter()
     with SelectionMeter(llm) as meter:
         predictions, logprobs = answer(llm, rows, args.decode_prompt_tokens, args.batch_size,
                                        f"{label} b={(setting or {}).get('budget', 1):g}")
     correct = [p == row["answer_token_ids"][0] for p, row in zip(predictions, rows)]
     result = {
-        "policy": label, "kv_manager": kv_manager, **(variant or {}),
+        "label": label, "kv_manager": kv_manager, **(variant or {}),
         "budget": None, "sink_tokens": None, "recent_tokens": None, **(setting or {}),
+        "policy": policy_of(setting),
         "accuracy": bucket_accuracy(rows, correct),
         "mean_answer_logprob": sum(logprobs) / len(logprobs),
         "selected_fraction": meter.fraction,
@@ -224,11 +229,12 @@ def _mean(values: Sequence[bool]) -> float | None:
 def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None,
                skew_file: Path | None) -> list[dict]:
     """One engine: dense, or one InfiniGen variant (dense layers, calibration) swept."""
-    settings = [{"budget": b} for b in args.budget]
+    settings = selection_grid(args.budget, args.policy)
     if args.streaming_approx:
-        settings.append(dict(STREAMING_APPROX))
+        explicit = {"policy": "infinigen"} if "policy" in settings[0] else {}
+        settings.append({**explicit, **STREAMING_APPROX})
     if args.select_all_control:
-        settings.append(dict(SELECT_ALL))  # last: its alpha stays in force
+        settings += selection_grid([], args.policy, select_all_control=True)
     infinigen = None
     if kv_manager == "infinigen":
         infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"],
@@ -243,13 +249,13 @@ def results_table(results: Sequence[dict]) -> str:
     rows = []
     for r in results:
         acc = r["accuracy"]
-        rows.append([r["policy"], report.cell(r["budget"], "g"),
+        rows.append([r["label"], report.cell(r["budget"], "g"),
                      *[f"{acc[b]['acc']:.3f}" for b in (*BUCKETS, "all")],
                      f"{r['mean_answer_logprob']:.3f}",
                      report.cell(r["selected_fraction"], ".3f")])
     n = results[0]["accuracy"]
     return report.markdown_table(
-        ["policy", "budget", f"first quarter (n={n['first_quarter']['n']})",
+        ["setting", "budget", f"first quarter (n={n['first_quarter']['n']})",
          f"middle (n={n['middle']['n']})", f"last quarter (n={n['last_quarter']['n']})",
          f"all (n={n['all']['n']})", "mean log p(answer)", "selected fraction"], rows)
 
@@ -270,14 +276,14 @@ def plot_panels(results: Sequence[dict]) -> list[report.Panel]:
             value = r["accuracy"][bucket]["acc"]
             if r["budget"] is None:
                 panel.references["dense"] = value
-            elif r.get("alpha") == SELECT_ALL["alpha"]:
+            elif is_control(r):
                 continue  # the control equals dense; it is in the table
             elif r.get("recent_tokens"):
                 panel.series.setdefault(
                     f"streaming approx, {r['dense_layers']} dense, {r['calibration']} skew",
                     []).append((r["selected_fraction"], value))
             else:
-                panel.series.setdefault(r["policy"], []).append((r["selected_fraction"], value))
+                panel.series.setdefault(r["label"], []).append((r["selected_fraction"], value))
         panels.append(panel)
     return panels
 
@@ -291,6 +297,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     parser.add_argument("--dense-layers", type=int, nargs="+", default=[2],
                         help="InfiniGen dense layers; one engine per value")
+    parser.add_argument("--policy", nargs="+", default=["infinigen"], choices=POLICIES,
+                        help="selection rules (--infinigen-policy), swept on each InfiniGen engine")
     parser.add_argument("--calibration", nargs="+", default=["synthetic"],
                         choices=["default", "synthetic"],
                         help="skew calibration text; one engine per value")
@@ -356,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             "plus a 4-token sink and 128-token recent window, in the sparse layers only; "
             "the dense layers attend to everything. Needle value inside the last 128 "
             "context tokens: " + "; ".join(
-                f"{r['policy']}: {r['needles_in_recent_window']} needles, "
+                f"{r['label']}: {r['needles_in_recent_window']} needles, "
                 f"acc {report.cell(r['acc_needle_in_window'], '.3f')} inside, "
                 f"{report.cell(r['acc_needle_outside_window'], '.3f')} outside"
                 for r in streaming) + ".")

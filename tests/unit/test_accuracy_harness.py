@@ -358,3 +358,34 @@ def test_prediction_agreement_with_dense():
     mc_tasks.add_dense_agreement(results)
     assert results[0]["vs_dense_same_choice"] == 1.0
     assert results[1]["vs_dense_same_choice"] == 0.5
+
+
+def test_selection_grid_names_policies_only_when_swept():
+    from benchmarks.accuracy import harness
+
+    assert harness.selection_grid([0.1, 0.2]) == [{"budget": 0.1}, {"budget": 0.2}]
+    assert harness.selection_grid([0.1], select_all_control=True) == [
+        {"budget": 0.1}, {"budget": 1.0, "alpha": 1e4}]
+    grid = harness.selection_grid([0.1, 0.2], ["infinigen", "h2o"], select_all_control=True)
+    assert grid == [{"policy": "infinigen", "budget": 0.1}, {"policy": "infinigen", "budget": 0.2},
+                    {"policy": "h2o", "budget": 0.1}, {"policy": "h2o", "budget": 0.2},
+                    {"policy": "infinigen", "budget": 1.0, "alpha": 1e4}]
+    assert [harness.policy_of(s) for s in grid] == ["infinigen"] * 2 + ["h2o"] * 2 + ["infinigen"]
+    assert harness.policy_of(None) is None and harness.policy_of({"budget": 0.1}) == "infinigen"
+    assert [harness.is_control(s) for s in grid] == [False] * 4 + [True]
+    assert not harness.is_control(None) and not harness.is_control({"budget": 1.0})
+    with pytest.raises(ValueError, match="unknown"):
+        harness.selection_grid([0.1], ["snapkv"])
+
+
+def test_mode_and_setting_labels():
+    assert mc_tasks.mode_label("vllm", None) == "vllm"
+    assert mc_tasks.mode_label("infinigen", {"budget": 0.1}) == "infinigen"
+    assert mc_tasks.mode_label("infinigen", {"policy": "quest", "budget": 0.1}) == "quest"
+    assert mc_tasks.mode_label("infinigen", {"budget": 1.0, "alpha": 1e4}).endswith("(control)")
+    variant = {"dense_layers": 2, "calibration": "synthetic"}
+    assert retrieval.setting_label(None, None) == "dense"
+    assert retrieval.setting_label({"policy": "h2o", "budget": 0.1}, variant) == (
+        "h2o, 2 dense layers, synthetic skew")
+    assert retrieval.setting_label(dict(retrieval.STREAMING_APPROX), variant).startswith(
+        "streaming approx (sink 4 + recent 128)")
