@@ -1,156 +1,434 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Decode time per token and KV bytes per step versus context: dense vs InfiniGen.
+"""Decode time per step and KV bytes per step versus context: dense vLLM, InfiniGen, baselines.
 
-python benchmarks/perf/decode_latency.py [--model DIR] [--contexts 256 512 1024 1920]
-    [--batch-sizes 1 4] [--budget 0.2] [--out benchmarks/results/decode_latency]
+python benchmarks/perf/decode_latency.py [--preset long|short|gutenberg] [--model DIR]
+    [--contexts 1024 ... 16384] [--batch-sizes 1 4] [--policies infinigen h2o streaming quest]
+    [--engines dense in-place copy] [--budget 0.2] [--decode-steps 16] [--out PATH]
 
-Each configuration (stock vLLM, InfiniGen with the in-place transfer, InfiniGen
-with the copy transfer) gets one engine, prefix caching off; for every
-(context, batch) it generates 1+N tokens per request and reads the engine's own
-timestamps: decode time per token = (last token - first token) / N, averaged
-over the batch. KV bytes read per decode step are
-computed from the model shape (dense) and from InfiniGen's counters (selected
-K/V + partial keys of every context token + the dense layers' full KV).
+Presets (explicit flags override them):
+
+- ``long`` (default): a random tiny Llama (6 layers, 8 x 32 MHA heads, 17K
+  positions; ``common.LONG_MODEL``), contexts 1K..16K, batches 1 and 4, dense
+  vLLM and an in-place InfiniGen engine running every policy
+  -> ``benchmarks/results/decode_latency_long.{json,md,png}``.
+- ``short``: the same model at 128..512 tokens (InfiniGen's fixed costs)
+  -> ``decode_latency_short``.
+- ``gutenberg``: ``../shared/models/gutenberg-llama-2k`` at 256..1920 tokens,
+  dense vs InfiniGen with the in-place and the copy transfer
+  -> ``decode_latency``.
+
+Method. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+and the script drives it step by step. For each (context, batch) it submits the
+batch (random prompt ids, prefix caching off), steps until every request has
+its first token (prefill, chunked), then for each policy: switches the running
+engine (``set_infinigen_selection``), runs ``--warmup-steps`` steps, and times
+``--decode-steps`` steps of the whole batch (every request gets one token per
+step: the time per step is the batch's TPOT). The policies share one prefill:
+they decode successive tokens of the same requests (the context grows by a few
+tokens per policy; the rows report the mean context of their window). H2O's
+scores then start at the switch instead of at the prefill, which changes what
+it keeps, not what a step costs. A baseline's per-slot state (H2O scores,
+Quest page bounds) once allocated is kept up to date on every later write, so
+the policies run in the order infinigen, streaming, quest, h2o.
+
+KV bytes per step: dense attention reads every context token's K/V in every
+layer. A sparse engine reads the dense layers' K/V, the selection metadata of
+every context token (InfiniGen's partial keys: r of the key channels; Quest's
+page min/max; H2O's scores) and the selected K/V moved from the pool to the
+attention (``vllm:infinigen_swap_bytes_total``). The ideal, as in the paper, is
+r/2 + budget of the dense bytes in each sparse layer (InfiniGen; the
+baselines: their metadata + budget), dense layers reading everything.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import platform
 import random
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = REPO.parent / "shared" / "models" / "gutenberg-llama-2k"
-CONFIGS = {
-    "dense": {},
-    "infinigen-in-place": {"kv_manager": "infinigen", "infinigen_transfer": "in-place"},
-    "infinigen-copy": {"kv_manager": "infinigen", "infinigen_transfer": "copy"},
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `tests` importable
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.accuracy import report  # noqa: E402
+from benchmarks.perf import common  # noqa: E402
+
+# Engine configurations: stock vLLM, or InfiniGen with a transfer mode.
+ENGINES = {
+    "dense": {"kv_manager": "vllm", "infinigen": None},
+    "in-place": {"kv_manager": "infinigen", "infinigen": {"transfer": "in-place"}},
+    "copy": {"kv_manager": "infinigen", "infinigen": {"transfer": "copy"}},
+}
+# Order of the policies inside one window (see the module docstring).
+POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
+PRESETS: dict[str, dict[str, Any]] = {
+    "long": {"model": None, "contexts": [1024, 2048, 4096, 8192, 16384], "batch_sizes": [1, 4],
+             "engines": ["dense", "in-place"], "policies": list(POLICY_ORDER),
+             "out": "decode_latency_long"},
+    "short": {"model": None, "contexts": [128, 256, 512], "batch_sizes": [1, 4],
+              "engines": ["dense", "in-place"], "policies": list(POLICY_ORDER),
+              "out": "decode_latency_short"},
+    "gutenberg": {"model": common.GUTENBERG, "contexts": [256, 512, 1024, 1920],
+                  "batch_sizes": [1, 4], "engines": ["dense", "in-place", "copy"],
+                  "policies": ["infinigen"], "out": "decode_latency"},
 }
 
 
-def model_shape(model_dir: Path) -> dict:
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    return {
-        "layers": config["num_hidden_layers"],
-        "kv_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
-    }
+def config_label(engine_name: str, policy: str | None) -> str:
+    """Column label: "dense", the policy (in-place engine), or "policy (copy)"."""
+    if policy is None:
+        return "dense"
+    return policy if engine_name == "in-place" else f"{policy} ({engine_name})"
 
 
-def timed_generate(llm, prompts, max_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds per token), from the engine's timestamps."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    stats = [out.metrics for out in outputs]
-    prefill = max(s.first_token_ts for s in stats) - min(s.scheduled_ts for s in stats)
-    decode = sum((s.last_token_ts - s.first_token_ts) / (max_tokens - 1) for s in stats)
-    return prefill, decode / len(stats)
+def ordered_policies(policies: list[str]) -> list[str]:
+    return [p for p in POLICY_ORDER if p in policies]
 
 
-def run_config(name: str, model: Path, args) -> list[dict]:
-    import vllm_infinigen  # noqa: F401
-    from vllm import LLM
+class Driver:
+    """Steps an in-process engine through submit / prefill / timed decode windows."""
 
+    def __init__(self, llm, max_tokens: int):
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                     detokenize=False)
+        self.generated: dict[str, int] = {}
+
+    def _step(self) -> int:
+        """One engine step; returns how many requests got a token."""
+        got = 0
+        for out in self.engine.step():
+            tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+            if tokens > self.generated.get(out.request_id, 0):
+                got += 1
+            self.generated[out.request_id] = tokens
+        return got
+
+    def submit_and_prefill(self, prompts: list[list[int]], tag: str) -> float:
+        """Adds the requests and steps until each has its first token; returns seconds."""
+        self.generated = {}
+        start = time.perf_counter()
+        for index, prompt in enumerate(prompts):
+            request_id = f"{tag}-{index}"
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, self.params)
+            self.generated[request_id] = 0
+        while min(self.generated.values()) < 1:
+            self._step()
+        return time.perf_counter() - start
+
+    def warm(self, steps: int) -> None:
+        for _ in range(steps):
+            self._step()
+
+    def window(self, steps: int) -> tuple[list[float], list[int]]:
+        """``steps`` timed steps: (seconds per step, requests that got a token in each)."""
+        times, got = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            got.append(self._step())
+            times.append(time.perf_counter() - start)
+        return times, got
+
+    def mean_generated(self) -> float:
+        return statistics.fmean(self.generated.values())
+
+    def finish(self) -> None:
+        """Aborts the batch and steps until the engine is idle."""
+        self.engine.abort_request(list(self.generated))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        self.generated = {}
+
+
+def counters(llm) -> dict[str, float]:
     from vllm_infinigen.metrics import summarize
 
-    shape = model_shape(model)
-    extra = dict(CONFIGS[name])
-    if extra:
-        extra["infinigen_budget"] = args.budget
-    llm = LLM(model=str(model), dtype="float32", max_model_len=args.max_model_len,
-              kv_cache_memory_bytes=args.kv_cache_bytes, seed=0,
-              enable_prefix_caching=False, disable_log_stats=False, **extra)
-    rng = random.Random(0)
-    rows = []
-    try:
-        timed_generate(llm, [{"prompt_token_ids": [1, 5, 6]}], 8)  # warm-up
-        for context in args.contexts:
-            for batch in args.batch_sizes:
-                prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(context)]}
-                           for _ in range(batch)]
-                before = summarize(llm.get_metrics())
-                prefill, decode = timed_generate(llm, prompts, 1 + args.decode_tokens)
-                after = summarize(llm.get_metrics())
-                counters = {key: sum(after.get(key, {}).values())
-                            - sum(before.get(key, {}).values())
-                            for key in ("selected_tokens", "candidate_tokens", "swap_bytes")}
-                rows.append(measure_row(name, context, batch, prefill, decode, counters,
-                                        shape, args))
-                print(json.dumps(rows[-1]), flush=True)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-    return rows
+    return common.counter_totals(summarize(llm.get_metrics()))
 
 
-def measure_row(name, context, batch, prefill, decode, counters, shape, args) -> dict:
-    steps = args.decode_tokens * batch  # decode rows
-    kv_token_layer = 2 * shape["kv_heads"] * shape["head_dim"] * 4  # fp32 K+V
-    dense_bytes = kv_token_layer * shape["layers"] * (context + args.decode_tokens / 2)
-    row = {"config": name, "context": context, "batch": batch,
-           "decode_ms_per_token": 1000 * decode,
-           "prefill_s": prefill, "dense_kv_bytes_per_row": dense_bytes}
-    if counters["candidate_tokens"]:
-        sparse_layers = shape["layers"] - 2
-        rank = max(1, int(shape["head_dim"] * 0.2))
-        partial = counters["candidate_tokens"] * shape["kv_heads"] * rank * 4
-        dense_part = 2 * kv_token_layer * (context + args.decode_tokens / 2) * steps
-        row["kv_bytes_per_row"] = (counters["swap_bytes"] + partial + dense_part) / steps
-        row["selected_fraction"] = counters["selected_tokens"] / counters["candidate_tokens"]
-        row["ideal_fraction_of_dense"] = (
-            2 + sparse_layers * (0.2 / 2 + args.budget)) / shape["layers"]
-    else:
-        row["kv_bytes_per_row"] = dense_bytes
-    row["kv_read_vs_dense"] = row["kv_bytes_per_row"] / dense_bytes
+def grid(args) -> list[tuple[int, int]]:
+    """(context, batch) points, context-major, within ``--max-batch-tokens``."""
+    return [(context, batch) for context in args.contexts for batch in args.batch_sizes
+            if batch * context <= args.max_batch_tokens]
+
+
+def measure_row(*, engine_name: str, policy: str | None, context: int, batch: int,
+                mean_context: float, times: list[float], full: bool, prefill_s: float,
+                delta: dict[str, float], shape: common.ModelShape, args) -> dict[str, Any]:
+    """One result row: timing, and KV bytes per step against dense and the ideal."""
+    step_s = statistics.median(times)
+    dense_bytes = common.dense_step_bytes(shape, batch * mean_context)
+    row: dict[str, Any] = {
+        "config": config_label(engine_name, policy), "engine": engine_name, "policy": policy,
+        "context": context, "batch": batch, "mean_context": round(mean_context, 1),
+        "decode_ms_per_step": 1000 * step_s,
+        "decode_ms_per_step_mean": 1000 * statistics.fmean(times),
+        "decode_ms_per_step_min": 1000 * min(times),
+        "decode_ms_per_token": 1000 * step_s / batch,
+        "tokens_per_s": batch / step_s, "steps": len(times), "all_steps_full_batch": full,
+        "step_ms": [round(1000 * t, 3) for t in times],
+        "prefill_s": prefill_s, "dense_kv_bytes_per_step": dense_bytes,
+    }
+    if policy is None:
+        row.update(kv_bytes_per_step=dense_bytes, kv_read_vs_dense=1.0,
+                   ideal_kv_read_vs_dense=1.0, pool_bytes_per_step=0.0)
+        return row
+    step = common.sparse_step_bytes(shape, args.dense_layers, policy, delta, len(times),
+                                    args.partial_ratio)
+    sparse_layers = shape.layers - args.dense_layers
+    ideal_pool = sparse_layers * args.budget * shape.kv_bytes_per_token_layer * batch * mean_context
+    candidates = delta.get("candidate_tokens", 0.0)
+    row.update(
+        kv_bytes_per_step=step.total, kv_read_vs_dense=step.fraction,
+        counter_dense_kv_bytes_per_step=step.dense_equivalent,
+        dense_layer_bytes_per_step=step.dense_layers, metadata_bytes_per_step=step.metadata,
+        pool_bytes_per_step=step.pool_to_attention, ideal_pool_bytes_per_step=ideal_pool,
+        ideal_kv_read_vs_dense=common.ideal_kv_fraction(
+            shape.layers, args.dense_layers,
+            common.ideal_sparse_fraction(policy, args.budget, args.partial_ratio, shape)),
+        selected_fraction=delta.get("selected_tokens", 0.0) / candidates if candidates else None,
+        swap_wait_ms_per_step=delta.get("swap_wait_us", 0.0) / 1000 / len(times),
+    )
     return row
 
 
-def write_results(rows: list[dict], args, out: Path) -> None:
-    import torch
-    import vllm
+def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -> list[dict]:
+    """One engine: every (context, batch), every policy of the window."""
+    from vllm_infinigen.spec import kv_cache_group_size
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(sys.argv), "machine": platform.platform(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "vllm": vllm.__version__,
-            "model": str(args.model), "budget": args.budget}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Decode latency ({meta['machine']}, {meta['cpus']} CPUs, vLLM {meta['vllm']})",
-             "", f"`{meta['command']}`", "",
-             "| config | context | batch | decode ms/token | KV read vs dense | selected |",
-             "|---|---|---|---|---|---|"]
+    shape = common.model_shape(model)
+    setup = ENGINES[engine_name]
+    policies: list[str | None] = ordered_policies(args.policies) if setup["infinigen"] else [None]
+    per_policy = args.warmup_steps + args.decode_steps
+    points = grid(args)
+    # Requests that finish prefill early decode while the others prefill (chunked
+    # prefill): room for those tokens, so that no request ends inside a window.
+    ahead = max(batch * context for context, batch in points) // args.max_num_batched_tokens
+    max_tokens = 2 + len(policies) * per_policy + ahead + 8
+    tokens = max(batch * (context + max_tokens + 64) for context, batch in points)
+    kv_bytes = common.kv_space_bytes(
+        shape, tokens, setup["kv_manager"], dense_layers=args.dense_layers,
+        group_size=kv_cache_group_size(args.dense_layers, shape.layers - args.dense_layers),
+        partial_ratio=args.partial_ratio)
+    infinigen = None
+    if setup["infinigen"]:
+        infinigen = {**setup["infinigen"], "budget": args.budget,
+                     "dense_layers": args.dense_layers, "partial_ratio": args.partial_ratio}
+    progress(f"{engine_name}: starting the engine ({kv_bytes / 2**20:.0f} MiB KV space)")
+    rows: list[dict] = []
+    rng = random.Random(0)
+    with common.engine(model, setup["kv_manager"], infinigen=infinigen,
+                       max_model_len=max(args.contexts) + max_tokens + 8,
+                       kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=max(batch for _, batch in points),
+                       enforce_eager=args.enforce_eager) as llm:
+        driver = Driver(llm, max_tokens)
+        progress(f"{engine_name}: engine up; warm-up")
+        driver.submit_and_prefill([[1, 5, 6, 7]] * max(b for _, b in points), "warmup")
+        for policy in policies:
+            if policy:
+                llm.collective_rpc("set_infinigen_selection", kwargs={"policy": policy})
+            driver.warm(2)
+        driver.finish()
+        for context, batch in points:
+            prompts = [[rng.randrange(3, 500) for _ in range(context)] for _ in range(batch)]
+            prefill_s = driver.submit_and_prefill(prompts, f"c{context}b{batch}")
+            progress(f"{engine_name}: context {context} x {batch}: prefill {prefill_s:.1f} s")
+            for policy in policies:
+                if policy:
+                    llm.collective_rpc("set_infinigen_selection",
+                                       kwargs={"policy": policy, "budget": args.budget})
+                driver.warm(args.warmup_steps)
+                before = counters(llm) if policy else {}
+                start_generated = driver.mean_generated()
+                times, got = driver.window(args.decode_steps)
+                delta = common.counter_delta(before, counters(llm)) if policy else {}
+                # Context of the timed steps: prompt + tokens so far (the first
+                # step attends over prompt + generated - 1 earlier tokens).
+                mean_context = context + start_generated - 1 + (args.decode_steps - 1) / 2
+                full = all(count == batch for count in got)
+                row = measure_row(engine_name=engine_name, policy=policy, context=context,
+                                  batch=batch, mean_context=mean_context, times=times,
+                                  full=full, prefill_s=prefill_s, delta=delta,
+                                  shape=shape, args=args)
+                rows.append(row)
+                progress(f"{row['config']:>16} context {context:>5} x {batch}: "
+                         f"{row['decode_ms_per_step']:7.1f} ms/step, KV read "
+                         f"{row['kv_read_vs_dense']:.3f} of dense "
+                         f"(ideal {row['ideal_kv_read_vs_dense']:.3f})", advance=True)
+            driver.finish()
+    return rows
+
+
+# -- results ----------------------------------------------------------------------
+
+def _mib(value: float | None) -> str:
+    return report.cell(None if value is None else value / 2**20, ".2f")
+
+
+def sections(rows: list[dict], args, shape: common.ModelShape) -> list[str]:
+    """Markdown: timing table, bytes table, notes."""
+    labels = list(dict.fromkeys(row["config"] for row in rows))
+    keys = sorted({(row["context"], row["batch"]) for row in rows}, key=lambda k: (k[1], k[0]))
+    by = {(row["config"], row["context"], row["batch"]): row for row in rows}
+    timing = []
+    for context, batch in keys:
+        cells = [str(context), str(batch)]
+        dense = by.get(("dense", context, batch))
+        for label in labels:
+            row = by.get((label, context, batch))
+            cells.append(report.cell(row and row["decode_ms_per_step"], ".1f"))
+        for label in labels:
+            row = by.get((label, context, batch))
+            if label != "dense" and dense and row:
+                cells.append(f"{dense['decode_ms_per_step'] / row['decode_ms_per_step']:.2f}")
+            elif label != "dense":
+                cells.append("")
+        timing.append(cells)
+    speed_headers = [f"speed-up {label}" for label in labels if label != "dense"]
+    minimum = [[str(context), str(batch)] + [
+        report.cell((by.get((label, context, batch)) or {}).get("decode_ms_per_step_min"), ".1f")
+        for label in labels] for context, batch in keys]
+    bytes_rows = []
+    for context, batch in keys:
+        for label in labels:
+            row = by.get((label, context, batch))
+            if row is None or label == "dense":
+                continue
+            bytes_rows.append([
+                str(context), str(batch), label, _mib(row["dense_kv_bytes_per_step"]),
+                _mib(row["kv_bytes_per_step"]), f"{row['kv_read_vs_dense']:.3f}",
+                f"{row['ideal_kv_read_vs_dense']:.3f}", _mib(row["metadata_bytes_per_step"]),
+                _mib(row["pool_bytes_per_step"]), _mib(row["ideal_pool_bytes_per_step"]),
+                report.cell(row["selected_fraction"], ".3f"),
+            ])
+    sparse = shape.layers - args.dense_layers
+    rank = common.partial_rank(shape.head_dim, args.partial_ratio)
+    notes = (
+        "## Notes\n\n"
+        f"- Model: {shape.layers} layers ({args.dense_layers} dense, {sparse} sparse), "
+        f"{shape.kv_heads} KV heads x {shape.head_dim}, float32; budget {args.budget}, "
+        f"partial ratio {args.partial_ratio} ({rank} of {shape.head_dim} key channels, so "
+        f"InfiniGen's partial keys are {rank / (2 * shape.head_dim):.4f} of K+V against "
+        f"the nominal r/2 = {args.partial_ratio / 2}).\n"
+        "- ms/step: median over the timed steps of the whole batch (each request gets a "
+        "token per step, so this is the TPOT); speed-up = dense ms / config ms (> 1: "
+        "faster than dense).\n"
+        "- KV read: dense layers' K/V + selection metadata + selected K/V moved "
+        "pool -> attention (`vllm:infinigen_swap_bytes_total`), per step, over what "
+        "dense attention reads in every layer; ideal = (dense layers + sparse layers x "
+        "(metadata + budget)) / layers, metadata being r/2 for InfiniGen, 1/16 (page "
+        "min/max) for Quest, one float32 score per token and KV head for H2O, 0 for "
+        "StreamingLLM. InfiniGen's alpha rule may select fewer tokens than the budget "
+        "(selected < budget).\n"
+        "- The policies of one window share its prefill and decode successive tokens "
+        "of the same requests (see the script's docstring).\n"
+    )
+    return [
+        "## Decode ms per step (batch TPOT)\n\n" + report.markdown_table(
+            ["context", "batch", *labels, *speed_headers], timing),
+        "## Decode ms per step, fastest step of each window\n\n"
+        "Other jobs share this machine's 2 cores; the fastest step is the least "
+        "disturbed one.\n\n" + report.markdown_table(["context", "batch", *labels], minimum),
+        "## KV bytes read per decode step (MiB, whole batch)\n\n" + report.markdown_table(
+            ["context", "batch", "config", "dense reads", "reads", "vs dense", "ideal",
+             "metadata", "pool->attention", "ideal pool->attention", "selected"],
+            bytes_rows),
+        notes,
+    ]
+
+
+def plot(rows: list[dict], path: Path, model_name: str) -> Path | None:
+    """ms/step and KV read fraction against context, one panel per batch size."""
+    panels = []
+    batches = sorted({row["batch"] for row in rows})
+    for batch in batches:
+        panel = report.Panel(title=f"decode step, batch {batch}", ylabel="ms per step",
+                             xlabel="context (tokens)")
+        for row in rows:
+            if row["batch"] == batch:
+                panel.series.setdefault(row["config"], []).append(
+                    (row["context"], row["decode_ms_per_step"]))
+        panels.append(panel)
+    kv = report.Panel(title=f"KV bytes read / ideal (batch {batches[-1]})",
+                      ylabel="measured / ideal", xlabel="context (tokens)")
     for row in rows:
-        lines.append(f"| {row['config']} | {row['context']} | {row['batch']} | "
-                     f"{row['decode_ms_per_token']:.1f} | {row['kv_read_vs_dense']:.3f} | "
-                     f"{row.get('selected_fraction', 1.0):.3f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        if row["batch"] == batches[-1] and row["policy"]:
+            kv.series.setdefault(row["config"], []).append(
+                (row["context"], row["kv_read_vs_dense"] / row["ideal_kv_read_vs_dense"]))
+    if kv.series:
+        kv.references["ideal (r/2 + budget; baselines: metadata + budget)"] = 1.0
+        panels.append(kv)
+    return report.try_plot(path, panels, suptitle=f"Decode step time, {model_name} (CPU)")
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 1920])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--preset", choices=list(PRESETS), default="long")
+    parser.add_argument("--model", type=Path, help="model directory (default: the preset's)")
+    parser.add_argument("--contexts", type=int, nargs="+")
+    parser.add_argument("--batch-sizes", "--batch", type=int, nargs="+")
+    parser.add_argument("--policies", nargs="+", choices=list(POLICY_ORDER))
+    parser.add_argument("--engines", "--configs", nargs="+", choices=list(ENGINES))
     parser.add_argument("--budget", type=float, default=0.2)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/decode_latency")
-    args = parser.parse_args()
-    if not args.model.is_dir():
+    parser.add_argument("--partial-ratio", type=float, default=0.2)
+    parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-batch-tokens", type=int, default=65536,
+                        help="skip (context, batch) points with more prompt tokens than this "
+                        "(prefill time grows with batch x context^2)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no torch.compile (faster start, slower steps)")
+    parser.add_argument("--out", type=Path, help="output path without suffix "
+                        "(default: benchmarks/results/<preset's name>)")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    for key in ("contexts", "batch_sizes", "policies", "engines"):
+        if getattr(args, key) is None:
+            setattr(args, key, list(preset[key]))
+    if args.out is None:
+        args.out = common.RESULTS / preset["out"]
+    args.model_default = args.model is None
+    if args.model is None:
+        args.model = preset["model"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Drive the engine core step by step in this process.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    progress = common.Progress(total=len(grid(args)) * sum(
+        len(args.policies) if ENGINES[name]["infinigen"] else 1 for name in args.engines))
+    if args.model is None:
+        args.model = common.long_context_model()
+        progress(f"model: {args.model}")
+    if not Path(args.model).is_dir():
         print(f"skipped: model directory {args.model} is absent (pass --model)")
         return 0
-    rows = [row for name in args.configs for row in run_config(name, args.model, args)]
-    write_results(rows, args, args.out)
+    meta = report.run_metadata(model=str(args.model), load_average_start=common.load_average())
+    rows = [row for name in args.engines for row in run_engine(name, Path(args.model), args,
+                                                               progress)]
+    meta["load_average_end"] = common.load_average()
+    meta["wall_s"] = round(time.monotonic() - progress.start, 1)
+    shape = common.model_shape(Path(args.model))
+    settings = {key: (str(value) if isinstance(value, Path) else value)
+                for key, value in vars(args).items()}
+    settings["model_shape"] = {"layers": shape.layers, "kv_heads": shape.kv_heads,
+                               "head_dim": shape.head_dim, "dtype_bytes": shape.dtype_bytes}
+    title = f"Decode latency and KV bytes per step: {Path(args.model).name} ({args.preset})"
+    report.write_results(args.out, meta, title, settings, rows, sections(rows, args, shape))
+    plot(rows, args.out.with_suffix(".png"), Path(args.model).name)
     print(args.out.with_suffix(".md").read_text())
     return 0
 

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+#
+# vLLM's own benchmarks with and without --kv-manager infinigen:
+#   vllm bench throughput   (offline, random dataset)
+#   vllm bench latency      (offline, one batch, dummy prompt ids)
+#   vllm bench serve        (against a `vllm serve` this script starts, random dataset)
+#
+#   benchmarks/perf/vllm_bench.sh [MODEL]       (default: the bundled stories260K)
+#
+# Writes benchmarks/results/vllm_bench_<bench>_<kv manager>.json (vLLM's own
+# result files), .txt (the command and the result lines of its output), and
+# vllm_bench.{json,md} (a summary, benchmarks/perf/vllm_bench_report.py).
+# Full logs go to benchmarks/results/tmp/ (not committed).
+#
+# `vllm bench latency` draws prompt ids below 10,000 (vllm/benchmarks/latency.py),
+# which the bundled model's 512-token vocabulary refuses; the script records
+# that error once and runs latency on a random Llama with a 10,240-token
+# vocabulary (tests/models.build_wide_vocab_llama) instead.
+#
+# Every engine start takes the lock $LOCK (default /tmp/engine.lock) so that
+# engines of other jobs on this machine do not run at the same time; do not
+# run this script itself under the same lock.
+#
+# Environment: PYTHON (default: .venv/bin/python, else the interpreter next to
+# `vllm` on PATH), VLLM (default: `vllm` next to $PYTHON), LOCK, NUM_PROMPTS (32),
+# INPUT_LEN (256), OUTPUT_LEN (128), KV_BYTES (33554432).
+
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+MODEL="${1:-$REPO/vllm_infinigen/assets/stories260k}"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$REPO/.venv/bin/python" ]; then PYTHON="$REPO/.venv/bin/python"
+  elif command -v vllm >/dev/null; then PYTHON="$(dirname "$(command -v vllm)")/python"
+  else PYTHON=python3; fi
+fi
+VLLM="${VLLM:-$(dirname "$PYTHON")/vllm}"
+LOCK="${LOCK:-/tmp/engine.lock}"
+NUM_PROMPTS="${NUM_PROMPTS:-32}"
+INPUT_LEN="${INPUT_LEN:-256}"
+OUTPUT_LEN="${OUTPUT_LEN:-128}"
+KV_BYTES="${KV_BYTES:-33554432}"
+RESULTS="$REPO/benchmarks/results"
+LOGS="$RESULTS/tmp/vllm_bench"
+mkdir -p "$LOGS"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# Prompt ids within the bundled model's vocabulary have no effect on timing.
+COMMON=(--dtype float32 --max-model-len 512 --kv-cache-memory-bytes "$KV_BYTES" --seed 0)
+INFINIGEN=(--kv-manager infinigen --infinigen-budget 0.2)
+# Lines of a benchmark's output worth keeping in the .txt next to its JSON.
+KEEP='Throughput|latency|Latency|percentile|InfiniGen: |Maximum concurrency|Error|error:|=====|Successful|Failed|duration|throughput|TTFT|TPOT|ITL|E2EL|Total|Mean|Median|P[0-9][0-9]'
+
+log() { printf '[%(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+
+with_lock() {  # run "$@" holding the engine lock
+  if command -v flock >/dev/null; then flock "$LOCK" "$@"; else "$@"; fi
+}
+
+keep_results() {  # keep_results NAME COMMAND...: runs it, keeps the result lines
+  local name="$1"; shift
+  local full="$LOGS/$name.log" status=0
+  log "$name: $*"
+  with_lock "$@" >"$full" 2>&1 || status=$?
+  {
+    echo "\$ $*"
+    echo "exit code: $status"
+    grep -E 'InfiniGen: |Maximum concurrency' "$full" | head -n 4 || true
+    grep -E "$KEEP" "$full" | grep -vE '(INFO|DEBUG|WARNING) [0-9]{2}-[0-9]{2} ' || true
+    if [ "$status" -ne 0 ]; then echo "--- last lines ---"; tail -n 25 "$full"; fi
+  } >"$RESULTS/$name.txt"
+  log "$name: exit code $status (log: $full)"
+  return 0
+}
+
+serve_and_bench() {  # (under the lock) starts vllm serve, runs vllm bench serve, stops it
+  local manager="$1" port="$2"; shift 2
+  local server_log="$LOGS/serve_$manager.server.log"
+  "$VLLM" serve "$MODEL" --host 127.0.0.1 --port "$port" "${COMMON[@]}" "$@" \
+    >"$server_log" 2>&1 &
+  local pid=$!
+  local ready=0
+  for _ in $(seq 1 300); do
+    if ! kill -0 "$pid" 2>/dev/null; then break; fi
+    if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then ready=1; break; fi
+    sleep 1
+  done
+  local status=1
+  if [ "$ready" = 1 ]; then
+    status=0
+    "$VLLM" bench serve --backend vllm --base-url "http://127.0.0.1:$port" --model "$MODEL" \
+      --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
+      --num-prompts "$NUM_PROMPTS" --max-concurrency 16 --ignore-eos --seed 0 \
+      --save-result --result-dir "$RESULTS" --result-filename "vllm_bench_serve_$manager.json" \
+      || status=$?
+    grep -E 'InfiniGen: |Maximum concurrency' "$server_log" | head -n 4 || true
+  else
+    echo "vllm serve did not become healthy; last lines of its log:"; tail -n 25 "$server_log"
+  fi
+  kill -INT "$pid" 2>/dev/null || true
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  return "$status"
+}
+
+if [ "${1:-}" = "--serve-one" ]; then  # internal: one serve benchmark (already locked)
+  shift; MODEL="$1"; manager="$2"; port="$3"; shift 3
+  serve_and_bench "$manager" "$port" "$@"
+  exit $?
+fi
+
+# -- throughput ------------------------------------------------------------------
+for manager in vllm infinigen; do
+  extra=(); [ "$manager" = infinigen ] && extra=("${INFINIGEN[@]}")
+  keep_results "vllm_bench_throughput_$manager" "$VLLM" bench throughput --model "$MODEL" \
+    --dataset-name random --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
+    --num-prompts "$NUM_PROMPTS" "${COMMON[@]}" "${extra[@]}" \
+    --output-json "$RESULTS/vllm_bench_throughput_$manager.json"
+done
+
+# -- latency ---------------------------------------------------------------------
+keep_results "vllm_bench_latency_bundled_vllm" "$VLLM" bench latency --model "$MODEL" \
+  --input-len "$INPUT_LEN" --output-len 32 --batch-size 4 --num-iters-warmup 1 --num-iters 3 \
+  "${COMMON[@]}"
+WIDE="$LOGS/wide-vocab-llama"
+if [ ! -f "$WIDE/config.json" ]; then
+  "$PYTHON" -c "import sys; from pathlib import Path; from tests.models import build_wide_vocab_llama as b; b(Path(sys.argv[1]))" "$WIDE"
+fi
+for manager in vllm infinigen; do
+  extra=(); [ "$manager" = infinigen ] && extra=("${INFINIGEN[@]}")
+  keep_results "vllm_bench_latency_$manager" "$VLLM" bench latency --model "$WIDE" \
+    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --batch-size 4 --num-iters-warmup 1 \
+    --num-iters 3 "${COMMON[@]}" "${extra[@]}" \
+    --output-json "$RESULTS/vllm_bench_latency_$manager.json"
+done
+
+# -- serve -----------------------------------------------------------------------
+port_base=$((20000 + RANDOM % 20000))
+for manager in vllm infinigen; do
+  extra=(); [ "$manager" = infinigen ] && extra=("${INFINIGEN[@]}")
+  port=$((port_base + ${#manager}))
+  keep_results "vllm_bench_serve_$manager" bash "${BASH_SOURCE[0]}" --serve-one "$MODEL" \
+    "$manager" "$port" "${extra[@]}"
+done
+
+"$PYTHON" "$REPO/benchmarks/perf/vllm_bench_report.py" --model "$MODEL" --wide-model "$WIDE"
