@@ -355,6 +355,51 @@ def engine_failure(exc: BaseException, log_tail: str = "") -> dict[str, str]:
             "log_tail": log_tail[-4000:]}
 
 
+class CpuMeter:
+    """CPU time of this process and of the whole machine over a ``with`` block.
+
+    ``other_cores`` is how many cores other processes kept busy on average
+    (machine busy time minus ours, over the wall time): others' engines on a
+    shared 2-core machine distort step times, so a window with ``other_cores``
+    well above 0 is worth measuring again.
+    """
+
+    def __enter__(self) -> CpuMeter:
+        self._wall, self._own, self._busy = time.monotonic(), _own_cpu(), _machine_busy()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.monotonic() - self._wall
+        self.own = _own_cpu() - self._own
+        busy = _machine_busy()
+        self.busy = None if busy is None or self._busy is None else busy - self._busy
+
+    @property
+    def other_cores(self) -> float | None:
+        if self.busy is None or self.wall <= 0:
+            return None
+        return max(0.0, (self.busy - self.own) / self.wall)
+
+
+def _own_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _machine_busy() -> float | None:
+    """Seconds of busy CPU time since boot, all cores (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    values = [int(v) for v in fields]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    # guest time is already in user/nice
+    busy = sum(values[:8]) - idle if len(values) >= 8 else sum(values) - idle
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def load_average() -> list[float] | None:
     """The 1/5/15-minute load averages (others' engines share this machine)."""
     try:

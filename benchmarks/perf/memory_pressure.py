@@ -2,8 +2,8 @@
 """Many concurrent long requests in a fixed KV space: dense vLLM, InfiniGen, vLLM's CPU offloading.
 
 python benchmarks/perf/memory_pressure.py [--model DIR] [--configs vllm infinigen
-    vllm-offload vllm-offload-simple] [--requests 24] [--prompt-tokens 1536]
-    [--output-tokens 128] [--kv-cache-mib 48] [--offload-gib 1] [--out PATH]
+    vllm-offload vllm-offload-simple] [--requests 24] [--prompt-tokens 1024]
+    [--output-tokens 512] [--kv-cache-mib 48] [--offload-gib 1] [--out PATH]
 
 Every configuration gets the same device KV space (``kv_cache_memory_bytes``)
 and the same requests, all submitted at once (random prompt ids, greedy,
@@ -212,8 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=common.GUTENBERG)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--prompt-tokens", type=int, default=1536)
-    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--output-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-mib", type=int, default=48)
     parser.add_argument("--offload-gib", type=float, default=1.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

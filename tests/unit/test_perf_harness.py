@@ -181,3 +181,15 @@ def test_gpu_projection_bytes_and_times():
     assert parts["pcie_dense_layers"] == pytest.approx(full * 2 / 40)
     time_s = gpu_projection.transfer_seconds(12e9, 12e9)
     assert time_s == pytest.approx(1.0)
+
+
+def test_cpu_meter_counts_our_time_and_never_negative_others():
+    import time
+
+    with common.CpuMeter() as meter:
+        end = time.monotonic() + 0.2
+        while time.monotonic() < end:
+            pass
+    assert meter.wall >= 0.2
+    assert 0 < meter.own <= meter.wall * 1.5  # one busy thread (clock ticks are coarse)
+    assert meter.other_cores is None or meter.other_cores >= 0
