@@ -297,7 +297,8 @@ def metric_value(metrics: Iterable[Any], name: str) -> float:
 def long_context_model(root: Path = MODEL_CACHE, **overrides: Any) -> Path:
     """The random tiny Llama of the decode sweep, built once (seeded) and cached."""
     spec = {**LONG_MODEL, **overrides}
-    name = "llama-l{num_layers}-h{hidden_size}-q{num_heads}-kv{num_kv_heads}-p{max_positions}-s{seed}"
+    name = ("llama-l{num_layers}-h{hidden_size}-q{num_heads}-kv{num_kv_heads}"
+            "-p{max_positions}-s{seed}")
     out = Path(root) / name.format(**spec)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
@@ -361,16 +362,21 @@ class CpuMeter:
     ``other_cores`` is how many cores other processes kept busy on average
     (machine busy time minus ours, over the wall time): others' engines on a
     shared 2-core machine distort step times, so a window with ``other_cores``
-    well above 0 is worth measuring again.
+    well above 0 is worth measuring again. With ``tree=True`` "ours" includes
+    the live child processes (an engine core and its workers).
     """
 
+    def __init__(self, tree: bool = False):
+        self.tree = tree
+
     def __enter__(self) -> CpuMeter:
-        self._wall, self._own, self._busy = time.monotonic(), _own_cpu(), _machine_busy()
+        self._wall, self._busy = time.monotonic(), _machine_busy()
+        self._own = _own_cpu(self.tree)
         return self
 
     def __exit__(self, *exc) -> None:
         self.wall = time.monotonic() - self._wall
-        self.own = _own_cpu() - self._own
+        self.own = _own_cpu(self.tree) - self._own
         busy = _machine_busy()
         self.busy = None if busy is None or self._busy is None else busy - self._busy
 
@@ -381,9 +387,31 @@ class CpuMeter:
         return max(0.0, (self.busy - self.own) / self.wall)
 
 
-def _own_cpu() -> float:
+def wait_for_quiet(max_cores: float, timeout_s: float, interval_s: float = 1.0) -> float | None:
+    """Waits (up to ``timeout_s``) for a ``interval_s`` during which other processes
+    used at most ``max_cores``; returns the last measured value (None: no /proc/stat)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with CpuMeter() as meter:
+            time.sleep(interval_s)
+        if meter.other_cores is None or meter.other_cores <= max_cores \
+                or time.monotonic() >= deadline:
+            return meter.other_cores
+
+
+def _own_cpu(tree: bool = False) -> float:
     times = os.times()
-    return times.user + times.system
+    total = times.user + times.system
+    if tree:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                cpu = child.cpu_times()
+                total += cpu.user + cpu.system
+            except psutil.Error:
+                pass
+    return total
 
 
 def _machine_busy() -> float | None:

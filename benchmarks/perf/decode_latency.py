@@ -30,7 +30,8 @@ step: the time per step is the batch's TPOT). Others' jobs share the machine:
 a window during which other processes kept more than ``--contention-cores``
 busy (``/proc/stat`` minus this process) is measured again, up to
 ``--retries`` times, and the least disturbed attempt is kept (its
-``other_cores_busy`` is in the JSON). The policies share one prefill:
+``other_cores_busy`` is in the JSON); before each window the script waits up
+to ``--quiet-wait`` seconds for a quiet second. The policies share one prefill:
 they decode successive tokens of the same requests (the context grows by a few
 tokens per policy; the rows report the mean context of their window). H2O's
 scores then start at the switch instead of at the prefill, which changes what
@@ -50,6 +51,7 @@ baselines: their metadata + budget), dense layers reading everything.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -255,6 +257,8 @@ def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -
                                        kwargs={"policy": policy, "budget": args.budget})
                 attempts = []
                 for _ in range(1 + args.retries):
+                    if args.quiet_wait > 0:
+                        common.wait_for_quiet(args.contention_cores, args.quiet_wait)
                     driver.warm(args.warmup_steps)
                     before = counters(llm) if policy else {}
                     start_generated = driver.mean_generated()
@@ -306,12 +310,16 @@ def sections(rows: list[dict], args, shape: common.ModelShape) -> list[str]:
         for label in labels:
             row = by.get((label, context, batch))
             cells.append(report.cell(row and row["decode_ms_per_step"], ".1f"))
+        others = [by[(label, context, batch)].get("other_cores_busy") for label in labels
+                  if (label, context, batch) in by]
+        others = [o for o in others if o is not None]
         for label in labels:
             row = by.get((label, context, batch))
             if label != "dense" and dense and row:
                 cells.append(f"{dense['decode_ms_per_step'] / row['decode_ms_per_step']:.2f}")
             elif label != "dense":
                 cells.append("")
+        cells.append(report.cell(max(others) if others else None, ".2f"))
         timing.append(cells)
     speed_headers = [f"speed-up {label}" for label in labels if label != "dense"]
     minimum = [[str(context), str(batch)] + [
@@ -341,7 +349,9 @@ def sections(rows: list[dict], args, shape: common.ModelShape) -> list[str]:
         f"the nominal r/2 = {args.partial_ratio / 2}).\n"
         "- ms/step: median over the timed steps of the whole batch (each request gets a "
         "token per step, so this is the TPOT); speed-up = dense ms / config ms (> 1: "
-        "faster than dense).\n"
+        "faster than dense). others' cores: CPU other processes used during the kept "
+        "window (of 2 cores; the largest over the row's configs): rows well above 0 "
+        "were measured while other jobs ran.\n"
         "- KV read: dense layers' K/V + selection metadata + selected K/V moved "
         "pool -> attention (`vllm:infinigen_swap_bytes_total`), per step, over what "
         "dense attention reads in every layer; ideal = (dense layers + sparse layers x "
@@ -354,7 +364,7 @@ def sections(rows: list[dict], args, shape: common.ModelShape) -> list[str]:
     )
     return [
         "## Decode ms per step (batch TPOT)\n\n" + report.markdown_table(
-            ["context", "batch", *labels, *speed_headers], timing),
+            ["context", "batch", *labels, *speed_headers, "others' cores (max)"], timing),
         "## Decode ms per step, fastest step of each window\n\n"
         "Other jobs share this machine's 2 cores; the fastest step is the least "
         "disturbed one.\n\n" + report.markdown_table(["context", "batch", *labels], minimum),
@@ -403,16 +413,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dense-layers", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=2)
-    parser.add_argument("--retries", type=int, default=2,
+    parser.add_argument("--retries", type=int, default=3,
                         help="measure a window again (up to this many times) when other "
                         "processes kept more than --contention-cores busy meanwhile")
     parser.add_argument("--contention-cores", type=float, default=0.25)
+    parser.add_argument("--quiet-wait", type=float, default=20,
+                        help="seconds to wait, before each timed window, for a second in "
+                        "which other processes use at most --contention-cores (0: no wait)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-batch-tokens", type=int, default=65536,
                         help="skip (context, batch) points with more prompt tokens than this "
                         "(prefill time grows with batch x context^2)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no torch.compile (faster start, slower steps)")
+    parser.add_argument("--render", type=Path, help="only rewrite the Markdown and PNG of "
+                        "an existing result JSON (no engine)")
     parser.add_argument("--out", type=Path, help="output path without suffix "
                         "(default: benchmarks/results/<preset's name>)")
     args = parser.parse_args(argv)
@@ -428,8 +443,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def render(path: Path) -> int:
+    """Rewrites ``path``'s Markdown and PNG from its JSON (settings, rows, provenance)."""
+    data = json.loads(Path(path).read_text())
+    settings = data["settings"]
+    args = argparse.Namespace(**{k: v for k, v in settings.items() if k != "model_shape"})
+    shape = common.ModelShape(**settings["model_shape"])
+    rows = data["results"]
+    out = Path(path).with_suffix("")
+    title = f"Decode latency and KV bytes per step: {Path(args.model).name} ({args.preset})"
+    report.write_results(out, data["meta"], title, settings, rows, sections(rows, args, shape))
+    plot(rows, out.with_suffix(".png"), Path(args.model).name)
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        return render(args.render)
     # Drive the engine core step by step in this process.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     progress = common.Progress(total=len(grid(args)) * sum(

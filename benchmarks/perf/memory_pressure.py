@@ -105,6 +105,7 @@ def run_one(name: str, args) -> dict[str, Any]:
         llm.generate([{"prompt_token_ids": [1, 5, 6, 7] * 16}], SamplingParams(
             max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
         preemptions_before = common.metric_value(llm.get_metrics(), "vllm:num_preemptions")
+        meter = common.CpuMeter(tree=True).__enter__()
         start = time.monotonic()
         for index, prompt in enumerate(prompts):
             engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
@@ -123,6 +124,7 @@ def run_one(name: str, args) -> dict[str, Any]:
                 print(f"[{name}] {last_report - start:6.1f} s: {len(finished)}/{len(prompts)} "
                       f"finished, {running_peak} running at most", file=sys.stderr, flush=True)
         wall = time.monotonic() - start
+        meter.__exit__(None, None, None)
         metrics = llm.get_metrics()
         latencies = [common.request_latency(out.metrics) for out in finished.values()]
         summary = common.latency_summary(latencies, wall)
@@ -130,6 +132,7 @@ def run_one(name: str, args) -> dict[str, Any]:
             config=name, preemptions=common.metric_value(metrics, "vllm:num_preemptions")
             - preemptions_before,
             running_peak=running_peak, kv_blocks=num_blocks, block_size=block_size,
+            other_cores_busy=meter.other_cores,
             kv_capacity_tokens=(num_blocks or 0) * block_size,
             request_tokens=args.prompt_tokens + args.output_tokens,
             kv_capacity_requests=(num_blocks or 0) * block_size
@@ -140,7 +143,8 @@ def run_one(name: str, args) -> dict[str, Any]:
 
             totals = common.counter_totals(summarize(metrics))
             if totals.get("candidate_tokens"):
-                summary["selected_fraction"] = totals["selected_tokens"] / totals["candidate_tokens"]
+                summary["selected_fraction"] = (totals["selected_tokens"]
+                                                / totals["candidate_tokens"])
     return summary
 
 
@@ -149,11 +153,12 @@ def run_child(name: str, args, log_dir: Path) -> dict[str, Any]:
     log = log_dir / f"{name}.log"
     result = log_dir / f"{name}.json"
     env = {**os.environ, **CONFIGS[name].get("env", {})}
-    command = [sys.executable, str(Path(__file__).resolve()), "--run-config", name,
+    command = [sys.executable, "-m", "benchmarks.perf.memory_pressure", "--run-config", name,
                "--result-file", str(result), *args.child_argv]
     start = time.monotonic()
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                cwd=common.REPO)
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -174,12 +179,13 @@ def sections(results: list[dict], args) -> list[str]:
     ok = [r for r in results if not r.get("failed")]
     headers = ["config", "KV capacity (tokens)", "≈ requests held", "peak running", "preemptions",
                "requests/s", "output tokens/s", "TTFT p50 s", "TTFT p90 s", "TPOT p50 ms",
-               "TPOT p90 ms", "e2e p50 s", "wall s"]
+               "TPOT p90 ms", "e2e p50 s", "wall s", "others' cores"]
     rows = [[r["config"], str(r["kv_capacity_tokens"]), f"{r['kv_capacity_requests']:.1f}",
              str(r["running_peak"]), f"{r['preemptions']:.0f}", f"{r['requests_per_s']:.3f}",
              f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_s_p50']:.2f}",
              f"{r['ttft_s_p90']:.2f}", f"{1000 * r['tpot_s_p50']:.1f}",
-             f"{1000 * r['tpot_s_p90']:.1f}", f"{r['e2e_s_p50']:.2f}", f"{r['wall_s']:.1f}"]
+             f"{1000 * r['tpot_s_p90']:.1f}", f"{r['e2e_s_p50']:.2f}", f"{r['wall_s']:.1f}",
+             report.cell(r.get("other_cores_busy"), ".2f")]
             for r in ok]
     out = [
         f"{args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} "
@@ -203,7 +209,9 @@ def sections(results: list[dict], args) -> list[str]:
         "queueing); TPOT = (last token - first token) / (tokens - 1) per request; "
         "preemptions: `vllm:num_preemptions` over the run (a preempted request is "
         "recomputed).\n"
-        "- Peak running: `vllm:num_requests_running`, sampled every 4 engine steps.")
+        "- Peak running: `vllm:num_requests_running`, sampled every 4 engine steps.\n"
+        "- others' cores: CPU that processes other than this run's used during it "
+        "(of 2 cores): other jobs share the machine.")
     return out
 
 

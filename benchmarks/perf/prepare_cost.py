@@ -59,7 +59,7 @@ def with_rusage(command: list[str], env: dict[str, str] | None = None,
     """Runs ``command``: wall time, and CPU seconds (user + sys) and peak RSS of that child."""
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, text=True)
+                            env={**os.environ, **(env or {})}, text=True, cwd=common.REPO)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     try:
@@ -113,8 +113,8 @@ def engine_start_child(model: str, kv_manager: str) -> dict[str, Any]:
 
 def run_in_child(function: str, *args: str, env: dict[str, str] | None = None) -> dict:
     """Runs ``--child FUNCTION ARGS`` of this script; its JSON line, or the error."""
-    result = with_rusage([sys.executable, str(Path(__file__).resolve()), "--child", function,
-                          *args], env=env)
+    result = with_rusage([sys.executable, "-m", "benchmarks.perf.prepare_cost", "--child",
+                          function, *args], env=env)
     for line in reversed(result["output"].splitlines()):
         if line.startswith("{"):
             return {**json.loads(line), "child_wall_s": result["wall_s"],
@@ -169,7 +169,8 @@ def sections(rows: list[dict], args) -> list[str]:
             report.cell(best(cli, "wall_s"), ".1f"), report.cell(best(cli, "cpu_s"), ".1f"),
             report.cell(best(cli, "printed_compute_s"), ".1f"),
             report.cell(max((c["max_rss_mib"] for c in cli), default=None), ".0f"),
-            report.cell(best(load, "cold_wall_s"), ".2f"), report.cell(best(load, "cold_cpu_s"), ".2f"),
+            report.cell(best(load, "cold_wall_s"), ".2f"),
+            report.cell(best(load, "cold_cpu_s"), ".2f"),
             report.cell(best(load, "warm_wall_s"), ".3f"),
             report.cell(best(load, "imports_s"), ".1f"),
         ])

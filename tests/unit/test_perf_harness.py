@@ -193,3 +193,12 @@ def test_cpu_meter_counts_our_time_and_never_negative_others():
     assert meter.wall >= 0.2
     assert 0 < meter.own <= meter.wall * 1.5  # one busy thread (clock ticks are coarse)
     assert meter.other_cores is None or meter.other_cores >= 0
+
+
+def test_wait_for_quiet_gives_up_at_the_timeout():
+    import time
+
+    start = time.monotonic()
+    other = common.wait_for_quiet(max_cores=-1.0, timeout_s=0.1, interval_s=0.05)  # never quiet
+    assert time.monotonic() - start < 2
+    assert other is None or other >= 0
