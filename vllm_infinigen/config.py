@@ -27,6 +27,7 @@ FLAG_OF_FIELD = {
     "cpu_pool_gib": "--infinigen-cpu-pool-gib",
     "eviction": "--infinigen-eviction",
     "policy": "--infinigen-policy",
+    "eval_dense_prefix": "--infinigen-eval-dense-prefix",
 }
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
@@ -67,6 +68,15 @@ class InfiniGenConfig:
             the paper's best), ``lru`` or ``fifo``; see ``pool.py``.
         policy: ``infinigen``, or a baseline at the same budget on the same
             machinery: ``h2o``, ``streaming`` or ``quest`` (``baselines.py``).
+        eval_dense_prefix: Evaluation mode (``None``: off). Prompt rows at
+            positions >= this many tokens are computed like decode rows, each
+            over the tokens the policy selects from the positions before it,
+            so prompt logprobs (lm-eval's loglikelihood) measure the
+            selection; the first ``eval_dense_prefix`` rows stay dense. A row
+            at position p gets what a decode step at context p would get: the
+            mode equals teacher-forced decoding of the same tokens, in one
+            prefill. For accuracy measurements only: it costs a selection per
+            prompt token.
     """
 
     alpha: float | None = None
@@ -80,6 +90,7 @@ class InfiniGenConfig:
     cpu_pool_gib: float | None = None
     eviction: str = "counter"
     policy: str = "infinigen"
+    eval_dense_prefix: int | None = None
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not _is_number(self.alpha, positive=True):
@@ -98,6 +109,21 @@ class InfiniGenConfig:
                 raise ValueError(
                     f"{FLAG_OF_FIELD[name]} must be an integer >= 0, got {value!r}"
                 )
+        prefix = self.eval_dense_prefix
+        if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int)
+                                   or prefix < 1):
+            raise ValueError(
+                f"{FLAG_OF_FIELD['eval_dense_prefix']} must be an integer >= 1 (the "
+                f"first prompt token has no context to select from), got {prefix!r}"
+            )
+        if prefix is not None and self.policy == "h2o":
+            raise ValueError(
+                f"{FLAG_OF_FIELD['eval_dense_prefix']} does not apply to "
+                f"{FLAG_OF_FIELD['policy']} h2o: H2O's scores accumulate over decode "
+                "steps one token at a time, which a single prefill cannot reproduce; "
+                "measure H2O by teacher-forced decoding "
+                "(benchmarks/accuracy/teacher_forcing.py)"
+            )
         if self.transfer not in TRANSFERS:
             raise ValueError(
                 f"{FLAG_OF_FIELD['transfer']} must be one of {list(TRANSFERS)}, "

@@ -262,12 +262,14 @@ class InfiniGenRuntime:
 
         Args:
             alpha: New alpha, if given.
-            changes: New ``budget``, ``sink_tokens`` or ``recent_tokens``.
+            changes: New ``budget``, ``sink_tokens``, ``recent_tokens``,
+                ``eviction``, ``policy`` or ``eval_dense_prefix``.
 
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
-        allowed = {"budget", "sink_tokens", "recent_tokens", "eviction", "policy"}
+        allowed = {"budget", "sink_tokens", "recent_tokens", "eviction", "policy",
+                   "eval_dense_prefix"}
         if set(changes) - allowed:
             raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
         if alpha is not None:
@@ -305,7 +307,11 @@ class InfiniGenRuntime:
         return out
 
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
-        """The step's decode rows, from the dense group's metadata (cached per step)."""
+        """The step's decode rows, from the dense group's metadata (cached per step).
+
+        In evaluation mode (``eval_dense_prefix``) every prompt row past the
+        dense prefix is a decode row too: its context is the positions before it.
+        """
         if self._plan_source is attn_metadata:
             return self._plan
         query_start = attn_metadata.query_start_loc.cpu()
@@ -314,7 +320,12 @@ class InfiniGenRuntime:
         query_lens = query_start[1 : num_reqs + 1] - query_start[:num_reqs]
         is_decode = (query_lens == 1) & (seq_lens > 1)
         rows = torch.nonzero(is_decode).flatten()
+        tokens = query_start[rows]
         context_lens = seq_lens[rows] - 1
+        prefix = self.config.eval_dense_prefix
+        if prefix is not None and not bool(is_decode.all()):
+            rows, tokens, context_lens = _with_prompt_rows(
+                ~is_decode, query_start, seq_lens, max(prefix, 1))
         context_host = context_lens.tolist()
         max_context = max(context_host, default=1)
         device = self.device
@@ -323,7 +334,7 @@ class InfiniGenRuntime:
         num_window = self.config.sink_tokens + self.config.recent_tokens
         self._plan = StepPlan(
             rows=rows.to(device),
-            tokens=query_start[rows].to(device=device, dtype=torch.int64),
+            tokens=tokens.to(device=device, dtype=torch.int64),
             context_lens=context_lens.to(device=device, dtype=torch.int64),
             context_host=context_host,
             block_table=block_table,
@@ -530,12 +541,23 @@ class InfiniGenImplMixin:
         dense_metadata = context.attn_metadata[runtime.reference_layer]
         runtime.begin_step(dense_metadata, context.slot_mapping[runtime.reference_layer])
         plan = runtime.plan_for(dense_metadata, block_size)
-        if state.next is not None and plan.num_decodes and runtime.config.policy == "infinigen":
+        speculates = bool(plan.num_decodes) and runtime.config.policy == "infinigen"
+        # Evaluation mode: prompt rows select among this step's own tokens,
+        # whose partial keys in the next layer do not exist before that layer
+        # runs: the next layer runs this layer's speculation itself, after
+        # writing them (same inputs, same result as in decode).
+        deferred = speculates and plan.has_other_rows and runtime.config.eval_dense_prefix is not None
+        if state.next is not None and speculates and not deferred:
             runtime.speculate(state, plan)
-        state.captured_input = None
+        if not (state.next is not None and deferred):
+            state.captured_input = None
         if not state.sparse:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
+        if deferred:
+            previous = runtime.layers[state.layer_idx - 1]
+            runtime.speculate(previous, plan)
+            previous.captured_input = None
         if plan.has_other_rows:
             runtime.attend_pool(state, plan, query, output, block_size)
         if plan.num_decodes:
@@ -543,6 +565,29 @@ class InfiniGenImplMixin:
                 state, plan, query, key, value
             )
         return output
+
+
+def _with_prompt_rows(is_prompt: torch.Tensor, query_start: torch.Tensor,
+                      seq_lens: torch.Tensor, prefix: int):
+    """Decode rows plus, per prompt request, its rows at positions >= ``prefix``.
+
+    Returns (request index, token index in the batch, context length) of every
+    row attending over a selection, in token order (host tensors).
+    """
+    rows, tokens, contexts = [], [], []
+    for request in range(seq_lens.shape[0]):
+        start, end = int(query_start[request]), int(query_start[request + 1])
+        seq_len = int(seq_lens[request])
+        first = seq_len - (end - start)  # position of the request's first row here
+        if not is_prompt[request]:
+            first_selected = seq_len - 1
+        else:
+            first_selected = max(first, prefix)
+        positions = torch.arange(min(first_selected, seq_len), seq_len)
+        rows.append(torch.full_like(positions, request))
+        tokens.append(start + positions - first)
+        contexts.append(positions)
+    return torch.cat(rows), torch.cat(tokens), torch.cat(contexts)
 
 
 def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,

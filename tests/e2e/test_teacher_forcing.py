@@ -2,7 +2,8 @@
 """Teacher-forced scoring measures InfiniGen's decode attention, not dense attention.
 
 Two engines, one after the other: stock vLLM, then InfiniGen at budget 0.05.
-The InfiniGen worker is then switched to select everything (budget 1.0,
+The InfiniGen worker is then switched to the evaluation mode (prompt rows past
+a dense prefix attend like decode rows) and to select everything (budget 1.0,
 alpha 1e4) with the worker's ``set_infinigen_selection``, so the file starts
 only two engines.
 """
@@ -76,6 +77,22 @@ def windows(model) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def _prefill_scores(llm, windows) -> list[list[float]]:
+    """Prompt logprobs of every continuation token, prompt and continuation in one prefill."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompt + continuation} for prompt, continuation in windows],
+        params, use_tqdm=False,
+    )
+    return [
+        [out.prompt_logprobs[PROMPT_TOKENS + step][token].logprob
+         for step, token in enumerate(continuation)]
+        for out, (_, continuation) in zip(outputs, windows)
+    ]
+
+
 @pytest.fixture(scope="module")
 def dense(model, windows) -> dict:
     """Engine 1 (stock vLLM): teacher-forced logprobs and prefill logprobs."""
@@ -83,32 +100,37 @@ def dense(model, windows) -> dict:
 
     with engine(model, kv_manager="vllm", **engine_kwargs()) as llm:
         forced = score_continuations(llm, *zip(*windows))
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outputs = llm.generate(
-            [{"prompt_token_ids": prompt + continuation} for prompt, continuation in windows],
-            params, use_tqdm=False,
-        )
-    prefill = [
-        [out.prompt_logprobs[PROMPT_TOKENS + step][token].logprob
-         for step, token in enumerate(continuation)]
-        for out, (_, continuation) in zip(outputs, windows)
-    ]
+        prefill = _prefill_scores(llm, windows)
     return {"forced": forced, "prefill": prefill}
 
 
 @pytest.fixture(scope="module")
 def infinigen(model, windows) -> dict:
-    """Engine 2 (InfiniGen): scores at budget 0.05, then with everything selected."""
+    """Engine 2 (InfiniGen): scores at budget 0.05 (evaluation mode, then decode),
+    then with everything selected."""
     with engine(
         model,
         kv_manager="infinigen",
         infinigen_budget=SMALL_BUDGET,
         **engine_kwargs(),
     ) as llm:
+        # Evaluation mode first, on a fresh pool: no stale entries to hide a
+        # row that reads another step's keys.
+        llm.collective_rpc("set_infinigen_selection",
+                           kwargs={"eval_dense_prefix": PROMPT_TOKENS})
+        selected_before, candidates_before = _counts(llm)
+        eval_prefill = _prefill_scores(llm, windows)
+        selected, candidates = _counts(llm)
+        llm.collective_rpc("set_infinigen_selection", kwargs={"eval_dense_prefix": None})
         sparse, sparse_fraction = _score_with_fraction(llm, windows)
+        # Default mode: prompt rows are dense, whatever the budget.
+        plain_prefill = _prefill_scores(llm, windows)
         llm.collective_rpc("set_infinigen_selection", kwargs=SELECT_ALL)
         full, full_fraction = _score_with_fraction(llm, windows)
     return {"sparse": sparse, "sparse_fraction": sparse_fraction,
+            "plain_prefill": plain_prefill, "eval_prefill": eval_prefill,
+            "eval_fraction": (selected - selected_before) / (candidates - candidates_before),
+            "eval_candidates": candidates - candidates_before,
             "full": full, "full_fraction": full_fraction}
 
 
@@ -138,3 +160,30 @@ def test_small_budget_changes_decode_logprobs(dense, infinigen):
 def test_selecting_everything_equals_dense(dense, infinigen):
     assert infinigen["full_fraction"] == 1.0
     assert _max_abs_diff(infinigen["full"], dense["forced"]) < 1e-3
+
+
+def test_prompt_logprobs_are_dense_outside_the_evaluation_mode(dense, infinigen):
+    assert _max_abs_diff(infinigen["plain_prefill"], dense["prefill"]) < 1e-3
+
+
+def test_evaluation_mode_equals_teacher_forcing(dense, infinigen):
+    # Prompt rows past the dense prefix select like decode rows at the same
+    # context, so one prefill gives the teacher-forced decode's logprobs ...
+    assert 0 < infinigen["eval_fraction"] <= SMALL_BUDGET
+    # ... every scored row but the first (scored from the dense prefix) was a
+    # selecting row in every sparse layer (three on stories260K: 5 layers, 2 dense).
+    sparse_layers = 3
+    expected_rows = sum(SCORE_TOKENS) - len(SCORE_TOKENS)
+    assert infinigen["eval_candidates"] >= sparse_layers * expected_rows * PROMPT_TOKENS
+    forced, evaluated = infinigen["sparse"], infinigen["eval_prefill"]
+    diffs = [abs(x - y) for row_f, row_e in zip(forced, evaluated)
+             for x, y in zip(row_f, row_e)]
+    # Batched matmuls round differently from one-row ones: a near-tie can
+    # select another token now and then, so allow a few outliers.
+    assert sorted(diffs)[len(diffs) // 2] < 1e-4
+    assert sum(d > 1e-2 for d in diffs) <= len(diffs) // 50
+    # ... and not dense attention's: a harness reading the evaluation mode
+    # would catch an engine that silently stayed dense.
+    long_dense = dense["prefill"][LONG_WINDOW]
+    long_eval = evaluated[LONG_WINDOW]
+    assert sum(abs(x - y) > 1e-2 for x, y in zip(long_dense, long_eval)) > len(long_dense) // 4

@@ -22,6 +22,7 @@ def test_defaults():
         "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "skew_file": None,
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
+        "eval_dense_prefix": None,
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 
@@ -177,3 +178,16 @@ def test_transfer_values():
     assert InfiniGenConfig(transfer="copy").transfer == "copy"
     with pytest.raises(ValueError, match="--infinigen-transfer"):
         InfiniGenConfig(transfer="dma")
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "8"])
+def test_eval_dense_prefix_values(value):
+    with pytest.raises(ValueError, match="--infinigen-eval-dense-prefix must be an integer >= 1"):
+        InfiniGenConfig(eval_dense_prefix=value)
+    for policy in ("infinigen", "streaming", "quest"):
+        assert InfiniGenConfig(eval_dense_prefix=1, policy=policy).eval_dense_prefix == 1
+
+
+def test_eval_mode_refused_for_h2o_naming_both_flags():
+    with pytest.raises(ValueError, match="--infinigen-eval-dense-prefix.*--infinigen-policy h2o"):
+        InfiniGenConfig(eval_dense_prefix=16, policy="h2o")

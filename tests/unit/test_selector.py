@@ -241,3 +241,17 @@ def test_absent_entries_are_never_selected():
             assert sorted(kept) == sorted(held)  # ... and all that is held with one
             assert capped.valid[b, h].tolist() == sorted(capped.valid[b, h].tolist(),
                                                          reverse=True)  # valid first
+
+
+def test_evaluation_mode_rows():
+    from vllm_infinigen.runtime import _with_prompt_rows
+
+    # Request 0 decodes (context 9); request 1 prefills positions 3..7 of its
+    # prompt (a second chunk); request 2 prefills positions 0..3; prefix 5.
+    query_start = torch.tensor([0, 1, 6, 10])
+    seq_lens = torch.tensor([10, 8, 4])
+    is_prompt = torch.tensor([False, True, True])
+    rows, tokens, contexts = _with_prompt_rows(is_prompt, query_start, seq_lens, prefix=5)
+    assert rows.tolist() == [0, 1, 1, 1]
+    assert tokens.tolist() == [0, 3, 4, 5]  # positions 5, 6, 7 of request 1
+    assert contexts.tolist() == [9, 5, 6, 7]  # a row at position p selects among p tokens
