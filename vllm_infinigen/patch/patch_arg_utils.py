@@ -128,10 +128,14 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         f"(default {defaults.eviction}: the least often selected of the oldest half).",
         "policy": "Selection policy: infinigen (default), or a baseline at the same "
         "budget on the same machinery: h2o, streaming, quest.",
+        "eval_dense_prefix": "Evaluation mode for accuracy measurements (default: off): "
+        "prompt rows past the first N tokens attend like decode rows, over the "
+        "selected tokens only, so prompt logprobs (e.g. lm-eval) measure the selection.",
     }
     types = {"alpha": float, "partial_ratio": float, "budget": float,
              "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int,
-             "transfer": str, "cpu_pool_gib": float, "eviction": str, "policy": str}
+             "transfer": str, "cpu_pool_gib": float, "eviction": str, "policy": str,
+             "eval_dense_prefix": int}
     for field, flag in FLAG_OF_FIELD.items():
         group.add_argument(flag, type=types[field], default=None, help=helps[field])
     return parser
