@@ -75,8 +75,8 @@ class InfiniGenConfig:
             selection; the first ``eval_dense_prefix`` rows stay dense. A row
             at position p gets what a decode step at context p would get: the
             mode equals teacher-forced decoding of the same tokens, in one
-            prefill. For accuracy measurements only: it costs a selection per
-            prompt token.
+            prefill (InfiniGen, StreamingLLM and Quest; H2O is refused). For
+            accuracy measurements only: it costs a selection per prompt token.
     """
 
     alpha: float | None = None

@@ -24,6 +24,7 @@ over the pool; decode rows over the selected entries only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,6 +200,10 @@ class InfiniGenRuntime:
         self.swap_wait_us = [0] * len(layers)
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
+        # num_reqs -> [num_reqs] prompt length of each request of the step, in
+        # the attention metadata's order (set by the worker; None: every row
+        # with one query token and some context is a decode row).
+        self.prompt_lens_of: Callable[[int], torch.Tensor] | None = None
 
     def allocate_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                       num_rows: int) -> None:
@@ -318,7 +323,11 @@ class InfiniGenRuntime:
         seq_lens = attn_metadata.seq_lens.cpu()
         num_reqs = seq_lens.shape[0]
         query_lens = query_start[1 : num_reqs + 1] - query_start[:num_reqs]
-        is_decode = (query_lens == 1) & (seq_lens > 1)
+        # A decode row computes a sampled token: past the prompt. (vLLM's own
+        # split counts a one-token prompt chunk as a decode; it is a prompt row.)
+        prompt_lens = (torch.ones_like(seq_lens) if self.prompt_lens_of is None
+                       else self.prompt_lens_of(num_reqs).to(seq_lens.dtype))
+        is_decode = (query_lens == 1) & (seq_lens > prompt_lens)
         rows = torch.nonzero(is_decode).flatten()
         tokens = query_start[rows]
         context_lens = seq_lens[rows] - 1
@@ -431,10 +440,35 @@ class InfiniGenRuntime:
             page = baselines.QUEST_PAGE_SIZE
             starts = torch.arange(0, num_tokens, page, device=query.device)
             page_ids = plan.context_slots[:, starts] // page  # [B, P]
+            page_min, page_max = state.quest_min[page_ids], state.quest_max[page_ids]
+            if self.config.eval_dense_prefix is not None and plan.has_other_rows:
+                self._quest_bounds_as_in_decode(state, plan, page_min, page_max)
             selection = baselines.quest_select(
-                query[plan.tokens], state.quest_min[page_ids], state.quest_max[page_ids],
+                query[plan.tokens], page_min, page_max,
                 plan.context_lens, budget, baselines.quest_num_slots(context_host, budget))
         self._start_transfer(state, plan, selection)
+
+    def _quest_bounds_as_in_decode(self, state: LayerState, plan: StepPlan,
+                                   page_min: torch.Tensor, page_max: torch.Tensor) -> None:
+        """Evaluation mode: each row's last page bounds the keys up to the row only.
+
+        The page bounds hold every key this step wrote, later prompt rows
+        included; a decode step at position p bounds positions page_start..p.
+        page_min, page_max: [B, P, H_kv, D], changed in place.
+        """
+        page = baselines.QUEST_PAGE_SIZE
+        last = plan.context_lens // page  # [B] page of each row's own position
+        positions = last[:, None] * page + torch.arange(page, device=last.device)
+        upto = positions <= plan.context_lens[:, None]  # [B, page]
+        slots = slots_of_positions(torch.minimum(positions, plan.context_lens[:, None]),
+                                   plan.block_table, self.block_size)
+        keys = state.key_store[slots].to(page_min.device, page_min.dtype)  # uncapped: row = slot
+        hidden = ~upto[..., None, None]
+        low = keys.masked_fill(hidden, float("inf")).amin(dim=1)  # [B, H_kv, D]
+        high = keys.masked_fill(hidden, float("-inf")).amax(dim=1)
+        rows = torch.nonzero(last < page_min.shape[1]).flatten()
+        page_min[rows, last[rows]] = low[rows]
+        page_max[rows, last[rows]] = high[rows]
 
     def attend_sparse(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,10 @@ class InfiniGenCPUWorker(CPUWorker):
         self.infinigen_runtime = build_runtime(
             self.model_runner.model, self.vllm_config, torch.device("cpu")
         )
+        # The input batch's rows are the attention metadata's rows in a step.
+        input_batch = lambda: self.model_runner.input_batch  # noqa: E731 (rebuilt by vLLM)
+        self.infinigen_runtime.prompt_lens_of = (
+            lambda num_reqs: torch.from_numpy(input_batch().num_prompt_tokens[:num_reqs]))
 
     def set_infinigen_selection(self, **changes) -> None:
         """``LLM.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.1})``.

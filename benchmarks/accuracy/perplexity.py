@@ -1,53 +1,78 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Perplexity of a text under decode-time attention (dense vLLM or InfiniGen).
+"""Perplexity of a text under decode-time selection: dense vLLM and every policy per budget.
 
-Each window is P prompt tokens, prefilled densely, then S tokens teacher-forced
-through decode, where InfiniGen's selection applies::
+Each window is P prompt tokens, prefilled densely, then S scored tokens, each
+predicted under the selection::
 
-    text tokens  [BOS story BOS story ...]
+    text tokens  [BOS book ...]                     (Frankenstein: held out)
     window w     [ P prompt tokens | S scored tokens ]   (P + S <= max_model_len)
 
-Example::
+Scoring (``--scoring``):
 
-    python benchmarks/accuracy/perplexity.py --kv-manager vllm infinigen --budget 0.2
+- ``decode`` (default): the S tokens are teacher-forced through decode steps
+  (``teacher_forcing.py``), one step per token, as in generation;
+- ``eval-prefill``: one prefill per window on an engine in InfiniGen's
+  evaluation mode (``--infinigen-eval-dense-prefix P``): rows past P attend over
+  the selection as decode rows do. Same numbers, much faster; H2O has no
+  evaluation mode (its scores accumulate step by step) and is scored by decode.
 
-Several ``--kv-manager`` values run one after the other, one engine at a time.
-InfiniGen sweeps every combination of ``--budget``, ``--sink-tokens`` and
-``--recent-tokens`` on one engine, switching with ``set_infinigen_selection``::
+By default the model is ``../shared/models/gutenberg-llama-2k`` (2,048-token
+context) on its held-out book, Frankenstein; ``--model``/``--text`` take any HF
+model directory and UTF-8 text. Example::
 
-    python benchmarks/accuracy/perplexity.py --kv-manager infinigen \
-        --budget 0.05 0.2 --sink-tokens 0 4 --recent-tokens 0 16
+    flock /tmp/engine.lock python benchmarks/accuracy/perplexity.py \\
+        --policy infinigen h2o streaming quest --budget 0.05 0.1 0.2 0.4
+
+One engine per ``--kv-manager``; an InfiniGen engine is switched between
+policies and budgets with ``set_infinigen_selection``. Results:
+``benchmarks/results/perplexity.{json,md,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.accuracy.harness import SelectionMeter, start_engine  # noqa: E402
+from benchmarks.accuracy import report  # noqa: E402
+from benchmarks.accuracy.harness import (  # noqa: E402
+    KV_MANAGERS,
+    POLICIES,
+    REPO,
+    SelectionMeter,
+    default_path,
+    is_control,
+    policy_of,
+    selection_grid,
+    start_engine,
+    sweep,
+)
 from benchmarks.accuracy.teacher_forcing import (  # noqa: E402
     perplexity,
+    prefill_scores,
     score_continuations,
 )
 
-DEFAULT_MODEL = "/work/shared/models/stories260k-vllm-cpu"
-DEFAULT_TEXT = "/work/shared/data/text/tinystories-sample.txt"
+GUTENBERG = default_path("models/gutenberg-llama-2k")
+FRANKENSTEIN = default_path("data/text/gutenberg-frankenstein.txt")
+STORIES = default_path("models/stories260k-vllm-cpu")
+TINYSTORIES = default_path("data/text/tinystories-sample.txt")
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "perplexity"
 STORY_SEPARATOR = "<|endoftext|>"
+SCORINGS = ("decode", "eval-prefill")
 
 
 def tokenize_text(model: str, text: str) -> list[int]:
     """Token ids of ``text`` as ``[BOS] story [BOS] story ...``.
 
     Stories are separated by ``<|endoftext|>`` (TinyStories); a text without
-    separators is one story.
+    separators (a book) is one story.
     """
     from transformers import AutoTokenizer
 
@@ -83,28 +108,46 @@ def cut_windows(
     return windows
 
 
-def selection_settings(args: argparse.Namespace) -> list[dict]:
-    """Every (budget, sink, recent) combination, in command-line order."""
-    return [
-        {"budget": budget, "sink_tokens": sink, "recent_tokens": recent}
-        for budget, sink, recent in itertools.product(
-            args.budget, args.sink_tokens, args.recent_tokens)
-    ]
+def scoring_of(requested: str, setting: dict | None) -> str:
+    """The scoring a setting gets: H2O and dense vLLM are always scored by decode.
+
+    Dense vLLM has no evaluation mode (its prefill is dense whatever the mode,
+    and decode gives the same numbers); H2O's has none by design.
+    """
+    if requested == "eval-prefill" and setting is not None and policy_of(setting) != "h2o":
+        return "eval-prefill"
+    return "decode"
 
 
 def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
-          selection: dict | None, alpha: float | None) -> dict:
+          setting: dict | None, scoring: str) -> dict:
     """Scores every window in one batched call; counters of this call alone."""
+    prompts, continuations = zip(*windows)
+    mode = scoring_of(scoring, setting)
+    if mode == "eval-prefill":
+        llm.collective_rpc("set_infinigen_selection",
+                           kwargs={"eval_dense_prefix": len(prompts[0])})
     start = time.perf_counter()
-    with SelectionMeter(llm) as meter:
-        scores = score_continuations(llm, *zip(*windows))
+    try:
+        with SelectionMeter(llm) as meter:
+            if mode == "eval-prefill":
+                scores = prefill_scores(llm, prompts, continuations)
+            else:
+                scores = score_continuations(llm, prompts, continuations)
+    finally:
+        if mode == "eval-prefill":
+            llm.collective_rpc("set_infinigen_selection", kwargs={"eval_dense_prefix": None})
     elapsed = time.perf_counter() - start
     logprobs = [logprob for window in scores for logprob in window]
+    label = kv_manager if setting is None else (
+        "infinigen select-all (control)" if is_control(setting) else policy_of(setting))
     return {
+        "label": label,
         "kv_manager": kv_manager,
-        "budget": None, "sink_tokens": None, "recent_tokens": None,
-        **(selection or {}),
-        "alpha": alpha,
+        "policy": policy_of(setting),
+        "budget": None if setting is None else setting.get("budget"),
+        "alpha": None if setting is None else setting.get("alpha"),
+        "scoring": mode,
         "num_windows": len(windows),
         "num_scored_tokens": len(logprobs),
         "mean_nll": -sum(logprobs) / len(logprobs),
@@ -117,98 +160,149 @@ def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
 
 def run_engine(args: argparse.Namespace, kv_manager: str,
                windows: list[tuple[list[int], list[int]]]) -> list[dict]:
-    """Starts one engine, scores every window per selection setting, shuts it down.
-
-    Dense vLLM scores once; InfiniGen scores once per ``selection_settings``,
-    changed on the running engine.
-    """
+    """One engine: dense vLLM scores once; InfiniGen once per (policy, budget) and the control."""
+    settings = selection_grid(args.budget, args.policy,
+                              select_all_control=args.select_all_control)
     infinigen = None
     if kv_manager == "infinigen":
-        infinigen = {"budget": args.budget[0], "alpha": args.alpha}
-    with start_engine(args.model, kv_manager, max_model_len=args.max_model_len,
-                      infinigen=infinigen, kv_cache_memory_bytes=64 << 20) as llm:
-        if kv_manager != "infinigen":
-            return [score(llm, windows, kv_manager, None, None)]
-        results = []
-        for selection in selection_settings(args):
-            changes = selection if args.alpha is None else {**selection, "alpha": args.alpha}
-            llm.collective_rpc("set_infinigen_selection", kwargs=changes)
-            results.append(score(llm, windows, kv_manager, selection, args.alpha))
-        return results
+        infinigen = {"budget": args.budget[0], "alpha": args.alpha,
+                     "sink_tokens": args.sink_tokens, "recent_tokens": args.recent_tokens}
+    results = []
+    with start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
+                      infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+        for setting in sweep(llm, kv_manager, settings):
+            result = score(llm, windows, kv_manager, setting, args.scoring)
+            print(f"[{result['label']} budget {result['budget']}] perplexity "
+                  f"{result['perplexity']:.3f} ({result['scoring']}, "
+                  f"{result['score_seconds']:.0f} s)", file=sys.stderr, flush=True)
+            results.append(result)
+    return results
 
 
-def markdown_table(results: list[dict]) -> str:
-    """mode | budget | sink | recent | NLL | perplexity | selected fraction."""
-    def cell(value, spec: str = "") -> str:
-        return "" if value is None else format(value, spec)
-
-    lines = ["| mode | budget | sink | recent | NLL (nats/token) | perplexity "
-             "| selected fraction |",
-             "|---|---|---|---|---|---|---|"]
+def results_table(results: Sequence[dict]) -> str:
+    """setting | budget | scoring | NLL | perplexity | vs dense | selected fraction."""
+    dense = next((r for r in results if r["policy"] is None), None)
+    rows = []
     for r in results:
-        lines.append(
-            f"| {r['kv_manager']} | {cell(r['budget'], 'g')} | {cell(r['sink_tokens'])} "
-            f"| {cell(r['recent_tokens'])} | {r['mean_nll']:.4f} | {r['perplexity']:.3f} "
-            f"| {cell(r['selected_fraction'], '.3f')} |"
-        )
-    return "\n".join(lines)
+        ratio = None if dense is None else r["perplexity"] / dense["perplexity"]
+        rows.append([r["label"], report.cell(r["budget"], "g"), r["scoring"],
+                     f"{r['mean_nll']:.4f}", f"{r['perplexity']:.3f}",
+                     report.cell(ratio, ".3f"), report.cell(r["selected_fraction"], ".3f"),
+                     f"{r['score_seconds']:.0f}"])
+    return report.markdown_table(
+        ["setting", "budget", "scoring", "NLL (nats/token)", "perplexity", "÷ dense",
+         "selected fraction", "seconds"], rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def budget_table(results: Sequence[dict]) -> str:
+    """Perplexity per policy (rows) and budget (columns)."""
+    budgets = sorted({r["budget"] for r in results
+                      if r["policy"] is not None and not is_control(r)})
+    by = {(r["policy"], r["budget"]): r for r in results if not is_control(r)}
+    rows = []
+    for policy in dict.fromkeys(r["policy"] for r in results
+                                if r["policy"] is not None and not is_control(r)):
+        rows.append([policy, *[report.cell(by.get((policy, b), {}).get("perplexity"), ".3f")
+                               for b in budgets]])
+    return report.markdown_table(["policy", *[f"budget {b:g}" for b in budgets]], rows)
+
+
+def plot_panels(results: Sequence[dict]) -> list[report.Panel]:
+    """Perplexity vs budget per policy; dense vLLM (and the control) as lines."""
+    panel = report.Panel("perplexity (lower is better)", "perplexity")
+    for r in results:
+        if r["policy"] is None:
+            panel.references["dense vLLM"] = r["perplexity"]
+        elif is_control(r):
+            panel.references["select-all control"] = r["perplexity"]
+        else:
+            panel.series.setdefault(r["policy"], []).append((r["budget"], r["perplexity"]))
+    return [panel]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--text", default=DEFAULT_TEXT, help="UTF-8 text file")
-    parser.add_argument("--kv-manager", nargs="+", required=True,
-                        choices=["vllm", "infinigen"],
-                        help="one or more, run one after the other")
-    parser.add_argument("--budget", type=float, nargs="+", default=[0.2],
-                        help="InfiniGen budget(s)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="HF model directory (default: gutenberg-llama-2k if present, "
+                             "else stories260k-vllm-cpu)")
+    parser.add_argument("--text", type=Path, default=None,
+                        help="UTF-8 text (default: Frankenstein for gutenberg-llama-2k, "
+                             "the TinyStories sample otherwise)")
+    parser.add_argument("--kv-manager", nargs="+", default=list(KV_MANAGERS),
+                        choices=KV_MANAGERS, help="one engine each, one after the other")
+    parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
     parser.add_argument("--alpha", type=float, default=None,
                         help="InfiniGen alpha (default: the paper's value)")
-    parser.add_argument("--sink-tokens", type=int, nargs="+", default=[0],
-                        help="InfiniGen sink window(s): first tokens always attended")
-    parser.add_argument("--recent-tokens", type=int, nargs="+", default=[0],
-                        help="InfiniGen recent window(s): last tokens always attended")
+    parser.add_argument("--sink-tokens", type=int, default=0)
+    parser.add_argument("--recent-tokens", type=int, default=0)
+    parser.add_argument("--no-select-all-control", dest="select_all_control",
+                        action="store_false",
+                        help="skip the control (budget 1, alpha 1e4: should equal dense)")
+    parser.add_argument("--scoring", choices=SCORINGS, default="decode")
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="P: dense-prefill tokens per window")
-    parser.add_argument("--score-tokens", type=int, default=400,
-                        help="S: teacher-forced, scored tokens per window")
-    parser.add_argument("--num-windows", type=int, default=None,
-                        help="W (default: every whole window in the text)")
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--json", help="write the results (with per-token logprobs) here")
+    parser.add_argument("--score-tokens", type=int, default=960,
+                        help="S: scored tokens per window")
+    parser.add_argument("--num-windows", type=int, default=8,
+                        help="W (0: every whole window in the text)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: P + S + 1")
+    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="output path without suffix")
     args = parser.parse_args(argv)
-
-    for path, default in ((args.text, DEFAULT_TEXT), (args.model, DEFAULT_MODEL)):
-        if not Path(path).exists():
-            if path == default:
-                print(f"skipped: default input {path} is absent", file=sys.stderr)
-                return 0
-            parser.error(f"no such file or directory: {path}")
+    if args.model is None:
+        args.model = GUTENBERG if GUTENBERG.exists() else STORIES
+    if args.text is None:
+        args.text = FRANKENSTEIN if args.model == GUTENBERG else TINYSTORIES
     if not all(0 < budget <= 1 for budget in args.budget):
         parser.error("--budget values must be in (0, 1]")
-    if min(args.sink_tokens + args.recent_tokens) < 0:
+    if min(args.sink_tokens, args.recent_tokens) < 0:
         parser.error("--sink-tokens and --recent-tokens must be >= 0")
     if args.prompt_tokens < 1 or args.score_tokens < 1:
         parser.error("--prompt-tokens and --score-tokens must be >= 1")
+    if args.max_model_len is None:
+        args.max_model_len = args.prompt_tokens + args.score_tokens + 1
     if args.prompt_tokens + args.score_tokens > args.max_model_len:
         parser.error(f"--prompt-tokens + --score-tokens must be <= --max-model-len "
                      f"({args.max_model_len})")
-    token_ids = tokenize_text(args.model, Path(args.text).read_text(encoding="utf-8"))
-    try:
-        windows = cut_windows(token_ids, args.prompt_tokens, args.score_tokens,
-                              args.num_windows)
-    except ValueError as e:
-        parser.error(str(e))
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for path in (args.model, args.text):
+        if not Path(path).exists():
+            print(f"skipped: {path} is absent", file=sys.stderr)
+            return 0
+    token_ids = tokenize_text(str(args.model), Path(args.text).read_text(encoding="utf-8"))
+    windows = cut_windows(token_ids, args.prompt_tokens, args.score_tokens,
+                          args.num_windows or None)
     results = [result for kv_manager in args.kv_manager
                for result in run_engine(args, kv_manager, windows)]
-    print(f"\n{args.text}: {len(windows)} window(s) of {args.prompt_tokens} prompt + "
-          f"{args.score_tokens} scored tokens, model {args.model}\n")
-    print(markdown_table(results))
-    if args.json:
-        settings = {k: v for k, v in vars(args).items() if k != "json"}
-        Path(args.json).write_text(json.dumps({"settings": settings, "results": results}))
+
+    meta = report.run_metadata(model=str(args.model), text=str(args.text))
+    sections = [
+        f"{Path(args.text).name}: {len(windows)} window(s) of {args.prompt_tokens} dense "
+        f"prompt tokens + {args.score_tokens} scored tokens ({len(windows) * args.score_tokens} "
+        f"scored in all), model {Path(args.model).name}. Scoring: `decode` = each scored "
+        "token teacher-forced through a decode step; `eval-prefill` = InfiniGen's evaluation "
+        "mode (`--infinigen-eval-dense-prefix`), the same rule in one prefill.",
+        "## Perplexity per policy and budget", budget_table(results),
+        "## Every setting", results_table(results),
+        "'select all (control)': InfiniGen at budget 1 with alpha 1e4 selects every token, "
+        "so it must equal dense vLLM. Selected fraction: selected / candidate tokens of the "
+        "sparse layers, from the counters of that setting's scoring alone.",
+    ]
+    png = report.try_plot(args.out.with_suffix(".png"), plot_panels(results),
+                          f"{Path(args.model).name} on {Path(args.text).name}")
+    if png:
+        sections.append(f"![perplexity vs budget]({png.name})")
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report.write_results(args.out, meta, "Perplexity under decode-time selection", settings,
+                         results, sections)
+    print(args.out.with_suffix(".md").read_text())
     return 0 if all(math.isfinite(r["mean_nll"]) for r in results) else 1
 
 

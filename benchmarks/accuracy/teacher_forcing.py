@@ -243,3 +243,30 @@ def perplexity(logprobs: Sequence[float]) -> float:
     if not logprobs:
         raise ValueError("perplexity of no tokens")
     return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def prefill_scores(
+    llm, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+) -> list[list[float]]:
+    """Logprobs of each continuation from prompt logprobs, in one prefill per sequence.
+
+    On an InfiniGen engine in evaluation mode (``eval_dense_prefix`` =
+    ``len(prompt)``), rows past the prompt attend over the selection as decode
+    rows do, so this equals ``score_continuations`` in one prefill; otherwise
+    it is dense attention (InfiniGen's default prefill).
+
+    Returns:
+        For each sequence, ``log p(continuation[j] | prompt, continuation[:j])``.
+    """
+    if len(prompts) != len(continuations):
+        raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0,
+                            detokenize=False)
+    requests = [TokensPrompt(prompt_token_ids=list(p) + list(c))
+                for p, c in zip(prompts, continuations)]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    return [
+        [output.prompt_logprobs[len(prompt) + j][token].logprob
+         for j, token in enumerate(continuation)]
+        for output, prompt, continuation in zip(outputs, prompts, continuations)
+    ]

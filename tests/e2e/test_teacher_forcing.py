@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.accuracy.teacher_forcing import engine_kwargs, score_continuations
+from benchmarks.accuracy.teacher_forcing import (
+    engine_kwargs,
+    prefill_scores,
+    score_continuations,
+)
 from tests import models
 from tests.e2e.engines import engine
 from vllm_infinigen.metrics import summarize
@@ -79,29 +83,36 @@ def windows(model) -> list[tuple[list[int], list[int]]]:
 
 def _prefill_scores(llm, windows) -> list[list[float]]:
     """Prompt logprobs of every continuation token, prompt and continuation in one prefill."""
+    return prefill_scores(llm, *zip(*windows))
+
+
+def _one_token_last_chunk(llm, token_ids: list[int]) -> dict[int, float]:
+    """Top logprobs of a prompt whose last chunk is one token, beside a decoding request.
+
+    Steps of 128 tokens: step 1 prefills A (8 tokens) and B's first 120; step 2
+    decodes A and prefills B's next 127; step 3 decodes A and prefills B's last
+    token alone: a one-token prompt chunk, which must stay dense.
+    """
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    first, second = token_ids[:8], token_ids[8 : 8 + 248]
     outputs = llm.generate(
-        [{"prompt_token_ids": prompt + continuation} for prompt, continuation in windows],
-        params, use_tqdm=False,
+        [{"prompt_token_ids": first}, {"prompt_token_ids": second}],
+        [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+         SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)],
+        use_tqdm=False,
     )
-    return [
-        [out.prompt_logprobs[PROMPT_TOKENS + step][token].logprob
-         for step, token in enumerate(continuation)]
-        for out, (_, continuation) in zip(outputs, windows)
-    ]
+    return {token: lp.logprob for token, lp in outputs[1].outputs[0].logprobs[0].items()}
 
 
 @pytest.fixture(scope="module")
 def dense(model, windows) -> dict:
     """Engine 1 (stock vLLM): teacher-forced logprobs and prefill logprobs."""
-    from vllm import SamplingParams
-
     with engine(model, kv_manager="vllm", **engine_kwargs()) as llm:
         forced = score_continuations(llm, *zip(*windows))
         prefill = _prefill_scores(llm, windows)
-    return {"forced": forced, "prefill": prefill}
+        last_chunk = _one_token_last_chunk(llm, windows[0][0] + windows[0][1])
+    return {"forced": forced, "prefill": prefill, "last_chunk": last_chunk}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +125,7 @@ def infinigen(model, windows) -> dict:
         infinigen_budget=SMALL_BUDGET,
         **engine_kwargs(),
     ) as llm:
+        last_chunk = _one_token_last_chunk(llm, windows[0][0] + windows[0][1])
         # Evaluation mode first, on a fresh pool: no stale entries to hide a
         # row that reads another step's keys.
         llm.collective_rpc("set_infinigen_selection",
@@ -125,13 +137,20 @@ def infinigen(model, windows) -> dict:
         sparse, sparse_fraction = _score_with_fraction(llm, windows)
         # Default mode: prompt rows are dense, whatever the budget.
         plain_prefill = _prefill_scores(llm, windows)
-        llm.collective_rpc("set_infinigen_selection", kwargs=SELECT_ALL)
+        baselines = {}
+        for policy in ("quest", "streaming"):
+            llm.collective_rpc("set_infinigen_selection",
+                               kwargs={"policy": policy, "eval_dense_prefix": PROMPT_TOKENS})
+            evaluated = _prefill_scores(llm, windows)
+            llm.collective_rpc("set_infinigen_selection", kwargs={"eval_dense_prefix": None})
+            baselines[policy] = (evaluated, score_continuations(llm, *zip(*windows)))
+        llm.collective_rpc("set_infinigen_selection", kwargs={"policy": "infinigen", **SELECT_ALL})
         full, full_fraction = _score_with_fraction(llm, windows)
     return {"sparse": sparse, "sparse_fraction": sparse_fraction,
             "plain_prefill": plain_prefill, "eval_prefill": eval_prefill,
             "eval_fraction": (selected - selected_before) / (candidates - candidates_before),
             "eval_candidates": candidates - candidates_before,
-            "full": full, "full_fraction": full_fraction}
+            "last_chunk": last_chunk, "baselines": baselines, "full": full, "full_fraction": full_fraction}
 
 
 def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
@@ -187,3 +206,20 @@ def test_evaluation_mode_equals_teacher_forcing(dense, infinigen):
     long_dense = dense["prefill"][LONG_WINDOW]
     long_eval = evaluated[LONG_WINDOW]
     assert sum(abs(x - y) > 1e-2 for x, y in zip(long_dense, long_eval)) > len(long_dense) // 4
+
+
+@pytest.mark.parametrize("policy", ["quest", "streaming"])
+def test_evaluation_mode_equals_teacher_forcing_for_baselines(infinigen, policy):
+    # Quest's last page is bounded by the keys up to the row, as in decode.
+    evaluated, forced = infinigen["baselines"][policy]
+    diffs = [abs(x - y) for row_e, row_f in zip(evaluated, forced) for x, y in zip(row_e, row_f)]
+    assert sorted(diffs)[len(diffs) // 2] < 1e-4
+    assert sum(d > 1e-2 for d in diffs) <= len(diffs) // 50
+
+
+def test_one_token_prompt_chunk_is_dense(dense, infinigen):
+    # vLLM's metadata counts a one-token prompt chunk as a decode; it is a
+    # prompt row, dense by design, whatever the budget.
+    assert infinigen["last_chunk"].keys() == dense["last_chunk"].keys()
+    for token, logprob in dense["last_chunk"].items():
+        assert infinigen["last_chunk"][token] == pytest.approx(logprob, abs=1e-4)

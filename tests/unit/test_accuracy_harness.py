@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from benchmarks.accuracy import agreement, mc_tasks, report, retrieval
+from benchmarks.accuracy import agreement, mc_tasks, perplexity, report, retrieval
 from benchmarks.accuracy.teacher_forcing import split_for_decode
 
 COPA = {"query": "The man turned on the faucet, therefore", "gold": 1,
@@ -389,3 +389,38 @@ def test_mode_and_setting_labels():
         "h2o, 2 dense layers, synthetic skew")
     assert retrieval.setting_label(dict(retrieval.STREAMING_APPROX), variant).startswith(
         "streaming approx (sink 4 + recent 128)")
+
+
+def test_perplexity_windows_and_scoring_modes():
+    windows = perplexity.cut_windows(list(range(25)), prompt_tokens=3, score_tokens=5,
+                                     num_windows=None)
+    assert windows == [([0, 1, 2], [3, 4, 5, 6, 7]), ([8, 9, 10], [11, 12, 13, 14, 15]),
+                       ([16, 17, 18], [19, 20, 21, 22, 23])]
+    with pytest.raises(ValueError, match="4 wanted"):
+        perplexity.cut_windows(list(range(25)), 3, 5, num_windows=4)
+    # Dense vLLM and H2O are always scored by decode.
+    assert perplexity.scoring_of("eval-prefill", None) == "decode"
+    assert perplexity.scoring_of("eval-prefill", {"policy": "h2o", "budget": 0.1}) == "decode"
+    assert perplexity.scoring_of("eval-prefill", {"budget": 0.1}) == "eval-prefill"
+    assert perplexity.scoring_of("decode", {"policy": "quest", "budget": 0.1}) == "decode"
+
+
+def _ppl_result(policy, budget, value):
+    return {"label": policy or "vllm", "policy": policy, "budget": budget, "scoring": "decode",
+            "mean_nll": math.log(value), "perplexity": value, "selected_fraction": None,
+            "score_seconds": 1.0}
+
+
+def test_perplexity_tables_and_plot(tmp_path):
+    results = [_ppl_result(None, None, 10.0), _ppl_result("infinigen", 0.1, 12.0),
+               _ppl_result("infinigen", 0.2, 11.0), _ppl_result("h2o", 0.1, 15.0),
+               _ppl_result("infinigen", 1.0, 10.0) | {"label": "control", "alpha": 1e4}]
+    table = perplexity.budget_table(results)
+    assert "| infinigen | 12.000 | 11.000 |" in table
+    assert "| h2o | 15.000 |  |" in table
+    assert "1.200" in perplexity.results_table(results)  # 12 / 10 (÷ dense)
+    panels = perplexity.plot_panels(results)
+    assert panels[0].references == {"dense vLLM": 10.0, "select-all control": 10.0}
+    assert sorted(panels[0].series["infinigen"]) == [(0.1, 12.0), (0.2, 11.0)]
+    pytest.importorskip("matplotlib")
+    assert report.plot_quality_vs_budget(tmp_path / "p.png", panels).stat().st_size > 0
