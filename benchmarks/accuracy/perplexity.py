@@ -154,7 +154,7 @@ def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
         "perplexity": perplexity(logprobs),
         "selected_fraction": meter.fraction,
         "score_seconds": elapsed,
-        "window_logprobs": scores,
+        "window_nll": [-sum(window) / len(window) for window in scores],
     }
 
 
