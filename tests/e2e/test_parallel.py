@@ -1,14 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor parallelism (vLLM's multiprocessing executor): each rank selects over
-its own KV heads, from its own pool, and the output is the single-process one."""
+"""Tensor parallelism with vLLM's multiprocessing and Ray executors: each rank
+selects over its own KV heads, from its own pool, and the output is the
+single-process one. With Ray, every rank's threads sit on the rank's core and
+no process of the engine or of Ray outlives the engine's shutdown."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
+import torch
 
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
+from tests.e2e.servers import alive, process_tree
 from tests.models import BUNDLED_MODEL
 from vllm_infinigen.metrics import summarize
 
@@ -20,14 +25,19 @@ SELECT_ALL = dict(kv_manager="infinigen", infinigen_budget=1.0, infinigen_alpha=
 
 
 @pytest.fixture(scope="module")
-def two_ranks(monkeypatch_module):
+def cores() -> list[int]:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("tensor parallelism on the CPU backend needs 2 cores, one per rank")
+    return cores
+
+
+@pytest.fixture(scope="module")
+def two_ranks(monkeypatch_module, cores):
     # vLLM's CPU workers bind their OpenMP threads to disjoint cores; with one
     # NUMA node they must be told which (rank 0 | rank 1).
     monkeypatch_module.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
-    return dict(tensor_parallel_size=2, distributed_executor_backend="mp")
+    return dict(tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -42,20 +52,77 @@ def single_process_stock() -> list[list[int]]:
         return greedy_tokens(llm, PROMPTS, MAX_TOKENS)
 
 
-def test_two_ranks_select_all_equals_single_process_and_select_per_rank(
-        two_ranks, single_process_stock):
-    with engine(str(BUNDLED_MODEL), **two_ranks, **SELECT_ALL) as llm:
-        assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == single_process_stock
-        counters = summarize(llm.get_metrics())
-        assert counters["selected_tokens"] == counters["candidate_tokens"]
-        # Every rank runs the rule on its own 2 of the 4 KV heads: the budget
-        # holds for the whole model.
-        llm.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.2, "alpha": 5.0})
-        before = summarize(llm.get_metrics())
-        outputs = greedy_tokens(llm, PROMPTS, MAX_TOKENS)
-        after = summarize(llm.get_metrics())
+@pytest.fixture
+def ray_available(monkeypatch):
+    pytest.importorskip("ray", reason="the Ray tests need `pip install 'vllm-infinigen[ray]'`")
+    # rank_threads sends a function to the workers.
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def check_select_all_then_select_per_rank(llm, single_process_stock) -> None:
+    assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == single_process_stock
+    counters = summarize(llm.get_metrics())
+    assert counters["selected_tokens"] == counters["candidate_tokens"]
+    # Every rank runs the rule on its own 2 of the 4 KV heads: the budget
+    # holds for the whole model.
+    llm.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.2, "alpha": 5.0})
+    before = summarize(llm.get_metrics())
+    outputs = greedy_tokens(llm, PROMPTS, MAX_TOKENS)
+    after = summarize(llm.get_metrics())
     assert [len(out) for out in outputs] == [MAX_TOKENS] * len(PROMPTS)
     for layer in ("2", "3", "4"):
         selected = after["selected_tokens"][layer] - before["selected_tokens"][layer]
         candidates = after["candidate_tokens"][layer] - before["candidate_tokens"][layer]
         assert 0 < selected <= 0.2 * candidates
+
+
+def rank_threads(llm) -> list[tuple[list[int], int]]:
+    """Per rank: the cores its RPC thread may run on, and its OpenMP thread count."""
+    # A lambda travels by value (the workers cannot import this module).
+    return [tuple(r) for r in llm.collective_rpc(
+        lambda worker: (sorted(os.sched_getaffinity(0)), torch.get_num_threads()))]
+
+
+def engine_processes(known: set[int]) -> list:
+    """Descendants of this process that did not exist before (psutil objects)."""
+    return [proc for proc in process_tree(os.getpid())[1:] if proc.pid not in known]
+
+
+def assert_all_gone(procs: list, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive(procs) == [], [(proc.pid, proc.name()) for proc in alive(procs)]
+
+
+def test_mp_two_ranks_select_all_equals_single_process_and_select_per_rank(
+        two_ranks, single_process_stock):
+    with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="mp",
+                **SELECT_ALL) as llm:
+        check_select_all_then_select_per_rank(llm, single_process_stock)
+
+
+def test_ray_two_ranks_select_all_equals_single_process_and_select_per_rank(
+        ray_available, two_ranks, cores, single_process_stock):
+    """vLLM's default Ray executor (RayExecutorV2), a local Ray started by the engine."""
+    known = {proc.pid for proc in process_tree(os.getpid())}
+    with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="ray",
+                **SELECT_ALL) as llm:
+        assert rank_threads(llm) == [([cores[0]], 1), ([cores[1]], 1)]
+        check_select_all_then_select_per_rank(llm, single_process_stock)
+        started = engine_processes(known)
+        names = {proc.name() for proc in started}
+    assert {"raylet", "gcs_server"} <= names, names
+    assert_all_gone(started)
+
+
+def test_ray_v1_executor_stock_manager_equals_single_process(
+        ray_available, two_ranks, cores, single_process_stock, monkeypatch):
+    """``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: the compiled-graph executor, vLLM's own manager."""
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    known = {proc.pid for proc in process_tree(os.getpid())}
+    with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="ray") as llm:
+        assert rank_threads(llm) == [([cores[0]], 1), ([cores[1]], 1)]
+        assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == single_process_stock
+        started = engine_processes(known)
+    assert_all_gone(started)

@@ -158,6 +158,10 @@ def test_cli_without_infinigen_flags_behaves_as_stock(extra):
 
 def test_check_engine_args_accepts_plain_args():
     assert patch_arg_utils.check_engine_args(EngineArgs(model=STORIES_DIR)) is None
+    # Ray workers run on the CPU backend since patch_ray (tests/unit/test_patch_ray.py).
+    ray_tp = EngineArgs(model=STORIES_DIR, tensor_parallel_size=2,
+                        distributed_executor_backend="ray")
+    assert patch_arg_utils.check_engine_args(ray_tp) is None
     own = KVTransferConfig(kv_connector=patch_arg_utils.CONNECTOR_NAME, kv_role="kv_both")
     args = EngineArgs(model=STORIES_DIR, kv_transfer_config=own,
                       worker_cls=patch_arg_utils.WORKER_CLS, enable_prefix_caching=False)
@@ -170,8 +174,6 @@ def test_check_engine_args_accepts_plain_args():
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "--speculative-config"),
         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
-        ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
-         "--distributed-executor-backend mp"),
         ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
         ({"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector",
                                                  kv_role="kv_both")},

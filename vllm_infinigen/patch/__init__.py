@@ -18,6 +18,28 @@ Patch index
     ``_original_<fn>`` with the arguments unchanged.
     Related upstream work: none (plugins cannot extend EngineArgs in 0.32).
     Future plan: drop when vLLM lets general plugins register engine args.
+
+``patch_ray.py`` (with ``vllm_infinigen/ray_cpu.py``)
+    File: ``vllm/platforms/cpu.py`` (``CpuPlatform.ray_device_key``),
+    ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``),
+    ``vllm/v1/executor/ray_executor_v2.py`` (``RayWorkerProc``),
+    ``vllm/v1/executor/abstract.py`` (``Executor.get_class``), and
+    ``EngineArgs.create_engine_config`` (the trigger).
+    Why: vLLM 0.32's CPU platform has no Ray device key, so its Ray executors
+    refuse CPU workers; the workers ask Ray for accelerator ids a CPU node does
+    not have; and Ray workers skip the OpenMP thread binding the mp executor
+    gives each rank. Users type ``--distributed-executor-backend ray``.
+    How: only when an engine on the CPU platform is configured with the Ray
+    backend: the platform gets the custom Ray resource ``vllm_cpu`` (Ray
+    rejects ``CPU`` as a custom resource name), a Ray started by the engine
+    gets ``vllm_cpu`` slots, the executors' worker classes are rebound to
+    subclasses that report no device ids and pin each rank's threads to the
+    cores vLLM's ``OMPProcessManager`` assigns it, and the executors are
+    swapped for subclasses that connect to Ray first and stop the local Ray
+    they started (agents included) at shutdown. Otherwise nothing changes and
+    Ray is not imported.
+    Related upstream work: none found for Ray on the CPU platform.
+    Future plan: drop when vLLM's CPU platform supports Ray.
 """
 
 _applied = False
@@ -28,7 +50,8 @@ def apply_all() -> None:
     global _applied
     if _applied:
         return
-    from vllm_infinigen.patch import patch_arg_utils
+    from vllm_infinigen.patch import patch_arg_utils, patch_ray
 
     patch_arg_utils.apply()
+    patch_ray.apply()  # after patch_arg_utils: its wrapper runs first
     _applied = True

@@ -198,9 +198,6 @@ def check_engine_args(args: EngineArgs) -> None:
         refuse("only vLLM's CPU backend is supported in this release")
     if args.speculative_config:
         refuse("speculative decoding is not supported; remove --speculative-config")
-    if args.distributed_executor_backend == "ray" and current_platform.is_cpu():
-        refuse("vLLM's CPU backend cannot run Ray workers (its CPU platform has "
-               "no Ray device key); use --distributed-executor-backend mp")
     if args.pipeline_parallel_size > 1:
         refuse("--pipeline-parallel-size must be 1: layer i speculates for layer "
                "i + 1 with that layer's query weights, which a stage boundary "

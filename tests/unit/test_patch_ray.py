@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Ray patch: enabled only for the Ray backend on CPU, our classes swapped in,
+per-rank thread binding, and a clear error without Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.engine.arg_utils import EngineArgs
+
+import vllm_infinigen
+from vllm_infinigen.patch import patch_ray
+
+STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
+
+
+def two_rank_args(backend: str, **kwargs) -> EngineArgs:
+    return EngineArgs(model=STORIES_DIR, tensor_parallel_size=2,
+                      distributed_executor_backend=backend, **kwargs)
+
+
+@pytest.fixture
+def enable_calls(monkeypatch) -> list[int]:
+    calls = []
+    original = patch_ray.enable
+    monkeypatch.setattr(patch_ray, "enable", lambda: (calls.append(1), original())[1])
+    return calls
+
+
+@pytest.mark.parametrize("kv_manager", ["vllm", "infinigen"])
+def test_mp_backend_does_not_enable_the_patch(enable_calls, kv_manager):
+    args = two_rank_args("mp", kv_manager=kv_manager)
+    config = args.create_engine_config()
+    assert config.parallel_config.distributed_executor_backend == "mp"
+    assert enable_calls == []
+    if kv_manager == "vllm":
+        stock = patch_ray._original_create_engine_config(two_rank_args("mp"))
+        assert config.compute_hash() == stock.compute_hash()
+
+
+@pytest.mark.parametrize("kv_manager", ["vllm", "infinigen"])
+def test_without_ray_the_error_names_the_extra_and_mp(monkeypatch, enable_calls, kv_manager):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ValueError) as info:
+        two_rank_args("ray", kv_manager=kv_manager).create_engine_config()
+    assert "pip install 'vllm-infinigen[ray]'" in str(info.value)
+    assert "--distributed-executor-backend mp" in str(info.value)
+    assert enable_calls == []
+
+
+def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
+    pytest.importorskip("ray")
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.executor import ray_executor, ray_executor_v2
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from vllm_infinigen import ray_cpu
+
+    ray_config = two_rank_args("ray").create_engine_config()
+    patch_ray.enable()  # a second time: no wrapper of a wrapper
+    assert Executor.__dict__["get_class"].__func__ is patch_ray._get_class
+    assert patch_ray._original_get_class is not patch_ray._get_class
+    assert CpuPlatform.ray_device_key == ray_cpu.RAY_DEVICE_KEY
+    assert ray_executor.RayWorkerWrapper is ray_cpu.CPURayWorkerWrapper
+    assert ray_executor_v2.RayWorkerProc is ray_cpu.CPURayWorkerProc
+    # vLLM's default Ray executor is V2; V1 on request.
+    assert Executor.get_class(ray_config) is ray_cpu.CPURayExecutorV2
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    assert Executor.get_class(ray_config) is ray_cpu.CPURayDistributedExecutor
+    mp_config = two_rank_args("mp").create_engine_config()
+    assert Executor.get_class(mp_config) is MultiprocExecutor
+
+
+def test_omp_cpu_list_follows_vllm_cpu_omp_threads_bind(monkeypatch):
+    pytest.importorskip("ray")
+    from vllm_infinigen.ray_cpu import omp_cpu_list
+
+    config = two_rank_args("mp").create_engine_config()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert [omp_cpu_list(config, rank) for rank in (0, 1)] == [[0], [1]]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert omp_cpu_list(config, 0) is None
+
+
+def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
+    pytest.importorskip("ray")
+    from vllm_infinigen.ray_cpu import bind_threads
+
+    first_core = min(os.sched_getaffinity(0))
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
+    # CPUWorker.init_device replaces torch.set_num_threads with a no-op.
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    seen = {}
+
+    def in_thread():
+        bind_threads([first_core])
+        seen["bound"] = (os.sched_getaffinity(0), torch.get_num_threads())
+        bind_threads(None)
+        seen["after_none"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"bound": ({first_core}, 1), "after_none": {first_core}}
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+
+
+def test_cpu_slots_env_merges_and_restores(monkeypatch):
+    pytest.importorskip("ray")
+    from vllm_infinigen.ray_cpu import RAY_RESOURCES_ENV, _cpu_slots_for_new_nodes
+
+    monkeypatch.delenv(RAY_RESOURCES_ENV, raising=False)
+    with _cpu_slots_for_new_nodes(4):
+        assert json.loads(os.environ[RAY_RESOURCES_ENV]) == {"vllm_cpu": 4}
+    assert RAY_RESOURCES_ENV not in os.environ
+    monkeypatch.setenv(RAY_RESOURCES_ENV, '{"disk": 1, "vllm_cpu": 8}')
+    with _cpu_slots_for_new_nodes(4):  # the user's count wins
+        assert json.loads(os.environ[RAY_RESOURCES_ENV]) == {"disk": 1, "vllm_cpu": 8}
+    assert os.environ[RAY_RESOURCES_ENV] == '{"disk": 1, "vllm_cpu": 8}'
