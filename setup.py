@@ -18,7 +18,8 @@ setup(
         "cuda": ["vllm==0.32.*"],
         "ray": ["ray[default]"],
         "test": ["pytest", "openai", "requests", "matplotlib", "ray"],
-        "bench": ["matplotlib", "openai", "tqdm"],
+        # lm-eval as a client of `vllm serve` (benchmarks/accuracy/lm_eval_serve.py).
+        "bench": ["matplotlib", "openai", "tqdm", "lm_eval[api]==0.4.13"],
     },
     entry_points={
         "vllm.general_plugins": ["infinigen = vllm_infinigen:register"],

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""5-shot log-likelihood multiple choice (COPA, OpenBookQA, PIQA, WinoGrande, RTE) under decode.
+"""5-shot log-likelihood multiple choice (COPA, OpenBookQA, PIQA, WinoGrande, RTE) under selection.
 
 Scored as lm-evaluation-harness 0.4 scores these tasks (its task configs
 ``copa``, ``openbookqa``, ``piqa``, ``winogrande`` and ``rte`` (GLUE); written
@@ -29,11 +29,21 @@ defaults (BOS for Llama tokenizers, as lm-eval's vLLM backend), trailing
 context spaces moved into the continuation, the continuation's tokens taken
 from the encoded whole; over-long inputs lose tokens on the left.
 
-InfiniGen sparsifies decode only, so the last ``--decode-context-tokens`` of
-the context and every continuation token are teacher-forced through decode:
-each continuation token is then predicted in a decode step, under the
-selection. ``--policy`` adds the runtime's baseline rules (H2O, StreamingLLM,
-Quest) at the same budgets, switched on the same engine. Example::
+Scoring (``--scoring``):
+
+- ``decode`` (default): InfiniGen sparsifies decode only, so the last
+  ``--decode-context-tokens`` of the context and every continuation token are
+  teacher-forced through decode: each continuation token is predicted in a
+  decode step, under the selection; the rest of the context is prefilled densely;
+- ``eval-prefill``: each (context, continuation) in one prefill, scored from
+  its prompt logprobs (what lm-eval reads from ``/v1/completions``), on an
+  engine in InfiniGen's evaluation mode with ``--eval-dense-prefix N``: every
+  row at position >= N, context included, attends over the selection as a
+  decode row would. H2O has no evaluation mode and is scored by decode; dense
+  vLLM is scored from its (dense) prompt logprobs.
+
+``--policy`` adds the runtime's baseline rules (H2O, StreamingLLM, Quest) at
+the same budgets, switched on the same engine. Example::
 
     flock /tmp/engine.lock python benchmarks/accuracy/mc_tasks.py --limit 20 \\
         --kv-manager vllm infinigen --budget 0.05 0.1 0.2
@@ -76,6 +86,7 @@ NUM_FEWSHOT = 5
 FEWSHOT_SEED = 1234  # lm-eval's default few-shot seed
 TARGET_DELIMITER = " "
 FEWSHOT_DELIMITER = "\n\n"
+SCORINGS = ("decode", "eval-prefill")
 
 
 @dataclass(frozen=True)
@@ -285,6 +296,36 @@ def score_requests(llm, requests: Sequence[Request], decode_context_tokens: int,
     return sums
 
 
+def score_requests_prefill(llm, requests: Sequence[Request], batch_size: int,
+                           desc: str) -> list[float]:
+    """Summed continuation log-likelihood per request, from one prefill's prompt logprobs."""
+    from tqdm import tqdm
+
+    from benchmarks.accuracy.teacher_forcing import prefill_scores
+
+    sums: list[float] = []
+    with tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr) as bar:
+        for chunk in batched(requests, batch_size):
+            scores = prefill_scores(llm, [r.context_ids for r in chunk],
+                                    [r.continuation_ids for r in chunk])
+            sums += [sum(logprobs) for logprobs in scores]
+            bar.update(len(chunk))
+    return sums
+
+
+def scoring_for(requested: str, setting: dict | None) -> str:
+    """The scoring a setting gets: ``eval-prefill`` falls back to decode for H2O only.
+
+    Dense vLLM (``setting`` None) keeps ``eval-prefill``: its prompt logprobs
+    are dense attention, which is what dense vLLM serves.
+    """
+    if requested not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {requested!r}")
+    if requested == "eval-prefill" and policy_of(setting) == "h2o":
+        return "decode"
+    return requested
+
+
 def aggregate(task: Task, docs: Sequence[dict], requests: Sequence[Request],
               loglikelihoods: Sequence[float]) -> dict[str, Any]:
     """Mean acc / acc_norm / acc_bytes over the task's documents."""
@@ -343,34 +384,48 @@ def run_engine(args: argparse.Namespace, kv_manager: str,
     """One engine; per selection setting, every task."""
     infinigen = {"budget": args.budget[0]} if kv_manager == "infinigen" else None
     results = []
+    eval_mode = {"eval_dense_prefix": args.eval_dense_prefix}
     with start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
                       infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
         for setting in sweep(llm, kv_manager, selection_grid(
                 args.budget, args.policy, args.select_all_control)):
             mode = mode_label(kv_manager, setting)
             label = mode if setting is None else f"{mode} b={setting['budget']:g}"
+            scoring = scoring_for(args.scoring, setting)
+            switch = scoring == "eval-prefill" and setting is not None
+            if switch:
+                llm.collective_rpc("set_infinigen_selection", kwargs=eval_mode)
             for name, (task, docs, requests) in work.items():
                 start = time.perf_counter()
                 with SelectionMeter(llm) as meter:
-                    lls = score_requests(llm, requests, args.decode_context_tokens,
-                                         args.batch_size, f"{name} [{label}]")
+                    if scoring == "eval-prefill":
+                        lls = score_requests_prefill(llm, requests, args.batch_size,
+                                                     f"{name} [{label}, eval-prefill]")
+                    else:
+                        lls = score_requests(llm, requests, args.decode_context_tokens,
+                                             args.batch_size, f"{name} [{label}]")
                 results.append({
                     "kv_manager": mode, "budget": (setting or {}).get("budget"),
-                    "task": name, **aggregate(task, docs, requests, lls),
+                    "task": name, "scoring": scoring,
+                    **aggregate(task, docs, requests, lls),
                     "selected_fraction": meter.fraction,
                     "seconds": time.perf_counter() - start,
                 })
+            if switch:
+                llm.collective_rpc("set_infinigen_selection",
+                                   kwargs={"eval_dense_prefix": None})
     return results
 
 
 def results_table(results: Sequence[dict]) -> str:
-    rows = [[r["task"], r["kv_manager"], report.cell(r["budget"], "g"), str(r["num_docs"]),
+    rows = [[r["task"], r["kv_manager"], report.cell(r["budget"], "g"), r["scoring"],
+             str(r["num_docs"]),
              f"{r['acc']:.3f}", report.cell(r["acc_norm"], ".3f"), f"{r['chance']:.3f}",
              report.cell(r.get("vs_dense_same_choice"), ".3f"),
              report.cell(r.get("vs_dense_mean_abs_delta"), ".3f"),
              report.cell(r["selected_fraction"], ".3f")] for r in results]
     return report.markdown_table(
-        ["task", "mode", "budget", "docs", "acc", "acc_norm", "chance",
+        ["task", "mode", "budget", "scoring", "docs", "acc", "acc_norm", "chance",
          "same choice as dense", "mean abs dLL vs dense", "selected fraction"], rows)
 
 
@@ -436,6 +491,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-select-all-control", dest="select_all_control",
                         action="store_false",
                         help="skip the control (budget 1, alpha 1e4: should equal dense)")
+    parser.add_argument("--scoring", choices=SCORINGS, default="decode",
+                        help="decode: teacher forcing; eval-prefill: prompt logprobs of one "
+                             "prefill in InfiniGen's evaluation mode (H2O: decode)")
+    parser.add_argument("--eval-dense-prefix", type=int, default=16,
+                        help="eval-prefill: rows at positions >= N attend over the selection")
     parser.add_argument("--decode-context-tokens", type=int, default=8,
                         help="last context tokens forced through decode with the continuation")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -450,6 +510,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.decode_context_tokens < 1:
         parser.error("--decode-context-tokens must be >= 1: the first continuation "
                      "token would be scored by the dense prefill")
+    if args.eval_dense_prefix < 1:
+        parser.error("--eval-dense-prefix must be >= 1")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
     return args
@@ -485,11 +547,18 @@ def main(argv: list[str] | None = None) -> int:
     mean_md, _ = mean_table(results)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     meta = report.run_metadata(model=str(args.model))
+    if args.scoring == "eval-prefill":
+        how = (f"each request is scored from the prompt logprobs of one prefill in InfiniGen's "
+               f"evaluation mode (rows at positions >= {args.eval_dense_prefix}, context "
+               "included, attend over the selection; H2O by decode, dense vLLM from its dense "
+               "prompt logprobs)")
+    else:
+        how = (f"the last {args.decode_context_tokens} context tokens and every continuation "
+               "token are teacher-forced through decode (InfiniGen's selection applies to "
+               "every scored token)")
     sections = [
         f"Model `{args.model}`, {args.num_fewshot}-shot, first {args.limit or 'all'} "
-        f"documents per task; the last {args.decode_context_tokens} context tokens and every "
-        "continuation token are teacher-forced through decode (InfiniGen's selection applies "
-        "to every scored token). acc_norm: lm-eval's per-character normalisation "
+        f"documents per task; {how}. acc_norm: lm-eval's per-character normalisation "
         "(none for WinoGrande). 'same choice as dense': fraction of documents where the "
         "run picks the choice dense vLLM picks; 'mean abs dLL': mean absolute change of a "
         "choice's summed log-likelihood (nats) against dense.",

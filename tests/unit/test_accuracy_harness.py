@@ -4,7 +4,8 @@
 Prompt construction per task (lm-eval's plain-text rendering), lm-eval's
 acc / acc_norm arithmetic, lm-eval's context/continuation split, needle
 buckets, the top-k KL estimate and top-1 agreement, the results files and the
-plot.
+plot; lm_eval_serve.py's task YAMLs (loaded by lm-eval itself when it is
+installed) and its reading of lm-eval's output.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import random
 
 import pytest
 
-from benchmarks.accuracy import agreement, mc_tasks, perplexity, report, retrieval
+from benchmarks.accuracy import (
+    agreement,
+    lm_eval_serve,
+    mc_tasks,
+    perplexity,
+    report,
+    retrieval,
+)
 from benchmarks.accuracy.teacher_forcing import split_for_decode
 
 COPA = {"query": "The man turned on the faucet, therefore", "gold": 1,
@@ -424,3 +432,151 @@ def test_perplexity_tables_and_plot(tmp_path):
     assert sorted(panels[0].series["infinigen"]) == [(0.1, 12.0), (0.2, 11.0)]
     pytest.importorskip("matplotlib")
     assert report.plot_quality_vs_budget(tmp_path / "p.png", panels).stat().st_size > 0
+
+
+def test_mc_scoring_for_each_setting():
+    assert mc_tasks.scoring_for("decode", {"budget": 0.1}) == "decode"
+    # Dense vLLM keeps eval-prefill: its prompt logprobs are dense, as it serves them.
+    assert mc_tasks.scoring_for("eval-prefill", None) == "eval-prefill"
+    assert mc_tasks.scoring_for("eval-prefill", {"policy": "quest", "budget": 0.1}) == (
+        "eval-prefill")
+    assert mc_tasks.scoring_for("eval-prefill", {"policy": "h2o", "budget": 0.1}) == "decode"
+    with pytest.raises(ValueError, match="scoring"):
+        mc_tasks.scoring_for("prefill", None)
+
+
+# -- lm_eval_serve.py: lm-eval's side ------------------------------------------
+
+def _write_task_files(data_dir, num_docs: int = 7) -> None:
+    """num_docs copies per task of the hand-written documents, each made distinct."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, doc in [("copa", COPA), ("openbookqa", OBQA), ("piqa", PIQA), ("winogrande", WINO)]:
+        rows = []
+        for index in range(num_docs):
+            row = json.loads(json.dumps(doc))
+            key = {"winogrande": "continuation"}.get(name, "query")
+            row[key] = row[key].replace(" ", f" {index} ", 1)
+            row["gold"] = index % 2
+            rows.append(json.dumps(row))
+        (data_dir / mc_tasks.TASKS[name].file).write_text("\n".join(rows) + "\n")
+    lines = ["sentence1\tsentence2\tlabel\tidx"] + [
+        f'He said "hi {index}.\t{RTE["sentence2"]}\t{index % 2}\t{index}'
+        for index in range(num_docs)]
+    (data_dir / "rte_dev.tsv").write_text("\n".join(lines) + "\n")
+
+
+def test_task_yamls_use_the_local_files_and_the_evaluated_split_for_shots(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    texts = lm_eval_serve.write_task_yamls(tmp_path / "tasks", tmp_path, list(mc_tasks.TASKS))
+    for name, text in texts.items():
+        config = yaml.safe_load((tmp_path / "tasks" / f"local_{name}.yaml").read_text())
+        assert config == yaml.safe_load(text)
+        assert config["task"] == f"local_{name}"
+        assert config["fewshot_split"] == config["test_split"] == "test"
+        assert config["dataset_kwargs"]["data_files"] == {
+            "test": str(tmp_path / mc_tasks.TASKS[name].file)}
+        assert [m["metric"] for m in config["metric_list"]] == list(
+            mc_tasks.TASKS[name].lm_eval_metrics)
+    rte = yaml.safe_load(texts["rte"])
+    assert rte["dataset_path"] == "csv" and rte["dataset_kwargs"]["sep"] == "\t"
+    assert yaml.safe_load(texts["copa"])["dataset_path"] == "json"
+
+
+def test_lm_eval_builds_the_same_requests_as_mc_tasks(tmp_path, monkeypatch):
+    """lm-eval's own TaskManager on our YAMLs: the same contexts, shots and continuations."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed (the bench extra)")
+    import datasets
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    _write_task_files(tmp_path / "data")
+    lm_eval_serve.write_task_yamls(tmp_path / "tasks", tmp_path / "data", list(mc_tasks.TASKS))
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    tasks = manager.load([f"local_{name}" for name in mc_tasks.TASKS])["tasks"]
+    assert sorted(tasks) == sorted(f"local_{name}" for name in mc_tasks.TASKS)
+    for task_name, task in tasks.items():
+        task.set_config(key="num_fewshot", value=2)
+        task.set_fewshot_seed(seed=mc_tasks.FEWSHOT_SEED)
+        task.build_all_requests(limit=5, rank=0, world_size=1)
+        theirs: dict[int, list[tuple]] = {}
+        for instance in task.instances:
+            theirs.setdefault(instance.doc_id, []).append(tuple(instance.arguments))
+        ours = lm_eval_serve.our_prompts(task_name.removeprefix("local_"), tmp_path / "data",
+                                         limit=5, num_fewshot=2)
+        assert [theirs[i] for i in range(5)] == [list(map(tuple, doc)) for doc in ours], task_name
+
+
+def _lm_eval_output(out_dir, lls: list[list[float]]) -> None:
+    """A minimal lm-eval 0.4 output: results_*.json and samples_local_copa_*.jsonl."""
+    model_dir = out_dir / "tiny"
+    model_dir.mkdir(parents=True)
+    (model_dir / "results_2026-01-01T00-00-00.json").write_text(json.dumps(
+        {"results": {"local_copa": {"alias": "local_copa", "acc,none": 0.5,
+                                    "acc_stderr,none": 0.5}}}))
+    samples = [{"doc_id": doc_id, "arguments": {
+                    f"gen_args_{i}": {"arg_0": "ctx", "arg_1": f" c{i}"} for i in range(2)},
+                "filtered_resps": [[str(ll), "False"] for ll in doc_lls]}
+               for doc_id, doc_lls in reversed(list(enumerate(lls)))]
+    (model_dir / "samples_local_copa_2026-01-01T00-00-00.jsonl").write_text(
+        "\n".join(json.dumps(s) for s in samples) + "\n")
+
+
+def test_read_lm_eval_output_and_compare_with_ours(tmp_path):
+    _lm_eval_output(tmp_path, [[-1.0, -2.0], [-3.0, -2.5]])
+    out = lm_eval_serve.read_lm_eval_output(tmp_path)
+    assert out["copa"]["acc"] == 0.5 and out["copa"]["acc_norm"] is None
+    assert [d["doc_id"] for d in out["copa"]["docs"]] == [0, 1]  # sorted
+    assert out["copa"]["docs"][1]["loglikelihoods"] == [-3.0, -2.5]
+    assert out["copa"]["docs"][0]["requests"] == [("ctx", " c0"), ("ctx", " c1")]
+    ours = {"acc": 0.5, "acc_norm": 1.0, "doc_loglikelihoods": [[-1.0, -2.0], [-2.0, -2.5]]}
+    prompts = [[("ctx", " c0"), ("ctx", " c1")], [("ctx", " c0"), ("ctx", " other")]]
+    row = lm_eval_serve.compare_task(out["copa"], ours, prompts)
+    assert row["acc_equal"] and row["ours_acc_norm"] is None  # lm-eval reports no acc_norm
+    assert (row["docs_compared"], row["same_choice"], row["same_prompts"]) == (2, 1, 1)
+    assert row["max_abs_dll"] == 1.0
+    with pytest.raises(FileNotFoundError):
+        lm_eval_serve.read_lm_eval_output(tmp_path / "empty")
+
+
+def test_serve_configs_and_lm_eval_command():
+    infinigen = lm_eval_serve.ServeConfig("infinigen", 0.2)
+    assert infinigen.label == "infinigen b=0.2" and infinigen.mode == "infinigen"
+    assert infinigen.serve_args(16) == [
+        "--kv-manager", "infinigen", "--infinigen-policy", "infinigen", "--infinigen-budget",
+        "0.2", "--infinigen-eval-dense-prefix", "16"]
+    dense = lm_eval_serve.ServeConfig()
+    assert (dense.label, dense.mode, dense.serve_args(16)) == ("dense", "vllm", [])
+    command = lm_eval_serve.lm_eval_command(
+        "http://127.0.0.1:8000", "/m", ["copa", "rte"], limit=20, num_fewshot=5,
+        max_length=2048, batch_size=1, include_path="/t", output_path="/o")
+    model_args = dict(arg.split("=", 1) for arg in command[command.index("--model_args") + 1]
+                      .split(","))
+    assert model_args["base_url"] == "http://127.0.0.1:8000/v1/completions"
+    assert (model_args["tokenized_requests"], model_args["add_bos_token"],
+            model_args["max_length"], model_args["tokenizer"]) == ("True", "True", "2048", "/m")
+    assert command[command.index("--tasks") + 1] == "local_copa,local_rte"
+    assert "--log_samples" in command and command[1] == "run"
+
+
+def test_comparison_rows_tables_and_notes(tmp_path):
+    _lm_eval_output(tmp_path, [[-1.0, -2.0], [-3.0, -2.5]])
+    lm_eval = {"dense": lm_eval_serve.read_lm_eval_output(tmp_path),
+               "infinigen b=0.2": lm_eval_serve.read_lm_eval_output(tmp_path)}
+    ours = [{"kv_manager": "vllm", "task": "copa", "acc": 0.5, "acc_norm": 0.5,
+             "doc_loglikelihoods": [[-1.0, -2.0], [-3.0, -2.5]]},
+            {"kv_manager": "infinigen", "task": "copa", "acc": 0.0, "acc_norm": 0.0,
+             "doc_loglikelihoods": [[-2.5, -2.0], [-3.0, -2.5]]}]
+    batched = [dict(r, doc_loglikelihoods=[[x + 1e-5 for x in doc] for doc in
+                                            r["doc_loglikelihoods"]]) for r in ours]
+    configs = [lm_eval_serve.ServeConfig(), lm_eval_serve.ServeConfig("infinigen", 0.2)]
+    rows = lm_eval_serve.comparison(configs, lm_eval, ours, {}, batched)
+    assert [(r["config"], r["acc_equal"], r["same_choice"]) for r in rows] == [
+        ("dense", True, 2), ("infinigen b=0.2", False, 1)]
+    assert rows[1]["batched_max_abs_dll"] == pytest.approx(1.5 - 1e-5)
+    table = lm_eval_serve.comparison_table(rows)
+    assert "| copa | infinigen b=0.2 | 2 | 0.500 / 0.000 **differ** |  |" in table
+    assert "| dense | 1 | 0.500 | 0.500 | yes |" in lm_eval_serve.mean_table(rows)
+    note = lm_eval_serve.batching_note(rows, 1)
+    assert "within 1.0e-05 nats" in note and "Answers changed: 1." in note
+    assert "N = 16" in lm_eval_serve.DENSE_PREFIX_NOTE.format(n=16, shortest=100, longest=700)
