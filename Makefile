@@ -18,6 +18,8 @@ $(VENV)/.installed: setup.py pyproject.toml
 	# reinstalling this package last makes `vllm` our working launcher.
 	$(PY) -m pip install --no-deps --force-reinstall -e .
 	$(VENV)/bin/vllm --version
+	# InfiniGen's CPU kernels (C++, for this machine's instruction set; cached).
+	$(PY) -m vllm_infinigen.kernels
 	touch $@
 
 demo: setup

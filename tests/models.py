@@ -28,15 +28,18 @@ def _copy_tokenizer(out: Path) -> None:
 
 def build_tiny_llama(out: Path, num_kv_heads: int, num_layers: int = 4, seed: int = 0,
                      num_heads: int = 4, hidden_size: int = 128,
-                     max_positions: int = 1024) -> Path:
-    """A random Llama with head_dim 32 and the bundled 512-token tokenizer."""
+                     max_positions: int = 1024, head_dim: int = 32,
+                     intermediate_size: int | None = None) -> Path:
+    """A random Llama (head_dim 32 unless given; MLP 2 x hidden unless given) with the
+    bundled 512-token tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=512, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        vocab_size=512, hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size if intermediate_size is None else intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=32,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim,
         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
         initializer_range=0.15, tie_word_embeddings=False,
     )

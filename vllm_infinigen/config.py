@@ -14,6 +14,10 @@ KV_MANAGERS = ("vllm", "infinigen")
 DEFAULT_ALPHA_NO_ROPE = 4.0
 DEFAULT_ALPHA_ROPE = 5.0
 
+# Below this many context tokens a sparse layer attends densely over the pool
+# (measured: benchmarks/README.md, "Short contexts").
+DEFAULT_MIN_CONTEXT = 256
+
 # CLI flag of each field, for error messages and argparse.
 FLAG_OF_FIELD = {
     "alpha": "--infinigen-alpha",
@@ -28,6 +32,7 @@ FLAG_OF_FIELD = {
     "eviction": "--infinigen-eviction",
     "policy": "--infinigen-policy",
     "eval_dense_prefix": "--infinigen-eval-dense-prefix",
+    "min_context": "--infinigen-min-context",
 }
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
@@ -77,6 +82,10 @@ class InfiniGenConfig:
             mode equals teacher-forced decoding of the same tokens, in one
             prefill (InfiniGen, StreamingLLM and Quest; H2O is refused). For
             accuracy measurements only: it costs a selection per prompt token.
+        min_context: Rows whose context is shorter than this attend densely
+            over the pool in the sparse layers, without speculating (0: every
+            row attends over its selection). Below it a selection saves too
+            little to pay for itself, and keeps few tokens.
     """
 
     alpha: float | None = None
@@ -91,6 +100,7 @@ class InfiniGenConfig:
     eviction: str = "counter"
     policy: str = "infinigen"
     eval_dense_prefix: int | None = None
+    min_context: int = DEFAULT_MIN_CONTEXT
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not _is_number(self.alpha, positive=True):
@@ -103,7 +113,7 @@ class InfiniGenConfig:
                 raise ValueError(
                     f"{FLAG_OF_FIELD[name]} must be in (0, 1], got {value!r}"
                 )
-        for name in ("dense_layers", "sink_tokens", "recent_tokens"):
+        for name in ("dense_layers", "sink_tokens", "recent_tokens", "min_context"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(

@@ -10,7 +10,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_infinigen.config import infinigen_config_of
 from vllm_infinigen.pool import pool_rows
-from vllm_infinigen.runtime import InfiniGenRuntime, install
+from vllm_infinigen.install import install
+from vllm_infinigen.runtime import InfiniGenRuntime
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
 from vllm_infinigen.spec import kv_cache_group_size
 

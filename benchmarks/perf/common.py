@@ -6,7 +6,7 @@
   ``vllm:infinigen_*`` counters), and the ideal fractions they aim at.
 - Per-request latencies (TTFT, TPOT, end to end) from vLLM's ``RequestOutput``
   metrics, and percentiles.
-- The long-context benchmark model (a random tiny Llama built with
+- The long-context benchmark models (random tiny Llamas built with
   ``tests/models.build_tiny_llama``, cached beside the skew files in
   ``~/.cache/vllm_infinigen/bench-models``, ``VLLM_INFINIGEN_CACHE``),
   engine start/stop and progress lines.
@@ -51,6 +51,11 @@ H2O_SCORE_BYTES = 4
 # layer) from a few thousand tokens on; positions for 16K + decode steps.
 LONG_MODEL = {"num_layers": 6, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 8,
               "max_positions": 16384 + 1024, "seed": 0}
+# A realistic attention shape (head_dim 128, GQA 4:1, 16 layers) with small
+# weights (~8 MB per layer): attention-bound from a few thousand tokens on.
+GQA128_MODEL = {"num_layers": 16, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2,
+                "head_dim": 128, "intermediate_size": 512, "max_positions": 16384 + 1024,
+                "seed": 0}
 
 
 # -- model shape and KV bytes ---------------------------------------------------
@@ -297,9 +302,7 @@ def metric_value(metrics: Iterable[Any], name: str) -> float:
 def long_context_model(root: Path = MODEL_CACHE, **overrides: Any) -> Path:
     """The random tiny Llama of the decode sweep, built once (seeded) and cached."""
     spec = {**LONG_MODEL, **overrides}
-    name = ("llama-l{num_layers}-h{hidden_size}-q{num_heads}-kv{num_kv_heads}"
-            "-p{max_positions}-s{seed}")
-    out = Path(root) / name.format(**spec)
+    out = Path(root) / model_cache_name(spec)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     from tests.models import build_tiny_llama
@@ -308,6 +311,17 @@ def long_context_model(root: Path = MODEL_CACHE, **overrides: Any) -> Path:
     build_tiny_llama(tmp, **spec)
     tmp.rename(out)
     return out
+
+
+def model_cache_name(spec: Mapping[str, Any]) -> str:
+    """Directory name of a ``build_tiny_llama`` spec: head_dim (default 32) when it is
+    not hidden / heads, the MLP width when it is not 2 x hidden."""
+    name = "llama-l{num_layers}-h{hidden_size}-q{num_heads}-kv{num_kv_heads}".format(**spec)
+    if spec.get("head_dim", 32) != spec["hidden_size"] // spec["num_heads"]:
+        name += f"-d{spec.get('head_dim', 32)}"
+    if spec.get("intermediate_size") not in (None, 2 * spec["hidden_size"]):
+        name += f"-i{spec['intermediate_size']}"
+    return name + "-p{max_positions}-s{seed}".format(**spec)
 
 
 class Progress:

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Decode time per step and KV bytes per step versus context: dense vLLM, InfiniGen, baselines.
 
-python benchmarks/perf/decode_latency.py [--preset long|short|gutenberg] [--model DIR]
+python benchmarks/perf/decode_latency.py [--preset long|short|gqa128|gutenberg] [--model DIR]
     [--contexts 1024 ... 16384] [--batch-sizes 1 4] [--policies infinigen h2o streaming quest]
-    [--engines dense in-place copy] [--budget 0.2] [--decode-steps 16]
-    [--max-batch-tokens 65536] [--retries 2] [--out PATH]
+    [--engines dense in-place copy] [--budget 0.2] [--min-context N] [--decode-steps 16]
+    [--max-batch-tokens 65536] [--retries 2] [--bandwidth-mib 256] [--out PATH]
+python benchmarks/perf/decode_latency.py --render benchmarks/results/decode_latency_long.json
 
 Presets (explicit flags override them):
 
@@ -16,6 +17,10 @@ Presets (explicit flags override them):
   is 2-4x slower than vLLM's).
 - ``short``: the same model at 128..512 tokens (InfiniGen's fixed costs)
   -> ``decode_latency_short``.
+- ``gqa128``: a realistic attention shape with small weights (16 layers, 8
+  query / 2 KV heads of 128, hidden 512, MLP 512, 17K positions;
+  ``common.GQA128_MODEL``), contexts 256..16K, batches 1 and 4, dense vs
+  in-place InfiniGen -> ``decode_latency_gqa128``.
 - ``gutenberg``: ``../shared/models/gutenberg-llama-2k`` at 256..1920 tokens,
   dense vs InfiniGen with the in-place and the copy transfer
   -> ``decode_latency``.
@@ -46,6 +51,12 @@ page min/max; H2O's scores) and the selected K/V moved from the pool to the
 attention (``vllm:infinigen_swap_bytes_total``). The ideal, as in the paper, is
 r/2 + budget of the dense bytes in each sparse layer (InfiniGen; the
 baselines: their metadata + budget), dense layers reading everything.
+Every row also has ``achieved_gb_s`` (KV bytes per step / median step time),
+and the run measures the machine's streaming read/copy bandwidth before the
+engines start (``meta["bandwidth"]``, ``bandwidth.measure_bandwidth``), the
+physical limit those are compared with. The Markdown (``decode_report``) adds
+the context-dependent cost: ms/step at the longest context minus at the
+shortest, and dense's over each config's.
 """
 
 from __future__ import annotations
@@ -64,7 +75,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `tests` 
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.perf import common  # noqa: E402
+from benchmarks.perf import common, decode_report  # noqa: E402
+from benchmarks.perf.bandwidth import measure_bandwidth  # noqa: E402
 
 # Engine configurations: stock vLLM, or InfiniGen with a transfer mode.
 ENGINES = {
@@ -74,6 +86,7 @@ ENGINES = {
 }
 # Order of the policies inside one window (see the module docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
+# "model": a directory, or None for the random ``common.long_context_model(**model_spec)``.
 PRESETS: dict[str, dict[str, Any]] = {
     "long": {"model": None, "contexts": [1024, 2048, 4096, 8192, 16384], "batch_sizes": [1, 4],
              "engines": ["dense", "in-place"], "policies": list(POLICY_ORDER),
@@ -81,6 +94,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "short": {"model": None, "contexts": [128, 256, 512], "batch_sizes": [1, 4],
               "engines": ["dense", "in-place"], "policies": list(POLICY_ORDER),
               "out": "decode_latency_short"},
+    "gqa128": {"model": None, "model_spec": common.GQA128_MODEL,
+               "contexts": [256, 1024, 4096, 16384], "batch_sizes": [1, 4],
+               "engines": ["dense", "in-place"], "policies": ["infinigen"],
+               "out": "decode_latency_gqa128"},
     "gutenberg": {"model": common.GUTENBERG, "contexts": [256, 512, 1024, 1920],
                   "batch_sizes": [1, 4], "engines": ["dense", "in-place", "copy"],
                   "policies": ["infinigen"], "out": "decode_latency"},
@@ -187,7 +204,8 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
     }
     if policy is None:
         row.update(kv_bytes_per_step=dense_bytes, kv_read_vs_dense=1.0,
-                   ideal_kv_read_vs_dense=1.0, pool_bytes_per_step=0.0)
+                   ideal_kv_read_vs_dense=1.0, pool_bytes_per_step=0.0,
+                   achieved_gb_s=dense_bytes / step_s / 1e9)
         return row
     step = common.sparse_step_bytes(shape, args.dense_layers, policy, delta, len(times),
                                     args.partial_ratio)
@@ -196,6 +214,7 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
     candidates = delta.get("candidate_tokens", 0.0)
     row.update(
         kv_bytes_per_step=step.total, kv_read_vs_dense=step.fraction,
+        achieved_gb_s=step.total / step_s / 1e9,
         counter_dense_kv_bytes_per_step=step.dense_equivalent,
         dense_layer_bytes_per_step=step.dense_layers, metadata_bytes_per_step=step.metadata,
         pool_bytes_per_step=step.pool_to_attention, ideal_pool_bytes_per_step=ideal_pool,
@@ -208,11 +227,25 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
     return row
 
 
-def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -> list[dict]:
-    """One engine: every (context, batch), every policy of the window."""
+def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
+    """``infinigen_*`` engine settings (without the prefix) of a configuration; None: dense.
+
+    ``min_context`` only when given (``--min-context``; else the engine's default).
+    """
+    setup = ENGINES[engine_name]["infinigen"]
+    if not setup:
+        return None
+    settings = {**setup, "budget": args.budget, "dense_layers": args.dense_layers,
+                "partial_ratio": args.partial_ratio}
+    if getattr(args, "min_context", None) is not None:
+        settings["min_context"] = args.min_context
+    return settings
+
+
+def sizing(engine_name: str, shape: common.ModelShape, args) -> tuple[list, int, int, int]:
+    """(policies, max_tokens per request, tokens to hold, ``kv_cache_memory_bytes``)."""
     from vllm_infinigen.spec import kv_cache_group_size
 
-    shape = common.model_shape(model)
     setup = ENGINES[engine_name]
     policies: list[str | None] = ordered_policies(args.policies) if setup["infinigen"] else [None]
     per_policy = args.warmup_steps + args.decode_steps
@@ -226,10 +259,16 @@ def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -
         shape, tokens, setup["kv_manager"], dense_layers=args.dense_layers,
         group_size=kv_cache_group_size(args.dense_layers, shape.layers - args.dense_layers),
         partial_ratio=args.partial_ratio)
-    infinigen = None
-    if setup["infinigen"]:
-        infinigen = {**setup["infinigen"], "budget": args.budget,
-                     "dense_layers": args.dense_layers, "partial_ratio": args.partial_ratio}
+    return policies, max_tokens, tokens, kv_bytes
+
+
+def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -> list[dict]:
+    """One engine: every (context, batch), every policy of the window."""
+    shape = common.model_shape(model)
+    setup = ENGINES[engine_name]
+    policies, max_tokens, _, kv_bytes = sizing(engine_name, shape, args)
+    points = grid(args)
+    infinigen = infinigen_settings(engine_name, args)
     progress(f"{engine_name}: starting the engine ({kv_bytes / 2**20:.0f} MiB KV space)")
     rows: list[dict] = []
     rng = random.Random(0)
@@ -292,114 +331,6 @@ def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -
     return rows
 
 
-# -- results ----------------------------------------------------------------------
-
-def _mib(value: float | None) -> str:
-    return report.cell(None if value is None else value / 2**20, ".2f")
-
-
-def sections(rows: list[dict], args, shape: common.ModelShape) -> list[str]:
-    """Markdown: timing table, bytes table, notes."""
-    labels = list(dict.fromkeys(row["config"] for row in rows))
-    keys = sorted({(row["context"], row["batch"]) for row in rows}, key=lambda k: (k[1], k[0]))
-    by = {(row["config"], row["context"], row["batch"]): row for row in rows}
-    timing = []
-    for context, batch in keys:
-        cells = [str(context), str(batch)]
-        dense = by.get(("dense", context, batch))
-        for label in labels:
-            row = by.get((label, context, batch))
-            cells.append(report.cell(row and row["decode_ms_per_step"], ".1f"))
-        others = [by[(label, context, batch)].get("other_cores_busy") for label in labels
-                  if (label, context, batch) in by]
-        others = [o for o in others if o is not None]
-        for label in labels:
-            row = by.get((label, context, batch))
-            if label != "dense" and dense and row:
-                cells.append(f"{dense['decode_ms_per_step'] / row['decode_ms_per_step']:.2f}")
-            elif label != "dense":
-                cells.append("")
-        cells.append(report.cell(max(others) if others else None, ".2f"))
-        timing.append(cells)
-    speed_headers = [f"speed-up {label}" for label in labels if label != "dense"]
-    minimum = [[str(context), str(batch)] + [
-        report.cell((by.get((label, context, batch)) or {}).get("decode_ms_per_step_min"), ".1f")
-        for label in labels] for context, batch in keys]
-    bytes_rows = []
-    for context, batch in keys:
-        for label in labels:
-            row = by.get((label, context, batch))
-            if row is None or label == "dense":
-                continue
-            bytes_rows.append([
-                str(context), str(batch), label, _mib(row["dense_kv_bytes_per_step"]),
-                _mib(row["kv_bytes_per_step"]), f"{row['kv_read_vs_dense']:.3f}",
-                f"{row['ideal_kv_read_vs_dense']:.3f}", _mib(row["metadata_bytes_per_step"]),
-                _mib(row["pool_bytes_per_step"]), _mib(row["ideal_pool_bytes_per_step"]),
-                report.cell(row["selected_fraction"], ".3f"),
-            ])
-    sparse = shape.layers - args.dense_layers
-    rank = common.partial_rank(shape.head_dim, args.partial_ratio)
-    notes = (
-        "## Notes\n\n"
-        f"- Model: {shape.layers} layers ({args.dense_layers} dense, {sparse} sparse), "
-        f"{shape.kv_heads} KV heads x {shape.head_dim}, float32; budget {args.budget}, "
-        f"partial ratio {args.partial_ratio} ({rank} of {shape.head_dim} key channels, so "
-        f"InfiniGen's partial keys are {rank / (2 * shape.head_dim):.4f} of K+V against "
-        f"the nominal r/2 = {args.partial_ratio / 2}).\n"
-        "- ms/step: median over the timed steps of the whole batch (each request gets a "
-        "token per step, so this is the TPOT); speed-up = dense ms / config ms (> 1: "
-        "faster than dense). others' cores: CPU other processes used during the kept "
-        "window (of 2 cores; the largest over the row's configs): rows well above 0 "
-        "were measured while other jobs ran.\n"
-        "- KV read: dense layers' K/V + selection metadata + selected K/V moved "
-        "pool -> attention (`vllm:infinigen_swap_bytes_total`), per step, over what "
-        "dense attention reads in every layer; ideal = (dense layers + sparse layers x "
-        "(metadata + budget)) / layers, metadata being r/2 for InfiniGen, 1/16 (page "
-        "min/max) for Quest, one float32 score per token and KV head for H2O, 0 for "
-        "StreamingLLM. InfiniGen's alpha rule may select fewer tokens than the budget "
-        "(selected < budget).\n"
-        "- The policies of one window share its prefill and decode successive tokens "
-        "of the same requests (see the script's docstring).\n"
-    )
-    return [
-        "## Decode ms per step (batch TPOT)\n\n" + report.markdown_table(
-            ["context", "batch", *labels, *speed_headers, "others' cores (max)"], timing),
-        "## Decode ms per step, fastest step of each window\n\n"
-        "Other jobs share this machine's 2 cores; the fastest step is the least "
-        "disturbed one.\n\n" + report.markdown_table(["context", "batch", *labels], minimum),
-        "## KV bytes read per decode step (MiB, whole batch)\n\n" + report.markdown_table(
-            ["context", "batch", "config", "dense reads", "reads", "vs dense", "ideal",
-             "metadata", "pool->attention", "ideal pool->attention", "selected"],
-            bytes_rows),
-        notes,
-    ]
-
-
-def plot(rows: list[dict], path: Path, model_name: str) -> Path | None:
-    """ms/step and KV read fraction against context, one panel per batch size."""
-    panels = []
-    batches = sorted({row["batch"] for row in rows})
-    for batch in batches:
-        panel = report.Panel(title=f"decode step, batch {batch}", ylabel="ms per step",
-                             xlabel="context (tokens)")
-        for row in rows:
-            if row["batch"] == batch:
-                panel.series.setdefault(row["config"], []).append(
-                    (row["context"], row["decode_ms_per_step"]))
-        panels.append(panel)
-    kv = report.Panel(title=f"KV bytes read / ideal (batch {batches[-1]})",
-                      ylabel="measured / ideal", xlabel="context (tokens)")
-    for row in rows:
-        if row["batch"] == batches[-1] and row["policy"]:
-            kv.series.setdefault(row["config"], []).append(
-                (row["context"], row["kv_read_vs_dense"] / row["ideal_kv_read_vs_dense"]))
-    if kv.series:
-        kv.references["ideal (r/2 + budget; baselines: metadata + budget)"] = 1.0
-        panels.append(kv)
-    return report.try_plot(path, panels, suptitle=f"Decode step time, {model_name} (CPU)")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="long")
@@ -410,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", "--configs", nargs="+", choices=list(ENGINES))
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--partial-ratio", type=float, default=0.2)
+    parser.add_argument("--min-context", type=int, help="InfiniGen's --infinigen-min-context: "
+                        "sparse layers attend densely below this context (default: the "
+                        "engine's)")
     parser.add_argument("--dense-layers", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=2)
@@ -424,6 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-tokens", type=int, default=65536,
                         help="skip (context, batch) points with more prompt tokens than this "
                         "(prefill time grows with batch x context^2)")
+    parser.add_argument("--bandwidth-mib", type=int, default=256,
+                        help="tensor size of the streaming-bandwidth measurement (0: skip)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no torch.compile (faster start, slower steps)")
     parser.add_argument("--render", type=Path, help="only rewrite the Markdown and PNG of "
@@ -440,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model_default = args.model is None
     if args.model is None:
         args.model = preset["model"]
+    args.model_spec = preset.get("model_spec") if args.model is None else None
     return args
 
 
@@ -450,10 +387,12 @@ def render(path: Path) -> int:
     args = argparse.Namespace(**{k: v for k, v in settings.items() if k != "model_shape"})
     shape = common.ModelShape(**settings["model_shape"])
     rows = data["results"]
+    meta = data["meta"]
     out = Path(path).with_suffix("")
     title = f"Decode latency and KV bytes per step: {Path(args.model).name} ({args.preset})"
-    report.write_results(out, data["meta"], title, settings, rows, sections(rows, args, shape))
-    plot(rows, out.with_suffix(".png"), Path(args.model).name)
+    report.write_results(out, meta, title, settings, rows, decode_report.sections(
+        rows, args, shape, meta.get("bandwidth"), meta.get("model_weight_bytes")))
+    decode_report.plot(rows, out.with_suffix(".png"), Path(args.model).name)
     print(out.with_suffix(".md").read_text())
     return 0
 
@@ -467,12 +406,19 @@ def main(argv: list[str] | None = None) -> int:
     progress = common.Progress(total=len(grid(args)) * sum(
         len(args.policies) if ENGINES[name]["infinigen"] else 1 for name in args.engines))
     if args.model is None:
-        args.model = common.long_context_model()
+        args.model = common.long_context_model(**(args.model_spec or {}))
         progress(f"model: {args.model}")
     if not Path(args.model).is_dir():
         print(f"skipped: model directory {args.model} is absent (pass --model)")
         return 0
     meta = report.run_metadata(model=str(args.model), load_average_start=common.load_average())
+    weights = Path(args.model) / "model.safetensors"
+    meta["model_weight_bytes"] = weights.stat().st_size if weights.is_file() else None
+    if args.bandwidth_mib > 0:
+        if args.quiet_wait > 0:
+            common.wait_for_quiet(args.contention_cores, args.quiet_wait)
+        meta["bandwidth"] = measure_bandwidth(args.bandwidth_mib)
+        progress(f"streaming bandwidth: {decode_report.bandwidth_text(meta['bandwidth'])}")
     rows = [row for name in args.engines for row in run_engine(name, Path(args.model), args,
                                                                progress)]
     meta["load_average_end"] = common.load_average()
@@ -483,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     settings["model_shape"] = {"layers": shape.layers, "kv_heads": shape.kv_heads,
                                "head_dim": shape.head_dim, "dtype_bytes": shape.dtype_bytes}
     title = f"Decode latency and KV bytes per step: {Path(args.model).name} ({args.preset})"
-    report.write_results(args.out, meta, title, settings, rows, sections(rows, args, shape))
-    plot(rows, args.out.with_suffix(".png"), Path(args.model).name)
+    report.write_results(args.out, meta, title, settings, rows, decode_report.sections(
+        rows, args, shape, meta.get("bandwidth"), meta["model_weight_bytes"]))
+    decode_report.plot(rows, args.out.with_suffix(".png"), Path(args.model).name)
     print(args.out.with_suffix(".md").read_text())
     return 0
 

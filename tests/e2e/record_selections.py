@@ -3,7 +3,7 @@
 
 Usage: python -m tests.e2e.record_selections MODEL OUT.pt
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that
-wrapping ``vllm_infinigen.runtime.select_tokens`` sees the worker's calls.
+wrapping ``vllm_infinigen.kernels.select_tokens`` sees the worker's calls.
 """
 
 from __future__ import annotations
@@ -16,27 +16,33 @@ import torch
 
 def main(model: str, out: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm_infinigen import runtime
+    from vllm_infinigen import kernels
+    from vllm_infinigen.kernels.reference import partial_keys_of
 
     from tests.e2e.engines import engine, greedy_tokens, random_prompts
 
     records = []
-    original = runtime.select_tokens
+    original = kernels.select_tokens
 
-    def recording(partial_query, partial_keys, context_lens, **kwargs):
-        selection = original(partial_query, partial_keys, context_lens, **kwargs)
+    def recording(partial_query, partial_keys, block_table, context_lens, **kwargs):
+        positions, num_selected = original(partial_query, partial_keys, block_table,
+                                           context_lens, **kwargs)
+        # The reference's inputs: [B, H_q, R] queries, [B, N, H_kv, R] keys.
+        width = int(context_lens.max())
+        row_map = kwargs.pop("row_map", None)
+        assert row_map is None, "record with an uncapped pool"
         records.append({
-            "partial_query": partial_query.clone(),
-            "partial_keys": partial_keys.clone(),
+            "partial_query": partial_query.flatten(1, 2).clone(),
+            "partial_keys": partial_keys_of(partial_keys, block_table, width),
             "context_lens": context_lens.clone(),
             "kwargs": dict(kwargs),
-            "positions": selection.positions.clone(),
-            "valid": selection.valid.clone(),
-            "num_selected": selection.num_selected.clone(),
+            "positions": positions.to(torch.int64),
+            "valid": positions >= 0,
+            "num_selected": num_selected.clone(),
         })
-        return selection
+        return positions, num_selected
 
-    runtime.select_tokens = recording
+    kernels.select_tokens = recording
     with engine(model, kv_manager="infinigen", infinigen_budget=0.2,
                 infinigen_recent_tokens=2) as llm:
         greedy_tokens(llm, random_prompts([30, 200, 420], seed=7), max_tokens=12)

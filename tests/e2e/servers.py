@@ -50,6 +50,8 @@ def start_server(log: Path, *extra: str, model: str | Path = BUNDLED_MODEL,
         RuntimeError: If the server exits or is not healthy within ``timeout``
             (the log's tail is in the message).
     """
+    if "infinigen" in extra and "--infinigen-min-context" not in extra:
+        extra = (*extra, "--infinigen-min-context", "0")  # see engines.with_selection_everywhere
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(

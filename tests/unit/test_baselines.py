@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from vllm_infinigen import baselines
-from vllm_infinigen.runtime import LayerState
-from vllm_infinigen.pool import IdentityPoolIndex
+from vllm_infinigen.layer_state import LayerState
 
 
 def kept(selection, b: int = 0, h: int = 0) -> list[int]:
@@ -80,12 +79,13 @@ def test_incremental_pages_equal_pages_rebuilt_from_the_pool():
 
     def layer() -> LayerState:
         state = LayerState(2, "l2", _Attn(), None, sparse=True)
-        state.skew = torch.eye(dim)[None].repeat(heads, 1, 1)[:, :, :1]
+        state.skew = torch.eye(dim)[None].repeat(heads, 1, 1)[:, :, :1].contiguous()
         state.pool_layer = 0
-        state.allocate(num_slots, num_slots, torch.float32, torch.device("cpu"))
+        block_size = 16
+        state.allocate(num_slots // block_size, num_slots // block_size, block_size,
+                       torch.float32, torch.device("cpu"))
         return state
 
-    index = IdentityPoolIndex(num_slots)
     live, late = layer(), layer()
     live.ensure_policy_state("quest")
     # Slots 32..47 are written twice: a later request reuses the block.
@@ -93,14 +93,14 @@ def test_incremental_pages_equal_pages_rebuilt_from_the_pool():
     for slots in writes:
         key = torch.randn(len(slots), heads, dim)
         for state in (live, late):
-            state.write(key, key, slots, index)
+            state.write(key, key, slots, None)
     late.ensure_policy_state("quest")
     for page in range(2):
         assert torch.equal(live.quest_min[page], late.quest_min[page]), page
         assert torch.equal(live.quest_max[page], late.quest_max[page]), page
     # Page 2 restarted at slot 32: it bounds the new request's 8 keys only. A
     # rebuild cannot tell stale slots 40..47 apart, so its bound is looser.
-    new_keys = live.key_store[32:40]
+    new_keys = live.keys_at(torch.arange(32, 40))
     assert torch.equal(live.quest_min[2], new_keys.amin(dim=0))
     assert torch.equal(live.quest_max[2], new_keys.amax(dim=0))
     assert (late.quest_min[2] <= live.quest_min[2]).all()

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from vllm_infinigen.config import (
+    DEFAULT_MIN_CONTEXT,
     FLAG_OF_FIELD,
     InfiniGenConfig,
     infinigen_config_of,
@@ -22,7 +23,7 @@ def test_defaults():
         "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "skew_file": None,
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
-        "eval_dense_prefix": None,
+        "eval_dense_prefix": None, "min_context": DEFAULT_MIN_CONTEXT,
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 

@@ -4,17 +4,21 @@
 KV bytes per step (dense, InfiniGen and baselines from counter values, the
 ideal fractions), the KV space sizing, TTFT/TPOT extraction from vLLM's
 request metrics and their percentiles, the root-cause line of a failed start,
-and the GPU projection's arithmetic.
+the GPU projection's arithmetic, and the decode sweep's derived numbers
+(achieved GB/s, context-dependent cost, presets, ``--render`` of old results).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.perf import common, gpu_projection, memory_pressure
+from benchmarks.perf import (bandwidth, common, decode_latency, decode_report, gpu_projection,
+                             memory_pressure)
 
 SHAPE = common.ModelShape(layers=6, kv_heads=8, head_dim=32, dtype_bytes=4)
 
@@ -202,3 +206,149 @@ def test_wait_for_quiet_gives_up_at_the_timeout():
     other = common.wait_for_quiet(max_cores=-1.0, timeout_s=0.1, interval_s=0.05)  # never quiet
     assert time.monotonic() - start < 2
     assert other is None or other >= 0
+
+
+# -- decode sweep: models, presets, derived numbers ----------------------------------
+
+def test_model_cache_names_keep_the_long_model_and_tell_the_gqa128_model_apart():
+    assert common.model_cache_name(common.LONG_MODEL) == "llama-l6-h256-q8-kv8-p17408-s0"
+    assert (common.model_cache_name(common.GQA128_MODEL)
+            == "llama-l16-h512-q8-kv2-d128-i512-p17408-s0")
+    # head_dim given but equal to hidden / heads, MLP 2 x hidden: the old name.
+    assert common.model_cache_name({**common.LONG_MODEL, "head_dim": 32,
+                                    "intermediate_size": 512}) == common.model_cache_name(
+        common.LONG_MODEL)
+
+
+def test_build_tiny_llama_head_dim_and_mlp_keywords(tmp_path):
+    from tests.models import build_tiny_llama
+
+    out = build_tiny_llama(tmp_path / "m", num_kv_heads=2, num_layers=1, num_heads=4,
+                           hidden_size=64, head_dim=128, intermediate_size=32)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["head_dim"], config["intermediate_size"]) == (128, 32)
+    assert common.model_shape(out) == common.ModelShape(layers=1, kv_heads=2, head_dim=128)
+    default = build_tiny_llama(tmp_path / "d", num_kv_heads=2, num_layers=1)
+    config = json.loads((default / "config.json").read_text())
+    assert (config["head_dim"], config["intermediate_size"]) == (32, 256)  # as before
+
+
+def test_gqa128_preset_and_min_context_passthrough():
+    args = decode_latency.parse_args(["--preset", "gqa128"])
+    assert args.contexts == [256, 1024, 4096, 16384] and args.batch_sizes == [1, 4]
+    assert args.engines == ["dense", "in-place"] and args.policies == ["infinigen"]
+    assert args.out.name == "decode_latency_gqa128"
+    assert args.model is None and args.model_spec == common.GQA128_MODEL
+    assert args.min_context is None
+    assert decode_latency.infinigen_settings("dense", args) is None
+    assert "min_context" not in decode_latency.infinigen_settings("in-place", args)
+    args = decode_latency.parse_args(["--min-context", "512", "--engines", "copy"])
+    assert args.model_spec is None  # long preset: LONG_MODEL
+    assert decode_latency.infinigen_settings("copy", args) == {
+        "transfer": "copy", "budget": 0.2, "dense_layers": 2, "partial_ratio": 0.2,
+        "min_context": 512}
+
+
+def test_gqa128_kv_space_for_16k_by_4():
+    args = decode_latency.parse_args(["--preset", "gqa128"])
+    shape = common.ModelShape(layers=16, kv_heads=2, head_dim=128)
+    _, max_tokens, tokens, kv_bytes = decode_latency.sizing("dense", shape, args)
+    assert tokens == 4 * (16384 + max_tokens + 64)
+    assert kv_bytes == math.ceil(tokens * 16 * 2048 * 1.15)
+    assert 2.0 * 2**30 < kv_bytes < 2.6 * 2**30
+
+
+def _args(**overrides):
+    base = dict(dense_layers=2, budget=0.2, partial_ratio=0.2)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def test_measure_row_records_achieved_bandwidth():
+    times = [0.010, 0.012, 0.011]  # median 11 ms
+    dense = decode_latency.measure_row(
+        engine_name="dense", policy=None, context=1000, batch=2, mean_context=1000.0,
+        times=times, full=True, prefill_s=1.0, delta={}, shape=SHAPE, args=_args())
+    assert dense["achieved_gb_s"] == pytest.approx(6 * 2048 * 2000 / 0.011 / 1e9)
+    counters = {"candidate_tokens": 2000 * 4 * 3, "swap_bytes": 3 * 1e6}
+    sparse = decode_latency.measure_row(
+        engine_name="in-place", policy="infinigen", context=1000, batch=2,
+        mean_context=1000.0, times=times, full=True, prefill_s=1.0, delta=counters,
+        shape=SHAPE, args=_args())
+    assert sparse["achieved_gb_s"] == pytest.approx(sparse["kv_bytes_per_step"] / 0.011 / 1e9)
+    assert decode_report.achieved_gb_s(sparse) == sparse["achieved_gb_s"]
+    # Old rows without the field: from kv_bytes_per_step and decode_ms_per_step.
+    assert decode_report.achieved_gb_s({"kv_bytes_per_step": 2e9, "decode_ms_per_step": 500}) \
+        == pytest.approx(4.0)
+    assert decode_report.achieved_gb_s({"kv_bytes_per_step": 2e9}) is None
+
+
+def _row(config, context, batch, ms, fastest=None):
+    return {"config": config, "context": context, "batch": batch, "decode_ms_per_step": ms,
+            "decode_ms_per_step_min": ms if fastest is None else fastest}
+
+
+def test_context_cost_is_long_minus_short_and_dense_over_config():
+    rows = [_row("dense", 256, 1, 10.0), _row("dense", 4096, 1, 20.0),
+            _row("dense", 16384, 1, 50.0, fastest=46.0),
+            _row("infinigen", 256, 1, 14.0), _row("infinigen", 16384, 1, 30.0, fastest=22.0),
+            _row("quest", 256, 1, 15.0), _row("quest", 16384, 1, 12.0),  # no growth
+            _row("h2o", 256, 1, 15.0),  # no row at the longest context
+            _row("dense", 256, 4, 12.0), _row("dense", 16384, 4, 112.0),
+            _row("infinigen", 256, 4, 20.0), _row("infinigen", 16384, 4, 60.0)]
+    cost = {(e["batch"], e["config"]): e for e in decode_report.context_cost(rows)}
+    dense = cost[(1, "dense")]
+    assert (dense["short_context"], dense["long_context"]) == (256, 16384)
+    assert dense["context_ms"] == pytest.approx(40.0) and dense["dense_over_config"] is None
+    assert dense["context_ms_per_1k"] == pytest.approx(40.0 * 1000 / (16384 - 256))
+    assert cost[(1, "infinigen")]["context_ms"] == pytest.approx(16.0)
+    assert cost[(1, "infinigen")]["dense_over_config"] == pytest.approx(2.5)
+    assert math.isinf(cost[(1, "quest")]["dense_over_config"])
+    assert cost[(1, "h2o")]["context_ms"] is None
+    assert cost[(1, "h2o")]["dense_over_config"] is None
+    assert cost[(4, "infinigen")]["dense_over_config"] == pytest.approx(100.0 / 40.0)
+    fastest = {(e["batch"], e["config"]): e
+               for e in decode_report.context_cost(rows, "decode_ms_per_step_min")}
+    assert fastest[(1, "infinigen")]["dense_over_config"] == pytest.approx(36.0 / 8.0)
+    # One context only: no cost.
+    single = decode_report.context_cost([_row("dense", 256, 1, 10.0), _row("x", 256, 1, 9.0)])
+    assert all(e["context_ms"] is None and e["dense_over_config"] is None for e in single)
+
+
+def test_measure_bandwidth_returns_positive_rates():
+    result = bandwidth.measure_bandwidth(mib=4, reps=2)
+    for key in ("read_gb_s_1_thread", "read_gb_s_all_threads", "copy_gb_s_1_thread",
+                "copy_gb_s_all_threads"):
+        assert result[key] > 0
+    assert result["threads"] >= 1 and (result["mib"], result["reps"]) == (4, 2)
+    assert "GB/s" in decode_report.bandwidth_text(result)
+    assert decode_report.bandwidth_text(None).startswith("n/a")
+    with pytest.raises(ValueError):
+        bandwidth.measure_bandwidth(mib=0)
+
+
+def test_render_of_an_old_result_file_adds_the_new_tables(tmp_path, capsys):
+    committed = common.RESULTS / "decode_latency_long.json"
+    if not committed.is_file():
+        pytest.skip("no committed decode_latency_long.json")
+    before = committed.read_bytes()
+    path = tmp_path / "decode_latency_long.json"
+    shutil.copy(committed, path)
+    assert decode_latency.main(["--render", str(path)]) == 0
+    assert committed.read_bytes() == before
+    markdown = (tmp_path / "decode_latency_long.md").read_text()
+    for heading in ("## Decode ms per step (batch TPOT)", "fastest step of each window",
+                    "## Achieved GB/s (KV bytes read / step time)",
+                    "## Context-dependent cost", "## KV bytes read per decode step",
+                    "## Notes"):
+        assert heading in markdown
+    assert "Streaming limit of this machine: n/a" in markdown
+    assert "min_context engine default" in markdown
+    # dense 16384 x 1: 192 MiB-ish over 16.2 ms, from the old row's fields.
+    data = json.loads(path.read_text())
+    row = next(r for r in data["results"]
+               if (r["config"], r["context"], r["batch"]) == ("dense", 16384, 1))
+    expected = row["kv_bytes_per_step"] / row["decode_ms_per_step"] * 1000 / 1e9
+    achieved = markdown.split("## Achieved GB/s")[1].split("\n## ")[0]
+    line = next(li for li in achieved.splitlines() if li.startswith("| 16384 | 1 | "))
+    assert line.split("|")[3].strip() == f"{expected:.2f}"  # context, batch, dense
+    assert "Decode latency" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from vllm_infinigen.pool import CappedPoolIndex, IdentityPoolIndex
+from vllm_infinigen.pool import CappedPoolIndex, IdentityPoolIndex, make_pool_index
 
 HEADS = torch.arange(2)
 
@@ -158,3 +158,132 @@ def test_maps_stay_consistent_under_random_traffic(policy):
                     assert slot in live
                     assert owner[mapped[slot]] == slot
         assert int(pool.occupied().max()) <= heads * rows
+
+
+def _no_scan(monkeypatch, pool: CappedPoolIndex) -> None:
+    """Makes computing eviction keys fail the test."""
+
+    def scan(layers):
+        raise AssertionError("eviction keys computed")
+
+    monkeypatch.setattr(pool, "_eviction_key", scan)
+
+
+def test_admitting_into_free_rows_neither_evicts_nor_scans(monkeypatch):
+    pool = CappedPoolIndex(2, 3, num_slots=64, num_rows=10, policy="counter", block_size=8)
+    _no_scan(monkeypatch, pool)
+    pool.admit(torch.arange(6))
+    pool.release(_slots(1, 2, 3))
+    pool.admit(_slots(40, 41, 42, 43, 44, 45, 46))  # exactly the 10 - 3 free rows
+    assert pool.evictions.tolist() == [0, 0]
+    assert pool.occupied().tolist() == [30, 30]
+    assert pool.num_free.tolist() == [[0, 0, 0], [0, 0, 0]]
+
+
+def test_a_full_head_evicts_a_batch_then_admits_without_scanning(monkeypatch):
+    """64 rows: one token more evicts 1 + 64 // 16 entries per head, at once."""
+    pool = CappedPoolIndex(2, 2, num_slots=256, num_rows=64, policy="fifo", block_size=16)
+    pool.admit(torch.arange(64))
+    pool.admit(_slots(100))
+    assert pool.evictions.tolist() == [10, 10]  # 5 entries x 2 heads
+    for layer in range(2):
+        for head in range(2):
+            assert _resident_in(pool, layer, head) == list(range(5, 64)) + [100]
+    assert (pool.rows(0, torch.arange(5)[:, None], HEADS) == -1).all()
+    assert pool.num_free.tolist() == [[4, 4], [4, 4]]
+    scan = pool._eviction_key
+    _no_scan(monkeypatch, pool)
+    pool.admit(_slots(101, 102, 103, 104))  # the spare rows
+    assert pool.evictions.tolist() == [10, 10]
+    monkeypatch.setattr(pool, "_eviction_key", scan)
+    pool.admit(_slots(105))
+    assert pool.evictions.tolist() == [20, 20]
+    assert _resident_in(pool, 1, 0) == list(range(10, 64)) + list(range(100, 106))
+
+
+def test_a_batch_eviction_never_evicts_more_than_a_head_holds():
+    pool = CappedPoolIndex(1, 1, num_slots=128, num_rows=32, policy="lru", block_size=16)
+    pool.admit(torch.arange(32))
+    pool.admit(torch.arange(64, 96))  # needs all 32 rows; the reserve would ask 34
+    assert pool.evictions.tolist() == [32]
+    assert _resident_in(pool, 0, 0) == list(range(64, 96))
+    assert pool.num_free.tolist() == [[0]]
+
+
+def test_counter_batch_evicts_the_least_selected_of_the_oldest_half():
+    pool = CappedPoolIndex(1, 2, num_slots=128, num_rows=64, policy="counter", block_size=16)
+    pool.admit(torch.arange(64))
+    chosen = torch.arange(5)  # head 0 selects slots 0..4 once; head 1 nothing
+    rows = pool.rows(0, chosen[None, None, :], HEADS[None, :, None])
+    valid = torch.tensor([True, False]).view(1, 2, 1).expand_as(rows)
+    pool.record_use(0, rows, valid)
+    pool.admit(_slots(100))
+    assert _resident_in(pool, 0, 0) == [0, 1, 2, 3, 4] + list(range(10, 64)) + [100]
+    assert _resident_in(pool, 0, 1) == list(range(5, 64)) + [100]
+
+
+def test_block_size_must_divide_the_slots():
+    with pytest.raises(ValueError, match="block size 16"):
+        CappedPoolIndex(1, 1, num_slots=40, num_rows=4, policy="fifo", block_size=16)
+    capped = make_pool_index(2, 3, 64, 8, "fifo", torch.device("cpu"), block_size=16)
+    assert capped.capped and capped.row_map.shape == (2, 4, 3, 16)
+    assert not make_pool_index(2, 3, 64, 64, "fifo", torch.device("cpu"), block_size=16).capped
+
+
+def test_repeated_slots_take_one_row():
+    pool = CappedPoolIndex(1, 2, num_slots=32, num_rows=8, policy="fifo", block_size=8)
+    pool.admit(_slots(3, 5, 3, -1))
+    assert pool.occupied().tolist() == [4]
+    pool.release(_slots(5, 5, 3))
+    assert pool.occupied().tolist() == [0]
+    assert pool.num_free.tolist() == [[8, 8]]
+
+
+@pytest.mark.parametrize("policy", ["counter", "lru", "fifo"])
+def test_row_map_agrees_with_rows_under_random_traffic(policy):
+    """row_map is [L, blocks, H, block] int32, the free stacks hold the free rows."""
+    rng = random.Random(f"row_map-{policy}")
+    layers, heads, block, blocks, rows = 2, 3, 4, 24, 48  # reserve 3
+    slots = block * blocks
+    pool = CappedPoolIndex(layers, heads, num_slots=slots, num_rows=rows, policy=policy,
+                           block_size=block)
+    assert pool.row_map.shape == (layers, blocks, heads, block)
+    assert pool.row_map.dtype == torch.int32 and pool.row_map.is_contiguous()
+    all_slots = torch.arange(slots)
+    live: set[int] = set()
+    for _ in range(150):
+        action = rng.random()
+        free = [s for s in range(slots) if s not in live]
+        if action < 0.55 and free:
+            new = rng.sample(free, min(len(free), rng.randint(1, 9)))
+            pool.admit(torch.tensor(new + [-1]))
+            live |= set(new)
+        elif action < 0.75 and live:
+            gone = rng.sample(sorted(live), rng.randint(1, len(live)))
+            pool.release(torch.tensor(gone))
+            live -= set(gone)
+        elif live:
+            chosen = torch.tensor(rng.sample(sorted(live), min(6, len(live))))
+            layer = rng.randrange(layers)
+            per_head = pool.rows(layer, chosen[None, None, :], torch.arange(heads)[None, :, None])
+            pool.record_use(layer, per_head.clamp(min=0), per_head >= 0)
+        assert pool.row_map.is_contiguous()
+        for layer in range(layers):
+            mapped = pool.rows(layer, all_slots[:, None], torch.arange(heads)[None, :])
+            assert mapped.dtype == torch.int64
+            by_block = pool.row_map[layer].permute(0, 2, 1).reshape(slots, heads)
+            assert torch.equal(mapped, by_block.to(torch.int64))
+            for head in range(heads):
+                owner = pool.owner[layer, head]
+                held = torch.nonzero(mapped[:, head] >= 0).flatten()
+                assert set(held.tolist()) <= live
+                assert torch.equal(owner[mapped[held, head]], held)
+                assert int((owner >= 0).sum()) == held.numel()
+                stack = pool.free_rows[layer, head, : pool.num_free[layer, head]]
+                assert sorted(stack.tolist()) == torch.nonzero(owner < 0).flatten().tolist()
+        occupied = (pool.owner >= 0).sum(dim=(1, 2))
+        assert torch.equal(pool.occupied(), occupied)
+
+
+def _resident_in(pool: CappedPoolIndex, layer: int, head: int) -> list[int]:
+    return sorted(pool.owner[layer, head][pool.owner[layer, head] >= 0].tolist())

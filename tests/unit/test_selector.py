@@ -244,7 +244,7 @@ def test_absent_entries_are_never_selected():
 
 
 def test_evaluation_mode_rows():
-    from vllm_infinigen.runtime import _with_prompt_rows
+    from vllm_infinigen.step_plan import _with_prompt_rows
 
     # Request 0 decodes (context 9); request 1 prefills positions 3..7 of its
     # prompt (a second chunk); request 2 prefills positions 0..3; prefix 5.

@@ -1,58 +1,67 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The in-place and copy transfers deliver the same selected entries."""
+"""The copy transfer stages each layer its own selected entries; in place moves nothing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_infinigen.transfer import CopyTransfer, InPlaceTransfer, gather_selected, make_transfer
+from vllm_infinigen.kernels.reference import entries_of
+from vllm_infinigen.transfer import CopyTransfer, InPlaceTransfer, make_transfer
+
+BLOCK = 16
 
 
 @pytest.fixture
 def pool():
     gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(64, 2, 8, generator=gen)
-    values = torch.randn(64, 2, 8, generator=gen)
-    return keys, values
+    kv_pool = torch.randn(8, 2, BLOCK, 16, generator=gen)  # [units, H_kv, block, 2D]
+    block_table = torch.tensor([[3, 1, 6], [0, 7, 2], [5, 4, 2]], dtype=torch.int32)
+    return kv_pool, block_table
 
 
-def _slots(seed: int, num_slots: int = 5) -> torch.Tensor:
+def _positions(seed: int, width: int = 5) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 64, (3, 2, num_slots), generator=gen)  # [B, H_kv, K]
+    positions = torch.randint(0, 3 * BLOCK, (3, 2, width), generator=gen)  # [B, H_kv, K]
+    positions[0, 1, -2:] = -1  # padding
+    return positions.to(torch.int32)
 
 
-def test_gather_selected_per_head(pool):
-    keys, values = pool
-    slots = _slots(1)
-    got_keys, got_values = gather_selected(keys, values, slots)
-    assert got_keys.shape == (3, 2, 5, 8)
+def test_entries_of_reads_each_heads_rows(pool):
+    kv_pool, block_table = pool
+    positions = _positions(1)
+    got = entries_of(kv_pool, block_table, positions)
+    assert got.shape == (3, 2, 5, 16)
     for b in range(3):
         for h in range(2):
             for j in range(5):
-                assert torch.equal(got_keys[b, h, j], keys[slots[b, h, j], h])
-                assert torch.equal(got_values[b, h, j], values[slots[b, h, j], h])
+                p = int(positions[b, h, j])
+                want = (torch.zeros(16) if p < 0
+                        else kv_pool[block_table[b, p // BLOCK], h, p % BLOCK])
+                assert torch.equal(got[b, h, j], want)
 
 
-@pytest.mark.parametrize("make", [InPlaceTransfer, lambda: CopyTransfer(torch.device("cpu"))])
-def test_transfers_deliver_each_layer_its_own_entries(pool, make):
-    keys, values = pool
-    transfer = make()
-    # Layers 2 and 3 in flight at once (both buffers), then layer 4 reuses
-    # layer 2's buffer after layer 2 was consumed.
-    transfer.start(2, keys, values, _slots(2))
-    transfer.start(3, keys, values, _slots(3, num_slots=7))
-    got2 = transfer.wait(2)
-    expected2 = gather_selected(keys, values, _slots(2))
-    assert torch.equal(got2[0], expected2[0]) and torch.equal(got2[1], expected2[1])
-    got2 = (got2[0].clone(), got2[1].clone())
-    transfer.start(4, keys, values, _slots(4))
-    got3, got4 = transfer.wait(3), transfer.wait(4)
-    for got, seed, size in ((got3, 3, 7), (got4, 4, 5)):
-        expected = gather_selected(keys, values, _slots(seed, num_slots=size))
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-        assert got[2] >= 0.0
+def test_copy_transfer_delivers_each_layer_its_own_entries(pool):
+    kv_pool, block_table = pool
+    transfer = CopyTransfer(torch.device("cpu"))
+    # Layers 2 and 3 in flight at once, then layer 4 after layer 2 was consumed.
+    transfer.start(2, kv_pool, block_table, _positions(2), None)
+    transfer.start(3, kv_pool, block_table, _positions(3, width=7), None)
+    got2, waited = transfer.wait(2)
+    assert torch.equal(got2, entries_of(kv_pool, block_table, _positions(2)))
+    assert waited >= 0.0
+    transfer.start(4, kv_pool, block_table, _positions(4), None)
+    for layer, seed, width in ((3, 3, 7), (4, 4, 5)):
+        got, _ = transfer.wait(layer)
+        assert torch.equal(got, entries_of(kv_pool, block_table, _positions(seed, width)))
     transfer.shutdown()
+
+
+def test_in_place_transfer_moves_nothing(pool):
+    kv_pool, block_table = pool
+    transfer = InPlaceTransfer()
+    transfer.start(2, kv_pool, block_table, _positions(2), None)
+    assert transfer.wait(2) == (None, 0.0)
 
 
 def test_make_transfer():

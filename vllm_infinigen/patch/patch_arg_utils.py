@@ -131,11 +131,13 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "eval_dense_prefix": "Evaluation mode for accuracy measurements (default: off): "
         "prompt rows past the first N tokens attend like decode rows, over the "
         "selected tokens only, so prompt logprobs (e.g. lm-eval) measure the selection.",
+        "min_context": "Rows with a shorter context attend densely in the sparse "
+        f"layers, without speculating (default {defaults.min_context}; 0: always select).",
     }
     types = {"alpha": float, "partial_ratio": float, "budget": float,
              "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int,
              "transfer": str, "cpu_pool_gib": float, "eviction": str, "policy": str,
-             "eval_dense_prefix": int}
+             "eval_dense_prefix": int, "min_context": int}
     for field, flag in FLAG_OF_FIELD.items():
         group.add_argument(flag, type=types[field], default=None, help=helps[field])
     return parser

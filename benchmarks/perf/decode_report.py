@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Markdown tables and plot of the decode-latency sweep (benchmarks/perf/decode_latency.py).
+
+Besides the per-step times and KV bytes it derives, from the result rows alone
+(so that ``--render`` of older JSON files works as well):
+
+- ``achieved_gb_s``: KV bytes read per step / step time, against the machine's
+  streaming bandwidth measured in the same run (``meta["bandwidth"]``);
+- the context-dependent cost: ms/step at the run's longest context minus
+  ms/step at its shortest, per config and batch, and dense's over each
+  config's (the "at least 2.5x lower than dense" target).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.accuracy import report
+from benchmarks.perf import common
+
+# Dense's context-dependent cost over a sparse config's that the target asks for.
+CONTEXT_COST_TARGET = 2.5
+
+
+def achieved_gb_s(row: Mapping[str, Any], key: str = "decode_ms_per_step") -> float | None:
+    """KV bytes read per step / step time in GB/s (1e9 B/s); recorded or from the row."""
+    if key == "decode_ms_per_step" and row.get("achieved_gb_s") is not None:
+        return row["achieved_gb_s"]
+    ms, kv = row.get(key), row.get("kv_bytes_per_step")
+    if not ms or kv is None:
+        return None
+    return kv / (ms / 1000) / 1e9
+
+
+def context_cost(rows: Sequence[Mapping[str, Any]],
+                 key: str = "decode_ms_per_step") -> list[dict[str, Any]]:
+    """Per batch and config: ``key`` at the batch's longest context minus at its shortest.
+
+    The contexts are the shortest and longest of the batch's rows (all configs);
+    a config without a row at either has no cost (None). ``dense_over_config``
+    is dense's cost over the config's (None for dense, without a dense cost, or
+    with a single context; ``inf`` when the config's cost is <= 0 and dense's > 0).
+    """
+    out = []
+    for batch in sorted({row["batch"] for row in rows}):
+        batch_rows = [row for row in rows if row["batch"] == batch]
+        low = min(row["context"] for row in batch_rows)
+        high = max(row["context"] for row in batch_rows)
+        by = {(row["config"], row["context"]): row for row in batch_rows}
+        costs: dict[str, dict[str, Any]] = {}
+        for label in dict.fromkeys(row["config"] for row in batch_rows):
+            short, long = by.get((label, low)), by.get((label, high))
+            short_ms = short.get(key) if short else None
+            long_ms = long.get(key) if long else None
+            cost = (long_ms - short_ms if high > low and None not in (short_ms, long_ms)
+                    else None)
+            costs[label] = {
+                "batch": batch, "config": label, "short_context": low, "long_context": high,
+                "short_ms": short_ms, "long_ms": long_ms, "context_ms": cost,
+                "context_ms_per_1k": None if cost is None else cost * 1000 / (high - low),
+            }
+        dense = costs.get("dense", {}).get("context_ms")
+        for label, entry in costs.items():
+            cost, ratio = entry["context_ms"], None
+            if label != "dense" and dense is not None and cost is not None:
+                ratio = dense / cost if cost > 0 else (math.inf if dense > 0 else None)
+            out.append({**entry, "dense_over_config": ratio})
+    return out
+
+
+def _mib(value: float | None) -> str:
+    return report.cell(None if value is None else value / 2**20, ".2f")
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return ""
+    return "no growth" if math.isinf(value) else f"{value:.2f}"
+
+
+def bandwidth_text(bandwidth: Mapping[str, Any] | None) -> str:
+    """The streaming limit of the run, or "n/a" (results without the measurement)."""
+    if not bandwidth:
+        return "n/a (not measured in this run)"
+    threads = bandwidth.get("threads", "all")
+    return (f"read {bandwidth['read_gb_s_1_thread']:.1f} GB/s on 1 thread, "
+            f"{bandwidth['read_gb_s_all_threads']:.1f} GB/s on {threads} threads; copy "
+            f"{bandwidth['copy_gb_s_1_thread']:.1f} / {bandwidth['copy_gb_s_all_threads']:.1f}"
+            f" GB/s (read + write; `tensor.sum()` / `copy_` over "
+            f"{bandwidth.get('mib', '?')} MiB float32, best of {bandwidth.get('reps', '?')})")
+
+
+def _context_cost_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    median = context_cost(rows)
+    fastest = {(e["batch"], e["config"]): e for e in context_cost(rows, "decode_ms_per_step_min")}
+    table = []
+    for entry in median:
+        low = fastest[(entry["batch"], entry["config"])]
+        table.append([
+            str(entry["batch"]), entry["config"],
+            f"{entry['short_context']} -> {entry['long_context']}",
+            report.cell(entry["short_ms"], ".1f"), report.cell(entry["long_ms"], ".1f"),
+            report.cell(entry["context_ms"], ".1f"), report.cell(entry["context_ms_per_1k"], ".2f"),
+            _ratio(entry["dense_over_config"]), report.cell(low["context_ms"], ".1f"),
+            _ratio(low["dense_over_config"]),
+        ])
+    return (
+        "## Context-dependent cost (ms/step at the longest context - at the shortest)\n\n"
+        f"dense / config > 1: the config's step time grows more slowly with context than "
+        f"dense's; the target is >= {CONTEXT_COST_TARGET}. Fastest: the same from each "
+        "window's fastest step (less disturbed by other jobs).\n\n" + report.markdown_table(
+            ["batch", "config", "contexts", "ms short", "ms long", "context ms",
+             "ms per +1K tokens", "dense / config", "context ms (fastest)",
+             "dense / config (fastest)"], table))
+
+
+def sections(rows: list[dict], args, shape: common.ModelShape,
+             bandwidth: Mapping[str, Any] | None = None,
+             weight_bytes: int | None = None) -> list[str]:
+    """Markdown: timing tables, achieved GB/s, context-dependent cost, bytes table, notes."""
+    labels = list(dict.fromkeys(row["config"] for row in rows))
+    keys = sorted({(row["context"], row["batch"]) for row in rows}, key=lambda k: (k[1], k[0]))
+    by = {(row["config"], row["context"], row["batch"]): row for row in rows}
+    timing = []
+    for context, batch in keys:
+        cells = [str(context), str(batch)]
+        dense = by.get(("dense", context, batch))
+        for label in labels:
+            row = by.get((label, context, batch))
+            cells.append(report.cell(row and row["decode_ms_per_step"], ".1f"))
+        others = [by[(label, context, batch)].get("other_cores_busy") for label in labels
+                  if (label, context, batch) in by]
+        others = [o for o in others if o is not None]
+        for label in labels:
+            row = by.get((label, context, batch))
+            if label != "dense" and dense and row:
+                cells.append(f"{dense['decode_ms_per_step'] / row['decode_ms_per_step']:.2f}")
+            elif label != "dense":
+                cells.append("")
+        cells.append(report.cell(max(others) if others else None, ".2f"))
+        timing.append(cells)
+    speed_headers = [f"speed-up {label}" for label in labels if label != "dense"]
+    minimum = [[str(context), str(batch)] + [
+        report.cell((by.get((label, context, batch)) or {}).get("decode_ms_per_step_min"), ".1f")
+        for label in labels] for context, batch in keys]
+    achieved = [[str(context), str(batch)] + [
+        report.cell(achieved_gb_s(by[(label, context, batch)]), ".2f")
+        if (label, context, batch) in by else "" for label in labels]
+        for context, batch in keys]
+    bytes_rows = []
+    for context, batch in keys:
+        for label in labels:
+            row = by.get((label, context, batch))
+            if row is None or label == "dense":
+                continue
+            bytes_rows.append([
+                str(context), str(batch), label, _mib(row["dense_kv_bytes_per_step"]),
+                _mib(row["kv_bytes_per_step"]), f"{row['kv_read_vs_dense']:.3f}",
+                f"{row['ideal_kv_read_vs_dense']:.3f}", _mib(row.get("metadata_bytes_per_step")),
+                _mib(row.get("pool_bytes_per_step")), _mib(row.get("ideal_pool_bytes_per_step")),
+                report.cell(row.get("selected_fraction"), ".3f"),
+            ])
+    sparse = shape.layers - args.dense_layers
+    rank = common.partial_rank(shape.head_dim, args.partial_ratio)
+    min_context = getattr(args, "min_context", None)
+    weights = ("" if weight_bytes is None else
+               f"; weights {weight_bytes / 2**20:.0f} MiB (read every step, not in the KV "
+               "bytes)")
+    notes = (
+        "## Notes\n\n"
+        f"- Model: {shape.layers} layers ({args.dense_layers} dense, {sparse} sparse), "
+        f"{shape.kv_heads} KV heads x {shape.head_dim}, float32{weights}; budget "
+        f"{args.budget}, partial ratio {args.partial_ratio} ({rank} of {shape.head_dim} key "
+        f"channels, so InfiniGen's partial keys are {rank / (2 * shape.head_dim):.4f} of K+V "
+        f"against the nominal r/2 = {args.partial_ratio / 2}); min_context "
+        f"{'engine default' if min_context is None else min_context}.\n"
+        f"- Streaming memory bandwidth (the physical limit): {bandwidth_text(bandwidth)}.\n"
+        "- ms/step: median over the timed steps of the whole batch (each request gets a "
+        "token per step, so this is the TPOT); speed-up = dense ms / config ms (> 1: "
+        "faster than dense). others' cores: CPU other processes used during the kept "
+        "window (of 2 cores; the largest over the row's configs): rows well above 0 "
+        "were measured while other jobs ran.\n"
+        "- KV read: dense layers' K/V + selection metadata + selected K/V moved "
+        "pool -> attention (`vllm:infinigen_swap_bytes_total`), per step, over what "
+        "dense attention reads in every layer; ideal = (dense layers + sparse layers x "
+        "(metadata + budget)) / layers, metadata being r/2 for InfiniGen, 1/16 (page "
+        "min/max) for Quest, one float32 score per token and KV head for H2O, 0 for "
+        "StreamingLLM. InfiniGen's alpha rule may select fewer tokens than the budget "
+        "(selected < budget).\n"
+        "- The policies of one window share its prefill and decode successive tokens "
+        "of the same requests (see the script's docstring).\n"
+    )
+    return [
+        "## Decode ms per step (batch TPOT)\n\n" + report.markdown_table(
+            ["context", "batch", *labels, *speed_headers, "others' cores (max)"], timing),
+        "## Decode ms per step, fastest step of each window\n\n"
+        "Other jobs share this machine's 2 cores; the fastest step is the least "
+        "disturbed one.\n\n" + report.markdown_table(["context", "batch", *labels], minimum),
+        "## Achieved GB/s (KV bytes read / step time)\n\n"
+        f"Streaming limit of this machine: {bandwidth_text(bandwidth)}. KV bytes only "
+        "(the weights and activations a step also reads are not counted).\n\n"
+        + report.markdown_table(["context", "batch", *labels], achieved),
+        _context_cost_table(rows),
+        "## KV bytes read per decode step (MiB, whole batch)\n\n" + report.markdown_table(
+            ["context", "batch", "config", "dense reads", "reads", "vs dense", "ideal",
+             "metadata", "pool->attention", "ideal pool->attention", "selected"],
+            bytes_rows),
+        notes,
+    ]
+
+
+def plot(rows: list[dict], path: Path, model_name: str) -> Path | None:
+    """ms/step and KV read fraction against context, one panel per batch size."""
+    panels = []
+    batches = sorted({row["batch"] for row in rows})
+    for batch in batches:
+        panel = report.Panel(title=f"decode step, batch {batch}", ylabel="ms per step",
+                             xlabel="context (tokens)")
+        for row in rows:
+            if row["batch"] == batch:
+                panel.series.setdefault(row["config"], []).append(
+                    (row["context"], row["decode_ms_per_step"]))
+        panels.append(panel)
+    kv = report.Panel(title=f"KV bytes read / ideal (batch {batches[-1]})",
+                      ylabel="measured / ideal", xlabel="context (tokens)")
+    for row in rows:
+        if row["batch"] == batches[-1] and row["policy"]:
+            kv.series.setdefault(row["config"], []).append(
+                (row["context"], row["kv_read_vs_dense"] / row["ideal_kv_read_vs_dense"]))
+    if kv.series:
+        kv.references["ideal (r/2 + budget; baselines: metadata + budget)"] = 1.0
+        panels.append(kv)
+    return report.try_plot(path, panels, suptitle=f"Decode step time, {model_name} (CPU)")

@@ -1,0 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``python -m vllm_infinigen.kernels``: builds (or finds) the CPU kernels and says where."""
+
+from __future__ import annotations
+
+import time
+
+from vllm_infinigen import kernels
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    isa = kernels.load()
+    print(f"InfiniGen CPU kernels ready for {isa} in {time.monotonic() - start:.1f} s "
+          f"({kernels.cache_dir()})")

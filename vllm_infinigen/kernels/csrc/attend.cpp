@@ -1,0 +1,225 @@
+// SPDX-License-Identifier: Apache-2.0
+// Attention of a sparse layer over its pool, read in place: decode rows over
+// the selected positions (or, in dense mode, every position), prefill rows
+// causally over the request's whole context.
+#include "ops.h"
+
+namespace infinigen {
+namespace {
+
+constexpr int64_t kChunk = 16;  // rows per online-softmax update
+constexpr int64_t kMaxGroup = 64;  // query heads per KV head
+
+// Online-softmax attention of `group` queries (scale folded in, float [group, D])
+// over `count` K|V rows (K at rows[i], V at rows[i] + D). Writes the normalised
+// output to out [group, D]; with `logits` ([group, count]), also keeps each
+// row's logit and returns the running max / sum so that probabilities can be
+// formed afterwards.
+template <typename T>
+void attend_rows(const T* const* rows, int64_t count, const float* query, int64_t group,
+                 int64_t head_size, float* out, float* logits, float* max_out,
+                 float* sum_out) {
+  float running_max[kMaxGroup], running_sum[kMaxGroup];
+  alignas(64) float chunk_logits[kMaxGroup][kChunk];
+  for (int64_t g = 0; g < group; ++g) {
+    running_max[g] = kNegInf;
+    running_sum[g] = 0.f;
+    std::fill(out + g * head_size, out + (g + 1) * head_size, 0.f);
+  }
+  const int64_t full = head_size - head_size % kVecSize;
+  for (int64_t begin = 0; begin < count; begin += kChunk) {
+    const int64_t n = std::min(kChunk, count - begin);
+    for (int64_t i = begin + kChunk; i < std::min(count, begin + 2 * kChunk); ++i)
+      for (int64_t byte = 0; byte < 2 * head_size * (int64_t)sizeof(T); byte += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(rows[i]) + byte);
+    // Logits: one dot product per (row, query head).
+    for (int64_t i = 0; i < n; ++i) {
+      const T* key = rows[begin + i];
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = query + g * head_size;
+        fVec acc(0.f);
+        int64_t d = 0;
+        for (; d < full; d += kVecSize)
+          acc = at::vec::fmadd(fVec::loadu(q + d), load_float(key + d), acc);
+        if (d < head_size)
+          acc = at::vec::fmadd(fVec::loadu(q + d, head_size - d),
+                               load_float_partial(key + d, head_size - d), acc);
+        chunk_logits[g][i] =
+            at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+      }
+    }
+    // Online softmax: rescale once per chunk, then weights for the chunk's rows.
+    for (int64_t g = 0; g < group; ++g) {
+      float* l = chunk_logits[g];
+      if (logits != nullptr) std::copy(l, l + n, logits + g * count + begin);
+      float chunk_max = running_max[g];
+      for (int64_t i = 0; i < n; ++i) chunk_max = std::max(chunk_max, l[i]);
+      if (chunk_max > running_max[g]) {
+        const float correction = std::exp(running_max[g] - chunk_max);
+        running_sum[g] *= correction;
+        float* o = out + g * head_size;
+        for (int64_t d = 0; d < head_size; ++d) o[d] *= correction;
+        running_max[g] = chunk_max;
+      }
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        l[i] = std::exp(l[i] - chunk_max);
+        sum += l[i];
+      }
+      running_sum[g] += sum;
+    }
+    // Values: each V row is read once for the whole query group.
+    for (int64_t i = 0; i < n; ++i) {
+      const T* value = rows[begin + i] + head_size;
+      int64_t d = 0;
+      for (; d < full; d += kVecSize) {
+        const fVec v = load_float(value + d);
+        for (int64_t g = 0; g < group; ++g) {
+          float* o = out + g * head_size + d;
+          at::vec::fmadd(fVec(chunk_logits[g][i]), v, fVec::loadu(o)).store(o);
+        }
+      }
+      for (; d < head_size; ++d) {
+        const float v = static_cast<float>(value[d]);
+        for (int64_t g = 0; g < group; ++g) out[g * head_size + d] += chunk_logits[g][i] * v;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
+    float* o = out + g * head_size;
+    for (int64_t d = 0; d < head_size; ++d) o[d] *= inv;
+    if (max_out != nullptr) {
+      max_out[g] = running_max[g];
+      sum_out[g] = running_sum[g];
+    }
+  }
+}
+
+void check_query_rows(const at::Tensor& query, const at::Tensor& kv_pool) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [rows, H_q, D], last dim contiguous");
+  TORCH_CHECK(query.scalar_type() == kv_pool.scalar_type(), "query and kv_pool: one dtype");
+  TORCH_CHECK(kv_pool.size(3) == 2 * query.size(2), "kv_pool rows must be 2 * head size");
+  TORCH_CHECK(query.size(1) % kv_pool.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.size(1) / kv_pool.size(1) <= kMaxGroup, "at most ", kMaxGroup,
+              " query heads per KV head");
+}
+
+}  // namespace
+
+at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
+                         const at::Tensor& block_table, const at::Tensor& context_lens,
+                         const std::optional<at::Tensor>& positions,
+                         const std::optional<at::Tensor>& row_map, double scale,
+                         const std::optional<at::Tensor>& probs,
+                         const std::optional<at::Tensor>& stats) {
+  check_query_rows(query, kv_pool);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
+              "block_table: int32 [B, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
+              "context_lens: contiguous int64 [B]");
+  const PoolLayout layout = pool_layout(kv_pool, row_map);
+  const int64_t num_rows = query.size(0), num_q_heads = query.size(1);
+  const int64_t head_size = query.size(2), num_heads = layout.num_heads;
+  const int64_t group = num_q_heads / num_heads, block_size = layout.block_size;
+  const bool dense = !positions.has_value();
+  int64_t width = 0;
+  const int32_t* selected = nullptr;
+  if (!dense) {
+    TORCH_CHECK(positions->scalar_type() == at::kInt && positions->is_contiguous() &&
+                    positions->dim() == 3 && positions->size(0) == num_rows &&
+                    positions->size(1) == num_heads,
+                "positions: contiguous int32 [B, H_kv, K] (-1: none)");
+    width = positions->size(2);
+    selected = positions->data_ptr<int32_t>();
+  }
+  float* probs_out = nullptr;
+  if (probs.has_value()) {
+    TORCH_CHECK(!dense && probs->scalar_type() == at::kFloat && probs->is_contiguous() &&
+                    probs->numel() == num_rows * num_heads * width,
+                "probs: float32 [B, H_kv, K] beside positions");
+    probs_out = probs->data_ptr<float>();
+  }
+  double* stats_out = nullptr;
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->scalar_type() == at::kDouble && stats->numel() == 2 &&
+                    stats->is_contiguous(), "stats: float64 [2]");
+    stats_out = stats->data_ptr<double>();
+  }
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  auto output = at::empty({num_rows, num_q_heads, head_size}, query.options());
+  std::vector<int64_t> entries(num_rows * num_heads, 0);
+
+  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "attend_decode", [&] {
+    const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
+    const scalar_t* query_data = query.data_ptr<scalar_t>();
+    scalar_t* out_data = output.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<const scalar_t*> rows;
+      std::vector<int64_t> row_index;  // index into positions, for probs
+      std::vector<float> q(group * head_size), acc(group * head_size), logits;
+      float max_g[kMaxGroup], sum_g[kMaxGroup];
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t b = index / num_heads, h = index % num_heads, n = lens[b];
+        const int32_t* blocks = table + b * table_stride;
+        auto row_at = [&](int64_t position) -> const scalar_t* {
+          const int64_t entry =
+              layout.entry(blocks[position / block_size], h, position % block_size);
+          return entry < 0 ? nullptr : pool + entry;
+        };
+        rows.clear();
+        row_index.clear();
+        if (dense) {
+          for (int64_t p = 0; p < n; ++p)
+            if (const scalar_t* row = row_at(p)) rows.push_back(row);
+        } else {
+          const int32_t* sel = selected + index * width;
+          for (int64_t i = 0; i < width; ++i) {
+            if (sel[i] < 0) continue;
+            if (const scalar_t* row = row_at(sel[i])) {
+              rows.push_back(row);
+              row_index.push_back(i);
+            }
+          }
+        }
+        entries[index] = static_cast<int64_t>(rows.size());
+        const scalar_t* current = row_at(n);
+        TORCH_CHECK(current != nullptr, "the current token's entry is not in the pool");
+        rows.push_back(current);
+        const scalar_t* qrow = query_data + b * query.stride(0) + h * group * query.stride(1);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < head_size; ++d)
+            q[g * head_size + d] =
+                static_cast<float>(qrow[g * query.stride(1) + d]) * static_cast<float>(scale);
+        const int64_t count = static_cast<int64_t>(rows.size());
+        if (probs_out != nullptr) logits.resize(group * count);
+        attend_rows(rows.data(), count, q.data(), group, head_size, acc.data(),
+                    probs_out ? logits.data() : nullptr, max_g, sum_g);
+        scalar_t* o = out_data + (b * num_q_heads + h * group) * head_size;
+        for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+        if (probs_out != nullptr) {
+          float* p = probs_out + index * width;
+          std::fill(p, p + width, 0.f);
+          for (int64_t i = 0; i + 1 < count; ++i) {
+            float total = 0.f;
+            for (int64_t g = 0; g < group; ++g)
+              total += std::exp(logits[g * count + i] - max_g[g]) / sum_g[g];
+            p[row_index[i]] = total;
+          }
+        }
+      }
+    });
+  });
+  if (stats_out != nullptr) {
+    int64_t total = 0, context = 0;
+    for (int64_t e : entries) total += e;
+    for (int64_t b = 0; b < num_rows; ++b) context += lens[b];
+    stats_out[0] += static_cast<double>(total);
+    stats_out[1] += static_cast<double>(context);
+  }
+  return output;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,33 @@
+// SPDX-License-Identifier: Apache-2.0
+// Declarations of InfiniGen's CPU ops (registered in ops.cpp).
+#pragma once
+
+#include <tuple>
+
+#include "common.h"
+
+namespace infinigen {
+
+void write_kv(at::Tensor& kv_pool, at::Tensor& partial_keys, const at::Tensor& key,
+              const at::Tensor& value, const at::Tensor& skew, const at::Tensor& slot_mapping,
+              const std::optional<at::Tensor>& row_map);
+
+std::tuple<at::Tensor, at::Tensor> select_tokens(
+    const at::Tensor& partial_query, const at::Tensor& partial_keys,
+    const at::Tensor& block_table, const at::Tensor& context_lens, double scale, double alpha,
+    double budget, int64_t sink_tokens, int64_t recent_tokens,
+    const std::optional<at::Tensor>& row_map);
+
+at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
+                         const at::Tensor& block_table, const at::Tensor& context_lens,
+                         const std::optional<at::Tensor>& positions,
+                         const std::optional<at::Tensor>& row_map, double scale,
+                         const std::optional<at::Tensor>& probs,
+                         const std::optional<at::Tensor>& stats);
+
+void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tensor& kv_pool,
+                    const at::Tensor& block_table, const at::Tensor& query_start,
+                    const at::Tensor& seq_lens, const at::Tensor& requests,
+                    const std::optional<at::Tensor>& row_map, double scale);
+
+}  // namespace infinigen

@@ -1,0 +1,213 @@
+// SPDX-License-Identifier: Apache-2.0
+// InfiniGen's speculative selection: scores from the partial keys, the alpha
+// count, and each KV head's top-k positions (ascending), sized by the count
+// actually selected.
+#include <cstring>
+
+#include "ops.h"
+
+namespace infinigen {
+namespace {
+
+// Order-preserving map of a float to an unsigned key (larger float, larger key).
+inline uint32_t order_key(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The k-th largest of the scores above -inf (1 <= k <= their number).
+float kth_largest(const float* scores, int64_t num_tokens, int64_t k,
+                  std::vector<float>& scratch) {
+  // A 2048-bin histogram of the keys' top 11 bits finds the bin holding the
+  // k-th largest; nth_element runs inside that bin only.
+  uint32_t histogram[2048] = {0};
+  for (int64_t t = 0; t < num_tokens; ++t) histogram[order_key(scores[t]) >> 21]++;
+  int64_t above = 0, bin = 2047;
+  for (; bin > 0; --bin) {
+    if (above + histogram[bin] >= static_cast<uint64_t>(k)) break;
+    above += histogram[bin];
+  }
+  scratch.clear();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if ((order_key(scores[t]) >> 21) == static_cast<uint32_t>(bin)) scratch.push_back(scores[t]);
+  const int64_t rank = k - above;  // 1-based rank inside the bin
+  std::nth_element(scratch.begin(), scratch.begin() + (rank - 1), scratch.end(),
+                   std::greater<float>());
+  return scratch[rank - 1];
+}
+
+// Scores of one block of `count` tokens for every head:
+// scores[h][t] = scale * max_g sum_r query[h, g, r] * page[h, r, t].
+template <typename T>
+void score_block(const float* query, const T* page, int64_t num_heads, int64_t group,
+                 int64_t rank, int64_t block_size, int64_t count, float scale,
+                 const int32_t* present_rows, float* const* out) {
+  alignas(64) float tmp[kVecSize];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const T* head_page = page + h * rank * block_size;
+    const float* head_query = query + h * group * rank;
+    float* dst = out[h];
+    for (int64_t t = 0; t < count; t += kVecSize) {
+      fVec best(kNegInf);
+      for (int64_t g = 0; g < group; ++g) {
+        fVec acc(0.f);
+        const float* q = head_query + g * rank;
+        for (int64_t r = 0; r < rank; ++r)
+          acc = at::vec::fmadd(fVec(q[r]), load_float(head_page + r * block_size + t), acc);
+        best = at::vec::maximum(best, acc);
+      }
+      best = best * fVec(scale);
+      const int64_t n = std::min<int64_t>(kVecSize, count - t);
+      if (n == kVecSize) {
+        best.store(dst + t);
+      } else {
+        best.store(tmp);
+        std::copy(tmp, tmp + n, dst + t);
+      }
+    }
+    if (present_rows != nullptr) {
+      const int32_t* rows = present_rows + h * block_size;
+      for (int64_t t = 0; t < count; ++t)
+        if (rows[t] < 0) dst[t] = kNegInf;
+    }
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> select_tokens(
+    const at::Tensor& partial_query, const at::Tensor& partial_keys,
+    const at::Tensor& block_table, const at::Tensor& context_lens, double scale, double alpha,
+    double budget, int64_t sink_tokens, int64_t recent_tokens,
+    const std::optional<at::Tensor>& row_map) {
+  TORCH_CHECK(partial_query.scalar_type() == at::kFloat && partial_query.is_contiguous() &&
+                  partial_query.dim() == 4,
+              "partial_query: contiguous float32 [B, H_kv, G, R]");
+  TORCH_CHECK(partial_keys.is_contiguous() && partial_keys.dim() == 4,
+              "partial_keys: contiguous [num_blocks, H_kv, R, block_size]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1,
+              "block_table: int32 [B, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
+              "context_lens: contiguous int64 [B]");
+  const int64_t num_rows = partial_query.size(0), num_heads = partial_query.size(1);
+  const int64_t group = partial_query.size(2), rank = partial_query.size(3);
+  const int64_t block_size = partial_keys.size(3);
+  TORCH_CHECK(partial_keys.size(1) == num_heads && partial_keys.size(2) == rank,
+              "partial_keys do not match partial_query");
+  TORCH_CHECK(block_size % kVecSize == 0, "block size must be a multiple of ", kVecSize);
+  const int32_t* map = nullptr;
+  if (row_map.has_value()) {
+    TORCH_CHECK(row_map->scalar_type() == at::kInt && row_map->is_contiguous() &&
+                    row_map->size(1) == num_heads && row_map->size(2) == block_size,
+                "row_map: contiguous int32 [num_blocks, H_kv, block_size]");
+    map = row_map->data_ptr<int32_t>();
+  }
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < num_rows; ++b) max_len = std::max(max_len, lens[b]);
+  const int64_t num_blocks_max = (max_len + block_size - 1) / block_size;
+  // scores: [B, H_kv, max_len], reused across calls by this thread.
+  static thread_local std::vector<float> score_buffer;
+  score_buffer.resize(std::max<int64_t>(1, num_rows * num_heads * max_len));
+  float* scores = score_buffer.data();
+  const float* query = partial_query.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale);
+
+  // Pass 1: scores, block by block (all heads of a block page together).
+  INFINIGEN_DISPATCH_KV(partial_keys.scalar_type(), "select_tokens", [&] {
+    const scalar_t* pages = partial_keys.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows * num_blocks_max, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float*> out(num_heads);
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t b = index / num_blocks_max, j = index % num_blocks_max;
+        const int64_t start = j * block_size;
+        if (start >= lens[b]) continue;
+        const int64_t count = std::min(block_size, lens[b] - start);
+        const int64_t block_id = table[b * table_stride + j];
+        for (int64_t h = 0; h < num_heads; ++h)
+          out[h] = scores + (b * num_heads + h) * max_len + start;
+        const int32_t* present =
+            map == nullptr ? nullptr : map + block_id * num_heads * block_size;
+        score_block(query + b * num_heads * group * rank,
+                    pages + block_id * num_heads * rank * block_size, num_heads, group, rank,
+                    block_size, count, scale_f, present, out.data());
+      }
+    });
+  });
+
+  // Pass 2: each head's best score and alpha count.
+  std::vector<int64_t> counts(num_rows * num_heads);
+  at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t n = lens[index / num_heads];
+      const float* s = scores + index * max_len;
+      float best = kNegInf;
+      for (int64_t t = 0; t < n; ++t) best = std::max(best, s[t]);
+      const float limit = best - static_cast<float>(alpha);
+      int64_t count = 0;
+      for (int64_t t = 0; t < n; ++t) count += s[t] > limit ? 1 : 0;
+      counts[index] = count;
+    }
+  });
+
+  // Per request: k = min(floor(mean count over heads), floor(budget x context)),
+  // plus the sink/recent window, at most the context.
+  auto num_selected = at::empty({num_rows}, at::kLong);
+  int64_t* selected = num_selected.data_ptr<int64_t>();
+  int64_t width = 0;
+  for (int64_t b = 0; b < num_rows; ++b) {
+    const int64_t n = lens[b];
+    int64_t total = 0;
+    for (int64_t h = 0; h < num_heads; ++h) total += counts[b * num_heads + h];
+    const int64_t mean = static_cast<int64_t>(
+        std::floor(static_cast<double>(total) / static_cast<double>(num_heads)));
+    const int64_t cap = std::max<int64_t>(
+        1, static_cast<int64_t>(std::floor(static_cast<double>(n) * budget)));
+    int64_t window = 0;
+    for (int64_t t = 0; t < n; ++t) window += (t < sink_tokens || t >= n - recent_tokens);
+    selected[b] = std::min(std::min(mean, cap) + window, n);
+    width = std::max(width, selected[b]);
+  }
+
+  // Pass 3: each head's top-k (window first), ascending positions, -1 padded.
+  auto positions = at::full({num_rows, num_heads, width}, -1, at::kInt);
+  int32_t* pos = positions.data_ptr<int32_t>();
+  at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t b = index / num_heads, n = lens[b];
+      float* s = scores + index * max_len;
+      int32_t* dst = pos + index * width;
+      int64_t candidates = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        const bool in_window = t < sink_tokens || t >= n - recent_tokens;
+        if (s[t] == kNegInf) continue;  // absent: never selected, window or not
+        if (in_window) s[t] = kPosInf;
+        ++candidates;
+      }
+      const int64_t k = std::min(selected[b], candidates);
+      if (k == 0) continue;
+      int64_t written = 0;
+      if (k == candidates) {
+        for (int64_t t = 0; t < n; ++t)
+          if (s[t] != kNegInf) dst[written++] = static_cast<int32_t>(t);
+        continue;
+      }
+      const float threshold = kth_largest(s, n, k, scratch);
+      int64_t above = 0;
+      for (int64_t t = 0; t < n; ++t) above += s[t] > threshold;
+      int64_t ties = k - above;  // taken at the threshold, in position order
+      for (int64_t t = 0; t < n; ++t) {
+        if (s[t] > threshold || (s[t] == threshold && ties-- > 0))
+          dst[written++] = static_cast<int32_t>(t);
+      }
+    }
+  });
+  return {positions, num_selected};
+}
+
+}  // namespace infinigen

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+// Write-through of a sparse layer's new K/V to the pool and of its partial keys.
+#include "ops.h"
+
+namespace infinigen {
+
+// key, value: [T, H_kv, D] (last dim contiguous); skew: [H_kv, D, R] float32;
+// slot_mapping: [T] int64 slot ids of the dense group (< 0: padding, skipped).
+// kv_pool: [units, H_kv, block_size, 2 * D]; partial_keys: [num_blocks, H_kv, R,
+// block_size] (channel-major per block: scoring a block reads R rows of
+// block_size values).
+void write_kv(at::Tensor& kv_pool, at::Tensor& partial_keys, const at::Tensor& key,
+              const at::Tensor& value, const at::Tensor& skew, const at::Tensor& slot_mapping,
+              const std::optional<at::Tensor>& row_map) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value: [T, H_kv, D]");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: last dim contiguous");
+  TORCH_CHECK(key.scalar_type() == kv_pool.scalar_type() &&
+                  value.scalar_type() == kv_pool.scalar_type() &&
+                  partial_keys.scalar_type() == kv_pool.scalar_type(),
+              "key, value, kv_pool and partial_keys must share a dtype");
+  TORCH_CHECK(skew.scalar_type() == at::kFloat && skew.is_contiguous() && skew.dim() == 3,
+              "skew: contiguous float32 [H_kv, D, R]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping: contiguous int64");
+  TORCH_CHECK(partial_keys.is_contiguous() && partial_keys.dim() == 4, "partial_keys: 4-d");
+  const int64_t num_tokens = std::min(key.size(0), slot_mapping.size(0));
+  const int64_t num_heads = key.size(1), head_size = key.size(2);
+  const int64_t rank = skew.size(2);
+  const PoolLayout layout = pool_layout(kv_pool, row_map);
+  const int64_t block_size = layout.block_size;
+  TORCH_CHECK(kv_pool.size(1) == num_heads && kv_pool.size(3) == 2 * head_size,
+              "kv_pool does not match key: [units, H_kv, block_size, 2 * D]");
+  TORCH_CHECK(partial_keys.size(1) == num_heads && partial_keys.size(2) == rank &&
+                  partial_keys.size(3) == block_size,
+              "partial_keys must be [num_blocks, H_kv, R, block_size]");
+  TORCH_CHECK(skew.size(0) == num_heads && skew.size(1) == head_size, "skew: [H_kv, D, R]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* skew_data = skew.data_ptr<float>();
+  const int64_t num_blocks = partial_keys.size(0);
+  const int64_t pool_numel = kv_pool.numel();
+
+  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "write_kv", [&] {
+    scalar_t* pool = kv_pool.data_ptr<scalar_t>();
+    scalar_t* partial = partial_keys.data_ptr<scalar_t>();
+    const scalar_t* key_data = key.data_ptr<scalar_t>();
+    const scalar_t* value_data = value.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens * num_heads, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> key_float(head_size);
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t token = index / num_heads, head = index % num_heads;
+        const int64_t slot = slots[token];
+        if (slot < 0) continue;
+        const int64_t block_id = slot / block_size, offset = slot % block_size;
+        TORCH_CHECK(block_id < num_blocks, "slot ", slot, " beyond the pool");
+        const scalar_t* k = key_data + token * key.stride(0) + head * key.stride(1);
+        const scalar_t* v = value_data + token * value.stride(0) + head * value.stride(1);
+        const int64_t entry = layout.entry(block_id, head, offset);
+        if (entry >= 0) {
+          TORCH_CHECK(entry + 2 * head_size <= pool_numel, "pool row beyond the pool");
+          std::copy(k, k + head_size, pool + entry);
+          std::copy(v, v + head_size, pool + entry + head_size);
+        }
+        for (int64_t d = 0; d < head_size; ++d) key_float[d] = static_cast<float>(k[d]);
+        // partial key = key @ skew[head]: [D] x [D, R].
+        const float* head_skew = skew_data + head * head_size * rank;
+        scalar_t* out = partial + ((block_id * num_heads + head) * rank) * block_size + offset;
+        for (int64_t r = 0; r < rank; ++r) {
+          float acc = 0.f;
+          for (int64_t d = 0; d < head_size; ++d) acc += key_float[d] * head_skew[d * rank + r];
+          out[r * block_size] = static_cast<scalar_t>(acc);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace infinigen

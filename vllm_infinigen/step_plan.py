@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side: the rows of one step that attend over a selection, computed once per step.
+
+vLLM's metadata lists, per request, its query rows (``query_start_loc``) and
+its length after the step (``seq_lens``). InfiniGen sorts the rows into:
+
+    selecting rows  one per decode request (a sampled token past the prompt)
+                    and, in evaluation mode, each prompt row past the dense
+                    prefix; each attends over its context's selection, or
+                    densely when its context is shorter than ``min_context``
+    prompt rows     every row of a request still in its prompt: causal
+                    attention over the pool, as vLLM would
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.kernels.reference import block_coordinates
+
+
+@dataclass
+class StepPlan:
+    """The selecting rows of one step and the prompt rows beside them."""
+
+    rows: torch.Tensor  # [B] request index of each selecting row
+    tokens: torch.Tensor  # [B] row in the step's query tensor
+    context_lens: torch.Tensor  # [B] int64 tokens before each row
+    context_host: list[int]  # host copy of context_lens
+    block_table: torch.Tensor  # [B, max_blocks] int32 dense-group block ids
+    sparse: torch.Tensor  # [S] indices into the B rows that attend over a selection
+    dense: torch.Tensor  # [B - S] indices of the rows that attend densely (short context)
+    prompt_requests: torch.Tensor  # [P] int64 requests with prompt rows
+    query_start: torch.Tensor  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor  # [num_reqs] int64
+    all_block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    block_size: int
+
+    @property
+    def has_other_rows(self) -> bool:
+        """Prompt (or chunked-prompt) rows are present."""
+        return self.prompt_requests.numel() > 0
+
+    @property
+    def num_decodes(self) -> int:
+        return self.rows.shape[0]
+
+    @functools.cached_property
+    def context_slots(self) -> torch.Tensor:
+        """[B, N] slot id of every context position (for the baselines' per-slot state)."""
+        width = max(self.context_host, default=1)
+        positions = torch.arange(width).expand(self.num_decodes, width)
+        block_ids, offsets = block_coordinates(positions, self.block_table, self.block_size)
+        return block_ids * self.block_size + offsets
+
+
+def build_plan(attn_metadata, config: InfiniGenConfig, block_size: int,
+               prompt_lens_of: Callable[[int], torch.Tensor] | None) -> StepPlan:
+    """The step's plan from the dense group's metadata.
+
+    Args:
+        prompt_lens_of: num_reqs -> [num_reqs] prompt length of each request
+            in the metadata's order (None: a one-row request with context is
+            a decode row).
+    """
+    query_start = attn_metadata.query_start_loc.cpu().to(torch.int64)
+    seq_lens = attn_metadata.seq_lens.cpu().to(torch.int64)
+    num_reqs = seq_lens.shape[0]
+    query_start = query_start[: num_reqs + 1]
+    query_lens = query_start[1:] - query_start[:-1]
+    # A decode row computes a sampled token: past the prompt. (vLLM's own
+    # split counts a one-token prompt chunk as a decode; it is a prompt row.)
+    prompt_lens = (torch.ones_like(seq_lens) if prompt_lens_of is None
+                   else prompt_lens_of(num_reqs).to(seq_lens.dtype))
+    is_decode = (query_lens == 1) & (seq_lens > prompt_lens)
+    rows = torch.nonzero(is_decode).flatten()
+    tokens = query_start[rows]
+    context_lens = seq_lens[rows] - 1
+    prefix = config.eval_dense_prefix
+    if prefix is not None and not bool(is_decode.all()):
+        rows, tokens, context_lens = _with_prompt_rows(
+            ~is_decode, query_start, seq_lens, max(prefix, 1))
+    all_block_table = attn_metadata.block_table[:num_reqs]
+    short = context_lens < config.min_context
+    return StepPlan(
+        rows=rows,
+        tokens=tokens,
+        context_lens=context_lens.contiguous(),
+        context_host=context_lens.tolist(),
+        block_table=all_block_table[rows].contiguous(),
+        sparse=torch.nonzero(~short).flatten(),
+        dense=torch.nonzero(short).flatten(),
+        prompt_requests=torch.nonzero(~is_decode).flatten(),
+        query_start=query_start.contiguous(),
+        seq_lens=seq_lens.contiguous(),
+        all_block_table=all_block_table,
+        block_size=block_size,
+    )
+
+
+def _with_prompt_rows(is_prompt: torch.Tensor, query_start: torch.Tensor,
+                      seq_lens: torch.Tensor, prefix: int):
+    """Decode rows plus, per prompt request, its rows at positions >= ``prefix``.
+
+    Returns (request index, token index in the batch, context length) of every
+    row attending over a selection, in token order (host tensors).
+    """
+    rows, tokens, contexts = [], [], []
+    for request in range(seq_lens.shape[0]):
+        start, end = int(query_start[request]), int(query_start[request + 1])
+        seq_len = int(seq_lens[request])
+        first = seq_len - (end - start)  # position of the request's first row here
+        if not is_prompt[request]:
+            first_selected = seq_len - 1
+        else:
+            first_selected = max(first, prefix)
+        positions = torch.arange(min(first_selected, seq_len), seq_len)
+        rows.append(torch.full_like(positions, request))
+        tokens.append(start + positions - first)
+        contexts.append(positions)
+    return torch.cat(rows), torch.cat(tokens), torch.cat(contexts)
