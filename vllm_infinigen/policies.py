@@ -48,11 +48,10 @@ def speculate(state: LayerState, plan: StepPlan, config: InfiniGenConfig, alpha:
             f"InfiniGen: layer {state.layer_idx} has no captured attention "
             "input; the qkv_proj pre-hook did not run"
         )
-    rows = plan.sparse
-    context_lens = plan.context_lens[rows]
-    query = partial_query(target, state.captured_input[plan.tokens[rows]], context_lens)
+    rows = plan.sparse_rows
+    query = partial_query(target, state.captured_input[rows.tokens], rows.context_lens)
     target.selection, _ = kernels.select_tokens(
-        query, target.partial_keys, plan.block_table[rows], context_lens,
+        query, target.partial_keys, rows.block_table, rows.context_lens,
         scale=target.scale, alpha=alpha, budget=config.budget,
         sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens, row_map=row_map)
 
@@ -103,9 +102,10 @@ def select_in_layer(state: LayerState, plan: StepPlan, config: InfiniGenConfig,
     state.selection = _as_positions(selection)
 
 
-def accumulate_h2o(state: LayerState, plan: StepPlan, probs: torch.Tensor) -> None:
-    """Adds the attention each selected token received: probs [S, H_kv, K]."""
-    positions = state.selection.to(torch.int64)
+def accumulate_h2o(state: LayerState, plan: StepPlan, positions: torch.Tensor,
+                   probs: torch.Tensor) -> None:
+    """Adds the attention each selected token received: positions, probs [S, H_kv, K]."""
+    positions = positions.to(torch.int64)
     valid = positions >= 0
     slots = torch.gather(plan.context_slots[plan.sparse], 1,
                          positions.clamp(min=0).flatten(1)).view_as(positions)

@@ -195,7 +195,7 @@ class InfiniGenRuntime:
     def _start_transfer(self, target: LayerState, plan: StepPlan) -> None:
         """Counts the selection's uses (capped pool) and sends ``target`` its entries."""
         positions = target.selection
-        block_table = plan.block_table[plan.sparse]
+        block_table = plan.sparse_rows.block_table
         row_map = self.row_map(target)
         if row_map is not None:
             block_ids, offsets = block_coordinates(positions, block_table, self.block_size)
@@ -209,13 +209,13 @@ class InfiniGenRuntime:
                       output: torch.Tensor) -> None:
         """Attention of a sparse layer's selecting rows; query, output: [T, H_q, D]."""
         row_map = self.row_map(state)
-        if plan.dense.numel():
-            rows = plan.dense
-            output[plan.tokens[rows]] = kernels.attend_decode(
-                query[plan.tokens[rows]], state.kv_pool, plan.block_table[rows],
-                plan.context_lens[rows], None, scale=state.scale, row_map=row_map,
-                stats=state.stats)
-        if not plan.sparse.numel():
+        if plan.dense_rows.size:
+            rows = plan.dense_rows
+            output[rows.tokens] = kernels.attend_decode(
+                query[rows.tokens], state.kv_pool, rows.block_table, rows.context_lens, None,
+                scale=state.scale, row_map=row_map, stats=state.stats)
+        rows = plan.sparse_rows
+        if not rows.size:
             return
         if self.config.policy != "infinigen":
             policies.select_in_layer(state, plan, self.config, query)
@@ -227,8 +227,7 @@ class InfiniGenRuntime:
                 f"layer {state.layer_idx - 1} did not speculate for it"
             )
         state.selection = None
-        rows = plan.sparse
-        tokens, context_lens = plan.tokens[rows], plan.context_lens[rows]
+        tokens = rows.tokens
         probs = None
         if self.config.policy == "h2o":
             probs = torch.empty(positions.shape, dtype=torch.float32)
@@ -236,13 +235,13 @@ class InfiniGenRuntime:
         self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
         if staged is None:
             out = kernels.attend_decode(
-                query[tokens], state.kv_pool, plan.block_table[rows], context_lens, positions,
+                query[tokens], state.kv_pool, rows.block_table, rows.context_lens, positions,
                 scale=state.scale, row_map=row_map, probs=probs, stats=state.stats)
         else:
             out = self._attend_staged(state, plan, query[tokens], staged, positions, probs)
         output[tokens] = out
         if probs is not None:
-            policies.accumulate_h2o(state, plan, probs)
+            policies.accumulate_h2o(state, plan, positions, probs)
 
     def _attend_staged(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                        staged: torch.Tensor, positions: torch.Tensor,
@@ -252,16 +251,16 @@ class InfiniGenRuntime:
         The staging buffer serves as a pool with one block per row: the
         selected entries at offsets 0..K-1, the row's own entry at K.
         """
-        rows = plan.sparse
+        rows = plan.sparse_rows
         num_rows, width = positions.shape[0], positions.shape[-1]
-        own = plan.context_lens[rows][:, None, None].expand(-1, state.num_kv_heads, 1)
-        current = entries_of(state.kv_pool, plan.block_table[rows], own.contiguous(),
+        own = rows.context_lens[:, None, None].expand(-1, state.num_kv_heads, 1)
+        current = entries_of(state.kv_pool, rows.block_table, own.contiguous(),
                              self.row_map(state))
         staged_pool = torch.cat([staged.to(current.dtype), current], dim=2).contiguous()
         offsets = torch.arange(width, dtype=torch.int32).expand_as(positions)
         staged_positions = torch.where(positions >= 0, offsets, -1).contiguous()
         state.stats += torch.tensor([float((positions >= 0).sum()),
-                                     float(plan.context_lens[rows].sum())], dtype=torch.float64)
+                                     float(rows.context_lens.sum())], dtype=torch.float64)
         return kernels.attend_decode(
             query, staged_pool, torch.arange(num_rows, dtype=torch.int32)[:, None],
             torch.full((num_rows,), width, dtype=torch.int64), staged_positions,

@@ -24,6 +24,19 @@ from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.kernels.reference import block_coordinates
 
 
+@dataclass(frozen=True)
+class RowSet:
+    """Some of a step's selecting rows, gathered once per step for every layer."""
+
+    tokens: torch.Tensor  # [n] rows in the step's query tensor
+    context_lens: torch.Tensor  # [n] int64
+    block_table: torch.Tensor  # [n, max_blocks] int32, contiguous
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
 @dataclass
 class StepPlan:
     """The selecting rows of one step and the prompt rows beside them."""
@@ -49,6 +62,21 @@ class StepPlan:
     @property
     def num_decodes(self) -> int:
         return self.rows.shape[0]
+
+    @functools.cached_property
+    def sparse_rows(self) -> RowSet:
+        """The rows that attend over a selection."""
+        return self._subset(self.sparse)
+
+    @functools.cached_property
+    def dense_rows(self) -> RowSet:
+        """The rows that attend densely (context shorter than ``min_context``)."""
+        return self._subset(self.dense)
+
+    def _subset(self, index: torch.Tensor) -> RowSet:
+        return RowSet(tokens=self.tokens[index],
+                      context_lens=self.context_lens[index].contiguous(),
+                      block_table=self.block_table[index].contiguous())
 
     @functools.cached_property
     def context_slots(self) -> torch.Tensor:

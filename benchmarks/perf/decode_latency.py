@@ -83,6 +83,8 @@ ENGINES = {
     "dense": {"kv_manager": "vllm", "infinigen": None},
     "in-place": {"kv_manager": "infinigen", "infinigen": {"transfer": "in-place"}},
     "copy": {"kv_manager": "infinigen", "infinigen": {"transfer": "copy"}},
+    # In place with a capped pool (--cpu-pool-gib): the cap's bookkeeping cost.
+    "capped": {"kv_manager": "infinigen", "infinigen": {"transfer": "in-place"}},
 }
 # Order of the policies inside one window (see the module docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
@@ -239,6 +241,10 @@ def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
                 "partial_ratio": args.partial_ratio}
     if getattr(args, "min_context", None) is not None:
         settings["min_context"] = args.min_context
+    if engine_name == "capped":
+        if getattr(args, "cpu_pool_gib", None) is None:
+            raise SystemExit("--engines capped needs --cpu-pool-gib")
+        settings["cpu_pool_gib"] = args.cpu_pool_gib
     return settings
 
 
@@ -344,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-context", type=int, help="InfiniGen's --infinigen-min-context: "
                         "sparse layers attend densely below this context (default: the "
                         "engine's)")
+    parser.add_argument("--cpu-pool-gib", type=float, help="pool cap of the 'capped' engine "
+                        "(InfiniGen's --infinigen-cpu-pool-gib)")
     parser.add_argument("--dense-layers", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=2)

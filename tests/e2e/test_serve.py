@@ -42,6 +42,8 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(
             [VLLM, "serve", str(BUNDLED_MODEL), "--served-model-name", "tiny",
              "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
+             # Its 182-token prompt is short: select there too (see engines.py).
+             "--infinigen-min-context", "0",
              "--chat-template", str(template), "--host", "127.0.0.1",
              "--port", str(port), *COMMON_FLAGS],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ},

@@ -310,3 +310,45 @@ def test_kernels_report_the_instruction_set():
     assert math.isfinite(kernels.attend_decode(
         torch.ones(1, 1, 32), torch.ones(1, 1, BLOCK, 64), torch.zeros(1, 1, dtype=torch.int32),
         torch.zeros(1, dtype=torch.int64), None, scale=1.0).sum().item())
+
+
+def test_a_missing_compiler_is_named(monkeypatch):
+    import shutil
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"C\+\+ compiler .*apt-get install g\+\+.* ninja"):
+        kernels._check_toolchain()
+
+
+def test_the_build_targets_atens_own_instruction_set(monkeypatch):
+    for capability, isa in [("AVX512", "AVX512"), ("AVX2", "AVX2"), ("DEFAULT", "DEFAULT"),
+                            ("ZVECTOR", "DEFAULT")]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert kernels.target_isa() == isa
+    assert all("-march" not in flag for flags in kernels.ISA_FLAGS.values() for flag in flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_other_instruction_sets_build_and_agree(capability):
+    """The same source, built for another ISA this machine runs, passes these tests."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.models import REPO
+
+    native = kernels.target_isa()
+    if capability == native or (capability == "AVX2" and native != "AVX512"):
+        pytest.skip(f"{capability} is this machine's own build ({native}) or does not run here")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(),
+           "VLLM_INFINIGEN_KERNELS_DIR": str(kernels.cache_dir())}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "not other_instruction_sets and not instruction_set"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert " passed" in proc.stdout

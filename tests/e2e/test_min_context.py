@@ -1,0 +1,60 @@
+# SPDX-License-Identifier: Apache-2.0
+"""--infinigen-min-context: short contexts attend densely over the pool, long ones select."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.engines import engine, greedy_tokens, random_prompts
+from tests.models import BUNDLED_MODEL
+from vllm_infinigen.config import DEFAULT_MIN_CONTEXT
+from vllm_infinigen.metrics import summarize
+
+pytestmark = pytest.mark.slow
+SHORT = random_prompts([20, 90, 150], seed=41)  # contexts stay below 200 tokens
+LONG = random_prompts([300, 420], seed=42)
+MAX_TOKENS = 24
+
+
+def _delta(llm, before: dict) -> dict[str, dict[str, float]]:
+    after = summarize(llm.get_metrics())
+    return {name: {layer: value - before.get(name, {}).get(layer, 0.0)
+                   for layer, value in values.items()}
+            for name, values in after.items()}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # The default threshold (the suite's helper would set 0 when not given).
+    with engine(str(BUNDLED_MODEL), kv_manager="infinigen", infinigen_budget=0.2,
+                infinigen_min_context=DEFAULT_MIN_CONTEXT) as llm:
+        yield llm
+
+
+def test_short_contexts_attend_every_token_and_equal_select_all(llm):
+    assert DEFAULT_MIN_CONTEXT >= 200
+    before = summarize(llm.get_metrics())
+    short = greedy_tokens(llm, SHORT, MAX_TOKENS)
+    counters = _delta(llm, before)
+    assert sorted(counters["candidate_tokens"], key=int) == ["2", "3", "4"]
+    for layer, candidates in counters["candidate_tokens"].items():
+        assert candidates > 0
+        assert counters["selected_tokens"][layer] == candidates
+    # Dense over the pool is exact: the same tokens as selecting everything.
+    llm.collective_rpc("set_infinigen_selection",
+                       kwargs={"min_context": 0, "budget": 1.0, "alpha": 1e4})
+    try:
+        assert greedy_tokens(llm, SHORT, MAX_TOKENS) == short
+    finally:
+        llm.collective_rpc("set_infinigen_selection",
+                           kwargs={"min_context": DEFAULT_MIN_CONTEXT, "budget": 0.2,
+                                   "alpha": 5.0})
+
+
+def test_long_contexts_select_within_the_budget(llm):
+    before = summarize(llm.get_metrics())
+    greedy_tokens(llm, LONG, MAX_TOKENS)
+    counters = _delta(llm, before)
+    for layer, candidates in counters["candidate_tokens"].items():
+        assert candidates >= 2 * (MAX_TOKENS - 1) * 300
+        assert 0 < counters["selected_tokens"][layer] <= 0.2 * candidates
