@@ -16,7 +16,7 @@ DEFAULT_ALPHA_ROPE = 5.0
 
 # Below this many context tokens a sparse layer attends densely over the pool
 # (measured: benchmarks/README.md, "Short contexts").
-DEFAULT_MIN_CONTEXT = 256
+DEFAULT_MIN_CONTEXT = 1024
 
 # CLI flag of each field, for error messages and argparse.
 FLAG_OF_FIELD = {

@@ -9,18 +9,23 @@ namespace {
 
 constexpr int64_t kChunk = 16;  // rows per online-softmax update
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head
+constexpr int64_t kGroupTile = 8;  // query heads kept in registers at once
 
 // Online-softmax attention of `group` queries (scale folded in, float [group, D])
 // over `count` K|V rows (K at rows[i], V at rows[i] + D). Writes the normalised
 // output to out [group, D]; with `logits` ([group, count]), also keeps each
 // row's logit and returns the running max / sum so that probabilities can be
 // formed afterwards.
-template <typename T>
-void attend_rows(const T* const* rows, int64_t count, const float* query, int64_t group,
+//
+// kGroup > 0 fixes the group size at compile time (1, 2, 4, 8: the common GQA
+// ratios), so that the tile loops unroll and the accumulators stay in registers.
+template <typename T, int64_t kGroup>
+void attend_rows(const T* const* rows, int64_t count, const float* query, int64_t dyn_group,
                  int64_t head_size, float* out, float* logits, float* max_out,
                  float* sum_out) {
+  const int64_t group = kGroup > 0 ? kGroup : dyn_group;
   float running_max[kMaxGroup], running_sum[kMaxGroup];
-  alignas(64) float chunk_logits[kMaxGroup][kChunk];
+  alignas(64) float weights[kMaxGroup][kChunk];
   for (int64_t g = 0; g < group; ++g) {
     running_max[g] = kNegInf;
     running_sum[g] = 0.f;
@@ -32,56 +37,71 @@ void attend_rows(const T* const* rows, int64_t count, const float* query, int64_
     for (int64_t i = begin + kChunk; i < std::min(count, begin + 2 * kChunk); ++i)
       for (int64_t byte = 0; byte < 2 * head_size * (int64_t)sizeof(T); byte += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(rows[i]) + byte);
-    // Logits: one dot product per (row, query head).
+    // Logits: each K row is loaded once for a tile of query heads.
     for (int64_t i = 0; i < n; ++i) {
       const T* key = rows[begin + i];
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = query + g * head_size;
-        fVec acc(0.f);
+      for (int64_t g0 = 0; g0 < group; g0 += kGroupTile) {
+        const int64_t tile = kGroup > 0 ? kGroup : std::min(kGroupTile, group - g0);
+        fVec acc[kGroupTile];
+        for (int64_t g = 0; g < tile; ++g) acc[g] = fVec(0.f);
         int64_t d = 0;
-        for (; d < full; d += kVecSize)
-          acc = at::vec::fmadd(fVec::loadu(q + d), load_float(key + d), acc);
-        if (d < head_size)
-          acc = at::vec::fmadd(fVec::loadu(q + d, head_size - d),
-                               load_float_partial(key + d, head_size - d), acc);
-        chunk_logits[g][i] =
-            at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+        for (; d < full; d += kVecSize) {
+          const fVec k = load_float(key + d);
+          for (int64_t g = 0; g < tile; ++g)
+            acc[g] = at::vec::fmadd(fVec::loadu(query + (g0 + g) * head_size + d), k, acc[g]);
+        }
+        if (d < head_size) {
+          const fVec k = load_float_partial(key + d, head_size - d);
+          for (int64_t g = 0; g < tile; ++g)
+            acc[g] = at::vec::fmadd(fVec::loadu(query + (g0 + g) * head_size + d, head_size - d),
+                                    k, acc[g]);
+        }
+        for (int64_t g = 0; g < tile; ++g)
+          weights[g0 + g][i] =
+              sum_lanes(acc[g]);
       }
     }
-    // Online softmax: rescale once per chunk, then weights for the chunk's rows.
+    // Online softmax: rescale once per chunk, then the chunk's weights.
     for (int64_t g = 0; g < group; ++g) {
-      float* l = chunk_logits[g];
-      if (logits != nullptr) std::copy(l, l + n, logits + g * count + begin);
+      float* w = weights[g];
+      if (logits != nullptr) std::copy(w, w + n, logits + g * count + begin);
+      for (int64_t i = n; i < kChunk; ++i) w[i] = kNegInf;
       float chunk_max = running_max[g];
-      for (int64_t i = 0; i < n; ++i) chunk_max = std::max(chunk_max, l[i]);
+      for (int64_t i = 0; i < n; ++i) chunk_max = std::max(chunk_max, w[i]);
       if (chunk_max > running_max[g]) {
-        const float correction = std::exp(running_max[g] - chunk_max);
-        running_sum[g] *= correction;
+        const fVec correction(std::exp(running_max[g] - chunk_max));
+        running_sum[g] *= std::exp(running_max[g] - chunk_max);
         float* o = out + g * head_size;
-        for (int64_t d = 0; d < head_size; ++d) o[d] *= correction;
+        int64_t d = 0;
+        for (; d < full; d += kVecSize) (fVec::loadu(o + d) * correction).store(o + d);
+        for (; d < head_size; ++d) o[d] *= std::exp(running_max[g] - chunk_max);
         running_max[g] = chunk_max;
       }
+      const fVec top(chunk_max);
+      for (int64_t i = 0; i < kChunk; i += kVecSize)
+        (fVec::loadu(w + i) - top).exp_u20().store(w + i);
       float sum = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        l[i] = std::exp(l[i] - chunk_max);
-        sum += l[i];
-      }
+      for (int64_t i = 0; i < n; ++i) sum += w[i];
       running_sum[g] += sum;
     }
-    // Values: each V row is read once for the whole query group.
-    for (int64_t i = 0; i < n; ++i) {
-      const T* value = rows[begin + i] + head_size;
-      int64_t d = 0;
-      for (; d < full; d += kVecSize) {
-        const fVec v = load_float(value + d);
-        for (int64_t g = 0; g < group; ++g) {
-          float* o = out + g * head_size + d;
-          at::vec::fmadd(fVec(chunk_logits[g][i]), v, fVec::loadu(o)).store(o);
+    // Values: accumulators of a tile of query heads stay in registers over the chunk.
+    for (int64_t d = 0; d < full; d += kVecSize) {
+      for (int64_t g0 = 0; g0 < group; g0 += kGroupTile) {
+        const int64_t tile = kGroup > 0 ? kGroup : std::min(kGroupTile, group - g0);
+        fVec acc[kGroupTile];
+        for (int64_t g = 0; g < tile; ++g) acc[g] = fVec::loadu(out + (g0 + g) * head_size + d);
+        for (int64_t i = 0; i < n; ++i) {
+          const fVec v = load_float(rows[begin + i] + head_size + d);
+          for (int64_t g = 0; g < tile; ++g)
+            acc[g] = at::vec::fmadd(fVec(weights[g0 + g][i]), v, acc[g]);
         }
+        for (int64_t g = 0; g < tile; ++g) acc[g].store(out + (g0 + g) * head_size + d);
       }
-      for (; d < head_size; ++d) {
-        const float v = static_cast<float>(value[d]);
-        for (int64_t g = 0; g < group; ++g) out[g * head_size + d] += chunk_logits[g][i] * v;
+    }
+    for (int64_t d = full; d < head_size; ++d) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = static_cast<float>(rows[begin + i][head_size + d]);
+        for (int64_t g = 0; g < group; ++g) out[g * head_size + d] += weights[g][i] * v;
       }
     }
   }
@@ -171,7 +191,15 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
         };
         rows.clear();
         row_index.clear();
-        if (dense) {
+        if (dense && layout.row_map == nullptr) {
+          // Uncapped: runs of rows per block, no per-position lookup.
+          for (int64_t start = 0; start < n; start += block_size) {
+            const scalar_t* base = pool + layout.entry(blocks[start / block_size], h, 0);
+            const int64_t run = std::min(block_size, n - start);
+            for (int64_t offset = 0; offset < run; ++offset)
+              rows.push_back(base + offset * layout.row_elems);
+          }
+        } else if (dense) {
           for (int64_t p = 0; p < n; ++p)
             if (const scalar_t* row = row_at(p)) rows.push_back(row);
         } else {
@@ -195,8 +223,28 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
                 static_cast<float>(qrow[g * query.stride(1) + d]) * static_cast<float>(scale);
         const int64_t count = static_cast<int64_t>(rows.size());
         if (probs_out != nullptr) logits.resize(group * count);
-        attend_rows(rows.data(), count, q.data(), group, head_size, acc.data(),
-                    probs_out ? logits.data() : nullptr, max_g, sum_g);
+        float* logit_rows = probs_out ? logits.data() : nullptr;
+        switch (group) {
+          case 1:
+            attend_rows<scalar_t, 1>(rows.data(), count, q.data(), group, head_size, acc.data(),
+                                     logit_rows, max_g, sum_g);
+            break;
+          case 2:
+            attend_rows<scalar_t, 2>(rows.data(), count, q.data(), group, head_size, acc.data(),
+                                     logit_rows, max_g, sum_g);
+            break;
+          case 4:
+            attend_rows<scalar_t, 4>(rows.data(), count, q.data(), group, head_size, acc.data(),
+                                     logit_rows, max_g, sum_g);
+            break;
+          case 8:
+            attend_rows<scalar_t, 8>(rows.data(), count, q.data(), group, head_size, acc.data(),
+                                     logit_rows, max_g, sum_g);
+            break;
+          default:
+            attend_rows<scalar_t, 0>(rows.data(), count, q.data(), group, head_size, acc.data(),
+                                     logit_rows, max_g, sum_g);
+        }
         scalar_t* o = out_data + (b * num_q_heads + h * group) * head_size;
         for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<scalar_t>(acc[i]);
         if (probs_out != nullptr) {

@@ -42,6 +42,19 @@ inline fVec load_float<at::Half>(const at::Half* p) {
   return out;
 }
 
+// Sum of a vector's lanes (ATen's generic reduce_add does not compile for DEFAULT).
+inline float sum_lanes(const fVec& vec) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return vec.reduce_add();
+#else
+  alignas(64) float lanes[kVecSize];
+  vec.store(lanes);
+  float total = 0.f;
+  for (int64_t i = 0; i < kVecSize; ++i) total += lanes[i];
+  return total;
+#endif
+}
+
 // The first `count` (< kVecSize) elements of p as floats, zeros after.
 template <typename T>
 inline fVec load_float_partial(const T* p, int64_t count) {

@@ -9,6 +9,8 @@
 namespace infinigen {
 namespace {
 
+constexpr int64_t kGroupTile = 8;  // query heads kept in registers at once
+
 // Order-preserving map of a float to an unsigned key (larger float, larger key).
 inline uint32_t order_key(float value) {
   uint32_t bits;
@@ -49,13 +51,18 @@ void score_block(const float* query, const T* page, int64_t num_heads, int64_t g
     const float* head_query = query + h * group * rank;
     float* dst = out[h];
     for (int64_t t = 0; t < count; t += kVecSize) {
+      // A page row is loaded once for every query head of the group.
       fVec best(kNegInf);
-      for (int64_t g = 0; g < group; ++g) {
-        fVec acc(0.f);
-        const float* q = head_query + g * rank;
-        for (int64_t r = 0; r < rank; ++r)
-          acc = at::vec::fmadd(fVec(q[r]), load_float(head_page + r * block_size + t), acc);
-        best = at::vec::maximum(best, acc);
+      for (int64_t g0 = 0; g0 < group; g0 += kGroupTile) {
+        const int64_t tile = std::min(kGroupTile, group - g0);
+        fVec acc[kGroupTile];
+        for (int64_t g = 0; g < tile; ++g) acc[g] = fVec(0.f);
+        for (int64_t r = 0; r < rank; ++r) {
+          const fVec keys = load_float(head_page + r * block_size + t);
+          for (int64_t g = 0; g < tile; ++g)
+            acc[g] = at::vec::fmadd(fVec(head_query[(g0 + g) * rank + r]), keys, acc[g]);
+        }
+        for (int64_t g = 0; g < tile; ++g) best = at::vec::maximum(best, acc[g]);
       }
       best = best * fVec(scale);
       const int64_t n = std::min<int64_t>(kVecSize, count - t);

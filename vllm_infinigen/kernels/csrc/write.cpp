@@ -39,12 +39,20 @@ void write_kv(at::Tensor& kv_pool, at::Tensor& partial_keys, const at::Tensor& k
   const int64_t num_blocks = partial_keys.size(0);
   const int64_t pool_numel = kv_pool.numel();
 
+  // skew_by_rank: [H_kv, R, D], so that each partial channel is a contiguous dot product.
+  std::vector<float> skew_by_rank(num_heads * rank * head_size);
+  for (int64_t h = 0; h < num_heads; ++h)
+    for (int64_t d = 0; d < head_size; ++d)
+      for (int64_t r = 0; r < rank; ++r)
+        skew_by_rank[(h * rank + r) * head_size + d] = skew_data[(h * head_size + d) * rank + r];
+  const int64_t full = head_size - head_size % kVecSize;
+
   INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "write_kv", [&] {
     scalar_t* pool = kv_pool.data_ptr<scalar_t>();
     scalar_t* partial = partial_keys.data_ptr<scalar_t>();
     const scalar_t* key_data = key.data_ptr<scalar_t>();
     const scalar_t* value_data = value.data_ptr<scalar_t>();
-    at::parallel_for(0, num_tokens * num_heads, 64, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> key_float(head_size);
       for (int64_t index = begin; index < end; ++index) {
         const int64_t token = index / num_heads, head = index % num_heads;
@@ -62,12 +70,17 @@ void write_kv(at::Tensor& kv_pool, at::Tensor& partial_keys, const at::Tensor& k
         }
         for (int64_t d = 0; d < head_size; ++d) key_float[d] = static_cast<float>(k[d]);
         // partial key = key @ skew[head]: [D] x [D, R].
-        const float* head_skew = skew_data + head * head_size * rank;
         scalar_t* out = partial + ((block_id * num_heads + head) * rank) * block_size + offset;
         for (int64_t r = 0; r < rank; ++r) {
-          float acc = 0.f;
-          for (int64_t d = 0; d < head_size; ++d) acc += key_float[d] * head_skew[d * rank + r];
-          out[r * block_size] = static_cast<scalar_t>(acc);
+          const float* column = skew_by_rank.data() + (head * rank + r) * head_size;
+          fVec acc(0.f);
+          int64_t d = 0;
+          for (; d < full; d += kVecSize)
+            acc = at::vec::fmadd(fVec::loadu(key_float.data() + d), fVec::loadu(column + d), acc);
+          float total =
+              sum_lanes(acc);
+          for (; d < head_size; ++d) total += key_float[d] * column[d];
+          out[r * block_size] = static_cast<scalar_t>(total);
         }
       }
     });
