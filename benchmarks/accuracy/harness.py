@@ -98,6 +98,10 @@ def start_engine(
         raise ValueError("infinigen settings need kv_manager='infinigen'")
     prefixed = {f"infinigen_{key}": value for key, value in (infinigen or {}).items()
                 if value is not None}
+    if kv_manager == "infinigen":
+        # Accuracy is measured on the selection at every context length; the
+        # dense short-context path (--infinigen-min-context) would hide it.
+        prefixed.setdefault("infinigen_min_context", 0)
     llm = LLM(
         model=model,
         kv_manager=kv_manager,

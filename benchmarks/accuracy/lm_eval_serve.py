@@ -127,7 +127,9 @@ class ServeConfig:
             return []
         return ["--kv-manager", "infinigen", "--infinigen-policy", self.policy,
                 "--infinigen-budget", f"{self.budget:g}",
-                "--infinigen-eval-dense-prefix", str(eval_dense_prefix)]
+                "--infinigen-eval-dense-prefix", str(eval_dense_prefix),
+                # Select at every context, as the offline harness does.
+                "--infinigen-min-context", "0"]
 
 
 def lm_eval_command(base_url: str, model: Path, tasks: Sequence[str], *, limit: int,

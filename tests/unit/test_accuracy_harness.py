@@ -544,7 +544,7 @@ def test_serve_configs_and_lm_eval_command():
     assert infinigen.label == "infinigen b=0.2" and infinigen.mode == "infinigen"
     assert infinigen.serve_args(16) == [
         "--kv-manager", "infinigen", "--infinigen-policy", "infinigen", "--infinigen-budget",
-        "0.2", "--infinigen-eval-dense-prefix", "16"]
+        "0.2", "--infinigen-eval-dense-prefix", "16", "--infinigen-min-context", "0"]
     dense = lm_eval_serve.ServeConfig()
     assert (dense.label, dense.mode, dense.serve_args(16)) == ("dense", "vllm", [])
     command = lm_eval_serve.lm_eval_command(
