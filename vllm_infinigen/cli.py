@@ -65,6 +65,7 @@ def demo(args: argparse.Namespace) -> int:
         model=str(args.model),
         kv_manager="infinigen",
         infinigen_budget=args.budget,
+        infinigen_min_context=args.min_context,
         dtype="float32",
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=64 << 20,
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=200)
     d.add_argument("--max-model-len", type=int, default=512)
     d.add_argument("--budget", type=float, default=0.2)
+    # The tiny demo's contexts stay far below the serving default (1024), under
+    # which sparse layers attend densely: select from the first token instead.
+    d.add_argument("--min-context", type=int, default=0,
+                   help="--infinigen-min-context of the demo (default 0: always select)")
     d.set_defaults(run=demo)
     args = parser.parse_args(argv)
     return args.run(args)

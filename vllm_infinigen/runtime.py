@@ -45,9 +45,13 @@ class InfiniGenRuntime:
         self.alpha = alpha
         self.layers = layers
         self.device = device
-        # Counters are the layers' ``stats``. Tokens are counted as the mean
-        # over all KV heads of the model: a tensor-parallel rank adds its
-        # heads' share, and vLLM sums the ranks.
+        # stats: [layers, 2] entries attended and context tokens; each layer's
+        # kernels add to its row (``state.stats`` is a view). Tokens are
+        # counted as the mean over all KV heads of the model: a tensor-parallel
+        # rank adds its heads' share, and vLLM sums the ranks.
+        self.stats = torch.zeros((len(layers), 2), dtype=torch.float64)
+        for state in layers:
+            state.stats = self.stats[state.layer_idx]
         self.total_kv_heads = layers[0].num_kv_heads  # of the model, all ranks
         self.pool_index = IdentityPoolIndex(0)
         self.pool_entry_bytes = 0  # one (layer, head) entry: K and V
@@ -158,9 +162,9 @@ class InfiniGenRuntime:
     def take_counters(self) -> dict[str, float]:
         """Drains the counters (one host copy per step, not per layer)."""
         out: dict[str, float] = {}
-        for state in self.layers:
-            entries, context = state.stats.tolist()
-            state.stats.zero_()
+        values = self.stats.tolist()
+        self.stats.zero_()
+        for state, (entries, context) in zip(self.layers, values):
             if state.sparse and context:
                 idx = state.layer_idx
                 out[f"selected_tokens.{idx}"] = entries / self.total_kv_heads

@@ -241,6 +241,8 @@ def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
                 "partial_ratio": args.partial_ratio}
     if getattr(args, "min_context", None) is not None:
         settings["min_context"] = args.min_context
+    if getattr(args, "alpha", None) is not None:
+        settings["alpha"] = args.alpha
     if engine_name == "capped":
         if getattr(args, "cpu_pool_gib", None) is None:
             raise SystemExit("--engines capped needs --cpu-pool-gib")
@@ -350,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-context", type=int, help="InfiniGen's --infinigen-min-context: "
                         "sparse layers attend densely below this context (default: the "
                         "engine's)")
+    parser.add_argument("--alpha", type=float, help="InfiniGen's --infinigen-alpha (default: the "
+                        "engine's; a large value makes every step select the budget cap)")
     parser.add_argument("--cpu-pool-gib", type=float, help="pool cap of the 'capped' engine "
                         "(InfiniGen's --infinigen-cpu-pool-gib)")
     parser.add_argument("--dense-layers", type=int, default=2)
