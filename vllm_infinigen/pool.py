@@ -247,6 +247,20 @@ class CappedPoolIndex:
         self.last_used[layer][heads, rows] = self._tick
         self._tick += 1  # later uses and insertions are more recent
 
+    def record_selection(self, layer: int, positions: torch.Tensor,
+                         block_table: torch.Tensor) -> None:
+        """``record_use`` of a selection in one kernel call.
+
+        Args:
+            positions: [B, H, K] int32 selected positions (-1: none).
+            block_table: [B, max_blocks] int32 block ids of each row's request.
+        """
+        from vllm_infinigen import kernels
+
+        kernels.record_uses(positions, block_table, self.row_map[layer], self.count[layer],
+                            self.last_used[layer], self._tick)
+        self._tick += 1  # later uses and insertions are more recent
+
     def _flat(self, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Index into one layer's flattened ``row_map`` (slots >= 0, broadcast)."""
         blocks, offsets = slots // self.block_size, slots % self.block_size

@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 
 from vllm_infinigen import baselines, kernels, policies
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.kernels.reference import block_coordinates, entries_of
+from vllm_infinigen.kernels.reference import entries_of
 from vllm_infinigen.layer_state import LayerState
 from vllm_infinigen.pool import IdentityPoolIndex, make_pool_index
 from vllm_infinigen.step_plan import StepPlan, build_plan
@@ -202,11 +202,7 @@ class InfiniGenRuntime:
         block_table = plan.sparse_rows.block_table
         row_map = self.row_map(target)
         if row_map is not None:
-            block_ids, offsets = block_coordinates(positions, block_table, self.block_size)
-            heads = torch.arange(target.num_kv_heads)[None, :, None].expand_as(block_ids)
-            valid = positions >= 0
-            rows = row_map[block_ids, heads, offsets].to(torch.int64)
-            self.pool_index.record_use(target.pool_layer, rows.clamp(min=0), valid & (rows >= 0))
+            self.pool_index.record_selection(target.pool_layer, positions, block_table)
         self.transfer.start(target.layer_idx, target.kv_pool, block_table, positions, row_map)
 
     def attend_decode(self, state: LayerState, plan: StepPlan, query: torch.Tensor,

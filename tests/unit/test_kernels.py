@@ -352,3 +352,28 @@ def test_other_instruction_sets_build_and_agree(capability):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert " passed" in proc.stdout
+
+
+def test_record_uses_equals_the_pools_own_bookkeeping():
+    from vllm_infinigen.pool import CappedPoolIndex
+
+    gen = torch.Generator().manual_seed(16)
+    pools = [CappedPoolIndex(1, 2, num_slots=8 * BLOCK, num_rows=3 * BLOCK, policy="counter",
+                             block_size=BLOCK) for _ in range(2)]
+    block_table = torch.tensor([[5, 2, 7], [0, 3, 6]], dtype=torch.int32)
+    for pool in pools:  # every token of both requests, then some evicted
+        for row in block_table.tolist():
+            for block in row:
+                pool.admit(torch.arange(block * BLOCK, (block + 1) * BLOCK))
+    for _ in range(3):
+        positions = torch.randint(-1, 3 * BLOCK, (2, 2, 20), generator=gen).to(torch.int32)
+        kernel, torch_path = pools
+        kernel.record_selection(0, positions.contiguous(), block_table)
+        heads = torch.arange(2)[None, :, None].expand_as(positions)
+        block_ids, offsets = reference.block_coordinates(positions, block_table, BLOCK)
+        rows = torch_path.row_map[0][block_ids, heads, offsets].to(torch.int64)
+        valid = (positions >= 0) & (rows >= 0)
+        torch_path.record_use(0, rows.clamp(min=0), valid)
+        assert int(valid.sum()) > 0 and bool((rows < 0).any())  # some evicted
+    assert torch.equal(pools[0].count, pools[1].count)
+    assert torch.equal(pools[0].last_used, pools[1].last_used)

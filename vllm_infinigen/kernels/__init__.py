@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "write.cpp", "select.cpp", "attend.cpp", "prefill.cpp")
+SOURCES = ("ops.cpp", "write.cpp", "select.cpp", "attend.cpp", "prefill.cpp", "uses.cpp")
 # ATen's CPU capability -> compiler flags and the vector implementation macros.
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
@@ -198,3 +198,16 @@ def attend_prefill(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Ten
     """
     _ops().attend_prefill(query, output, kv_pool, block_table, query_start, seq_lens,
                           requests, row_map, float(scale))
+
+
+def record_uses(positions: torch.Tensor, block_table: torch.Tensor, row_map: torch.Tensor,
+                count: torch.Tensor, last_used: torch.Tensor, tick: int) -> None:
+    """A capped pool's bookkeeping of one selection, in place.
+
+    Args:
+        positions: [B, H_kv, K] int32 selected positions (-1: none).
+        row_map: [num_blocks, H_kv, block_size] int32 the layer's rows.
+        count, last_used: [H_kv, rows] int64 the layer's use counts and last
+            uses; each selected entry the pool holds gets +1 and ``tick``.
+    """
+    _ops().record_uses(positions, block_table, row_map, count, last_used, int(tick))

@@ -20,6 +20,9 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
       "attend_prefill(Tensor query, Tensor(a!) output, Tensor kv_pool, Tensor block_table, "
       "Tensor query_start, Tensor seq_lens, Tensor requests, Tensor? row_map, "
       "float scale) -> ()");
+  m.def(
+      "record_uses(Tensor positions, Tensor block_table, Tensor row_map, Tensor(a!) count, "
+      "Tensor(b!) last_used, int tick) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_infinigen_C, CPU, m) {
@@ -27,4 +30,5 @@ TORCH_LIBRARY_IMPL(vllm_infinigen_C, CPU, m) {
   m.impl("select_tokens", &infinigen::select_tokens);
   m.impl("attend_decode", &infinigen::attend_decode);
   m.impl("attend_prefill", &infinigen::attend_prefill);
+  m.impl("record_uses", &infinigen::record_uses);
 }

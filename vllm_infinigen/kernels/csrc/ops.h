@@ -30,4 +30,8 @@ void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tenso
                     const at::Tensor& seq_lens, const at::Tensor& requests,
                     const std::optional<at::Tensor>& row_map, double scale);
 
+void record_uses(const at::Tensor& positions, const at::Tensor& block_table,
+                 const at::Tensor& row_map, at::Tensor& count, at::Tensor& last_used,
+                 int64_t tick);
+
 }  // namespace infinigen
