@@ -72,11 +72,15 @@ class InfiniGenImplMixin:
 
 
 def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
-            skew: list[torch.Tensor], alpha: float, device: torch.device) -> InfiniGenRuntime:
+            skew: list[torch.Tensor], alpha: float, device: torch.device,
+            query_weights: dict[int, tuple] | None = None) -> InfiniGenRuntime:
     """Wraps the attention layers of ``model`` and hooks the speculating layers.
 
     Args:
         skew: Per layer [H_kv of this rank, D, R] skew slices.
+        query_weights: {layer_idx: (W_q [q_size, hidden], b_q or None)} of
+            the sparse layers (``query_weights.py``); a layer without one
+            speculates through its whole ``qkv_proj``.
     """
     from vllm.model_executor.layers.attention import Attention
 
@@ -95,6 +99,8 @@ def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
         state = LayerState(idx, name, attention[name], self_attn,
                            sparse=idx >= config.dense_layers)
         state.skew = skew[idx].to(device=device, dtype=torch.float32).contiguous()
+        if state.sparse and query_weights and idx in query_weights:
+            state.query_weight, state.query_bias = query_weights[idx]
         layers.append(state)
     runtime = InfiniGenRuntime(config, alpha, layers, device)
     runtime.reference_layer = by_index[0][1]  # layer 0 is always dense
@@ -119,9 +125,11 @@ def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
     sparse = [s.layer_idx for s in layers if s.sparse]
     logger.info(
         "InfiniGen: %d layers, dense %s, sparse %s, alpha %.2f, budget %.2f, "
-        "partial rank %d of %d, dense below %d context tokens",
+        "partial rank %d of %d, dense below %d context tokens; speculation through %s",
         len(layers), [s.layer_idx for s in layers if not s.sparse], sparse,
         alpha, config.budget, skew[0].shape[-1], layers[0].head_size, config.min_context,
+        "the query slice of qkv_proj" if all(s.query_weight is not None for s in layers
+                                             if s.sparse) else "the whole qkv_proj",
     )
     return runtime
 

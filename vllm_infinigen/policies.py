@@ -26,13 +26,14 @@ from vllm_infinigen.step_plan import StepPlan
 def partial_query(target: LayerState, hidden: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
     """[S, H_kv, G, R] skewed partial query of ``target`` from attention inputs [S, hidden]."""
-    qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
     q_size = target.num_heads * target.head_size
-    query = qkv[:, :q_size]
+    if target.query_weight is not None:  # only the query rows of the projection
+        query = torch.nn.functional.linear(hidden, target.query_weight, target.query_bias)
+    else:
+        qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
+        query = qkv[:, :q_size]
     if target.rotary_emb is not None:
-        kv_size = target.num_kv_heads * target.head_size
-        key = qkv[:, q_size : q_size + kv_size]
-        query, _ = target.rotary_emb(positions, query.contiguous(), key.contiguous())
+        query, _ = target.rotary_emb(positions, query.contiguous(), None)
     group = target.num_heads // target.num_kv_heads
     # query: [S, H_kv, G, D] x skew [H_kv, D, R] -> [S, H_kv, G, R]
     query = query.float().view(-1, target.num_kv_heads, group, target.head_size)

@@ -10,6 +10,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_infinigen.config import infinigen_config_of
 from vllm_infinigen.pool import pool_rows
+from vllm_infinigen.query_weights import capture_query_weights
 from vllm_infinigen.install import install
 from vllm_infinigen.runtime import InfiniGenRuntime
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
@@ -28,8 +29,14 @@ def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tens
     return skew[rank * total // world_size][None]
 
 
-def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device) -> InfiniGenRuntime:
-    """Loads the skew file named in the config and installs InfiniGen on ``model``."""
+def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
+                  query_weights: dict[int, tuple] | None = None) -> InfiniGenRuntime:
+    """Loads the skew file named in the config and installs InfiniGen on ``model``.
+
+    Args:
+        query_weights: {layer_idx: (W_q, b_q)} of the sparse layers, from
+            ``capture_query_weights`` (None: speculate with the whole qkv_proj).
+    """
     config = infinigen_config_of(vllm_config.additional_config)
     model_config = vllm_config.model_config
     hf_config = model_config.hf_text_config
@@ -45,7 +52,8 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device) -> 
     rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
     uses_rope = any(hasattr(m, "rotary_emb") for m in model.modules())
-    runtime = install(model, vllm_config, config, skew, config.resolved_alpha(uses_rope), device)
+    runtime = install(model, vllm_config, config, skew, config.resolved_alpha(uses_rope), device,
+                      query_weights)
     runtime.total_kv_heads = num_kv_heads
     return runtime
 
@@ -54,9 +62,11 @@ class InfiniGenCPUWorker(CPUWorker):
     """CPUWorker whose attention layers run InfiniGen's selection."""
 
     def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
+        config = infinigen_config_of(self.vllm_config.additional_config)
+        with capture_query_weights(config.dense_layers) as query_weights:
+            super().load_model(*args, **kwargs)
         self.infinigen_runtime = build_runtime(
-            self.model_runner.model, self.vllm_config, torch.device("cpu")
+            self.model_runner.model, self.vllm_config, torch.device("cpu"), query_weights
         )
         # The input batch's rows are the attention metadata's rows in a step.
         input_batch = lambda: self.model_runner.input_batch  # noqa: E731 (rebuilt by vLLM)

@@ -19,6 +19,19 @@ Patch index
     Related upstream work: none (plugins cannot extend EngineArgs in 0.32).
     Future plan: drop when vLLM lets general plugins register engine args.
 
+``vllm_infinigen/query_weights.py`` (scoped to the InfiniGen worker's ``load_model``)
+    File: ``vllm/model_executor/layers/utils.py``
+    (``dispatch_cpu_unquantized_gemm``).
+    Why: speculation needs the next layer's query projection alone, but on
+    CPU vLLM prepacks ``qkv_proj`` and drops its weight after loading.
+    How: while the InfiniGen worker loads the model, the function is wrapped
+    to copy the query rows (and bias) of each sparse layer's ``qkv_proj``
+    before calling ``_original``; it is restored when loading ends. Stock
+    engines and other workers never see it.
+    Related upstream work: none.
+    Future plan: read the query rows from the prepacked weight if vLLM
+    exposes it, or keep the slice only where memory is plentiful.
+
 ``patch_ray.py`` (with ``vllm_infinigen/ray_cpu.py``)
     File: ``vllm/platforms/cpu.py`` (``CpuPlatform.ray_device_key``),
     ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``),

@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side: the query slice of each sparse layer's ``qkv_proj``, kept for speculation.
+
+Layer i speculates with layer i+1's query projection; only its query rows are
+needed (the key and value rows are 2/3 of an MHA layer's projection). On CPU
+vLLM prepacks every linear weight after loading and drops ``weight``
+(``model_executor/layers/utils.py``: ``dispatch_cpu_unquantized_gemm``), so
+the slice is copied while the model loads: ``capture_query_weights`` wraps
+that function for the duration of the InfiniGen worker's ``load_model`` only
+(listed in the patch index of ``vllm_infinigen/patch``), after vLLM has
+loaded, sharded (tensor parallel) and cast the weight, so the copy is exactly
+what the model's own projection multiplies by. Cost: one copy of W_q (and its
+bias) per sparse layer in host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from vllm.model_executor.models.utils import extract_layer_index
+
+
+@contextlib.contextmanager
+def capture_query_weights(first_layer: int) -> Iterator[dict[int, tuple]]:
+    """Yields {layer_idx: (query weight [q_size, hidden], bias [q_size] or None)}.
+
+    Filled while the model loads, for the ``qkv_proj`` of layers >= ``first_layer``.
+    """
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    captured: dict[int, tuple] = {}
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if isinstance(layer, QKVParallelLinear) and layer.weight.ndim == 2 \
+                and not layer.weight.is_meta:
+            idx = extract_layer_index(layer.prefix)
+            if idx >= first_layer:
+                q_size = layer.num_heads * layer.head_size  # this rank's query rows
+                bias = getattr(layer, "bias", None)
+                captured[idx] = (layer.weight.detach()[:q_size].clone(),
+                                 None if bias is None else bias.detach()[:q_size].clone())
+        return original(layer, remove_weight)
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+    try:
+        yield captured
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = original
