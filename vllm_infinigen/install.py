@@ -78,9 +78,9 @@ def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
 
     Args:
         skew: Per layer [H_kv of this rank, D, R] skew slices.
-        query_weights: {layer_idx: (W_q [q_size, hidden], b_q or None)} of
-            the sparse layers (``query_weights.py``); a layer without one
-            speculates through its whole ``qkv_proj``.
+        query_weights: {layer_idx: query projection} of the sparse layers
+            (``query_weights.py``); a layer without one speculates through
+            its whole ``qkv_proj``.
     """
     from vllm.model_executor.layers.attention import Attention
 
@@ -100,7 +100,7 @@ def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
                            sparse=idx >= config.dense_layers)
         state.skew = skew[idx].to(device=device, dtype=torch.float32).contiguous()
         if state.sparse and query_weights and idx in query_weights:
-            state.query_weight, state.query_bias = query_weights[idx]
+            state.query_proj = query_weights[idx]
         layers.append(state)
     runtime = InfiniGenRuntime(config, alpha, layers, device)
     runtime.reference_layer = by_index[0][1]  # layer 0 is always dense
@@ -128,7 +128,7 @@ def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
         "partial rank %d of %d, dense below %d context tokens; speculation through %s",
         len(layers), [s.layer_idx for s in layers if not s.sparse], sparse,
         alpha, config.budget, skew[0].shape[-1], layers[0].head_size, config.min_context,
-        "the query slice of qkv_proj" if all(s.query_weight is not None for s in layers
+        "the query slice of qkv_proj" if all(s.query_proj is not None for s in layers
                                              if s.sparse) else "the whole qkv_proj",
     )
     return runtime

@@ -42,9 +42,8 @@ class LayerState:
         self.qkv_proj = getattr(self_attn, "qkv_proj", None)
         self.rotary_emb = getattr(self_attn, "rotary_emb", None)
         self.skew: torch.Tensor | None = None  # [H_kv, D, R] float32
-        # Query rows of qkv_proj (``query_weights.py``): [H_q * D, hidden], [H_q * D].
-        self.query_weight: torch.Tensor | None = None
-        self.query_bias: torch.Tensor | None = None
+        # The query rows of qkv_proj, prepacked (``query_weights.py``).
+        self.query_proj: torch.nn.Module | None = None
         self.next: LayerState | None = None  # the sparse layer it speculates for
         self.captured_input: torch.Tensor | None = None  # [T, hidden]
         # [S, H_kv, K] int32 positions selected for this layer's sparse rows (-1: none).

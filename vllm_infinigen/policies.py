@@ -27,8 +27,9 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
     """[S, H_kv, G, R] skewed partial query of ``target`` from attention inputs [S, hidden]."""
     q_size = target.num_heads * target.head_size
-    if target.query_weight is not None:  # only the query rows of the projection
-        query = torch.nn.functional.linear(hidden, target.query_weight, target.query_bias)
+    projection = target.query_proj
+    if projection is not None:  # only the query rows, prepacked as vLLM's own
+        query = projection.cpu_linear(hidden, projection.weight, projection.bias)
     else:
         qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
         query = qkv[:, :q_size]

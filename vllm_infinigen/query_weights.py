@@ -9,8 +9,10 @@ the slice is copied while the model loads: ``capture_query_weights`` wraps
 that function for the duration of the InfiniGen worker's ``load_model`` only
 (listed in the patch index of ``vllm_infinigen/patch``), after vLLM has
 loaded, sharded (tensor parallel) and cast the weight, so the copy is exactly
-what the model's own projection multiplies by. Cost: one copy of W_q (and its
-bias) per sparse layer in host memory.
+what the model's own projection multiplies by; the copy then goes through the
+same dispatch, so it is prepacked like the model's projections (an unpacked
+``F.linear`` measured slower than the whole prepacked qkv_proj). Cost: one
+copy of W_q (and its bias) per sparse layer in host memory.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 @contextlib.contextmanager
 def capture_query_weights(first_layer: int) -> Iterator[dict[int, tuple]]:
-    """Yields {layer_idx: (query weight [q_size, hidden], bias [q_size] or None)}.
+    """Yields {layer_idx: module} whose ``cpu_linear(x, weight, bias)`` is x W_q^T + b_q.
 
     Filled while the model loads, for the ``qkv_proj`` of layers >= ``first_layer``.
     """
@@ -40,9 +42,14 @@ def capture_query_weights(first_layer: int) -> Iterator[dict[int, tuple]]:
             idx = extract_layer_index(layer.prefix)
             if idx >= first_layer:
                 q_size = layer.num_heads * layer.head_size  # this rank's query rows
+                query = torch.nn.Module()
+                query.weight = torch.nn.Parameter(layer.weight.detach()[:q_size].clone(),
+                                                  requires_grad=False)
                 bias = getattr(layer, "bias", None)
-                captured[idx] = (layer.weight.detach()[:q_size].clone(),
-                                 None if bias is None else bias.detach()[:q_size].clone())
+                query.bias = None if bias is None else torch.nn.Parameter(
+                    bias.detach()[:q_size].clone(), requires_grad=False)
+                original(query, True)  # vLLM's own CPU GEMM choice and prepacking
+                captured[idx] = query
         return original(layer, remove_weight)
 
     utils.dispatch_cpu_unquantized_gemm = dispatch

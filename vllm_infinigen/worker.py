@@ -34,7 +34,7 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
     """Loads the skew file named in the config and installs InfiniGen on ``model``.
 
     Args:
-        query_weights: {layer_idx: (W_q, b_q)} of the sparse layers, from
+        query_weights: {layer_idx: query projection} of the sparse layers, from
             ``capture_query_weights`` (None: speculate with the whole qkv_proj).
     """
     config = infinigen_config_of(vllm_config.additional_config)
