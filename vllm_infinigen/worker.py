@@ -12,6 +12,7 @@ from vllm_infinigen.config import infinigen_config_of
 from vllm_infinigen.pool import pool_rows
 from vllm_infinigen.query_weights import capture_query_weights
 from vllm_infinigen.install import install
+from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.runtime import InfiniGenRuntime
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
 from vllm_infinigen.spec import kv_cache_group_size
@@ -60,6 +61,10 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
 
 class InfiniGenCPUWorker(CPUWorker):
     """CPUWorker whose attention layers run InfiniGen's selection."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        patch_seeded_sampling.apply(self.model_runner)
 
     def load_model(self, *args, **kwargs) -> None:
         config = infinigen_config_of(self.vllm_config.additional_config)

@@ -8,9 +8,6 @@ Scenarios:
     speculate   generate() while ``tests.e2e.fault_inject`` makes the
                 speculation raise (set ``INFINIGEN_TEST_FAULT_AT`` and
                 ``PYTHONPATH`` with ``fault_inject.fault_env``).
-    seeded-chunked-prefill
-                generate() with a seeded sampled request whose prompt is
-                longer than a step (its prefill is split).
 
 ``--in-process`` keeps the engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the uni-process executor); otherwise
@@ -32,12 +29,9 @@ def run(scenario: str, model: str) -> dict:
 
     from tests.e2e.engines import engine, random_prompts
 
-    if scenario == "speculate":
-        prompts = random_prompts([40, 120, 300, 64], seed=3)
-        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    else:
-        prompts = random_prompts([300], seed=4)  # > max_num_batched_tokens (128)
-        params = SamplingParams(temperature=0.8, seed=1234, max_tokens=16, ignore_eos=True)
+    assert scenario == "speculate"
+    prompts = random_prompts([40, 120, 300, 64], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     report: dict = {"error_type": None, "error": None, "outputs": None}
     with engine(model, kv_manager="infinigen", infinigen_budget=0.2) as llm:
         start = time.monotonic()
@@ -53,7 +47,7 @@ def run(scenario: str, model: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["speculate", "seeded-chunked-prefill"])
+    parser.add_argument("scenario", choices=["speculate"])
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--in-process", action="store_true")

@@ -20,6 +20,10 @@ ENGINE_DEFAULTS = dict(
     disable_log_stats=False,
 )
 
+# InfiniGen selecting every token (alpha 1e4 keeps every score in reach of the
+# best; budget 1.0 caps nothing): its outputs must equal stock vLLM's.
+SELECT_ALL = dict(kv_manager="infinigen", infinigen_budget=1.0, infinigen_alpha=1e4)
+
 
 def with_selection_everywhere(kwargs: dict) -> dict:
     """InfiniGen engines of the suite select at every context length.

@@ -13,105 +13,24 @@ request, no pool bytes, no device blocks.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
-from dataclasses import dataclass, field
 
 import pytest
 import requests
 
+from tests.e2e.burst import IDLE_GAUGES, SENTENCE, make_jobs, run_burst
 from tests.e2e.servers import SERVED_NAME, metric_total, metrics, start_server, stop_server
 
 pytestmark = pytest.mark.slow
-NUM_JOBS = 28
 MAX_STEP_TOKENS = 16384  # > the burst's prompt tokens (<= 40 sequences x 301)
-IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-               "vllm:infinigen_pool_used_bytes", "vllm:infinigen_device_blocks")
-SENTENCE = "Once upon a time, there was a little girl named Lily. She liked to play. "
-
-
-@dataclass(frozen=True)
-class Job:
-    prompt: str | list[int]
-    max_tokens: int
-    stream: bool
-    n: int = 1
-    seed: int | None = None  # sampled (temperature 0.8) when set, else greedy
-    cancel_after: int | None = None  # chunks read before the client hangs up
-
-
-@dataclass
-class Outcome:
-    tokens: dict[int, list[int]] = field(default_factory=dict)  # choice index -> ids
-    completion_tokens: int | None = None  # from usage
-    cancelled: bool = False
-
-
-def make_jobs(seed: int = 7) -> list[Job]:
-    """A fixed mix: 16 greedy, 8 sampled with n = 2 or 3, 4 cancelled streams."""
-    rng = random.Random(seed)
-    jobs = []
-    for idx in range(NUM_JOBS):
-        if idx % 2:
-            prompt: str | list[int] = SENTENCE * rng.randint(1, 8)
-        else:
-            prompt = [1] + [rng.randrange(3, 500) for _ in range(rng.randint(3, 300))]
-        kind = idx % 7
-        max_tokens = rng.randint(8, 48)
-        if kind <= 3:
-            jobs.append(Job(prompt, max_tokens, stream=kind >= 2))
-        elif kind <= 5:
-            jobs.append(Job(prompt, max_tokens, stream=kind == 5, n=kind - 2,
-                            seed=1000 + idx))
-        else:
-            jobs.append(Job(prompt, 150, stream=True, cancel_after=rng.randint(1, 4)))
-    return jobs
-
-
-async def run_job(client, job: Job) -> Outcome:
-    kwargs = dict(model=SERVED_NAME, prompt=job.prompt, max_tokens=job.max_tokens, n=job.n,
-                  temperature=0.0 if job.seed is None else 0.8,
-                  extra_body={"ignore_eos": True, "return_token_ids": True})
-    if job.seed is not None:
-        kwargs["seed"] = job.seed
-    if not job.stream:
-        out = await client.completions.create(**kwargs)
-        return Outcome({c.index: list(c.token_ids) for c in out.choices},
-                       out.usage.completion_tokens)
-    outcome = Outcome()
-    stream = await client.completions.create(stream=True,
-                                             stream_options={"include_usage": True},
-                                             **kwargs)
-    chunks = 0
-    async for chunk in stream:
-        for choice in chunk.choices:
-            outcome.tokens.setdefault(choice.index, []).extend(choice.token_ids or [])
-        if chunk.usage is not None:
-            outcome.completion_tokens = chunk.usage.completion_tokens
-        chunks += 1
-        if job.cancel_after is not None and chunks >= job.cancel_after:
-            await stream.close()  # closes the connection: the server aborts
-            outcome.cancelled = True
-            break
-    return outcome
-
-
-async def run_burst(base_url: str, jobs: list[Job], concurrent: bool) -> list[Outcome]:
-    from openai import AsyncOpenAI
-
-    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=120,
-                           max_retries=0) as client:
-        if concurrent:
-            return list(await asyncio.gather(*(run_job(client, job) for job in jobs)))
-        return [await run_job(client, job) for job in jobs]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "serve.log"
-    # A step holds every prompt of the burst: no prefill is split. vLLM 0.32's
-    # CPU runner cannot rewind a seeded request's generator after a partial
-    # prefill and its engine dies (test_faults.py pins that down).
+    # A step holds every prompt of the burst: no prefill is split and nothing
+    # is preempted, so outputs can be compared across runs (test_pressure.py
+    # has the server short of everything).
     server = start_server(log, "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
                           "--max-num-batched-tokens", str(MAX_STEP_TOKENS))
     yield server

@@ -32,6 +32,23 @@ Patch index
     Future plan: read the query rows from the prepacked weight if vLLM
     exposes it, or keep the slice only where memory is plentiful.
 
+``patch_seeded_sampling.py`` (applied by the InfiniGen worker's ``init_device``)
+    File: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner._sample``,
+    ``GPUModelRunner._bookkeeping_sync``, inherited by ``CPUModelRunner``).
+    Why: after a non-final prefill chunk of a seeded request, vLLM 0.32
+    rewinds the request's generator with ``Generator.set_offset``, which CPU
+    generators do not have (``RuntimeError: CPU Generator does not use
+    offset``): one seeded request with a split prefill kills the engine and
+    every request in flight. Stock vLLM on the CPU build crashes the same way.
+    How: on the CPU platform only, the worker's own model runner instance gets
+    wrappers: ``_sample`` saves and restores the generator state of each
+    request whose token the step discards, and ``_bookkeeping_sync`` runs with
+    those generators out of ``input_batch.generators`` so the offset rewind
+    skips them; both call the original methods. Other platforms, other
+    workers and stock engines are untouched.
+    Related upstream work: none found for CPU generators in 0.32.
+    Future plan: drop when vLLM rewinds CPU generators by state.
+
 ``patch_ray.py`` (with ``vllm_infinigen/ray_cpu.py``)
     File: ``vllm/platforms/cpu.py`` (``CpuPlatform.ray_device_key``),
     ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``),

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm serve --kv-manager infinigen` short of everything at once.
+
+The burst of ``test_load.py`` (greedy and seeded n > 1 sampling, streams and
+not, token-id and text prompts, client cancellations) against a server whose
+KV space holds about two of its requests (vLLM preempts), whose capped pool
+holds 512 tokens per sparse layer and KV head (every sparse layer evicts),
+and whose steps take 64 tokens (most prefills, seeded ones included, are
+split). Every request must complete or be cancelled, and the server must be
+idle and hold nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import requests
+
+from tests.e2e.burst import IDLE_GAUGES, SENTENCE, make_jobs, run_burst
+from tests.e2e.servers import SERVED_NAME, metric_total, metrics, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+# stories260K: 3 sparse layers x 4 KV heads x K+V of 32 float32 = 3,072 B a token.
+POOL_TOKENS = 512
+POOL_GIB = POOL_TOKENS * 3 * 4 * 2 * 32 * 4 / 2**30
+KV_SPACE = 3 << 20  # dense layers + partial keys: ~1,100 tokens
+STEP_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("pressure") / "serve.log"
+    server = start_server(log, "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
+                          "--infinigen-cpu-pool-gib", f"{POOL_GIB:.9f}",
+                          "--kv-cache-memory-bytes", str(KV_SPACE),
+                          "--max-num-batched-tokens", str(STEP_TOKENS))
+    yield server
+    assert stop_server(server) is not None, "vllm serve did not stop on SIGINT"
+
+
+@pytest.fixture(scope="module")
+def run(server) -> dict:
+    jobs = make_jobs()
+    outcomes = asyncio.run(asyncio.wait_for(run_burst(server.base_url, jobs, True), 600))
+    deadline = time.monotonic() + 15
+    while True:
+        text = metrics(server.base_url)
+        if (all(metric_total(text, name) == 0 for name in IDLE_GAUGES)
+                or time.monotonic() > deadline):
+            break
+        time.sleep(0.5)
+    return {"jobs": jobs, "outcomes": outcomes, "metrics": text}
+
+
+def test_the_burst_preempts_evicts_and_splits_seeded_prefills(run):
+    text = run["metrics"]
+    assert metric_total(text, "vllm:num_preemptions_total") > 0
+    assert metric_total(text, "vllm:infinigen_evictions_total") > 0
+    assert any(job.seed is not None and isinstance(job.prompt, list)
+               and len(job.prompt) > STEP_TOKENS for job in run["jobs"])
+
+
+def test_every_request_completes_or_is_cancelled(run):
+    for job, outcome in zip(run["jobs"], run["outcomes"]):
+        if job.cancel_after is not None:
+            assert outcome.cancelled and len(outcome.tokens[0]) < job.max_tokens
+            continue
+        assert sorted(outcome.tokens) == list(range(job.n))
+        assert [len(ids) for ids in outcome.tokens.values()] == [job.max_tokens] * job.n
+        assert outcome.completion_tokens == job.max_tokens * job.n
+
+
+def test_server_is_idle_holds_nothing_and_still_serves(run, server):
+    text = run["metrics"]
+    assert {name: metric_total(text, name) for name in IDLE_GAUGES} == dict.fromkeys(
+        IDLE_GAUGES, 0.0)
+    assert requests.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model=SERVED_NAME, prompt=SENTENCE, max_tokens=8,
+                                    temperature=0.8, seed=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
