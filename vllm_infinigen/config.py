@@ -65,10 +65,10 @@ class InfiniGenConfig:
             (read from the pool; CPU, where host and device memory are one),
             ``copy`` (staged through double buffers by a copy worker, as on a
             GPU), or ``auto`` (in place on CPU, copy elsewhere).
-        cpu_pool_gib: Cap on the host pool of the sparse layers' K/V, in GiB
-            (``None``: a row for every token the dense layers' blocks hold, so
-            nothing is ever evicted). When full, each (layer, KV head) evicts
-            by ``eviction``.
+        cpu_pool_gib: Cap on the host pool of the sparse layers' K/V, in GiB,
+            beside the KV space (``None``: sized by the worker within the
+            memory grant, ``memory.py``). When full, each (layer, KV head)
+            evicts by ``eviction``.
         eviction: ``counter`` (the least often selected of the oldest half;
             the paper's best), ``lru`` or ``fifo``; see ``pool.py``.
         policy: ``infinigen``, or a baseline at the same budget on the same

@@ -29,6 +29,9 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._runtime: InfiniGenRuntime | None = None
         self._pool_bytes_per_token = pool_bytes_per_token(vllm_config)
+        # Set once a worker reports a capped pool's capacity: the workers size
+        # the pool (memory.plan_memory), the scheduler cannot tell on its own.
+        self._workers_report_pool = False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -68,12 +71,20 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     # Scheduler-side methods
     # ==============================
 
+    def update_connector_output(self, connector_output) -> None:
+        super().update_connector_output(connector_output)
+        stats = connector_output.kv_connector_stats
+        if stats is not None and any(key.startswith("pool_capacity_bytes.")
+                                     for key in stats.data):
+            self._workers_report_pool = True
+
     def _scheduler_gauges(self) -> InfiniGenStats | None:
         """Pool and device usage, from vLLM's block pool.
 
         Uncapped, the pool's rows are the slots of the dense layers' blocks, so
         both are the blocks in use, at block granularity. Capped, the workers
-        report the pool's use (each layer and head evicts on its own).
+        report the pool's use and capacity (each layer and head evicts on its
+        own).
         """
         manager = self._kv_cache_manager
         if manager is None:
@@ -86,11 +97,9 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         used = sum(sum(not block.is_null for block in blocks)
                    for blocks in dense.req_to_blocks.values())
         num_slots = block_pool.num_gpu_blocks * block_size
-        rows = pool_rows(self._vllm_config, num_slots)
         gauges = {"device_blocks": used}
-        if rows < num_slots:
-            gauges["pool_capacity_bytes"] = rows * self._pool_bytes_per_token
-        else:
+        capped = self._workers_report_pool or pool_rows(self._vllm_config, num_slots) < num_slots
+        if not capped:
             block_bytes = block_size * self._pool_bytes_per_token
             gauges["pool_used_bytes"] = used * block_bytes
             gauges["pool_capacity_bytes"] = (block_pool.num_gpu_blocks - 1) * block_bytes

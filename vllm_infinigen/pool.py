@@ -148,6 +148,7 @@ class CappedPoolIndex:
         self.policy = policy
         self.num_rows = num_rows
         self.num_slots = num_slots
+        self.num_layers = num_layers
         self.num_heads = num_heads
         self.block_size = block_size
         self.num_blocks = num_slots // block_size

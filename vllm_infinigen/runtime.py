@@ -74,12 +74,13 @@ class InfiniGenRuntime:
         return index.row_map[state.pool_layer] if index.capped else None
 
     def allocate_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      num_rows: int) -> None:
+                      num_rows: int, sized_by: str = "") -> None:
         """Allocates every sparse layer's pool and partial keys.
 
         Args:
             num_blocks: Blocks of the dense group (its block ids address the pool).
             num_rows: Tokens the pool holds per layer and head (``pool_rows``).
+            sized_by: The setting that sized the pool, for the log line.
         """
         import psutil
 
@@ -111,13 +112,14 @@ class InfiniGenRuntime:
         for state in sparse:
             state.ensure_policy_state(self.config.policy)
         logger.info(
-            "InfiniGen: pool of %d tokens x %d sparse layers (%s): %.3f GiB host "
-            "memory; partial keys for %d tokens: %.3f GiB device memory; transfer %s; "
-            "CPU kernels for %s",
-            num_rows, len(sparse),
-            f"capped, {self.config.eviction} eviction" if capped else "a row per dense slot",
-            pool_bytes / 2**30, num_slots,
-            num_slots * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
+            "InfiniGen: pool of %d tokens per sparse layer and KV head (%d layers x %d "
+            "KV heads), %s: %.3f GiB host memory, sized by %s; partial keys for %d "
+            "tokens: %.3f GiB device memory; transfer %s; CPU kernels for %s",
+            num_rows, len(sparse), sparse[0].num_kv_heads,
+            f"capped below the dense group's {num_slots} slots, {self.config.eviction} "
+            f"eviction" if capped else "a row per dense slot (uncapped)",
+            pool_bytes / 2**30, sized_by or "the dense group's slots",
+            num_slots, num_slots * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
             self.transfer.name, kernels.load(),
         )
 
@@ -181,6 +183,8 @@ class InfiniGenRuntime:
                     out[f"evictions.{state.layer_idx}"] = evictions[state.pool_layer]
             # A gauge per rank (summed over ranks by InfiniGenStats.reduce).
             out[f"pool_used_bytes.{self.rank}"] = int(index.occupied().sum()) * self.pool_entry_bytes
+            out[f"pool_capacity_bytes.{self.rank}"] = (
+                index.num_rows * index.num_heads * index.num_layers * self.pool_entry_bytes)
         return out
 
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:

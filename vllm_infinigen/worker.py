@@ -12,6 +12,7 @@ from vllm_infinigen.config import infinigen_config_of
 from vllm_infinigen.pool import pool_rows
 from vllm_infinigen.query_weights import capture_query_weights
 from vllm_infinigen.install import install
+from vllm_infinigen.memory import BlockCosts, plan_memory, rows_within
 from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.runtime import InfiniGenRuntime
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
@@ -87,12 +88,16 @@ class InfiniGenCPUWorker(CPUWorker):
         self.infinigen_runtime.update_selection(**changes)
 
     def determine_available_memory(self) -> int:
-        """vLLM's KV space, less the partial keys that InfiniGen keeps beside it.
+        """vLLM's KV space, less the partial keys that InfiniGen keeps beside
+        it and, unless ``--infinigen-cpu-pool-gib`` is set, the pool's share
+        of the same grant (``memory.plan_memory``).
 
         The partial keys of every sparse layer cover every token of the dense
         group; per block id vLLM stores one page per layer of a group
         (``group_size`` pages, see ``kv_cache_group_size``).
         """
+        import psutil
+
         available = super().determine_available_memory()
         runtime = self.infinigen_runtime
         sparse = [s for s in runtime.layers if s.sparse]
@@ -100,17 +105,53 @@ class InfiniGenCPUWorker(CPUWorker):
             return available
         dtype = self.model_config.dtype
         block_size = self.cache_config.block_size
-        num_dense = len(runtime.layers) - len(sparse)
-        group_size = kv_cache_group_size(num_dense, len(sparse))
-        page = block_size * sparse[0].pool_bytes_per_token(dtype)
-        partial = block_size * sum(s.partial_bytes_per_token(dtype) for s in sparse)
-        kv_space = available * (group_size * page) // (group_size * page + partial)
+        group_size = kv_cache_group_size(len(runtime.layers) - len(sparse), len(sparse))
+        pool = block_size * sum(s.pool_bytes_per_token(dtype) for s in sparse)
+        costs = BlockCosts(
+            pages=group_size * block_size * sparse[0].pool_bytes_per_token(dtype),
+            partial=block_size * sum(s.partial_bytes_per_token(dtype) for s in sparse),
+            pool=pool)
+        config = infinigen_config_of(self.vllm_config.additional_config)
+        plan = plan_memory(
+            available, costs, explicit_kv=self.cache_config.kv_cache_memory_bytes is not None,
+            explicit_pool=config.cpu_pool_gib is not None,
+            requested=self.requested_cpu_memory,
+            resident=psutil.Process().memory_info().rss,
+            free=psutil.virtual_memory().available,
+            fraction=self.cache_config.gpu_memory_utilization)
+        self._memory_plan = plan
         logger.info(
             "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per "
-            "block id) + %.3f GiB partial keys",
-            available / 2**30, kv_space / 2**30, group_size, (available - kv_space) / 2**30,
+            "block id) + %.3f GiB partial keys%s",
+            available / 2**30, plan.kv_space / 2**30, group_size, plan.partial / 2**30,
+            "" if plan.pool_budget is None else
+            f"; up to {plan.pool_budget / 2**30:.3f} GiB for the pool ({plan.source})",
         )
-        return int(kv_space)
+        return int(plan.kv_space)
+
+    def _pool_rows(self, num_slots: int) -> tuple[int, str]:
+        """Tokens per (sparse layer, KV head) of the pool, and how they were sized.
+
+        Raises:
+            ValueError: When the pool could not hold one step's tokens, naming
+                the flags that change it.
+        """
+        plan = getattr(self, "_memory_plan", None)
+        if plan is None or plan.pool_budget is None:
+            return pool_rows(self.vllm_config, num_slots), "--infinigen-cpu-pool-gib"
+        dtype = self.model_config.dtype
+        per_token = sum(s.pool_bytes_per_token(dtype) for s in self.infinigen_runtime.layers
+                        if s.sparse)
+        rows = rows_within(plan.pool_budget, per_token, num_slots)
+        step_tokens = self.scheduler_config.max_num_batched_tokens
+        if rows < min(step_tokens, num_slots):
+            raise ValueError(
+                f"InfiniGen's pool gets {plan.pool_budget / 2**30:.3f} GiB from "
+                f"{plan.source}: {rows} tokens, fewer than one step writes ({step_tokens}, "
+                "--max-num-batched-tokens). Raise --gpu-memory-utilization, lower "
+                "--kv-cache-memory-bytes, or size the pool with --infinigen-cpu-pool-gib"
+            )
+        return rows, plan.source
 
     def initialize_from_config(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_from_config(kv_cache_config, *args, **kwargs)
@@ -119,7 +160,7 @@ class InfiniGenCPUWorker(CPUWorker):
         num_slots = kv_cache_config.num_blocks * block_size
         runtime.allocate_pool(
             kv_cache_config.num_blocks, block_size, self.model_config.dtype,
-            num_rows=pool_rows(self.vllm_config, num_slots),
+            *self._pool_rows(num_slots),
         )
         runtime.rank = get_tensor_model_parallel_rank()
         self._dense_group = next(

@@ -121,9 +121,10 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "recent_tokens": f"Last context tokens always attended (default {defaults.recent_tokens}).",
         "transfer": "How selected KV reaches the attention: in-place (CPU: read "
         "from the pool), copy (staged by a copy worker), auto (default).",
-        "cpu_pool_gib": "Cap on the host pool of the sparse layers' K/V in GiB "
-        "(default: no cap, room for every token the dense blocks hold); when "
-        "full, each layer and KV head evicts by --infinigen-eviction.",
+        "cpu_pool_gib": "Size of the host pool of the sparse layers' K/V in GiB, "
+        "beside the KV space (default: sized within the memory grant with the KV "
+        "space, uncapped when --gpu-memory-utilization sizes both); when full, "
+        "each layer and KV head evicts by --infinigen-eviction.",
         "eviction": f"Pool eviction policy when capped: {', '.join(EVICTION_POLICIES)} "
         f"(default {defaults.eviction}: the least often selected of the oldest half).",
         "policy": "Selection policy: infinigen (default), or a baseline at the same "
