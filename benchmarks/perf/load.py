@@ -8,9 +8,11 @@ Without ``--url`` it starts ``vllm serve MODEL --kv-manager K`` itself (the
 bundled stories260K by default, the tests' flags) and stops it with SIGINT at
 the end. At most ``--concurrency`` requests are in flight; the mix is seeded:
 token-id and text prompts, streaming and non-streaming, greedy and sampled
-(n = 1..3), ``ignore_eos``, and a fraction of streams the client hangs up on
-after a few chunks. Sampled requests carry no ``seed``: vLLM 0.32's CPU runner
-dies on a seeded request whose prefill is split (see tests/e2e/test_faults.py).
+(n = 1..3, half of them with a ``seed``), ``ignore_eos``, a fraction of
+streams the client hangs up on after a few chunks, and (``--bad-fraction``)
+requests the server must refuse with HTTP 400: malformed (negative
+``max_tokens``, negative temperature, empty prompt) or out of range (a prompt
+longer than the model's context, a token id beyond the vocabulary).
 
 Reports completed requests/s and output tokens/s (tokens delivered, cancelled
 streams included) over the wall time, latency percentiles, errors,
@@ -59,11 +61,23 @@ class Request:
     n: int
     sampled: bool
     cancel_after: int | None  # chunks read before the client hangs up
+    seed: int | None = None
+    bad: str | None = None  # what makes the server refuse it (HTTP 400)
+
+
+# Requests the server must refuse: overrides of the request's fields.
+BAD_REQUESTS = {
+    "negative max_tokens": {"max_tokens": -1},
+    "negative temperature": {"temperature": -1.0},
+    "empty prompt": {"prompt": []},
+    "prompt beyond the context": {"prompt": [1] + [7] * 4096},
+    "token id beyond the vocabulary": {"prompt": [1, 10**7, 5]},
+}
 
 
 @dataclass
 class Result:
-    ended: str  # completed | cancelled | error
+    ended: str  # completed | cancelled | rejected (HTTP 400 to a bad request) | error
     seconds: float
     tokens: int = 0  # delivered to the client, all choices
     wrong_length: bool = False
@@ -79,10 +93,10 @@ class Tally:
     def line(self, total: int) -> str:
         elapsed = time.monotonic() - self.start
         count = {kind: sum(r.ended == kind for r in self.results)
-                 for kind in ("completed", "cancelled", "error")}
+                 for kind in ("completed", "cancelled", "rejected", "error")}
         return (f"[{len(self.results):5d}/{total}] {elapsed:7.1f} s  "
                 f"{count['completed'] / elapsed:6.2f} req/s  cancelled {count['cancelled']}  "
-                f"errors {count['error']}")
+                f"rejected {count['rejected']}  errors {count['error']}")
 
 
 def make_requests(args) -> list[Request]:
@@ -96,6 +110,9 @@ def make_requests(args) -> list[Request]:
             prompt = [1] + [rng.randrange(3, 500) for _ in range(length - 1)]
         cancel = rng.random() < args.cancel_fraction
         sampled = not cancel and rng.random() < args.sampled_fraction
+        bad = None
+        if not cancel and rng.random() < getattr(args, "bad_fraction", 0.0):
+            bad = rng.choice(sorted(BAD_REQUESTS))
         out.append(Request(
             prompt=prompt,
             max_tokens=rng.randint(args.min_tokens, args.max_tokens),
@@ -103,15 +120,37 @@ def make_requests(args) -> list[Request]:
             n=rng.randint(1, 3) if sampled else 1,
             sampled=sampled,
             cancel_after=rng.randint(1, 4) if cancel else None,
+            seed=rng.randrange(1 << 30) if sampled and rng.random() < 0.5 else None,
+            bad=bad,
         ))
     return out
 
 
 async def send(client, request: Request) -> Result:
+    from openai import APIError, BadRequestError
+
     start = time.monotonic()
     kwargs = dict(model=SERVED_NAME, prompt=request.prompt, max_tokens=request.max_tokens,
                   n=request.n, temperature=0.8 if request.sampled else 0.0,
                   extra_body={"ignore_eos": True, "return_token_ids": True})
+    if request.seed is not None:
+        kwargs["seed"] = request.seed
+    if request.bad is not None:
+        kwargs.update(BAD_REQUESTS[request.bad])
+        try:
+            out = await client.completions.create(stream=request.stream, **kwargs)
+            if request.stream:  # some checks run once the stream has started
+                async for _ in out:
+                    pass
+        except BadRequestError as exc:
+            return Result("rejected", time.monotonic() - start, error=str(exc))
+        except APIError as exc:  # an error event in the stream
+            return Result("rejected", time.monotonic() - start, error=f"in stream: {exc}")
+        except Exception as exc:
+            return Result("error", time.monotonic() - start,
+                          error=f"{type(exc).__name__} to a bad request ({request.bad}): {exc}")
+        return Result("error", time.monotonic() - start,
+                      error=f"accepted a bad request ({request.bad})")
     try:
         if not request.stream:
             out = await client.completions.create(**kwargs)
@@ -195,6 +234,7 @@ def summarize(tally: Tally, wall: float) -> dict:
         "requests": len(results),
         "completed": len(done),
         "cancelled": sum(r.ended == "cancelled" for r in results),
+        "rejected": sum(r.ended == "rejected" for r in results),
         "errors": sum(r.ended == "error" for r in results),
         "error_types": errors,
         "first_errors": [r.error for r in results if r.ended == "error"][:5],
@@ -244,6 +284,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--cancel-fraction", type=float, default=0.1)
     parser.add_argument("--sampled-fraction", type=float, default=0.25)
+    parser.add_argument("--bad-fraction", type=float, default=0.0,
+                        help="requests the server must refuse with HTTP 400")
     parser.add_argument("--min-prompt", type=int, default=4)
     parser.add_argument("--max-prompt", type=int, default=300)
     parser.add_argument("--min-tokens", type=int, default=8)
