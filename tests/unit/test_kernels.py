@@ -377,3 +377,18 @@ def test_record_uses_equals_the_pools_own_bookkeeping():
         assert int(valid.sum()) > 0 and bool((rows < 0).any())  # some evicted
     assert torch.equal(pools[0].count, pools[1].count)
     assert torch.equal(pools[0].last_used, pools[1].last_used)
+
+
+def test_each_source_version_builds_in_its_own_directory(monkeypatch, tmp_path):
+    """Two installs or checkouts sharing the cache never rebuild over each other."""
+    for name in kernels.SOURCES + ("common.h",):
+        (tmp_path / name).write_text(f"// {name}\n")
+    monkeypatch.setattr(kernels, "CSRC", tmp_path)
+    key = kernels.build_key("AVX2")
+    assert kernels.build_key("AVX2") == key
+    assert kernels.build_key("DEFAULT") != key  # other flags
+    (tmp_path / "common.h").write_text("// changed\n")
+    assert kernels.build_key("AVX2") != key
+    changed = kernels.build_key("AVX2")
+    (tmp_path / "notes.txt").write_text("not a source")
+    assert kernels.build_key("AVX2") == changed

@@ -8,8 +8,9 @@ DEFAULT; ``ATEN_CPU_CAPABILITY`` overrides it), with ATen's portable vector
 types, so the same source serves every x86 machine; nothing is built with
 ``-march=native``. The build is cached in
 ``~/.cache/vllm_infinigen/kernels`` (``VLLM_INFINIGEN_CACHE``, or
-``VLLM_INFINIGEN_KERNELS_DIR`` for this directory alone) and reused
-until the sources or the flags change. ``make setup`` builds it ahead of time
+``VLLM_INFINIGEN_KERNELS_DIR`` for this directory alone), one directory per
+version of the sources, flags and torch (``build_key``), and reused until
+those change. ``make setup`` builds it ahead of time
 (``python -m vllm_infinigen.kernels``).
 
 The thin wrappers below document shapes; ``reference.py`` holds the
@@ -18,6 +19,7 @@ pure-torch definitions the unit tests hold the kernels to.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -76,6 +78,19 @@ def _check_toolchain() -> None:
         )
 
 
+def build_key(isa: str) -> str:
+    """Digest of what the build depends on: the C++ sources and headers, the
+    flags and torch's version. Each version gets its own build directory, so
+    that two installs (or checkouts) never rebuild over each other, and a
+    changed source is compiled with the log line saying so."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(ISA_FLAGS[isa]).encode() + torch.__version__.encode())
+    return digest.hexdigest()[:12]
+
+
 def load() -> str:
     """Builds (once per machine and source version) and loads the kernels.
 
@@ -90,7 +105,7 @@ def load() -> str:
             return _loaded
         isa = target_isa()
         name = f"vllm_infinigen_C_{isa.lower()}"
-        build_dir = cache_dir() / name
+        build_dir = cache_dir() / f"{name}-{build_key(isa)}"
         build_dir.mkdir(parents=True, exist_ok=True)
         fresh = not (build_dir / f"{name}.so").is_file()
         if fresh:
