@@ -392,3 +392,9 @@ def test_each_source_version_builds_in_its_own_directory(monkeypatch, tmp_path):
     changed = kernels.build_key("AVX2")
     (tmp_path / "notes.txt").write_text("not a source")
     assert kernels.build_key("AVX2") == changed
+    other = tmp_path / "checkout"  # the same sources elsewhere: ninja would rebuild them
+    other.mkdir()
+    for path in tmp_path.glob("*.*"):
+        (other / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(kernels, "CSRC", other)
+    assert kernels.build_key("AVX2") != changed

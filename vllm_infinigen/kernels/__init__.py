@@ -79,11 +79,12 @@ def _check_toolchain() -> None:
 
 
 def build_key(isa: str) -> str:
-    """Digest of what the build depends on: the C++ sources and headers, the
-    flags and torch's version. Each version gets its own build directory, so
-    that two installs (or checkouts) never rebuild over each other, and a
-    changed source is compiled with the log line saying so."""
-    digest = hashlib.sha256()
+    """Digest of what the build depends on: where the C++ sources are (the
+    build files name them by path), their contents, the flags and torch's
+    version. Each version gets its own build directory, so that two installs
+    (or checkouts) never rebuild over each other, and a changed source is
+    compiled with the log line saying so."""
+    digest = hashlib.sha256(str(CSRC).encode() + b"\0")
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
