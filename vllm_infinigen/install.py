@@ -73,7 +73,7 @@ class InfiniGenImplMixin:
 
 def install(model: torch.nn.Module, vllm_config, config: InfiniGenConfig,
             skew: list[torch.Tensor], alpha: float, device: torch.device,
-            query_weights: dict[int, tuple] | None = None) -> InfiniGenRuntime:
+            query_weights: dict[int, torch.nn.Module] | None = None) -> InfiniGenRuntime:
     """Wraps the attention layers of ``model`` and hooks the speculating layers.
 
     Args:

@@ -113,9 +113,6 @@ class IdentityPoolIndex:
     def release(self, slots: torch.Tensor) -> None:
         return None
 
-    def record_use(self, layer: int, rows: torch.Tensor, valid: torch.Tensor) -> None:
-        return None
-
 
 class CappedPoolIndex:
     """Per-(layer, head) maps from slot id to one of ``num_rows`` pool rows.

@@ -12,7 +12,7 @@ loaded, sharded (tensor parallel) and cast the weight, so the copy is exactly
 what the model's own projection multiplies by; the copy then goes through the
 same dispatch, so it is prepacked like the model's projections (an unpacked
 ``F.linear`` measured slower than the whole prepacked qkv_proj). Cost: one
-copy of W_q (and its bias) per sparse layer in host memory.
+prepacked copy of W_q (and its bias) per sparse layer in host memory.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 
 @contextlib.contextmanager
-def capture_query_weights(first_layer: int) -> Iterator[dict[int, tuple]]:
+def capture_query_weights(first_layer: int) -> Iterator[dict[int, torch.nn.Module]]:
     """Yields {layer_idx: module} whose ``cpu_linear(x, weight, bias)`` is x W_q^T + b_q.
 
     Filled while the model loads, for the ``qkv_proj`` of layers >= ``first_layer``.
@@ -33,7 +33,7 @@ def capture_query_weights(first_layer: int) -> Iterator[dict[int, tuple]]:
     from vllm.model_executor.layers import utils
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
-    captured: dict[int, tuple] = {}
+    captured: dict[int, torch.nn.Module] = {}
     original = utils.dispatch_cpu_unquantized_gemm
 
     def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:

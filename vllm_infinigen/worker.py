@@ -32,7 +32,7 @@ def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tens
 
 
 def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
-                  query_weights: dict[int, tuple] | None = None) -> InfiniGenRuntime:
+                  query_weights: dict[int, torch.nn.Module] | None = None) -> InfiniGenRuntime:
     """Loads the skew file named in the config and installs InfiniGen on ``model``.
 
     Args:
@@ -137,8 +137,8 @@ class InfiniGenCPUWorker(CPUWorker):
                 the flags that change it.
         """
         plan = getattr(self, "_memory_plan", None)
-        if plan is None or plan.pool_budget is None:
-            return pool_rows(self.vllm_config, num_slots), "--infinigen-cpu-pool-gib"
+        if plan is None or plan.pool_budget is None:  # the flag, or a row per slot
+            return pool_rows(self.vllm_config, num_slots), "" if plan is None else plan.source
         dtype = self.model_config.dtype
         per_token = sum(s.pool_bytes_per_token(dtype) for s in self.infinigen_runtime.layers
                         if s.sparse)
