@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_infinigen.layout import partial_rank
+
 FORMAT_VERSION = "1"
 SKEW_FLAG = "--infinigen-skew-file"
 CALIBRATION_TEXT = Path(__file__).parent / "assets" / "calibration.txt"
@@ -57,11 +59,6 @@ class SkewTables:
     @property
     def rank(self) -> int:
         return self.skew[0].shape[-1]
-
-
-def partial_rank(head_dim: int, partial_ratio: float) -> int:
-    """The paper's r * d, at least one channel."""
-    return max(1, int(head_dim * partial_ratio))
 
 
 def local_model_dir(model: str) -> str:

@@ -72,19 +72,6 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         return tuple([] for _ in kv_cache_group_ids), 0
 
 
-def kv_cache_group_size(num_dense: int, num_sparse: int) -> int:
-    """Layers per KV-cache group, as vLLM's hybrid allocator picks it.
-
-    Mirrors ``kv_cache_utils._get_kv_cache_groups_uniform_page_size``: the
-    smaller layer count, unless the larger is under 1.5 times it. Every block
-    id then has this many pages, one per layer of its group.
-    """
-    group_size = min(num_dense, num_sparse)
-    if max(num_dense, num_sparse) < 1.5 * group_size:
-        group_size = max(num_dense, num_sparse)
-    return group_size
-
-
 _registered = False
 
 

@@ -16,7 +16,7 @@ from vllm_infinigen.memory import BlockCosts, plan_memory, rows_within
 from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.runtime import InfiniGenRuntime
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
-from vllm_infinigen.spec import kv_cache_group_size
+from vllm_infinigen.layout import kv_cache_group_size
 
 logger = init_logger(__name__)
 

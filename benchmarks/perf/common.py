@@ -193,7 +193,7 @@ def kv_space_bytes(shape: ModelShape, tokens: int, kv_manager: str, *, dense_lay
     """``kv_cache_memory_bytes`` that holds ``tokens`` tokens (with ``margin`` for blocks).
 
     Stock vLLM keeps K/V of every layer; InfiniGen keeps ``group_size`` pages
-    per block id (``vllm_infinigen.spec.kv_cache_group_size``; the dense
+    per block id (``vllm_infinigen.layout.kv_cache_group_size``; the dense
     layers' count by default) plus every sparse layer's partial keys, while
     the sparse layers' K/V live in the host pool outside this space.
     """

@@ -252,7 +252,7 @@ def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
 
 def sizing(engine_name: str, shape: common.ModelShape, args) -> tuple[list, int, int, int]:
     """(policies, max_tokens per request, tokens to hold, ``kv_cache_memory_bytes``)."""
-    from vllm_infinigen.spec import kv_cache_group_size
+    from vllm_infinigen.layout import kv_cache_group_size
 
     setup = ENGINES[engine_name]
     policies: list[str | None] = ordered_policies(args.policies) if setup["infinigen"] else [None]

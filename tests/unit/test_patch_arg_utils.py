@@ -337,7 +337,8 @@ def test_kv_cache_group_size_matches_vllm(dense, sparse):
     from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_infinigen.spec import InfiniGenSparseSpec, kv_cache_group_size
+    from vllm_infinigen.layout import kv_cache_group_size
+    from vllm_infinigen.spec import InfiniGenSparseSpec
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=32,
                              dtype=torch.float32)

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from vllm_infinigen.layout import partial_rank
 from vllm_infinigen.skewing import (
     SKEW_FLAG,
     SkewTables,
     compute_skew_tables,
     load_skew_tables,
     model_fingerprint,
-    partial_rank,
     save_skew_tables,
     skew_from_activations,
 )

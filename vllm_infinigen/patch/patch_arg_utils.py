@@ -21,7 +21,7 @@ from vllm_infinigen.config import (
     infinigen_config_of,
 )
 from vllm_infinigen.skewing import local_model_dir
-from vllm_infinigen.spec import kv_cache_group_size
+from vllm_infinigen.layout import kv_cache_group_size
 
 logger = init_logger(__name__)
 
