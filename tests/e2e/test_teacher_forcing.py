@@ -17,7 +17,8 @@ from benchmarks.accuracy.teacher_forcing import (
     prefill_scores,
     score_continuations,
 )
-from tests import models
+from benchmarks.harness import paths
+from benchmarks.harness.engines import SELECT_ALL
 from tests.e2e.engines import engine
 from vllm_infinigen.metrics import summarize
 
@@ -31,7 +32,6 @@ PROMPT_TOKENS = 64
 SCORE_TOKENS = [400, 150, 275]
 LONG_WINDOW = 0
 SMALL_BUDGET = 0.05
-SELECT_ALL = dict(budget=1.0, alpha=1e4)
 
 
 def _counts(llm) -> tuple[float, float]:
@@ -52,7 +52,7 @@ def _score_with_fraction(llm, windows) -> tuple[list[list[float]], float]:
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    path = models.shared_path(MODEL)
+    path = paths.find_shared(MODEL)
     if path is None:
         pytest.skip(f"../shared/{MODEL} is absent")
     return str(path)
@@ -63,7 +63,7 @@ def windows(model) -> list[tuple[list[int], list[int]]]:
     """(prompt, continuation) token windows cut one after another from the text."""
     from transformers import AutoTokenizer
 
-    path = models.shared_path(TEXT)
+    path = paths.find_shared(TEXT)
     if path is None:
         pytest.skip(f"../shared/{TEXT} is absent")
     tokenizer = AutoTokenizer.from_pretrained(model)

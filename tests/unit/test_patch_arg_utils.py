@@ -351,7 +351,7 @@ def test_kv_cache_group_size_matches_vllm(dense, sparse):
 
 
 def test_pool_cap_below_one_step_is_refused_before_start():
-    from tests.models import BUNDLED_MODEL
+    from benchmarks.harness.paths import BUNDLED_MODEL
 
     # stories260K: 3,072 B of pool per token; 100 tokens < 128 per step.
     args = EngineArgs(model=str(BUNDLED_MODEL), dtype="float32", max_model_len=512,
