@@ -24,7 +24,7 @@ size). ``covered_mass`` reports sum_K p, how much of p the estimate resolves.
 Top-1 agreement: InfiniGen's most likely token is the dense greedy token.
 Example::
 
-    flock /tmp/engine.lock python benchmarks/accuracy/agreement.py --budget 0.05 0.1 0.2
+    flock /tmp/engine.lock python -m benchmarks.accuracy.agreement --budget 0.05 0.1 0.2
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ By default the model is ``../shared/models/gutenberg-llama-2k`` (2,048-token
 context) on its held-out book, Frankenstein; ``--model``/``--text`` take any HF
 model directory and UTF-8 text. Example::
 
-    flock /tmp/engine.lock python benchmarks/accuracy/perplexity.py \\
+    flock /tmp/engine.lock python -m benchmarks.accuracy.perplexity \\
         --policy infinigen h2o streaming quest --budget 0.05 0.1 0.2 0.4
 
 One engine per ``--kv-manager``; an InfiniGen engine is switched between

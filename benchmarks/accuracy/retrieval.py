@@ -27,7 +27,7 @@ InfiniGen at budget 0.001 (1 selected token) plus sink 4 + recent 128: an
 sparse layers only (the dense layers still see everything, and the current
 token and the one speculated token are attended too). Example::
 
-    flock /tmp/engine.lock python benchmarks/accuracy/retrieval.py \\
+    flock /tmp/engine.lock python -m benchmarks.accuracy.retrieval \\
         --budget 0.05 0.1 0.2 --dense-layers 2 1 --calibration default synthetic \\
         --streaming-approx
 """

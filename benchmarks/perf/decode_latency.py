@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Decode time per step and KV bytes per step versus context: dense vLLM, InfiniGen, baselines.
 
-python benchmarks/perf/decode_latency.py [--preset long|short|gqa128|gutenberg] [--model DIR]
+python -m benchmarks.perf.decode_latency [--preset long|short|gqa128|gutenberg] [--model DIR]
     [--contexts 1024 ... 16384] [--batch-sizes 1 4] [--policies infinigen h2o streaming quest]
     [--engines dense in-place copy] [--budget 0.2] [--min-context N] [--decode-steps 16]
     [--max-batch-tokens 65536] [--retries 2] [--bandwidth-mib 256] [--out PATH]
-python benchmarks/perf/decode_latency.py --render benchmarks/results/decode_latency_long.json
+python -m benchmarks.perf.decode_latency --render benchmarks/results/decode_latency_long.json
 
 Presets (explicit flags override them):
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A projection on paper: InfiniGen's decode step on a GPU, from bytes moved per step.
 
-python benchmarks/perf/gpu_projection.py [--fractions 0.118 0.2] [--out PATH]
+python -m benchmarks.perf.gpu_projection [--fractions 0.118 0.2] [--out PATH]
 
 The paper's speed setting (OPT-13B, fp16, batch 20, 1,920-token prompts + 128
 generated, RTX A6000 with PCIe 3.0 x16) is turned into bytes per decode step

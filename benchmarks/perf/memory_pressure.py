@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Many concurrent long requests in a fixed KV space: dense vLLM, InfiniGen, vLLM's CPU offloading.
 
-python benchmarks/perf/memory_pressure.py [--model DIR] [--configs vllm infinigen
+python -m benchmarks.perf.memory_pressure [--model DIR] [--configs vllm infinigen
     vllm-offload vllm-offload-simple] [--requests 24] [--prompt-tokens 1024]
     [--output-tokens 512] [--kv-cache-mib 48] [--offload-gib 1] [--out PATH]
 

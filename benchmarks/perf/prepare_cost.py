@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Cost of skewing: `vllm-infinigen prepare` and the engine's load-time skewing.
 
-python benchmarks/perf/prepare_cost.py [--models bundled gutenberg long] [--repeats 2]
+python -m benchmarks.perf.prepare_cost [--models bundled gutenberg long] [--repeats 2]
     [--engine-starts] [--out benchmarks/results/prepare_cost]
 
 Per model:

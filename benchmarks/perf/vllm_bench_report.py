@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Summary of ``benchmarks/perf/vllm_bench.sh``: vLLM's result files side by side.
 
-python benchmarks/perf/vllm_bench_report.py [--model DIR] [--wide-model DIR]
+python -m benchmarks.perf.vllm_bench_report [--model DIR] [--wide-model DIR]
 
 Reads ``benchmarks/results/vllm_bench_{throughput,latency,serve}_{vllm,infinigen}.json``
 (written by ``vllm bench``) and the ``.txt`` next to them, and writes
@@ -98,7 +98,7 @@ def sections(data: dict, results: Path, args) -> list[str]:
                    "model has 512 tokens"
                    + (f": `{errors[-1].strip()[:300]}`" if errors else "") + ". Latency ran "
                    "on a random Llama with a 10,240-token vocabulary instead "
-                   "(`tests/models.build_wide_vocab_llama`).")
+                   "(`benchmarks/harness/models.build_wide_vocab_llama`).")
     return out
 
 
