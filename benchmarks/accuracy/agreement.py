@@ -209,10 +209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-logprobs", type=int, default=20,
                         help="k: top tokens returned per step (vocabulary size: exact KL)")
     sweeps.add_selection_options(parser, [0.05, 0.1, 0.2])
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    sweeps.add_run_options(parser, max_model_len=2048, kv_cache_bytes=256 << 20, batch_size=8,
+                           out=DEFAULT_OUT)
     args = parser.parse_args(argv)
     sweeps.check_budgets(parser, args.budget)
     if args.generate_tokens < 2:

@@ -199,7 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--tasks", nargs="+", default=list(mc_prompts.TASKS), choices=list(mc_prompts.TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(mc_prompts.TASKS),
+                        choices=list(mc_prompts.TASKS))
     parser.add_argument("--limit", type=int, default=None,
                         help="first N documents per task (default: all)")
     parser.add_argument("--num-fewshot", type=int, default=mc_prompts.NUM_FEWSHOT)
@@ -213,12 +214,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="eval-prefill: rows at positions >= N attend over the selection")
     parser.add_argument("--decode-context-tokens", type=int, default=8,
                         help="last context tokens forced through decode with the continuation")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="requests per engine call (progress granularity)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="results stem: writes .json, .md and .png")
+    sweeps.add_run_options(parser, max_model_len=2048, kv_cache_bytes=512 << 20,
+                           batch_size=64, out=DEFAULT_OUT)
     args = parser.parse_args(argv)
     sweeps.check_budgets(parser, args.budget)
     if args.decode_context_tokens < 1:

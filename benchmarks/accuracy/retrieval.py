@@ -293,10 +293,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-prompt-tokens", type=int, default=3,
                         help="prompt tokens forced through decode before the answer "
                              "(3: QUERY k ANSWER)")
-    parser.add_argument("--max-model-len", type=int, default=1088)
-    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    parser.add_argument("--batch-size", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    sweeps.add_run_options(parser, max_model_len=1088, kv_cache_bytes=256 << 20, batch_size=50,
+                           out=DEFAULT_OUT)
     args = parser.parse_args(argv)
     sweeps.check_budgets(parser, args.budget)
     if args.decode_prompt_tokens < 1:

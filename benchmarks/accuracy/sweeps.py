@@ -168,6 +168,17 @@ def add_selection_options(parser: argparse.ArgumentParser, budgets: Sequence[flo
                         help="skip the control (budget 1, alpha 1e4: should equal dense)")
 
 
+def add_run_options(parser: argparse.ArgumentParser, *, max_model_len: int,
+                    kv_cache_bytes: int, batch_size: int, out: Path) -> None:
+    """``--max-model-len``, ``--kv-cache-bytes``, ``--batch-size`` and ``--out``."""
+    parser.add_argument("--max-model-len", type=int, default=max_model_len)
+    parser.add_argument("--kv-cache-bytes", type=int, default=kv_cache_bytes)
+    parser.add_argument("--batch-size", type=int, default=batch_size,
+                        help="requests per engine call (progress granularity)")
+    parser.add_argument("--out", type=Path, default=out,
+                        help="results stem: writes .json, .md and .png")
+
+
 def check_budgets(parser: argparse.ArgumentParser, budgets: Sequence[float]) -> None:
     """Exits with a usage error unless every budget is in (0, 1]."""
     if not all(0 < budget <= 1 for budget in budgets):

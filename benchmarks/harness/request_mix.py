@@ -68,6 +68,27 @@ class Result:
         return self.ended == "completed" and lengths != [request.max_tokens] * request.n
 
 
+# Options of ``random_mix``: name -> (type, load benchmark's default, help).
+MIX_OPTIONS = {
+    "requests": (int, 100, "requests in the mix"),
+    "cancel_fraction": (float, 0.1, "streams the client hangs up on after a few chunks"),
+    "sampled_fraction": (float, 0.25, "sampled requests (n 1..3, half of them seeded)"),
+    "bad_fraction": (float, 0.0, "requests the server must refuse with HTTP 400"),
+    "min_prompt": (int, 4, "shortest token-id prompt"),
+    "max_prompt": (int, 300, "longest token-id prompt"),
+    "min_tokens": (int, 8, "smallest max_tokens"),
+    "max_tokens": (int, 64, "largest max_tokens"),
+    "seed": (int, 0, "seed of the mix"),
+}
+
+
+def add_mix_options(parser, **defaults) -> None:
+    """``random_mix``'s command-line options (``defaults`` override ``MIX_OPTIONS``')."""
+    for name, (kind, default, text) in MIX_OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind,
+                            default=defaults.get(name, default), help=text)
+
+
 def fixed_mix(seed: int = 7) -> list[Request]:
     """28 requests: 16 greedy, 8 sampled with a seed and n = 2 or 3, 4 cancelled streams."""
     rng = random.Random(seed)
@@ -201,6 +222,13 @@ async def send_all(base_url: str, requests: list[Request], concurrency: int,
                            max_retries=0) as client:
         await asyncio.gather(*(one(client, index) for index in range(len(requests))))
     return results
+
+
+def burst(base_url: str, requests: list[Request], concurrency: int | None = None,
+          timeout: float = 300) -> list[Result]:
+    """``send_all`` (all at once unless ``concurrency``), finished within ``timeout`` s."""
+    return asyncio.run(asyncio.wait_for(
+        send_all(base_url, requests, concurrency or len(requests), timeout=120), timeout))
 
 
 def progress_line(done: list[Result], total: int, elapsed: float) -> str:

@@ -40,6 +40,7 @@ from benchmarks.harness.request_mix import (
     IDLE_GAUGES,
     Request,
     Result,
+    add_mix_options,
     random_mix,
     send_all,
     wait_until_idle,
@@ -123,17 +124,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     parser.add_argument("--kv-manager", choices=["vllm", "infinigen"], default="infinigen")
     parser.add_argument("--serve-args", default="", help="extra `vllm serve` flags, one string")
-    parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--cancel-fraction", type=float, default=0.1)
-    parser.add_argument("--sampled-fraction", type=float, default=0.25)
-    parser.add_argument("--bad-fraction", type=float, default=0.0,
-                        help="requests the server must refuse with HTTP 400")
-    parser.add_argument("--min-prompt", type=int, default=4)
-    parser.add_argument("--max-prompt", type=int, default=300)
-    parser.add_argument("--min-tokens", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    add_mix_options(parser)
     parser.add_argument("--out", type=Path, help="directory for load_<kv_manager>.json")
     args = parser.parse_args()
     import vllm

@@ -62,6 +62,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
 ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
 WRAPPER_ERRORS = ("Engine core initialization failed",)
 
+# The notes under the results table.
+NOTES = """\
+## Notes
+
+- KV capacity: vLLM's device blocks x block size (InfiniGen: blocks of the dense \
+layers' group; the sparse layers' K/V are in the host pool, outside this space); \
+≈ requests held = capacity / tokens per request.
+- TTFT counts from the arrival (all requests arrive at once, so it includes \
+queueing); TPOT = (last token - first token) / (tokens - 1) per request; \
+preemptions: `vllm:num_preemptions` over the run (a preempted request is \
+recomputed).
+- Peak running: `vllm:num_requests_running`, sampled every 4 engine steps.
+- others' cores: CPU that processes other than this run's used during it \
+(of 2 cores): other jobs share the machine.\
+"""
+
 
 def root_cause(log: str) -> str | None:
     """The innermost exception line of a log: the last one not a wrapper's."""
@@ -199,18 +215,7 @@ def sections(results: list[dict], args) -> list[str]:
             lines.append(f"- `{r['config']}`: {r.get('error') or 'see log_tail in the JSON'} "
                          f"(exit code {r.get('returncode')})")
         out.append("\n".join(lines))
-    out.append(
-        "## Notes\n\n"
-        "- KV capacity: vLLM's device blocks x block size (InfiniGen: blocks of the dense "
-        "layers' group; the sparse layers' K/V are in the host pool, outside this space); "
-        "≈ requests held = capacity / tokens per request.\n"
-        "- TTFT counts from the arrival (all requests arrive at once, so it includes "
-        "queueing); TPOT = (last token - first token) / (tokens - 1) per request; "
-        "preemptions: `vllm:num_preemptions` over the run (a preempted request is "
-        "recomputed).\n"
-        "- Peak running: `vllm:num_requests_running`, sampled every 4 engine steps.\n"
-        "- others' cores: CPU that processes other than this run's used during it "
-        "(of 2 cores): other jobs share the machine.")
+    out.append(NOTES)
     return out
 
 

@@ -42,6 +42,20 @@ from benchmarks.perf import kv_math, machine
 PREPARE = Path(sys.executable).parent / "vllm-infinigen"
 PRINTED_SECONDS = re.compile(r"fingerprint \S+, ([0-9.]+) s")
 
+# The notes under the results table.
+NOTES = """\
+## Notes
+
+- prepare wall/CPU: the whole `vllm-infinigen prepare` process (Python, torch \
+and transformers imports included); CPU = user + sys of that child, so with \
+2 cores it can exceed wall. The printed compute time is the tool's own \
+(model load in float32, forward over up to 2,048 calibration tokens, one SVD \
+per layer and KV head, writing the file).
+- load-time: `prepare_skew_file` as the engine's front end runs it without \
+`--infinigen-skew-file`: cold = compute + cache, warm = the cached file found \
+and validated (fingerprint of the checkpoint, shapes).\
+"""
+
 
 def model_dirs(names: list[str]) -> dict[str, Path]:
     known = {"bundled": lambda: paths.BUNDLED_MODEL, "gutenberg": lambda: paths.GUTENBERG,
@@ -193,16 +207,7 @@ def sections(rows: list[dict], args) -> list[str]:
         out.append("## Engine start (LLM construction, s)\n\n" + report.markdown_table(
             ["model", "stock vLLM", "InfiniGen, cold skew cache", "InfiniGen, cached skew"],
             lines))
-    out.append(
-        "## Notes\n\n"
-        "- prepare wall/CPU: the whole `vllm-infinigen prepare` process (Python, torch "
-        "and transformers imports included); CPU = user + sys of that child, so with "
-        "2 cores it can exceed wall. The printed compute time is the tool's own "
-        "(model load in float32, forward over up to 2,048 calibration tokens, one SVD "
-        "per layer and KV head, writing the file).\n"
-        "- load-time: `prepare_skew_file` as the engine's front end runs it without "
-        "`--infinigen-skew-file`: cold = compute + cache, warm = the cached file found "
-        "and validated (fingerprint of the checkpoint, shapes).")
+    out.append(NOTES)
     return out
 
 

@@ -12,18 +12,10 @@ request, no pool bytes, no device blocks.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import requests
 
-from benchmarks.harness.request_mix import (
-    IDLE_GAUGES,
-    SENTENCE,
-    fixed_mix,
-    send_all,
-    wait_until_idle,
-)
+from benchmarks.harness.request_mix import IDLE_GAUGES, SENTENCE, burst, fixed_mix, wait_until_idle
 from benchmarks.harness.servers import SERVED_NAME, metric_total, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -49,11 +41,9 @@ def runs(server) -> dict:
     jobs = fixed_mix()
     out: dict = {}
     for name in ("burst", "burst_again"):
-        out[name] = asyncio.run(asyncio.wait_for(
-            send_all(server.base_url, jobs, len(jobs), timeout=120), 300))
+        out[name] = burst(server.base_url, jobs)
     kept = [job for job in jobs if job.cancel_after is None]
-    alone = iter(asyncio.run(asyncio.wait_for(
-        send_all(server.base_url, kept, 1, timeout=120), 300)))
+    alone = iter(burst(server.base_url, kept, concurrency=1))
     out["alone"] = [None if job.cancel_after is not None else next(alone) for job in jobs]
     out["metrics"] = wait_until_idle(server.base_url, 15)
     return out

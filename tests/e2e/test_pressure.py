@@ -13,18 +13,10 @@ idle and hold nothing afterwards.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import requests
 
-from benchmarks.harness.request_mix import (
-    IDLE_GAUGES,
-    SENTENCE,
-    fixed_mix,
-    send_all,
-    wait_until_idle,
-)
+from benchmarks.harness.request_mix import IDLE_GAUGES, SENTENCE, burst, fixed_mix, wait_until_idle
 from benchmarks.harness.servers import SERVED_NAME, metric_total, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -49,8 +41,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(server) -> dict:
     jobs = fixed_mix()
-    outcomes = asyncio.run(asyncio.wait_for(
-        send_all(server.base_url, jobs, len(jobs), timeout=120), 600))
+    outcomes = burst(server.base_url, jobs, timeout=600)
     return {"jobs": jobs, "outcomes": outcomes, "metrics": wait_until_idle(server.base_url, 15)}
 
 
