@@ -230,24 +230,23 @@ def test_model_shapes(tmp_path):
 # Run-once guard
 
 
-def test_apply_all_twice_is_idempotent(monkeypatch):
-    before = {
+def _patched_methods() -> dict:
+    """The engine-argument methods the patch replaces, as the classes hold them now."""
+    return {
         "init": EngineArgs.__dict__["__init__"],
         "async_init": AsyncEngineArgs.__dict__["__init__"],
         "add_cli_args": EngineArgs.__dict__["add_cli_args"],
         "from_cli_args": EngineArgs.__dict__["from_cli_args"],
         "create_engine_config": EngineArgs.__dict__["create_engine_config"],
     }
+
+
+def test_apply_all_twice_is_idempotent(monkeypatch):
+    before = _patched_methods()
     patch.apply_all()
     patch.apply_all()
     vllm_infinigen.register()
-    after = {
-        "init": EngineArgs.__dict__["__init__"],
-        "async_init": AsyncEngineArgs.__dict__["__init__"],
-        "add_cli_args": EngineArgs.__dict__["add_cli_args"],
-        "from_cli_args": EngineArgs.__dict__["from_cli_args"],
-        "create_engine_config": EngineArgs.__dict__["create_engine_config"],
-    }
+    after = _patched_methods()
     assert after == before
     # One wrapper around vLLM's own __init__, not a wrapper of a wrapper.
     for cls in (EngineArgs, AsyncEngineArgs):
