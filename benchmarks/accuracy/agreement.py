@@ -122,8 +122,8 @@ def dense_generate(args, prompts: Sequence[list[int]]) -> tuple[list[list[int]],
     params = SamplingParams(temperature=0.0, max_tokens=args.generate_tokens, ignore_eos=True,
                             logprobs=args.top_logprobs, detokenize=False)
     with sweeps.start_engine(str(args.model), "vllm", max_model_len=args.max_model_len,
-                      kv_cache_memory_bytes=args.kv_cache_bytes,
-                      max_logprobs=args.top_logprobs) as llm:
+                             kv_cache_memory_bytes=args.kv_cache_bytes,
+                             max_logprobs=args.top_logprobs) as llm:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                use_tqdm=True)
     tokens = [list(out.outputs[0].token_ids) for out in outputs]
@@ -139,16 +139,16 @@ def sparse_compare(args, prompts, dense_tokens, dense_steps) -> list[dict]:
 
     results = []
     with sweeps.start_engine(str(args.model), "infinigen", max_model_len=args.max_model_len,
-                      infinigen={"budget": args.budget[0]},
-                      kv_cache_memory_bytes=args.kv_cache_bytes,
-                      max_logprobs=args.top_logprobs) as llm:
+                             infinigen={"budget": args.budget[0]},
+                             kv_cache_memory_bytes=args.kv_cache_bytes,
+                             max_logprobs=args.top_logprobs) as llm:
         for setting in sweeps.sweep(llm, "infinigen", sweeps.selection_grid(
                 args.budget, args.policy, args.select_all_control)):
             start = time.perf_counter()
             per_prompt = []
             with sweeps.SelectionMeter(llm) as meter, tqdm(total=len(prompts), unit="prompt",
-                                                     desc=f"infinigen {setting}",
-                                                     file=sys.stderr) as bar:
+                                                            desc=f"infinigen {setting}",
+                                                            file=sys.stderr) as bar:
                 indices = list(range(len(prompts)))
                 for chunk in sweeps.batched(indices, args.batch_size):
                     steps = force_continuations(

@@ -101,13 +101,14 @@ def mode_label(kv_manager: str, setting: dict | None) -> str:
 
 
 def run_engine(args: argparse.Namespace, kv_manager: str,
-               work: dict[str, tuple[mc_prompts.Task, list[dict], list[mc_prompts.Request]]]) -> list[dict]:
+               work: dict[str, tuple[mc_prompts.Task, list[dict], list[mc_prompts.Request]]],
+               ) -> list[dict]:
     """One engine; per selection setting, every task."""
     infinigen = {"budget": args.budget[0]} if kv_manager == "infinigen" else None
     results = []
     eval_mode = {"eval_dense_prefix": args.eval_dense_prefix}
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
-                      infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
         for setting in sweeps.sweep(llm, kv_manager, sweeps.selection_grid(
                 args.budget, args.policy, args.select_all_control)):
             mode = mode_label(kv_manager, setting)

@@ -127,7 +127,8 @@ def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
     elapsed = time.perf_counter() - start
     logprobs = [logprob for window in scores for logprob in window]
     label = kv_manager if setting is None else (
-        "infinigen select-all (control)" if sweeps.is_control(setting) else sweeps.policy_of(setting))
+        "infinigen select-all (control)" if sweeps.is_control(setting)
+        else sweeps.policy_of(setting))
     return {
         "label": label,
         "kv_manager": kv_manager,
@@ -156,7 +157,7 @@ def run_engine(args: argparse.Namespace, kv_manager: str,
                      "sink_tokens": args.sink_tokens, "recent_tokens": args.recent_tokens}
     results = []
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
-                      infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
         for setting in sweeps.sweep(llm, kv_manager, settings):
             result = score(llm, windows, kv_manager, setting, args.scoring)
             print(f"[{result['label']} budget {result['budget']}] perplexity "

@@ -227,7 +227,7 @@ def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None
         infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"],
                      "skew_file": str(skew_file) if skew_file else None}
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
-                      infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
         return [evaluate(llm, rows, args, kv_manager, setting, variant)
                 for setting in sweeps.sweep(llm, kv_manager, settings)]
 
@@ -280,7 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts (default: all)")
-    parser.add_argument("--kv-manager", nargs="+", default=list(sweeps.KV_MANAGERS), choices=sweeps.KV_MANAGERS)
+    parser.add_argument("--kv-manager", nargs="+", default=list(sweeps.KV_MANAGERS),
+                        choices=sweeps.KV_MANAGERS)
     sweeps.add_selection_options(parser, [0.05, 0.1, 0.2])
     parser.add_argument("--dense-layers", type=int, nargs="+", default=[2],
                         help="InfiniGen dense layers; one engine per value")
