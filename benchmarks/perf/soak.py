@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness.paths import RESULTS
+from benchmarks.harness.paths import BUNDLED_MODEL, RESULTS
 from benchmarks.harness.report import command_line
 from benchmarks.harness.request_mix import BAD_REQUESTS, IDLE_GAUGES, random_mix, send_all
 from benchmarks.harness.servers import (
@@ -45,6 +45,7 @@ from benchmarks.harness.servers import (
     stop_server,
 )
 from benchmarks.perf.load import idle_metrics, summarize
+from vllm_infinigen.layout import ModelLayout
 
 
 def tree_rss(pid: int) -> int:
@@ -87,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args) -> dict:
     # stories260K: 3 sparse layers x 4 KV heads x K+V of 32 float32 per token.
-    pool_gib = args.pool_tokens * 3 * 4 * 2 * 32 * 4 / 2**30
+    token_bytes = ModelLayout.of_model_dir(BUNDLED_MODEL).pool_bytes_per_token(dtype_bytes=4)
+    pool_gib = args.pool_tokens * token_bytes / 2**30
     flags = ["--kv-manager", "infinigen", "--infinigen-budget", "0.2",
              "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
              "--infinigen-cpu-pool-gib", f"{pool_gib:.9f}",
