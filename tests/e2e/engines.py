@@ -7,7 +7,7 @@ import contextlib
 import gc
 import random
 
-import vllm_infinigen  # noqa: F401  (adds the kv_manager keyword)
+import vllm_infinigen
 
 ENGINE_DEFAULTS = dict(
     dtype="float32",
@@ -40,6 +40,7 @@ def with_selection_everywhere(kwargs: dict) -> dict:
 def engine(model: str, **kwargs):
     from vllm import LLM
 
+    vllm_infinigen.register()  # the kv_manager / infinigen_* keywords
     llm = LLM(model=model, **with_selection_everywhere({**ENGINE_DEFAULTS, **kwargs}))
     try:
         yield llm

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import time
 from typing import Any
 
@@ -21,7 +19,7 @@ from vllm_infinigen.config import (
     infinigen_config_of,
 )
 from vllm_infinigen.skewing import local_model_dir
-from vllm_infinigen.layout import kv_cache_group_size
+from vllm_infinigen.layout import ModelLayout, kv_cache_group_size, read_hf_config
 
 logger = init_logger(__name__)
 
@@ -163,8 +161,11 @@ def _create_engine_config(self, *args, **kwargs):
     config = infinigen_config_of(self.additional_config)
     if config is None:
         return _original_create_engine_config(self, *args, **kwargs)
-    check_engine_args(self)
-    skew_file = prepare_skew_file(self.model, config)
+    model_dir = local_model_dir(self.model)
+    hf_config = read_hf_config(model_dir)
+    check_engine_args(self, config, hf_config)
+    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    skew_file = prepare_skew_file(model_dir, config, layout)
     self.additional_config = {
         **self.additional_config,
         "infinigen": {**config.to_dict(), "skew_file": skew_file},
@@ -184,14 +185,27 @@ def _create_engine_config(self, *args, **kwargs):
             "--kv-manager infinigen does not support speculative decoding; "
             "remove --speculative-config"
         )
+    from vllm_infinigen.config import engine_setup
     from vllm_infinigen.pool import pool_rows
 
-    pool_rows(vllm_config, num_slots=2**62)  # a cap too small for one step fails here
+    setup = engine_setup(vllm_config)  # a cap too small for one step fails here
+    pool_rows(setup.config, setup.pool_bytes_per_token, setup.step_tokens, num_slots=2**62)
     return vllm_config
 
 
-def check_engine_args(args: EngineArgs) -> None:
-    """Refuses what InfiniGen cannot run yet, naming the flag to change."""
+def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
+                      hf_config: dict[str, Any] | None = None) -> None:
+    """Refuses what InfiniGen cannot run yet, naming the flag to change.
+
+    Args:
+        config: The settings parsed from ``args.additional_config`` (None:
+            parsed here).
+        hf_config: The model's ``config.json`` (None: read here).
+    """
+    if config is None:
+        config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
+    if hf_config is None:
+        hf_config = read_hf_config(local_model_dir(args.model))
     from vllm.platforms import current_platform
 
     def refuse(reason: str) -> None:
@@ -218,7 +232,6 @@ def check_engine_args(args: EngineArgs) -> None:
         refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
     if args.kv_cache_dtype not in ("auto", None):
         refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
-    hf_config = _read_hf_config(local_model_dir(args.model))
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         refuse(f"model type {model_type!r} is not supported; supported: "
@@ -226,7 +239,6 @@ def check_engine_args(args: EngineArgs) -> None:
     uses_window = hf_config.get("sliding_window") and hf_config.get("use_sliding_window", True)
     if uses_window and model_type != "opt":
         refuse("sliding-window attention models are not supported")
-    config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
     if config.dense_layers >= hf_config["num_hidden_layers"]:
         refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
                f"in a {hf_config['num_hidden_layers']}-layer model")
@@ -245,22 +257,7 @@ def check_engine_args(args: EngineArgs) -> None:
                "remove --disable-hybrid-kv-cache-manager")
 
 
-def _read_hf_config(model_dir: str) -> dict[str, Any]:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
-
-
-def model_shapes(model_dir: str) -> dict[str, int]:
-    hf = _read_hf_config(model_dir)
-    num_heads = hf["num_attention_heads"]
-    return {
-        "num_layers": hf["num_hidden_layers"],
-        "num_kv_heads": hf.get("num_key_value_heads") or num_heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads,
-    }
-
-
-def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
+def prepare_skew_file(model_dir: str, config: InfiniGenConfig, layout: ModelLayout) -> str:
     """Validates the given skew file, or computes and caches one; returns its path."""
     from vllm_infinigen.skewing import (
         cached_skew_path,
@@ -270,9 +267,9 @@ def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
         save_skew_tables,
     )
 
-    model_dir = local_model_dir(model)
     fingerprint = model_fingerprint(model_dir)
-    shapes = model_shapes(model_dir)
+    shapes = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+              "head_dim": layout.head_dim}
     if config.skew_file is not None:
         load_skew_tables(config.skew_file, fingerprint, config.partial_ratio, **shapes)
         return config.skew_file
@@ -290,7 +287,7 @@ def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
     logger.info(
         "InfiniGen: computed skewing for %s on the bundled calibration text in "
         "%.1f s (cached at %s; `vllm-infinigen prepare` makes one ahead of time)",
-        model, time.perf_counter() - start, path,
+        model_dir, time.perf_counter() - start, path,
     )
     return str(path)
 
