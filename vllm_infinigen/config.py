@@ -259,13 +259,18 @@ class EngineSetup:
 _setups: dict[int, tuple[dict, EngineSetup]] = {}
 
 
-def engine_setup(vllm_config) -> EngineSetup | None:
-    """The engine's ``EngineSetup`` (None when InfiniGen is off), parsed once."""
+def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None) -> EngineSetup | None:
+    """The engine's ``EngineSetup`` (None when InfiniGen is off), parsed once.
+
+    Args:
+        parsed: The settings, already parsed from this ``additional_config``
+            by the caller (the front end, which validates them first).
+    """
     additional = vllm_config.additional_config
     cached = _setups.get(id(additional))
     if cached is not None and cached[0] is additional:
         return cached[1]
-    config = infinigen_config_of(additional)
+    config = parsed if parsed is not None else infinigen_config_of(additional)
     if config is None:
         return None
     model = vllm_config.model_config

@@ -29,6 +29,7 @@ from vllm_infinigen import kernels
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.kernels.reference import entries_of
 from vllm_infinigen.layer_state import LayerSource, LayerState
+from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.policies import policy_class
 from vllm_infinigen.policies.base import SelectionPolicy
 from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE
@@ -51,20 +52,21 @@ class InfiniGenRuntime:
         sources: Every attention layer of the model, in order (layer 0 is
             dense: its metadata indexes the pool).
         device: Where the partial keys live.
-        total_kv_heads: KV heads of the model, all ranks (for the counters).
+        layout: The model's layout (all ranks: the counters are per model KV head).
         rank: Tensor-parallel rank of this worker (for the per-rank gauges).
         prompt_lens_of: The step's prompt lengths; None: every row with one
             query token and some context is a decode row.
     """
 
     def __init__(self, config: InfiniGenConfig, sources: Sequence[LayerSource],
-                 device: torch.device, *, total_kv_heads: int, rank: int = 0,
+                 device: torch.device, *, layout: ModelLayout, rank: int = 0,
                  prompt_lens_of: PromptLengths | None = None):
         if config.alpha is None:
             raise ValueError("the runtime needs a resolved alpha (InfiniGenConfig.resolved_alpha)")
         self.config = config
         self.device = device
-        self.total_kv_heads = total_kv_heads
+        self.layout = layout
+        self.total_kv_heads = layout.num_kv_heads
         self.rank = rank
         self.prompt_lens_of = prompt_lens_of
         self.reference_layer = sources[0].name
@@ -135,9 +137,10 @@ class InfiniGenRuntime:
                              f"{QUEST_PAGE_SIZE}; got --block-size {block_size}")
         capped = num_rows < num_slots
         num_units = -(-num_rows // block_size) if capped else num_blocks
-        self.pool_entry_bytes = 2 * sparse[0].head_size * dtype.itemsize
-        per_token = len(sparse) * sparse[0].num_kv_heads * self.pool_entry_bytes
-        pool_bytes = num_units * block_size * per_token
+        kv_heads = sparse[0].num_kv_heads  # of this rank
+        self.pool_entry_bytes = self.layout.kv_bytes_per_token_layer(dtype.itemsize, 1)
+        pool_bytes = (num_units * block_size
+                      * self.layout.pool_bytes_per_token(dtype.itemsize, kv_heads))
         free_bytes = psutil.virtual_memory().available
         if pool_bytes > 0.9 * free_bytes:
             raise ValueError(
@@ -155,7 +158,7 @@ class InfiniGenRuntime:
         for policy in self._policies.values():
             for state in sparse:
                 policy.allocate(state)
-        partial_bytes = num_slots * len(sparse) * sparse[0].num_kv_heads * sparse[0].rank
+        partial_bytes = num_slots * self.layout.partial_bytes_per_token(dtype.itemsize, kv_heads)
         logger.info(
             "InfiniGen: pool of %d tokens per sparse layer and KV head (%d layers x %d "
             "KV heads), %s: %.3f GiB host memory, sized by %s; partial keys for %d "
@@ -164,7 +167,7 @@ class InfiniGenRuntime:
             f"capped below the dense group's {num_slots} slots, {self.config.eviction} "
             f"eviction" if capped else "a row per dense slot (uncapped)",
             pool_bytes / 2**30, sized_by or "the dense group's slots",
-            num_slots, partial_bytes * dtype.itemsize / 2**30,
+            num_slots, partial_bytes / 2**30,
             self.transfer.name, kernels.load(),
         )
 

@@ -58,7 +58,7 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
     sources = layer_sources(model, vllm_config, skew, device, query_weights)
     runtime = InfiniGenRuntime(
         dataclasses.replace(config, alpha=config.resolved_alpha(uses_rope)), sources, device,
-        total_kv_heads=layout.num_kv_heads, rank=rank, prompt_lens_of=prompt_lens_of)
+        layout=layout, rank=rank, prompt_lens_of=prompt_lens_of)
     install(runtime, sources)
     return runtime
 

@@ -12,6 +12,7 @@ import torch
 
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layer_state import LayerSource
+from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.runtime import InfiniGenRuntime
 
 DIM, BLOCK, CONTEXT = 4, 16, 32
@@ -40,8 +41,10 @@ def step():
     """A runtime (layer 0 dense, 1 and 2 sparse) holding one request's 32
     context tokens in layer 2, and the dense metadata of its next decode step."""
     config = InfiniGenConfig(alpha=1.0, budget=1.0, dense_layers=1, min_context=0)
+    layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
+                         dense_layers=1, partial_ratio=1.0)
     runtime = InfiniGenRuntime(config, [_source(i) for i in range(3)], torch.device("cpu"),
-                               total_kv_heads=1)
+                               layout=layout)
     runtime.allocate_pool(num_blocks=4, block_size=BLOCK, dtype=torch.float32,
                           num_rows=4 * BLOCK)
     keys = torch.zeros(CONTEXT, 1, DIM)
@@ -109,3 +112,14 @@ def test_streaming_selects_sinks_and_recent_tokens_in_the_layer(step):
     expected = [0, 1, 2, 3, 28, 29, 30, 31]
     torch.testing.assert_close(output, _attention_over(expected, query))
     assert runtime.take_counters()["selected_tokens.2"] == len(expected)
+
+
+def test_shutdown_stops_the_copy_worker():
+    config = InfiniGenConfig(alpha=1.0, dense_layers=1, transfer="copy")
+    layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
+                         dense_layers=1, partial_ratio=1.0)
+    runtime = InfiniGenRuntime(config, [_source(i) for i in range(3)], torch.device("cpu"),
+                               layout=layout)
+    runtime.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        runtime.transfer._executor.submit(lambda: None)

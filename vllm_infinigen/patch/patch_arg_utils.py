@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -16,10 +17,11 @@ from vllm_infinigen.config import (
     FLAG_OF_FIELD,
     KV_MANAGERS,
     InfiniGenConfig,
+    engine_setup,
     infinigen_config_of,
 )
+from vllm_infinigen.layout import ModelLayout, read_hf_config
 from vllm_infinigen.skewing import local_model_dir
-from vllm_infinigen.layout import ModelLayout, kv_cache_group_size, read_hf_config
 
 logger = init_logger(__name__)
 
@@ -165,11 +167,8 @@ def _create_engine_config(self, *args, **kwargs):
     hf_config = read_hf_config(model_dir)
     check_engine_args(self, config, hf_config)
     layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
-    skew_file = prepare_skew_file(model_dir, config, layout)
-    self.additional_config = {
-        **self.additional_config,
-        "infinigen": {**config.to_dict(), "skew_file": skew_file},
-    }
+    config = dataclasses.replace(config, skew_file=prepare_skew_file(model_dir, config, layout))
+    self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}
     from vllm.config import KVTransferConfig
 
     self.enable_prefix_caching = False
@@ -185,10 +184,9 @@ def _create_engine_config(self, *args, **kwargs):
             "--kv-manager infinigen does not support speculative decoding; "
             "remove --speculative-config"
         )
-    from vllm_infinigen.config import engine_setup
     from vllm_infinigen.pool import pool_rows
 
-    setup = engine_setup(vllm_config)  # a cap too small for one step fails here
+    setup = engine_setup(vllm_config, parsed=config)  # a cap too small for one step fails here
     pool_rows(setup.config, setup.pool_bytes_per_token, setup.step_tokens, num_slots=2**62)
     return vllm_config
 
@@ -239,16 +237,16 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
     uses_window = hf_config.get("sliding_window") and hf_config.get("use_sliding_window", True)
     if uses_window and model_type != "opt":
         refuse("sliding-window attention models are not supported")
-    if config.dense_layers >= hf_config["num_hidden_layers"]:
+    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    if not layout.num_sparse:
         refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
-               f"in a {hf_config['num_hidden_layers']}-layer model")
-    num_sparse = hf_config["num_hidden_layers"] - config.dense_layers
-    if config.dense_layers > kv_cache_group_size(config.dense_layers, num_sparse):
+               f"in a {layout.num_layers}-layer model")
+    if config.dense_layers > layout.group_size:
         # vLLM would split the dense layers over several KV-cache groups; the
         # pool follows the slots of the first one only.
         refuse(f"--infinigen-dense-layers {config.dense_layers} would split the dense "
                f"layers over several KV-cache groups; use at most "
-               f"{hf_config['num_hidden_layers'] // 2}")
+               f"{layout.num_layers // 2}")
     if getattr(args, "num_gpu_blocks_override", None):
         refuse("--num-gpu-blocks-override would size the cache past the KV space "
                "that InfiniGen shares with its partial keys; remove it")
