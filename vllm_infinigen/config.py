@@ -36,9 +36,11 @@ FLAG_OF_FIELD = {
     "policy": "--infinigen-policy",
     "eval_dense_prefix": "--infinigen-eval-dense-prefix",
     "min_context": "--infinigen-min-context",
+    "speculation": "--infinigen-speculation",
 }
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
+SPECULATIONS = ("previous-layer", "same-layer")
 # Selection policies: InfiniGen's, and baselines on the same machinery.
 POLICIES = POLICY_NAMES
 
@@ -85,6 +87,11 @@ class InfiniGenConfig:
             mode equals teacher-forced decoding of the same tokens, in one
             prefill (InfiniGen, StreamingLLM and Quest; H2O is refused). For
             accuracy measurements only: it costs a selection per prompt token.
+        speculation: Whose query selects a sparse layer's tokens (policy
+            ``infinigen``): ``previous-layer`` (the paper: layer i, from its
+            attention input, for layer i+1, so the entries can be fetched
+            ahead) or ``same-layer`` (the layer's own query, in the layer).
+            The baselines always select in the layer.
         min_context: Rows whose context is shorter than this attend densely
             over the pool in the sparse layers, without speculating (0: every
             row attends over its selection). Below it a selection saves too
@@ -104,6 +111,7 @@ class InfiniGenConfig:
     policy: str = "infinigen"
     eval_dense_prefix: int | None = None
     min_context: int = DEFAULT_MIN_CONTEXT
+    speculation: str = "previous-layer"
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not _is_number(self.alpha, positive=True):
@@ -138,6 +146,11 @@ class InfiniGenConfig:
             raise ValueError(
                 f"{FLAG_OF_FIELD['cpu_pool_gib']} must be a number > 0, "
                 f"got {self.cpu_pool_gib!r}"
+            )
+        if self.speculation not in SPECULATIONS:
+            raise ValueError(
+                f"{FLAG_OF_FIELD['speculation']} must be one of {list(SPECULATIONS)}, "
+                f"got {self.speculation!r}"
             )
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(

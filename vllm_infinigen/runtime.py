@@ -185,13 +185,14 @@ class InfiniGenRuntime:
         Args:
             alpha: New alpha, if given.
             changes: New ``budget``, ``sink_tokens``, ``recent_tokens``,
-                ``eviction``, ``policy``, ``eval_dense_prefix`` or ``min_context``.
+                ``eviction``, ``policy``, ``speculation``, ``eval_dense_prefix``
+                or ``min_context``.
 
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
         allowed = {"budget", "sink_tokens", "recent_tokens", "eviction", "policy",
-                   "eval_dense_prefix", "min_context"}
+                   "speculation", "eval_dense_prefix", "min_context"}
         if set(changes) - allowed:
             raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
         if alpha is not None:
@@ -238,7 +239,7 @@ class InfiniGenRuntime:
         """
         self.begin_step(dense_metadata, slot_mapping)
         plan = self.plan_for(dense_metadata, block_size)
-        ahead = bool(plan.sparse.numel()) and self.policy.selects_ahead
+        ahead = bool(plan.sparse.numel()) and self.policy.selects_ahead(self.config)
         if state.next is not None and ahead and not self._deferred(plan):
             self.speculate(state, plan)
         if not (state.next is not None and ahead and self._deferred(plan)):
@@ -248,7 +249,8 @@ class InfiniGenRuntime:
     def attend(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                output: torch.Tensor) -> None:
         """A sparse layer's attention; query, output: [T, H_q, D], output in place."""
-        if self.policy.selects_ahead and plan.sparse.numel() and self._deferred(plan):
+        if (self.policy.selects_ahead(self.config) and plan.sparse.numel()
+                and self._deferred(plan)):
             previous = self.layers[state.layer_idx - 1]
             self.speculate(previous, plan)
             previous.capture(None)
@@ -314,8 +316,8 @@ class InfiniGenRuntime:
         if not rows.size:
             return
         policy = self.policy
-        if not policy.selects_ahead:
-            positions = policy.select(state, plan, query, self.config)
+        if not policy.selects_ahead(self.config):
+            positions = policy.select(state, plan, query, self.config, row_map)
             state.offer_selection(positions)
             self._start_transfer(state, plan, positions)
         positions = state.take_selection()

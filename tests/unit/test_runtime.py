@@ -98,6 +98,20 @@ def test_previous_layer_selects_exactly_the_matching_tokens(step):
     assert counters["candidate_tokens.2"] == CONTEXT
 
 
+def test_same_layer_speculation_selects_with_the_layers_own_query(step):
+    runtime, metadata, new_slot = step
+    runtime.update_selection(speculation="same-layer")
+    speculating = runtime.layers[1]
+    speculating.capture(torch.tensor([[0.0, 10.0, 0.0, 0.0]]))  # would select nothing useful
+    runtime.begin_layer(speculating, metadata, new_slot, block_size=BLOCK)
+    assert runtime.layers[2].selection is None  # nothing selected ahead
+    assert speculating.captured_input is None
+    query = torch.tensor([10.0, 0.0, 0.0, 0.0]).view(1, 1, DIM)
+    output = _attend_layer2(runtime, metadata, new_slot, query)
+    torch.testing.assert_close(output, _attention_over(IMPORTANT, query))
+    assert runtime.take_counters()["selected_tokens.2"] == len(IMPORTANT)
+
+
 def test_a_layer_without_a_selection_fails_naming_the_layer(step):
     runtime, metadata, new_slot = step
     with pytest.raises(RuntimeError, match="sparse layer 2 has no selection"):

@@ -134,11 +134,14 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "selected tokens only, so prompt logprobs (e.g. lm-eval) measure the selection.",
         "min_context": "Rows with a shorter context attend densely in the sparse "
         f"layers, without speculating (default {defaults.min_context}; 0: always select).",
+        "speculation": "Whose query selects a sparse layer's tokens: previous-layer "
+        "(default, the paper: layer i selects for layer i+1 ahead of it) or "
+        "same-layer (the layer's own query; no prefetch).",
     }
     types = {"alpha": float, "partial_ratio": float, "budget": float,
              "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int,
              "transfer": str, "cpu_pool_gib": float, "eviction": str, "policy": str,
-             "eval_dense_prefix": int, "min_context": int}
+             "eval_dense_prefix": int, "min_context": int, "speculation": str}
     for field, flag in FLAG_OF_FIELD.items():
         group.add_argument(flag, type=types[field], default=None, help=helps[field])
     return parser

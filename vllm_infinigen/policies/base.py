@@ -9,7 +9,7 @@ The runtime (``runtime.py``) calls a policy at fixed points of a step::
     select(layer, plan, query)  in the layer's own attention, before it
                                 attends (policies that select in the layer)
     select_ahead(source, plan)  in the layer before, for ``source.next``
-                                (policies with ``selects_ahead``: InfiniGen)
+                                (when ``selects_ahead``: InfiniGen's default)
     on_attend(layer, plan, positions, probs)
                                 after the attention, with the attention each
                                 selected token received (``records_attention``)
@@ -41,14 +41,16 @@ class SelectionPolicy:
     """
 
     name: ClassVar[str]
-    # Selects for the next layer from this layer's attention input (prefetch).
-    selects_ahead: ClassVar[bool] = False
     # Wants the attention each selected token received (``on_attend``).
     records_attention: ClassVar[bool] = False
     # Why --infinigen-eval-dense-prefix cannot measure this policy (None: it can).
     eval_mode_refusal: ClassVar[str | None] = None
     # Runs on a pool capped by --infinigen-cpu-pool-gib (tokens may be evicted).
     supports_capped_pool: ClassVar[bool] = False
+
+    def selects_ahead(self, settings: InfiniGenConfig) -> bool:
+        """Selects for the next layer from this layer's attention input (prefetch)."""
+        return False
 
     def allocate(self, layer: LayerState) -> None:
         """Per-slot state of a sparse layer whose pool exists (may read the pool)."""
@@ -57,8 +59,12 @@ class SelectionPolicy:
         """New keys [T, H_kv, D] of ``slots`` [T] int64 (< 0: padding) are in the pool."""
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
-               settings: InfiniGenConfig) -> torch.Tensor:
-        """The selection of ``layer``'s sparse rows; query: [T, H_q, D] of the layer."""
+               settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
+        """The selection of ``layer``'s sparse rows; query: [T, H_q, D] of the layer.
+
+        Args:
+            row_map: The capped pool's rows of ``layer`` (None: uncapped).
+        """
         raise NotImplementedError(f"policy {self.name} selects ahead, not in the layer")
 
     def select_ahead(self, source: LayerState, plan: StepPlan, settings: InfiniGenConfig,

@@ -88,7 +88,7 @@ class H2OPolicy(SelectionPolicy):
         scores.alive[slots] = True
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
-               settings: InfiniGenConfig) -> torch.Tensor:
+               settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
         scores = self._scores[layer.layer_idx]
         slots, context_lens, context_host = context_slots(plan)  # slots: [S, N]
         selection = h2o_select(

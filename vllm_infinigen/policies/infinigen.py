@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""InfiniGen's own policy: layer i speculates which tokens layer i+1 attends to.
+"""InfiniGen's own policy: which tokens a sparse layer attends to, from its
+skewed partial query scored against its partial keys.
 
-In layer i, before its attention: layer i+1's query, computed from layer i's
-attention input (captured by the ``qkv_proj`` pre-hook, ``ops.py``) through
-layer i+1's query projection and rotary embedding, is skewed to the partial
-channels and scored against layer i+1's partial keys by the compiled
-``select_tokens`` kernel (alpha count capped by the budget, per-head top-k,
-sink/recent window). No per-slot state besides the partial keys, which every
-sparse layer keeps (``layer_state.py``).
+``--infinigen-speculation previous-layer`` (default, the paper): in layer i,
+before its attention, layer i+1's query, computed from layer i's attention
+input (captured by the ``qkv_proj`` pre-hook, ``ops.py``) through layer i+1's
+query projection and rotary embedding, selects for layer i+1, so the entries
+can be on their way before layer i+1 runs. ``same-layer``: each sparse layer
+selects with its own query, in its own attention (no prefetch; where host and
+device memory are one, as on the CPU build, nothing is lost by waiting).
+Either way the compiled ``select_tokens`` kernel scores (alpha count capped by
+the budget, per-head top-k, sink/recent window). No per-slot state besides the
+partial keys, which every sparse layer keeps (``layer_state.py``).
 """
 
 from __future__ import annotations
@@ -33,16 +37,22 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
         query = qkv[:, :q_size]
     if target.rotary_emb is not None:
         query, _ = target.rotary_emb(positions, query.contiguous(), None)
-    group = target.num_heads // target.num_kv_heads
-    # query: [S, H_kv, G, D] x skew [H_kv, D, R] -> [S, H_kv, G, R]
-    query = query.float().view(-1, target.num_kv_heads, group, target.head_size)
-    return torch.einsum("bhgd,hdr->bhgr", query, target.skew).contiguous()
+    return skewed(target, query)
+
+
+def skewed(layer: LayerState, query: torch.Tensor) -> torch.Tensor:
+    """[S, H_kv, G, R] partial query from the layer's own queries [S, H_q, D]."""
+    group = layer.num_heads // layer.num_kv_heads
+    query = query.float().reshape(-1, layer.num_kv_heads, group, layer.head_size)
+    return torch.einsum("bhgd,hdr->bhgr", query, layer.skew).contiguous()
 
 
 class InfiniGenPolicy(SelectionPolicy):
     name = "infinigen"
-    selects_ahead = True
     supports_capped_pool = True
+
+    def selects_ahead(self, settings: InfiniGenConfig) -> bool:
+        return settings.speculation == "previous-layer"
 
     def select_ahead(self, source: LayerState, plan: StepPlan, settings: InfiniGenConfig,
                      row_map: torch.Tensor | None) -> torch.Tensor:
@@ -55,9 +65,21 @@ class InfiniGenPolicy(SelectionPolicy):
             )
         rows = plan.sparse_rows
         query = partial_query(target, hidden[rows.tokens], rows.context_lens)
-        selection, _ = kernels.select_tokens(
-            query, target.partial_keys, rows.block_table, rows.context_lens,
-            scale=target.scale, alpha=settings.alpha, budget=settings.budget,
-            sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
-            row_map=row_map)
-        return selection
+        return _select(target, plan, query, settings, row_map)
+
+    def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
+               settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
+        return _select(layer, plan, skewed(layer, query[plan.sparse_rows.tokens]), settings,
+                       row_map)
+
+
+def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
+            settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
+    """The selection of ``layer``'s sparse rows for a partial query [S, H_kv, G, R]."""
+    rows = plan.sparse_rows
+    selection, _ = kernels.select_tokens(
+        query, layer.partial_keys, rows.block_table, rows.context_lens,
+        scale=layer.scale, alpha=settings.alpha, budget=settings.budget,
+        sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
+        row_map=row_map)
+    return selection

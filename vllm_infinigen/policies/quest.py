@@ -116,7 +116,7 @@ class QuestPolicy(SelectionPolicy):
         bounds.high.scatter_reduce_(0, index, key.to(bounds.high.dtype), "amax")
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
-               settings: InfiniGenConfig) -> torch.Tensor:
+               settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
         bounds = self._pages[layer.layer_idx]
         slots, context_lens, context_host = context_slots(plan)  # slots: [S, N]
         starts = torch.arange(0, slots.shape[1], QUEST_PAGE_SIZE)

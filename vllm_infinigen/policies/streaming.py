@@ -39,7 +39,7 @@ class StreamingPolicy(SelectionPolicy):
     name = "streaming"
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
-               settings: InfiniGenConfig) -> torch.Tensor:
+               settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
         _, context_lens, context_host = context_slots(plan, with_slots=False)
         selection = streaming_select(
             context_lens, settings.budget, layer.num_kv_heads,
