@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """vllm-infinigen: InfiniGen's dynamic KV-cache management as a vLLM plugin.
 
-Importing the package (or vLLM loading it as a ``vllm.general_plugins`` entry
-point) adds ``--kv-manager infinigen`` and the ``--infinigen-*`` flags to
-vLLM's engine arguments, and the matching ``LLM(kv_manager=..., infinigen_*=...)``
-keyword arguments. With ``--kv-manager vllm`` (the default) vLLM is unchanged.
+``register()`` (run by vLLM in every process through the
+``vllm.general_plugins`` entry point, or called by a script before it builds
+``LLM(kv_manager=..., infinigen_*=...)``) adds ``--kv-manager infinigen``, the
+``--infinigen-*`` flags and the matching keyword arguments; the changes are
+listed in the patch index of ``vllm_infinigen/patch``. Importing the package
+or any of its modules changes nothing in vLLM. With ``--kv-manager vllm`` (the
+default) vLLM is unchanged.
 """
 
 from __future__ import annotations
@@ -52,6 +55,3 @@ def register() -> None:
 
     apply_all()
     register_spec()
-
-
-register()

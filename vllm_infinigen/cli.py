@@ -56,10 +56,12 @@ def prepare(args: argparse.Namespace) -> int:
 
 def demo(args: argparse.Namespace) -> int:
     """The main job: a short generation with InfiniGen, and what it did."""
-    import vllm_infinigen  # noqa: F401  (adds the kv_manager keyword)
     from vllm import LLM, SamplingParams
 
+    from vllm_infinigen import register
     from vllm_infinigen.metrics import summarize
+
+    register()  # the kv_manager / infinigen_* keywords of LLM(...)
 
     llm = LLM(
         model=str(args.model),

@@ -8,6 +8,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.policies import POLICY_NAMES, policy_class
+
 KV_MANAGERS = ("vllm", "infinigen")
 
 # The paper's alpha: a margin in logit space (OPT 4, Llama-2 5).
@@ -33,11 +36,13 @@ FLAG_OF_FIELD = {
     "policy": "--infinigen-policy",
     "eval_dense_prefix": "--infinigen-eval-dense-prefix",
     "min_context": "--infinigen-min-context",
+    "speculation": "--infinigen-speculation",
 }
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
+SPECULATIONS = ("previous-layer", "same-layer")
 # Selection policies: InfiniGen's, and baselines on the same machinery.
-POLICIES = ("infinigen", "h2o", "streaming", "quest")
+POLICIES = POLICY_NAMES
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class InfiniGenConfig:
         eviction: ``counter`` (the least often selected of the oldest half;
             the paper's best), ``lru`` or ``fifo``; see ``pool.py``.
         policy: ``infinigen``, or a baseline at the same budget on the same
-            machinery: ``h2o``, ``streaming`` or ``quest`` (``baselines.py``).
+            machinery: ``h2o``, ``streaming`` or ``quest`` (``policies/``).
         eval_dense_prefix: Evaluation mode (``None``: off). Prompt rows at
             positions >= this many tokens are computed like decode rows, each
             over the tokens the policy selects from the positions before it,
@@ -82,6 +87,11 @@ class InfiniGenConfig:
             mode equals teacher-forced decoding of the same tokens, in one
             prefill (InfiniGen, StreamingLLM and Quest; H2O is refused). For
             accuracy measurements only: it costs a selection per prompt token.
+        speculation: Whose query selects a sparse layer's tokens (policy
+            ``infinigen``): ``previous-layer`` (the paper: layer i, from its
+            attention input, for layer i+1, so the entries can be fetched
+            ahead) or ``same-layer`` (the layer's own query, in the layer).
+            The baselines always select in the layer.
         min_context: Rows whose context is shorter than this attend densely
             over the pool in the sparse layers, without speculating (0: every
             row attends over its selection). Below it a selection saves too
@@ -101,6 +111,7 @@ class InfiniGenConfig:
     policy: str = "infinigen"
     eval_dense_prefix: int | None = None
     min_context: int = DEFAULT_MIN_CONTEXT
+    speculation: str = "previous-layer"
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not _is_number(self.alpha, positive=True):
@@ -126,14 +137,6 @@ class InfiniGenConfig:
                 f"{FLAG_OF_FIELD['eval_dense_prefix']} must be an integer >= 1 (the "
                 f"first prompt token has no context to select from), got {prefix!r}"
             )
-        if prefix is not None and self.policy == "h2o":
-            raise ValueError(
-                f"{FLAG_OF_FIELD['eval_dense_prefix']} does not apply to "
-                f"{FLAG_OF_FIELD['policy']} h2o: H2O's scores accumulate over decode "
-                "steps one token at a time, which a single prefill cannot reproduce; "
-                "measure H2O by teacher-forced decoding "
-                "(benchmarks/accuracy/teacher_forcing.py)"
-            )
         if self.transfer not in TRANSFERS:
             raise ValueError(
                 f"{FLAG_OF_FIELD['transfer']} must be one of {list(TRANSFERS)}, "
@@ -144,17 +147,23 @@ class InfiniGenConfig:
                 f"{FLAG_OF_FIELD['cpu_pool_gib']} must be a number > 0, "
                 f"got {self.cpu_pool_gib!r}"
             )
+        if self.speculation not in SPECULATIONS:
+            raise ValueError(
+                f"{FLAG_OF_FIELD['speculation']} must be one of {list(SPECULATIONS)}, "
+                f"got {self.speculation!r}"
+            )
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(
                 f"{FLAG_OF_FIELD['eviction']} must be one of {list(EVICTION_POLICIES)}, "
                 f"got {self.eviction!r}"
             )
-        if self.policy not in POLICIES:
+        policy = policy_class(self.policy)  # an unknown name fails, naming the flag
+        if prefix is not None and policy.eval_mode_refusal:
             raise ValueError(
-                f"{FLAG_OF_FIELD['policy']} must be one of {list(POLICIES)}, "
-                f"got {self.policy!r}"
+                f"{FLAG_OF_FIELD['eval_dense_prefix']} does not apply to "
+                f"{FLAG_OF_FIELD['policy']} {self.policy}: {policy.eval_mode_refusal}"
             )
-        if self.policy != "infinigen" and self.cpu_pool_gib is not None:
+        if not policy.supports_capped_pool and self.cpu_pool_gib is not None:
             raise ValueError(
                 f"{FLAG_OF_FIELD['policy']} {self.policy} runs on an uncapped pool; "
                 f"remove {FLAG_OF_FIELD['cpu_pool_gib']}"
@@ -240,3 +249,49 @@ def infinigen_config_of(additional_config: dict[str, Any] | None) -> InfiniGenCo
             )
         return None
     return InfiniGenConfig.from_dict((additional_config or {}).get("infinigen"))
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What every InfiniGen part of one engine reads: the settings and the
+    model's layout, derived once per process from vLLM's config."""
+
+    config: InfiniGenConfig
+    layout: ModelLayout
+    dtype_bytes: int  # of the model's K/V (the pool, the partial keys)
+    step_tokens: int  # tokens one step writes at most (--max-num-batched-tokens)
+
+    @property
+    def pool_bytes_per_token(self) -> int:
+        """K/V bytes of every sparse layer for one token, all ranks."""
+        return self.layout.pool_bytes_per_token(self.dtype_bytes)
+
+
+# id(additional_config) -> (that dict, its setup): one parse per process and
+# config; the dict is kept so that its id cannot be reused.
+_setups: dict[int, tuple[dict, EngineSetup]] = {}
+
+
+def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None) -> EngineSetup | None:
+    """The engine's ``EngineSetup`` (None when InfiniGen is off), parsed once.
+
+    Args:
+        parsed: The settings, already parsed from this ``additional_config``
+            by the caller (the front end, which validates them first).
+    """
+    additional = vllm_config.additional_config
+    cached = _setups.get(id(additional))
+    if cached is not None and cached[0] is additional:
+        return cached[1]
+    config = parsed if parsed is not None else infinigen_config_of(additional)
+    if config is None:
+        return None
+    model = vllm_config.model_config
+    layout = dataclasses.replace(
+        ModelLayout.from_hf_config(model.hf_text_config, config.dense_layers,
+                                   config.partial_ratio),
+        head_dim=model.get_head_size())
+    setup = EngineSetup(config, layout, model.dtype.itemsize,
+                        vllm_config.scheduler_config.max_num_batched_tokens)
+    _setups[id(additional)] = (additional, setup)
+    return setup

@@ -18,7 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_infinigen.metrics import InfiniGenPromMetrics, InfiniGenStats
-from vllm_infinigen.pool import pool_bytes_per_token, pool_rows
+from vllm_infinigen.config import engine_setup
+from vllm_infinigen.pool import pool_rows
 
 if TYPE_CHECKING:
     from vllm_infinigen.runtime import InfiniGenRuntime
@@ -28,7 +29,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._runtime: InfiniGenRuntime | None = None
-        self._pool_bytes_per_token = pool_bytes_per_token(vllm_config)
+        self._setup = engine_setup(vllm_config)
         # Set once a worker reports a capped pool's capacity: the workers size
         # the pool (memory.plan_memory), the scheduler cannot tell on its own.
         self._workers_report_pool = False
@@ -98,9 +99,11 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
                    for blocks in dense.req_to_blocks.values())
         num_slots = block_pool.num_gpu_blocks * block_size
         gauges = {"device_blocks": used}
-        capped = self._workers_report_pool or pool_rows(self._vllm_config, num_slots) < num_slots
+        setup = self._setup
+        capped = self._workers_report_pool or pool_rows(
+            setup.config, setup.pool_bytes_per_token, setup.step_tokens, num_slots) < num_slots
         if not capped:
-            block_bytes = block_size * self._pool_bytes_per_token
+            block_bytes = block_size * setup.pool_bytes_per_token
             gauges["pool_used_bytes"] = used * block_bytes
             gauges["pool_capacity_bytes"] = (block_pool.num_gpu_blocks - 1) * block_bytes
         return InfiniGenStats(data=gauges)

@@ -15,9 +15,11 @@ Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from vllm_infinigen import baselines, kernels
+from vllm_infinigen import kernels
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -25,15 +27,44 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
+@dataclass(frozen=True)
+class LayerSource:
+    """What the loaded model gives one attention layer (found by ``install``)."""
+
+    index: int  # decoder layer
+    name: str  # vLLM's name of its attention layer
+    attention: torch.nn.Module  # vLLM's ``Attention``
+    self_attn: torch.nn.Module | None  # holds ``qkv_proj`` and ``rotary_emb``
+    skew: torch.Tensor  # [H_kv of this rank, D, R] float32
+    query_proj: torch.nn.Module | None  # ``query_weights.py``; None: use qkv_proj
+
+
 class LayerState:
-    """InfiniGen state of one attention layer on this worker."""
+    """InfiniGen state of one attention layer on this worker.
+
+    Args:
+        layer_idx: Index of the decoder layer.
+        layer_name: vLLM's name of its attention layer.
+        attn: vLLM's ``Attention`` module (shapes and scale from its impl).
+        self_attn: The module holding ``qkv_proj`` and ``rotary_emb``, if any.
+        sparse: Whether the layer attends over a selection.
+        skew: [H_kv, D, R] float32 skew slice of this rank's KV heads.
+        query_proj: The query rows of ``qkv_proj``, prepacked
+            (``query_weights.py``); None: speculate through ``qkv_proj``.
+        next: The sparse layer this layer speculates for, if any.
+        pool_layer: Index among the sparse layers (the pool index's layer).
+        stats: [2] float64 view of the runtime's counters for this layer.
+    """
 
     def __init__(self, layer_idx: int, layer_name: str, attn: torch.nn.Module,
-                 self_attn: torch.nn.Module | None, sparse: bool):
+                 self_attn: torch.nn.Module | None, sparse: bool, *,
+                 skew: torch.Tensor, query_proj: torch.nn.Module | None = None,
+                 next: LayerState | None = None, pool_layer: int = -1,
+                 stats: torch.Tensor | None = None):
         self.layer_idx = layer_idx
         self.layer_name = layer_name
         self.sparse = sparse
-        self.pool_layer = -1  # index among the sparse layers, in the pool index
+        self.pool_layer = pool_layer
         impl = attn.impl
         self.num_heads = impl.num_heads
         self.num_kv_heads = impl.num_kv_heads
@@ -41,22 +72,38 @@ class LayerState:
         self.scale = impl.scale
         self.qkv_proj = getattr(self_attn, "qkv_proj", None)
         self.rotary_emb = getattr(self_attn, "rotary_emb", None)
-        self.skew: torch.Tensor | None = None  # [H_kv, D, R] float32
-        # The query rows of qkv_proj, prepacked (``query_weights.py``).
-        self.query_proj: torch.nn.Module | None = None
-        self.next: LayerState | None = None  # the sparse layer it speculates for
-        self.captured_input: torch.Tensor | None = None  # [T, hidden]
-        # [S, H_kv, K] int32 positions selected for this layer's sparse rows (-1: none).
+        self.skew = skew
+        self.query_proj = query_proj
+        self.next = next
+        # Entries attended besides the rows' own (over KV heads), context tokens.
+        self.stats = torch.zeros(2, dtype=torch.float64) if stats is None else stats
+        self.captured_input: torch.Tensor | None = None  # [T, hidden], this step
+        # [S, H_kv, W] int32 positions selected for this layer's sparse rows (-1: none).
         self.selection: torch.Tensor | None = None
         self.kv_pool: torch.Tensor | None = None
         self.partial_keys: torch.Tensor | None = None
-        # Entries attended besides the rows' own (over KV heads), context tokens.
-        self.stats = torch.zeros(2, dtype=torch.float64)
-        # Baseline state, by slot (allocated by ``ensure_policy_state``).
-        self.h2o_accumulated: torch.Tensor | None = None  # [S + 1, H_kv]
-        self.h2o_alive: torch.Tensor | None = None  # [S + 1, H_kv]
-        self.quest_min: torch.Tensor | None = None  # [S / page + 1, H_kv, D]
-        self.quest_max: torch.Tensor | None = None
+
+    def capture(self, hidden: torch.Tensor | None) -> None:
+        """Keeps this step's attention input [T, hidden] (None: drops it)."""
+        self.captured_input = hidden
+
+    def offer_selection(self, positions: torch.Tensor) -> None:
+        """The selection this layer attends over in this step."""
+        self.selection = positions
+
+    def take_selection(self) -> torch.Tensor:
+        """This step's selection, once.
+
+        Raises:
+            RuntimeError: When no layer selected for this one.
+        """
+        positions, self.selection = self.selection, None
+        if positions is None:
+            raise RuntimeError(
+                f"InfiniGen: sparse layer {self.layer_idx} has no selection; "
+                f"layer {self.layer_idx - 1} did not speculate for it"
+            )
+        return positions
 
     @property
     def rank(self) -> int:
@@ -75,29 +122,13 @@ class LayerState:
         self.partial_keys = torch.zeros((num_blocks, self.num_kv_heads, self.rank, block_size),
                                         dtype=dtype, device=device)
 
-    def pool_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_kv_heads * self.head_size * dtype.itemsize
-
-    def partial_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.num_kv_heads * self.rank * dtype.itemsize
-
-    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               row_map: torch.Tensor | None) -> None:
         """Stores new K/V in the pool and their partial keys.
 
-        key, value: [T, H_kv, D]; slot_mapping: [T] (< 0: padding).
+        key, value: [T, H_kv, D]; slots: [T] int64 (< 0: padding).
         """
-        slots = slot_mapping.to(torch.int64)
         kernels.write_kv(self.kv_pool, self.partial_keys, key, value, self.skew, slots, row_map)
-        if self.h2o_accumulated is None and self.quest_min is None:
-            return
-        pad_slot = self.num_slots
-        slots = torch.where(slots < 0, pad_slot, slots)
-        if self.h2o_accumulated is not None:
-            self.h2o_accumulated[slots] = 0
-            self.h2o_alive[slots] = True
-        if self.quest_min is not None:
-            self._update_pages(key, slots)
 
     @property
     def num_slots(self) -> int:
@@ -107,32 +138,3 @@ class LayerState:
         """[..., H_kv, D] keys of ``slots`` (uncapped pool: unit = block id)."""
         block_size = self.block_size
         return self.kv_pool[slots // block_size, :, slots % block_size, : self.head_size]
-
-    def ensure_policy_state(self, policy: str) -> None:
-        """Allocates a baseline's per-slot state (from the pool, if it has data)."""
-        num_slots = self.num_slots + 1  # the last one takes padding
-        device = self.partial_keys.device
-        if policy == "h2o" and self.h2o_accumulated is None:
-            self.h2o_accumulated = torch.zeros((num_slots, self.num_kv_heads),
-                                               dtype=torch.float32, device=device)
-            self.h2o_alive = torch.ones((num_slots, self.num_kv_heads),
-                                        dtype=torch.bool, device=device)
-        if policy == "quest" and self.quest_min is None:
-            page = baselines.QUEST_PAGE_SIZE
-            keys = self.keys_at(torch.arange(self.num_slots)).to(device)
-            pages = keys.view(-1, page, self.num_kv_heads, self.head_size)
-            pad = torch.zeros((1, self.num_kv_heads, self.head_size), dtype=keys.dtype,
-                              device=device)
-            self.quest_min = torch.cat([pages.amin(dim=1), pad])
-            self.quest_max = torch.cat([pages.amax(dim=1), pad])
-
-    def _update_pages(self, key: torch.Tensor, slots: torch.Tensor) -> None:
-        """Folds new keys into their pages' min/max; a page restarts at its first slot."""
-        page_size = baselines.QUEST_PAGE_SIZE
-        pages = slots // page_size
-        first = pages[slots % page_size == 0]
-        self.quest_min[first] = float("inf")
-        self.quest_max[first] = float("-inf")
-        index = pages[:, None, None].expand_as(key)
-        self.quest_min.scatter_reduce_(0, index, key.to(self.quest_min.dtype), "amin")
-        self.quest_max.scatter_reduce_(0, index, key.to(self.quest_max.dtype), "amax")

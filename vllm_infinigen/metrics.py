@@ -71,13 +71,22 @@ def is_gauge(key: str) -> bool:
 
 
 def gauge_totals(data: dict[str, Any]) -> dict[str, int | float]:
-    """Each gauge's value: the sum of its per-rank latest values."""
-    totals: dict[str, int | float] = {}
+    """Each gauge's value: the sum of its per-rank latest values.
+
+    The workers' per-rank values (``"<gauge>.<rank>"``) win over the
+    scheduler's own (``"<gauge>"``): only the workers know a pool they capped
+    themselves, and both may arrive in the same interval.
+    """
+    by_rank: dict[str, int | float] = {}
+    scheduler: dict[str, int | float] = {}
     for key, value in data.items():
         if is_gauge(key):
-            name = key.split(".", 1)[0]
-            totals[name] = totals.get(name, 0) + value
-    return totals
+            name, dot, _ = key.partition(".")
+            if dot:
+                by_rank[name] = by_rank.get(name, 0) + value
+            else:
+                scheduler[name] = value
+    return {**scheduler, **by_rank}
 
 
 class InfiniGenPromMetrics(KVConnectorPromMetrics):

@@ -26,7 +26,7 @@ def capture_attention_input(hidden_states: torch.Tensor, layer_name: str) -> tor
         if state is not None and context.attn_metadata is not None:
             # A private copy: the compiler may reuse the input's buffer
             # before the attention op of this layer runs.
-            state.captured_input = hidden_states.clone()
+            state.capture(hidden_states.clone())
     return hidden_states.clone()
 
 

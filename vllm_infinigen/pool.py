@@ -35,9 +35,11 @@ admitted.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from vllm_infinigen.config import EVICTION_POLICIES, FLAG_OF_FIELD, infinigen_config_of
+from vllm_infinigen.config import EVICTION_POLICIES, FLAG_OF_FIELD, InfiniGenConfig
 
 _COUNT_SHIFT = 40  # key = newer_half << 62 | count << 40 | insertion tick
 _NEWER_HALF = 1 << 62
@@ -45,39 +47,67 @@ _NEVER = torch.iinfo(torch.int64).max  # eviction key of a free row
 _RESERVE_FRACTION = 16  # a batch eviction leaves num_rows // 16 rows spare
 
 
-def pool_bytes_per_token(vllm_config) -> int:
-    """Bytes of K and V of all sparse layers (all ranks) for one token."""
-    config = infinigen_config_of(vllm_config.additional_config)
-    model = vllm_config.model_config
-    hf = model.hf_text_config
-    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    num_sparse = max(hf.num_hidden_layers - config.dense_layers, 0)
-    return 2 * num_sparse * num_kv_heads * model.get_head_size() * model.dtype.itemsize
+def pool_rows(config: InfiniGenConfig, pool_bytes_per_token: int, step_tokens: int,
+              num_slots: int) -> int:
+    """Tokens the pool holds per (layer, KV head): ``--infinigen-cpu-pool-gib``'s
+    worth, or every slot when the flag is unset.
 
-
-def pool_rows(vllm_config, num_slots: int) -> int:
-    """Tokens the pool holds per (layer, KV head): the cap, or every slot.
+    Args:
+        pool_bytes_per_token: K/V bytes of every sparse layer, all ranks
+            (``ModelLayout.pool_bytes_per_token``).
+        step_tokens: Tokens one step writes (``--max-num-batched-tokens``).
 
     Raises:
         ValueError: When the cap cannot hold one step's tokens, naming the flags.
     """
-    config = infinigen_config_of(vllm_config.additional_config)
     if config.cpu_pool_gib is None:
         return num_slots
-    rows = int(config.cpu_pool_gib * 2**30) // pool_bytes_per_token(vllm_config)
-    step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    rows = int(config.cpu_pool_gib * 2**30) // pool_bytes_per_token
     if rows < step_tokens:
         raise ValueError(
             f"{FLAG_OF_FIELD['cpu_pool_gib']} {config.cpu_pool_gib} holds {rows} tokens, "
             f"fewer than one step writes ({step_tokens}, --max-num-batched-tokens); "
-            f"raise it to at least "
-            f"{step_tokens * pool_bytes_per_token(vllm_config) / 2**30:.4g}"
+            f"raise it to at least {step_tokens * pool_bytes_per_token / 2**30:.4g}"
         )
     return min(rows, num_slots)
 
 
+class PoolIndex(Protocol):
+    """Where each (sparse layer, KV head) keeps a slot's K/V entry in the pool.
+
+    Every row-addressing call takes the sparse layer's index among the sparse
+    layers (``LayerState.pool_layer``); slots are the dense group's slot ids.
+    """
+
+    num_rows: int  # rows per (layer, KV head)
+
+    def row_map_of(self, layer: int) -> torch.Tensor | None:
+        """[num_blocks, H, block_size] int32 rows of ``layer``'s entries (-1:
+        evicted) for the kernels; None when a slot's row is the slot id."""
+
+    def admit(self, slots: torch.Tensor) -> None:
+        """Gives the step's new slots [n] (< 0 ignored) their rows."""
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Frees the rows of a finished or preempted request's slots."""
+
+    def record_selection(self, layer: int, positions: torch.Tensor,
+                         block_table: torch.Tensor) -> None:
+        """Counts a selection's uses (the eviction policy's input)."""
+
+    def set_eviction(self, policy: str) -> None:
+        """Switches the eviction policy (``--infinigen-eviction``)."""
+
+    def take_evictions(self) -> list[int]:
+        """Entries evicted per layer since the last call (empty: never evicts)."""
+
+    def occupancy(self) -> tuple[int, int] | None:
+        """(entries held, entries of capacity) summed over layers and heads;
+        None when the scheduler's block count says it (a row per slot)."""
+
+
 def make_pool_index(num_layers: int, num_heads: int, num_slots: int, num_rows: int,
-                    policy: str, device: torch.device, *, block_size: int):
+                    policy: str, device: torch.device, *, block_size: int) -> PoolIndex:
     """A capped index when the pool has fewer rows than slots, else the identity.
 
     Args:
@@ -91,13 +121,13 @@ def make_pool_index(num_layers: int, num_heads: int, num_slots: int, num_rows: i
 
 
 class IdentityPoolIndex:
-    """Row of a slot's entry = the slot id (uncapped pool)."""
-
-    capped = False
+    """Row of a slot's entry = the slot id (uncapped pool); nothing to track."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_rows = num_slots
-        self.evictions = None
+
+    def row_map_of(self, layer: int) -> None:
+        return None
 
     def rows(self, layer: int, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Rows of ``slots`` in the KV heads ``heads`` (broadcast together).
@@ -111,6 +141,19 @@ class IdentityPoolIndex:
         return None
 
     def release(self, slots: torch.Tensor) -> None:
+        return None
+
+    def record_selection(self, layer: int, positions: torch.Tensor,
+                         block_table: torch.Tensor) -> None:
+        return None
+
+    def set_eviction(self, policy: str) -> None:
+        return None
+
+    def take_evictions(self) -> list[int]:
+        return []
+
+    def occupancy(self) -> None:
         return None
 
 
@@ -130,19 +173,13 @@ class CappedPoolIndex:
         ValueError: On an unknown policy, or a block size not dividing the slots.
     """
 
-    capped = True
-
     def __init__(self, num_layers: int, num_heads: int, num_slots: int, num_rows: int,
                  policy: str, device: torch.device | str = "cpu", *,
                  block_size: int | None = None) -> None:
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(
-                f"--infinigen-eviction must be one of {list(EVICTION_POLICIES)}, got {policy!r}"
-            )
+        self.set_eviction(policy)
         block_size = num_slots if block_size is None else block_size
         if block_size <= 0 or num_slots % block_size:
             raise ValueError(f"block size {block_size} does not divide {num_slots} slots")
-        self.policy = policy
         self.num_rows = num_rows
         self.num_slots = num_slots
         self.num_layers = num_layers
@@ -166,6 +203,24 @@ class CappedPoolIndex:
         self._tick = 0
         self._layer_ids = torch.arange(num_layers, device=device)
         self._heads = torch.arange(num_heads, device=device)[None, :, None]
+
+    def set_eviction(self, policy: str) -> None:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"--infinigen-eviction must be one of {list(EVICTION_POLICIES)}, got {policy!r}"
+            )
+        self.eviction = policy
+
+    def row_map_of(self, layer: int) -> torch.Tensor:
+        return self.row_map[layer]
+
+    def take_evictions(self) -> list[int]:
+        evictions = self.evictions.tolist()
+        self.evictions.zero_()
+        return evictions
+
+    def occupancy(self) -> tuple[int, int]:
+        return (int(self.occupied().sum()), self.num_rows * self.num_heads * self.num_layers)
 
     @property
     def row_of(self) -> torch.Tensor:
@@ -305,9 +360,9 @@ class CappedPoolIndex:
         """[l, H, rows] int64 keys of ``layers``' rows; lower goes first, free: never."""
         owner, inserted = self.owner[layers], self.inserted[layers]
         free = owner < 0
-        if self.policy == "fifo":
+        if self.eviction == "fifo":
             key = inserted
-        elif self.policy == "lru":
+        elif self.eviction == "lru":
             key = self.last_used[layers]
         else:
             # The oldest half: insertion tick at most the median of the held ones.

@@ -24,6 +24,15 @@ import torch
 from vllm.model_executor.models.utils import extract_layer_index
 
 
+class QueryProjection(torch.nn.Module):
+    """The query rows of one layer's ``qkv_proj``: weight [q_size, hidden], bias [q_size]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+
 @contextlib.contextmanager
 def capture_query_weights(first_layer: int) -> Iterator[dict[int, torch.nn.Module]]:
     """Yields {layer_idx: module} whose ``cpu_linear(x, weight, bias)`` is x W_q^T + b_q.
@@ -42,12 +51,9 @@ def capture_query_weights(first_layer: int) -> Iterator[dict[int, torch.nn.Modul
             idx = extract_layer_index(layer.prefix)
             if idx >= first_layer:
                 q_size = layer.num_heads * layer.head_size  # this rank's query rows
-                query = torch.nn.Module()
-                query.weight = torch.nn.Parameter(layer.weight.detach()[:q_size].clone(),
-                                                  requires_grad=False)
                 bias = getattr(layer, "bias", None)
-                query.bias = None if bias is None else torch.nn.Parameter(
-                    bias.detach()[:q_size].clone(), requires_grad=False)
+                query = QueryProjection(layer.weight.detach()[:q_size].clone(),
+                                        None if bias is None else bias.detach()[:q_size].clone())
                 original(query, True)  # vLLM's own CPU GEMM choice and prepacking
                 captured[idx] = query
         return original(layer, remove_weight)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Ray executors (engine-core side) and Ray workers (worker side) for vLLM's CPU backend.
 
-Installed by ``vllm_infinigen.patch.patch_ray`` only when the CPU platform runs
+Installed (``bind_cpu_workers``, and ``Executor.get_class`` by
+``vllm_infinigen.patch.patch_ray``) only when the CPU platform runs
 ``--distributed-executor-backend ray``; importing this module imports Ray.
 
 Each Ray worker holds one ``vllm_cpu`` slot, a custom Ray resource (Ray
@@ -204,15 +205,27 @@ def connect_ray(parallel_config) -> RayConnection | None:
     return connection
 
 
+def bind_cpu_workers() -> None:
+    """Makes vLLM's Ray executors create this module's CPU workers (idempotent).
+
+    The platform gets the ``vllm_cpu`` device key; the executors create their
+    actors from the module-level worker names rebound here.
+    """
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.executor import ray_executor, ray_executor_v2
+
+    CpuPlatform.ray_device_key = RAY_DEVICE_KEY
+    ray_executor.RayWorkerWrapper = CPURayWorkerWrapper
+    ray_executor_v2.RayWorkerProc = CPURayWorkerProc
+
+
 class _CPURayExecutorMixin:
     """Connects to Ray with CPU slots first, and disconnects at shutdown."""
 
     ray_connection: RayConnection | None = None
 
     def _init_executor(self) -> None:
-        from vllm_infinigen.patch import patch_ray
-
-        patch_ray.enable()  # a spawned engine core has not run create_engine_config
+        bind_cpu_workers()  # a spawned engine core has not run create_engine_config
         self.ray_connection = connect_ray(self.parallel_config)
         super()._init_executor()
 

@@ -20,58 +20,104 @@ over the pool; prompt rows attend causally over it. The compiled kernels
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from vllm.logger import init_logger
 
-from vllm_infinigen import baselines, kernels, policies
+from vllm_infinigen import kernels
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.kernels.reference import entries_of
-from vllm_infinigen.layer_state import LayerState
-from vllm_infinigen.pool import IdentityPoolIndex, make_pool_index
+from vllm_infinigen.layer_state import LayerSource, LayerState
+from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.policies import policy_class
+from vllm_infinigen.policies.base import SelectionPolicy
+from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE
+from vllm_infinigen.pool import IdentityPoolIndex, PoolIndex, make_pool_index
 from vllm_infinigen.step_plan import StepPlan, build_plan
 from vllm_infinigen.transfer import make_transfer
 
 logger = init_logger(__name__)
 
+# num_reqs -> [num_reqs] prompt length of each request of a step, in the
+# attention metadata's order.
+PromptLengths = Callable[[int], torch.Tensor]
+
 
 class InfiniGenRuntime:
-    """Owns every layer's state and the per-step plan on one worker."""
+    """Owns every layer's state, the pool index and the per-step plan on one worker.
 
-    def __init__(self, config: InfiniGenConfig, alpha: float, layers: list[LayerState],
-                 device: torch.device):
+    Args:
+        config: The engine's settings with ``alpha`` resolved for the model.
+        sources: Every attention layer of the model, in order (layer 0 is
+            dense: its metadata indexes the pool).
+        device: Where the partial keys live.
+        layout: The model's layout (all ranks: the counters are per model KV head).
+        rank: Tensor-parallel rank of this worker (for the per-rank gauges).
+        prompt_lens_of: The step's prompt lengths; None: every row with one
+            query token and some context is a decode row.
+    """
+
+    def __init__(self, config: InfiniGenConfig, sources: Sequence[LayerSource],
+                 device: torch.device, *, layout: ModelLayout, rank: int = 0,
+                 prompt_lens_of: PromptLengths | None = None):
+        if config.alpha is None:
+            raise ValueError("the runtime needs a resolved alpha (InfiniGenConfig.resolved_alpha)")
         self.config = config
-        self.alpha = alpha
-        self.layers = layers
         self.device = device
+        self.layout = layout
+        self.total_kv_heads = layout.num_kv_heads
+        self.rank = rank
+        self.prompt_lens_of = prompt_lens_of
+        self.reference_layer = sources[0].name
         # stats: [layers, 2] entries attended and context tokens; each layer's
         # kernels add to its row (``state.stats`` is a view). Tokens are
         # counted as the mean over all KV heads of the model: a tensor-parallel
         # rank adds its heads' share, and vLLM sums the ranks.
-        self.stats = torch.zeros((len(layers), 2), dtype=torch.float64)
-        for state in layers:
-            state.stats = self.stats[state.layer_idx]
-        self.total_kv_heads = layers[0].num_kv_heads  # of the model, all ranks
-        self.pool_index = IdentityPoolIndex(0)
+        self.stats = torch.zeros((len(sources), 2), dtype=torch.float64)
+        self.layers = self._layer_states(sources)
+        self.pool_index: PoolIndex = IdentityPoolIndex(0)
         self.pool_entry_bytes = 0  # one (layer, head) entry: K and V
-        self._admitted_for: object | None = None
-        self.reference_layer = ""  # a dense layer: its metadata indexes the pool
-        self.rank = 0  # tensor-parallel rank of this worker
-        self.block_size = 0  # of the dense group, set with the pool
         self.transfer = make_transfer(config.transfer, device)
-        self.swap_wait_us = [0] * len(layers)
+        self.swap_wait_us = [0] * len(sources)
+        # Every policy used so far keeps its state up to date (a switch back
+        # finds it current); ``policy`` selects.
+        self._policies: dict[str, SelectionPolicy] = {}
+        self.policy = self._policy(config.policy)
+        self._admitted_for: object | None = None
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
-        # num_reqs -> [num_reqs] prompt length of each request of the step, in
-        # the attention metadata's order (set by the worker; None: every row
-        # with one query token and some context is a decode row).
-        self.prompt_lens_of: Callable[[int], torch.Tensor] | None = None
+
+    def _layer_states(self, sources: Sequence[LayerSource]) -> list[LayerState]:
+        """Layer states, last first: a layer before a sparse one speculates for it."""
+        dense_layers = self.config.dense_layers
+        states: list[LayerState] = []
+        for source in reversed(sources):
+            sparse = source.index >= dense_layers
+            after = states[0] if states and states[0].sparse else None
+            states.insert(0, LayerState(
+                source.index, source.name, source.attention, source.self_attn, sparse,
+                skew=source.skew, query_proj=source.query_proj if sparse else None,
+                next=after, pool_layer=source.index - dense_layers if sparse else -1,
+                stats=self.stats[source.index]))
+        return states
+
+    def _policy(self, name: str) -> SelectionPolicy:
+        if name not in self._policies:
+            policy = policy_class(name)()
+            for state in self.sparse_layers:
+                if state.kv_pool is not None:
+                    policy.allocate(state)
+            self._policies[name] = policy
+        return self._policies[name]
+
+    @property
+    def sparse_layers(self) -> list[LayerState]:
+        return [state for state in self.layers if state.sparse]
 
     def row_map(self, state: LayerState) -> torch.Tensor | None:
         """[num_blocks, H_kv, block_size] rows of ``state``'s entries in a capped pool."""
-        index = self.pool_index
-        return index.row_map[state.pool_layer] if index.capped else None
+        return self.pool_index.row_map_of(state.pool_layer)
 
     def allocate_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                       num_rows: int, sized_by: str = "") -> None:
@@ -84,14 +130,17 @@ class InfiniGenRuntime:
         """
         import psutil
 
-        sparse = [state for state in self.layers if state.sparse]
+        sparse = self.sparse_layers
         num_slots = num_blocks * block_size
-        if block_size % baselines.QUEST_PAGE_SIZE:
+        if block_size % QUEST_PAGE_SIZE:
             raise ValueError(f"InfiniGen needs a block size that is a multiple of "
-                             f"{baselines.QUEST_PAGE_SIZE}; got --block-size {block_size}")
+                             f"{QUEST_PAGE_SIZE}; got --block-size {block_size}")
         capped = num_rows < num_slots
         num_units = -(-num_rows // block_size) if capped else num_blocks
-        pool_bytes = num_units * block_size * sum(s.pool_bytes_per_token(dtype) for s in sparse)
+        kv_heads = sparse[0].num_kv_heads  # of this rank
+        self.pool_entry_bytes = self.layout.kv_bytes_per_token_layer(dtype.itemsize, 1)
+        pool_bytes = (num_units * block_size
+                      * self.layout.pool_bytes_per_token(dtype.itemsize, kv_heads))
         free_bytes = psutil.virtual_memory().available
         if pool_bytes > 0.9 * free_bytes:
             raise ValueError(
@@ -100,17 +149,16 @@ class InfiniGenRuntime:
                 "--infinigen-cpu-pool-gib or lower --kv-cache-memory-bytes (uncapped, "
                 "the pool holds every token the dense layers' blocks can hold)"
             )
-        self.block_size = block_size
-        for pool_layer, state in enumerate(sparse):
-            state.pool_layer = pool_layer
+        for state in sparse:
             state.allocate(num_units, num_blocks, block_size, dtype, self.device)
         self.pool_index = make_pool_index(
             len(sparse), sparse[0].num_kv_heads, num_slots, num_rows,
             self.config.eviction, self.device, block_size=block_size,
         )
-        self.pool_entry_bytes = 2 * sparse[0].head_size * dtype.itemsize
-        for state in sparse:
-            state.ensure_policy_state(self.config.policy)
+        for policy in self._policies.values():
+            for state in sparse:
+                policy.allocate(state)
+        partial_bytes = num_slots * self.layout.partial_bytes_per_token(dtype.itemsize, kv_heads)
         logger.info(
             "InfiniGen: pool of %d tokens per sparse layer and KV head (%d layers x %d "
             "KV heads), %s: %.3f GiB host memory, sized by %s; partial keys for %d "
@@ -119,16 +167,13 @@ class InfiniGenRuntime:
             f"capped below the dense group's {num_slots} slots, {self.config.eviction} "
             f"eviction" if capped else "a row per dense slot (uncapped)",
             pool_bytes / 2**30, sized_by or "the dense group's slots",
-            num_slots, num_slots * sum(s.partial_bytes_per_token(dtype) for s in sparse) / 2**30,
+            num_slots, partial_bytes / 2**30,
             self.transfer.name, kernels.load(),
         )
 
-    def begin_step(self, attn_metadata, slot_mapping: torch.Tensor) -> None:
-        """Gives the step's new tokens their pool rows (once per step)."""
-        if self._admitted_for is attn_metadata:
-            return
-        self._admitted_for = attn_metadata
-        self.pool_index.admit(slot_mapping.to(torch.int64))
+    def shutdown(self) -> None:
+        """Stops the copy worker (``--infinigen-transfer copy``), if any."""
+        self.transfer.shutdown()
 
     def release(self, slots: torch.Tensor) -> None:
         """Frees the pool rows of a finished or preempted request's slots."""
@@ -140,26 +185,22 @@ class InfiniGenRuntime:
         Args:
             alpha: New alpha, if given.
             changes: New ``budget``, ``sink_tokens``, ``recent_tokens``,
-                ``eviction``, ``policy``, ``eval_dense_prefix`` or ``min_context``.
+                ``eviction``, ``policy``, ``speculation``, ``eval_dense_prefix``
+                or ``min_context``.
 
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
         allowed = {"budget", "sink_tokens", "recent_tokens", "eviction", "policy",
-                   "eval_dense_prefix", "min_context"}
+                   "speculation", "eval_dense_prefix", "min_context"}
         if set(changes) - allowed:
             raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
         if alpha is not None:
-            changes["alpha"] = alpha
+            changes["alpha"] = float(alpha)
         self.config = dataclasses.replace(self.config, **changes)
-        if alpha is not None:
-            self.alpha = float(alpha)
-        if "eviction" in changes and self.pool_index.capped:
-            self.pool_index.policy = self.config.eviction
+        self.pool_index.set_eviction(self.config.eviction)
+        self.policy = self._policy(self.config.policy)
         self._plan_source = None
-        for state in self.layers:
-            if state.sparse and state.kv_pool is not None:
-                state.ensure_policy_state(self.config.policy)
 
     def take_counters(self) -> dict[str, float]:
         """Drains the counters (one host copy per step, not per layer)."""
@@ -174,18 +215,71 @@ class InfiniGenRuntime:
                 out[f"swap_bytes.{idx}"] = entries * self.pool_entry_bytes
                 out[f"swap_wait_us.{idx}"] = self.swap_wait_us[idx]
         self.swap_wait_us = [0] * len(self.layers)
-        index = self.pool_index
-        if index.capped:
-            evictions = index.evictions.tolist()
-            index.evictions.zero_()
-            for state in self.layers:
-                if state.sparse and evictions[state.pool_layer]:
-                    out[f"evictions.{state.layer_idx}"] = evictions[state.pool_layer]
-            # A gauge per rank (summed over ranks by InfiniGenStats.reduce).
-            out[f"pool_used_bytes.{self.rank}"] = int(index.occupied().sum()) * self.pool_entry_bytes
-            out[f"pool_capacity_bytes.{self.rank}"] = (
-                index.num_rows * index.num_heads * index.num_layers * self.pool_entry_bytes)
+        sparse = self.sparse_layers
+        for pool_layer, count in enumerate(self.pool_index.take_evictions()):
+            if count:
+                out[f"evictions.{sparse[pool_layer].layer_idx}"] = count
+        occupancy = self.pool_index.occupancy()
+        if occupancy is not None:  # a gauge per rank (summed by InfiniGenStats.reduce)
+            used, capacity = occupancy
+            out[f"pool_used_bytes.{self.rank}"] = used * self.pool_entry_bytes
+            out[f"pool_capacity_bytes.{self.rank}"] = capacity * self.pool_entry_bytes
         return out
+
+    # -- one step, layer by layer (called by the attention impls, ``install.py``)
+
+    def begin_layer(self, state: LayerState, dense_metadata, slot_mapping: torch.Tensor,
+                    block_size: int) -> StepPlan:
+        """Before a layer's attention: the step's plan, and the selection this
+        layer makes for the next one (policies that select ahead).
+
+        Args:
+            dense_metadata: The dense group's attention metadata of the step.
+            slot_mapping: The dense group's slot of each new token.
+        """
+        self.begin_step(dense_metadata, slot_mapping)
+        plan = self.plan_for(dense_metadata, block_size)
+        ahead = bool(plan.sparse.numel()) and self.policy.selects_ahead(self.config)
+        if state.next is not None and ahead and not self._deferred(plan):
+            self.speculate(state, plan)
+        if not (state.next is not None and ahead and self._deferred(plan)):
+            state.capture(None)
+        return plan
+
+    def attend(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
+               output: torch.Tensor) -> None:
+        """A sparse layer's attention; query, output: [T, H_q, D], output in place."""
+        if (self.policy.selects_ahead(self.config) and plan.sparse.numel()
+                and self._deferred(plan)):
+            previous = self.layers[state.layer_idx - 1]
+            self.speculate(previous, plan)
+            previous.capture(None)
+        if plan.has_other_rows:
+            self.attend_prompt(state, plan, query, output)
+        if plan.num_decodes:
+            self.attend_decode(state, plan, query, output)
+
+    def _deferred(self, plan: StepPlan) -> bool:
+        """Evaluation mode with prompt rows: they select among this step's own
+        tokens, whose partial keys in the next layer do not exist before that
+        layer runs: the next layer runs this layer's speculation itself, after
+        writing them (same inputs, same result as in decode)."""
+        return plan.has_other_rows and self.config.eval_dense_prefix is not None
+
+    def begin_step(self, attn_metadata, slot_mapping: torch.Tensor) -> None:
+        """Gives the step's new tokens their pool rows (once per step)."""
+        if self._admitted_for is attn_metadata:
+            return
+        self._admitted_for = attn_metadata
+        self.pool_index.admit(slot_mapping.to(torch.int64))
+
+    def write(self, state: LayerState, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """New K/V [T, H_kv, D] of a sparse layer into the pool; slot_mapping [T]."""
+        slots = slot_mapping.to(torch.int64)
+        state.write(key, value, slots, self.row_map(state))
+        for policy in self._policies.values():
+            policy.on_write(state, key, slots)
 
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
         """The step's rows, from the dense group's metadata (cached per step)."""
@@ -197,17 +291,17 @@ class InfiniGenRuntime:
     def speculate(self, state: LayerState, plan: StepPlan) -> None:
         """Layer ``state`` selects the tokens of ``state.next`` for the sparse rows."""
         target = state.next
-        policies.speculate(state, plan, self.config, self.alpha, self.row_map(target))
-        self._start_transfer(target, plan)
+        positions = self.policy.select_ahead(state, plan, self.config, self.row_map(target))
+        target.offer_selection(positions)
+        self._start_transfer(target, plan, positions)
 
-    def _start_transfer(self, target: LayerState, plan: StepPlan) -> None:
+    def _start_transfer(self, target: LayerState, plan: StepPlan,
+                        positions: torch.Tensor) -> None:
         """Counts the selection's uses (capped pool) and sends ``target`` its entries."""
-        positions = target.selection
         block_table = plan.sparse_rows.block_table
-        row_map = self.row_map(target)
-        if row_map is not None:
-            self.pool_index.record_selection(target.pool_layer, positions, block_table)
-        self.transfer.start(target.layer_idx, target.kv_pool, block_table, positions, row_map)
+        self.pool_index.record_selection(target.pool_layer, positions, block_table)
+        self.transfer.start(target.layer_idx, target.kv_pool, block_table, positions,
+                            self.row_map(target))
 
     def attend_decode(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor) -> None:
@@ -221,20 +315,15 @@ class InfiniGenRuntime:
         rows = plan.sparse_rows
         if not rows.size:
             return
-        if self.config.policy != "infinigen":
-            policies.select_in_layer(state, plan, self.config, query)
-            self._start_transfer(state, plan)
-        positions = state.selection
-        if positions is None:
-            raise RuntimeError(
-                f"InfiniGen: sparse layer {state.layer_idx} has no selection; "
-                f"layer {state.layer_idx - 1} did not speculate for it"
-            )
-        state.selection = None
+        policy = self.policy
+        if not policy.selects_ahead(self.config):
+            positions = policy.select(state, plan, query, self.config, row_map)
+            state.offer_selection(positions)
+            self._start_transfer(state, plan, positions)
+        positions = state.take_selection()
         tokens = rows.tokens
-        probs = None
-        if self.config.policy == "h2o":
-            probs = torch.empty(positions.shape, dtype=torch.float32)
+        probs = (torch.empty(positions.shape, dtype=torch.float32)
+                 if policy.records_attention else None)
         staged, waited = self.transfer.wait(state.layer_idx)
         self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
         if staged is None:
@@ -245,7 +334,7 @@ class InfiniGenRuntime:
             out = self._attend_staged(state, plan, query[tokens], staged, positions, probs)
         output[tokens] = out
         if probs is not None:
-            policies.accumulate_h2o(state, plan, positions, probs)
+            policy.on_attend(state, plan, positions, probs)
 
     def _attend_staged(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                        staged: torch.Tensor, positions: torch.Tensor,
@@ -273,8 +362,7 @@ class InfiniGenRuntime:
     def attend_prompt(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor) -> None:
         """Causal attention of the prompt rows over the pool; query, output: [T, H_q, D]."""
-        if self.config.policy == "h2o" and state.h2o_accumulated is not None:
-            policies.attend_prompt_h2o(state, plan, query, output, self.row_map(state))
+        if self.policy.attend_prompt(state, plan, query, output, self.row_map(state)):
             return
         kernels.attend_prefill(query, output, state.kv_pool, plan.all_block_table,
                                plan.query_start, plan.seq_lens, plan.prompt_requests,

@@ -57,7 +57,7 @@ def select_tokens(
     scale: float,
     alpha: float,
     budget: float,
-    num_slots: int,
+    width: int,
     sink_tokens: int = 0,
     recent_tokens: int = 0,
     present: torch.Tensor | None = None,
@@ -72,7 +72,8 @@ def select_tokens(
         scale: The attention scale, so that ``alpha`` is in logit units.
         alpha: The paper's alpha.
         budget: Cap on selected tokens as a fraction of the context.
-        num_slots: K of the result, from ``max_selected`` (host side).
+        width: Selected entries per head in the result (K), from
+            ``max_selected`` (host side).
         sink_tokens: First tokens always kept (on top of the budget).
         recent_tokens: Last tokens always kept (on top of the budget).
         present: [B, N, H_kv] whether the pool still holds each entry (None:
@@ -109,10 +110,10 @@ def select_tokens(
     scores = scores.masked_fill(forced, float("inf"))
     num_selected = torch.minimum(num_chosen + num_window, lens[:, 0])
 
-    num_slots = min(num_slots, num_tokens)
-    top_scores, top = torch.topk(scores, num_slots, dim=-1, sorted=True)
-    valid = torch.arange(num_slots, device=scores.device) < num_selected[:, None, None]
-    valid = valid.expand(num_reqs, num_kv_heads, num_slots)
+    width = min(width, num_tokens)
+    top_scores, top = torch.topk(scores, width, dim=-1, sorted=True)
+    valid = torch.arange(width, device=scores.device) < num_selected[:, None, None]
+    valid = valid.expand(num_reqs, num_kv_heads, width)
     if present is not None:
         valid = valid & (top_scores > float("-inf"))
     return Selection(positions=top, valid=valid, num_selected=num_selected)

@@ -80,7 +80,7 @@ class StepPlan:
 
     @functools.cached_property
     def context_slots(self) -> torch.Tensor:
-        """[B, N] slot id of every context position (for the baselines' per-slot state)."""
+        """[B, N] slot id of every context position (for the policies' per-slot state)."""
         width = max(self.context_host, default=1)
         positions = torch.arange(width).expand(self.num_decodes, width)
         block_ids, offsets = block_coordinates(positions, self.block_table, self.block_size)

@@ -3,20 +3,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_infinigen.config import infinigen_config_of
-from vllm_infinigen.pool import pool_rows
-from vllm_infinigen.query_weights import capture_query_weights
-from vllm_infinigen.install import install
+from vllm_infinigen.config import engine_setup
+from vllm_infinigen.install import install, layer_sources
 from vllm_infinigen.memory import BlockCosts, plan_memory, rows_within
 from vllm_infinigen.patch import patch_seeded_sampling
-from vllm_infinigen.runtime import InfiniGenRuntime
+from vllm_infinigen.pool import pool_rows
+from vllm_infinigen.query_weights import capture_query_weights
+from vllm_infinigen.runtime import InfiniGenRuntime, PromptLengths
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
-from vllm_infinigen.layout import kv_cache_group_size
 
 logger = init_logger(__name__)
 
@@ -32,31 +33,33 @@ def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tens
 
 
 def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
-                  query_weights: dict[int, torch.nn.Module] | None = None) -> InfiniGenRuntime:
+                  query_weights: dict[int, torch.nn.Module] | None = None,
+                  prompt_lens_of: PromptLengths | None = None) -> InfiniGenRuntime:
     """Loads the skew file named in the config and installs InfiniGen on ``model``.
 
     Args:
         query_weights: {layer_idx: query projection} of the sparse layers, from
             ``capture_query_weights`` (None: speculate with the whole qkv_proj).
+        prompt_lens_of: The step's prompt lengths (``InfiniGenRuntime``).
     """
-    config = infinigen_config_of(vllm_config.additional_config)
-    model_config = vllm_config.model_config
-    hf_config = model_config.hf_text_config
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    setup = engine_setup(vllm_config)
+    config, layout = setup.config, setup.layout
     tables = load_skew_tables(
         config.skew_file,
-        fingerprint=model_fingerprint(local_model_dir(model_config.model)),
+        fingerprint=model_fingerprint(local_model_dir(vllm_config.model_config.model)),
         partial_ratio=config.partial_ratio,
-        num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=model_config.get_head_size(),
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
     )
     rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
     uses_rope = any(hasattr(m, "rotary_emb") for m in model.modules())
-    runtime = install(model, vllm_config, config, skew, config.resolved_alpha(uses_rope), device,
-                      query_weights)
-    runtime.total_kv_heads = num_kv_heads
+    sources = layer_sources(model, vllm_config, skew, device, query_weights)
+    runtime = InfiniGenRuntime(
+        dataclasses.replace(config, alpha=config.resolved_alpha(uses_rope)), sources, device,
+        layout=layout, rank=rank, prompt_lens_of=prompt_lens_of)
+    install(runtime, sources)
     return runtime
 
 
@@ -68,16 +71,23 @@ class InfiniGenCPUWorker(CPUWorker):
         patch_seeded_sampling.apply(self.model_runner)
 
     def load_model(self, *args, **kwargs) -> None:
-        config = infinigen_config_of(self.vllm_config.additional_config)
-        with capture_query_weights(config.dense_layers) as query_weights:
+        self.infinigen = engine_setup(self.vllm_config)
+        with capture_query_weights(self.infinigen.config.dense_layers) as query_weights:
             super().load_model(*args, **kwargs)
         self.infinigen_runtime = build_runtime(
-            self.model_runner.model, self.vllm_config, torch.device("cpu"), query_weights
-        )
-        # The input batch's rows are the attention metadata's rows in a step.
-        input_batch = lambda: self.model_runner.input_batch  # noqa: E731 (rebuilt by vLLM)
-        self.infinigen_runtime.prompt_lens_of = (
-            lambda num_reqs: torch.from_numpy(input_batch().num_prompt_tokens[:num_reqs]))
+            self.model_runner.model, self.vllm_config, torch.device("cpu"), query_weights,
+            prompt_lens_of=self._prompt_lens)
+
+    def _prompt_lens(self, num_reqs: int) -> torch.Tensor:
+        """[num_reqs] prompt lengths of the step's requests (the input batch's
+        rows are the attention metadata's rows in a step)."""
+        return torch.from_numpy(self.model_runner.input_batch.num_prompt_tokens[:num_reqs])
+
+    def shutdown(self) -> None:
+        runtime = getattr(self, "infinigen_runtime", None)
+        if runtime is not None:
+            runtime.shutdown()
+        super().shutdown()
 
     def set_infinigen_selection(self, **changes) -> None:
         """``LLM.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.1})``.
@@ -99,22 +109,20 @@ class InfiniGenCPUWorker(CPUWorker):
         import psutil
 
         available = super().determine_available_memory()
-        runtime = self.infinigen_runtime
-        sparse = [s for s in runtime.layers if s.sparse]
-        if not sparse:
+        setup = self.infinigen
+        layout = setup.layout
+        if not layout.num_sparse:
             return available
-        dtype = self.model_config.dtype
         block_size = self.cache_config.block_size
-        group_size = kv_cache_group_size(len(runtime.layers) - len(sparse), len(sparse))
-        pool = block_size * sum(s.pool_bytes_per_token(dtype) for s in sparse)
+        kv_heads = self.infinigen_runtime.layers[0].num_kv_heads  # of this rank
         costs = BlockCosts(
-            pages=group_size * block_size * sparse[0].pool_bytes_per_token(dtype),
-            partial=block_size * sum(s.partial_bytes_per_token(dtype) for s in sparse),
-            pool=pool)
-        config = infinigen_config_of(self.vllm_config.additional_config)
+            pages=layout.group_size * block_size * layout.kv_bytes_per_token_layer(
+                setup.dtype_bytes, kv_heads),
+            partial=block_size * layout.partial_bytes_per_token(setup.dtype_bytes, kv_heads),
+            pool=block_size * layout.pool_bytes_per_token(setup.dtype_bytes, kv_heads))
         plan = plan_memory(
             available, costs, explicit_kv=self.cache_config.kv_cache_memory_bytes is not None,
-            explicit_pool=config.cpu_pool_gib is not None,
+            explicit_pool=setup.config.cpu_pool_gib is not None,
             requested=self.requested_cpu_memory,
             resident=psutil.Process().memory_info().rss,
             free=psutil.virtual_memory().available,
@@ -123,7 +131,7 @@ class InfiniGenCPUWorker(CPUWorker):
         logger.info(
             "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per "
             "block id) + %.3f GiB partial keys%s",
-            available / 2**30, plan.kv_space / 2**30, group_size, plan.partial / 2**30,
+            available / 2**30, plan.kv_space / 2**30, layout.group_size, plan.partial / 2**30,
             "" if plan.pool_budget is None else
             f"; up to {plan.pool_budget / 2**30:.3f} GiB for the pool ({plan.source})",
         )
@@ -137,13 +145,15 @@ class InfiniGenCPUWorker(CPUWorker):
                 the flags that change it.
         """
         plan = getattr(self, "_memory_plan", None)
+        setup = self.infinigen
         if plan is None or plan.pool_budget is None:  # the flag, or a row per slot
-            return pool_rows(self.vllm_config, num_slots), "" if plan is None else plan.source
-        dtype = self.model_config.dtype
-        per_token = sum(s.pool_bytes_per_token(dtype) for s in self.infinigen_runtime.layers
-                        if s.sparse)
+            rows = pool_rows(setup.config, setup.pool_bytes_per_token, setup.step_tokens,
+                             num_slots)
+            return rows, "" if plan is None else plan.source
+        kv_heads = self.infinigen_runtime.layers[0].num_kv_heads  # of this rank
+        per_token = setup.layout.pool_bytes_per_token(setup.dtype_bytes, kv_heads)
         rows = rows_within(plan.pool_budget, per_token, num_slots)
-        step_tokens = self.scheduler_config.max_num_batched_tokens
+        step_tokens = setup.step_tokens
         if rows < min(step_tokens, num_slots):
             raise ValueError(
                 f"InfiniGen's pool gets {plan.pool_budget / 2**30:.3f} GiB from "
@@ -162,7 +172,6 @@ class InfiniGenCPUWorker(CPUWorker):
             kv_cache_config.num_blocks, block_size, self.model_config.dtype,
             *self._pool_rows(num_slots),
         )
-        runtime.rank = get_tensor_model_parallel_rank()
         self._dense_group = next(
             idx for idx, group in enumerate(kv_cache_config.kv_cache_groups)
             if runtime.reference_layer in group.layer_names
@@ -176,14 +185,11 @@ class InfiniGenCPUWorker(CPUWorker):
     def execute_model(self, scheduler_output):
         """Frees the pool rows of requests that finished or were preempted
         since the last step, before this step's tokens take rows."""
-        if self.infinigen_runtime.pool_index.capped:
-            gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
-            for req_id in gone:
-                request = self.model_runner.requests.get(req_id)
-                if request is not None:
-                    self.infinigen_runtime.release(
-                        self._slots_of(request.block_ids[self._dense_group])
-                    )
+        gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+        for req_id in gone:
+            request = self.model_runner.requests.get(req_id)
+            if request is not None:
+                self.infinigen_runtime.release(self._slots_of(request.block_ids[self._dense_group]))
         return super().execute_model(scheduler_output)
 
     def _slots_of(self, block_ids: list[int]) -> torch.Tensor:

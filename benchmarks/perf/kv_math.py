@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_infinigen.baselines import QUEST_PAGE_SIZE
+from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE
 from vllm_infinigen.layout import ModelLayout, partial_rank
 
 # H2O keeps one float32 accumulated score per token and KV head.

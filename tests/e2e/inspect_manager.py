@@ -19,7 +19,7 @@ def main(model: str, out: str) -> None:
     from vllm import SamplingParams
 
     from tests.e2e.engines import engine, random_prompts
-    from vllm_infinigen.connector import pool_bytes_per_token
+    from vllm_infinigen.config import engine_setup
     from vllm_infinigen.spec import InfiniGenSparseSpec
 
     rng = random.Random(11)
@@ -30,7 +30,7 @@ def main(model: str, out: str) -> None:
         scheduler = core.scheduler
         manager = scheduler.kv_cache_manager
         block_size = llm.llm_engine.vllm_config.cache_config.block_size
-        token_bytes = pool_bytes_per_token(llm.llm_engine.vllm_config)
+        token_bytes = engine_setup(llm.llm_engine.vllm_config).pool_bytes_per_token
         groups = manager.coordinator.single_type_managers
         block_pool = manager.block_pool
         lengths = [rng.randrange(4, 400) for _ in range(200)]

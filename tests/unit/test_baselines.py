@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_infinigen import baselines
 from vllm_infinigen.layer_state import LayerState
+from vllm_infinigen.policies.h2o import h2o_select
+from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE, QuestPolicy, quest_select
+from vllm_infinigen.policies.streaming import streaming_select
 
 
 def kept(selection, b: int = 0, h: int = 0) -> list[int]:
@@ -15,8 +17,8 @@ def kept(selection, b: int = 0, h: int = 0) -> list[int]:
 
 def test_streaming_keeps_sinks_and_the_most_recent_tokens():
     lens = torch.tensor([100, 10, 3])
-    selection = baselines.streaming_select(lens, budget=0.1, num_heads=2, num_tokens=100,
-                                           num_slots=10)
+    selection = streaming_select(lens, budget=0.1, num_heads=2, num_tokens=100,
+                                           width=10)
     assert kept(selection, 0) == [0, 1, 2, 3, 94, 95, 96, 97, 98, 99]
     assert kept(selection, 0, 1) == kept(selection, 0)  # same for every head
     assert kept(selection, 1) == [0]  # budget 1 token: the first sink
@@ -31,15 +33,15 @@ def test_h2o_keeps_recent_half_and_heavy_hitters_among_the_living():
     accumulated[0, 1, [1, 2]] = torch.tensor([9.0, 8.0])
     alive = torch.ones(1, 2, num_tokens, dtype=torch.bool)
     alive[0, 0, 3] = False  # evicted earlier: never comes back
-    selection = baselines.h2o_select(accumulated, alive, torch.tensor([20]), budget=0.2,
-                                     num_slots=4)
+    selection = h2o_select(accumulated, alive, torch.tensor([20]), budget=0.2,
+                                     width=4)
     # Budget 4 tokens: 2 recent (18, 19) + 2 heavy of each head.
     assert kept(selection, 0, 0) == [7, 11, 18, 19]
     assert kept(selection, 0, 1) == [1, 2, 18, 19]
 
 
 def test_quest_scores_pages_by_their_upper_bound():
-    page = baselines.QUEST_PAGE_SIZE
+    page = QUEST_PAGE_SIZE
     num_pages, head_size = 4, 2
     page_min = torch.zeros(1, num_pages, 1, head_size)
     page_max = torch.zeros(1, num_pages, 1, head_size)
@@ -48,20 +50,20 @@ def test_quest_scores_pages_by_their_upper_bound():
     page_min[0, :, 0, 1] = torch.tensor([0.0, -3.0, 0.0, 0.0])
     query = torch.tensor([[[1.0, -1.0]]])
     context = torch.tensor([num_pages * page - 5])  # the last page is partial
-    selection = baselines.quest_select(query, page_min, page_max, context, budget=0.5,
-                                       num_slots=2 * page)
+    selection = quest_select(query, page_min, page_max, context, budget=0.5,
+                                       width=2 * page)
     # Bounds 1, 3, 5, 2; budget floor(59 x 0.5) = 29 tokens = 1 whole page:
     # the page with bound 5.
     assert kept(selection) == list(range(2 * page, 3 * page))
 
 
 def test_quest_leaves_out_positions_past_the_context():
-    page = baselines.QUEST_PAGE_SIZE
+    page = QUEST_PAGE_SIZE
     page_min = torch.zeros(1, 2, 1, 1)
     page_max = torch.tensor([0.0, 1.0]).view(1, 2, 1, 1)
-    selection = baselines.quest_select(torch.ones(1, 1, 1), page_min, page_max,
+    selection = quest_select(torch.ones(1, 1, 1), page_min, page_max,
                                        torch.tensor([page + 3]), budget=1.0,
-                                       num_slots=page)
+                                       width=page)
     assert kept(selection) == [page, page + 1, page + 2]
 
 
@@ -78,30 +80,32 @@ def test_incremental_pages_equal_pages_rebuilt_from_the_pool():
         impl = _Impl()
 
     def layer() -> LayerState:
-        state = LayerState(2, "l2", _Attn(), None, sparse=True)
-        state.skew = torch.eye(dim)[None].repeat(heads, 1, 1)[:, :, :1].contiguous()
-        state.pool_layer = 0
+        skew = torch.eye(dim)[None].repeat(heads, 1, 1)[:, :, :1].contiguous()
+        state = LayerState(2, "l2", _Attn(), None, sparse=True, skew=skew, pool_layer=0)
         block_size = 16
         state.allocate(num_slots // block_size, num_slots // block_size, block_size,
                        torch.float32, torch.device("cpu"))
         return state
 
     live, late = layer(), layer()
-    live.ensure_policy_state("quest")
+    live_policy, late_policy = QuestPolicy(), QuestPolicy()
+    live_policy.allocate(live)
     # Slots 32..47 are written twice: a later request reuses the block.
     writes = [torch.arange(0, 20), torch.arange(20, 48), torch.arange(32, 40)]
     for slots in writes:
         key = torch.randn(len(slots), heads, dim)
         for state in (live, late):
             state.write(key, key, slots, None)
-    late.ensure_policy_state("quest")
+        live_policy.on_write(live, key, slots)
+    late_policy.allocate(late)
+    (live_min, live_max), (late_min, late_max) = live_policy.bounds(live), late_policy.bounds(late)
     for page in range(2):
-        assert torch.equal(live.quest_min[page], late.quest_min[page]), page
-        assert torch.equal(live.quest_max[page], late.quest_max[page]), page
+        assert torch.equal(live_min[page], late_min[page]), page
+        assert torch.equal(live_max[page], late_max[page]), page
     # Page 2 restarted at slot 32: it bounds the new request's 8 keys only. A
     # rebuild cannot tell stale slots 40..47 apart, so its bound is looser.
     new_keys = live.keys_at(torch.arange(32, 40))
-    assert torch.equal(live.quest_min[2], new_keys.amin(dim=0))
-    assert torch.equal(live.quest_max[2], new_keys.amax(dim=0))
-    assert (late.quest_min[2] <= live.quest_min[2]).all()
-    assert (late.quest_max[2] >= live.quest_max[2]).all()
+    assert torch.equal(live_min[2], new_keys.amin(dim=0))
+    assert torch.equal(live_max[2], new_keys.amax(dim=0))
+    assert (late_min[2] <= live_min[2]).all()
+    assert (late_max[2] >= live_max[2]).all()

@@ -129,7 +129,7 @@ def _selections(case: Case, *, alpha: float, budget: float, sink: int = 0,
     want = select_reference(
         query.reshape(len(case.context_lens), -1, case.rank),
         reference.partial_keys_of(case.partial_keys, case.block_table, width),
-        case.context_lens, scale=case.scale, alpha=alpha, budget=budget, num_slots=width,
+        case.context_lens, scale=case.scale, alpha=alpha, budget=budget, width=width,
         sink_tokens=sink, recent_tokens=recent, present=present)
     return positions, num_selected, want
 

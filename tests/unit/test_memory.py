@@ -60,14 +60,18 @@ def test_an_explicit_pool_is_not_sized_here():
 
 
 def _worker(budget: int, step_tokens: int):
+    from vllm_infinigen.config import EngineSetup, InfiniGenConfig
+    from vllm_infinigen.layout import ModelLayout
     from vllm_infinigen.memory import MemoryPlan
 
-    layer = SimpleNamespace(sparse=True, pool_bytes_per_token=lambda dtype: 1024)
+    # Two sparse layers of 4 KV heads x 32 float32 channels: 1024 bytes of
+    # K/V per token and layer.
+    layout = ModelLayout("llama", num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32)
+    layer = SimpleNamespace(sparse=True, num_kv_heads=4)
     return SimpleNamespace(
         _memory_plan=MemoryPlan(0, 0, budget, "--gpu-memory-utilization 0.3"),
-        model_config=SimpleNamespace(dtype=torch.float32),
-        infinigen_runtime=SimpleNamespace(layers=[layer, layer]),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=step_tokens))
+        infinigen=EngineSetup(InfiniGenConfig(), layout, torch.float32.itemsize, step_tokens),
+        infinigen_runtime=SimpleNamespace(layers=[layer, layer]))
 
 
 def test_worker_pool_rows_cap_and_refuse_below_one_step():

@@ -176,3 +176,15 @@ def test_aggregate_keeps_the_latest_gauge():
     stats = InfiniGenStats(data={"pool_capacity_bytes": 100, "selected_tokens.2": 1})
     stats.aggregate(InfiniGenStats(data={"pool_capacity_bytes": 100, "selected_tokens.2": 2}))
     assert stats.data == {"pool_capacity_bytes": 100, "selected_tokens.2": 3}
+
+
+def test_worker_gauges_win_over_the_schedulers_in_one_interval():
+    """A worker that capped its pool reports it; the scheduler, not knowing
+    yet, reported the uncapped value in the same interval: not a sum."""
+    stats = InfiniGenStats(data={"pool_used_bytes": 500, "pool_capacity_bytes": 900,
+                                 "device_blocks": 3})
+    stats.aggregate(InfiniGenStats(data={"pool_used_bytes.0": 100, "pool_used_bytes.1": 20,
+                                         "pool_capacity_bytes.0": 400}))
+    reduced = stats.reduce()
+    assert reduced["pool_used_bytes"] == 120 and reduced["pool_capacity_bytes"] == 400
+    assert reduced["device_blocks"] == 3

@@ -16,6 +16,7 @@ from vllm_infinigen import patch
 from vllm_infinigen.patch import patch_arg_utils
 
 STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
+vllm_infinigen.register()  # what vLLM's plugin loader does in every process
 
 
 # ---------------------------------------------------------------------------
@@ -212,8 +213,16 @@ def test_check_engine_args_needs_local_files(tmp_path):
         patch_arg_utils.check_engine_args(EngineArgs(model=str(tmp_path / "absent")))
 
 
+def _shapes(model_dir) -> dict[str, int]:
+    from vllm_infinigen.layout import ModelLayout
+
+    layout = ModelLayout.of_model_dir(model_dir)
+    return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim}
+
+
 def test_model_shapes(tmp_path):
-    assert patch_arg_utils.model_shapes(STORIES_DIR) == {
+    assert _shapes(STORIES_DIR) == {
         "num_layers": 5, "num_kv_heads": 4, "head_dim": 32,
     }
     # Without num_key_value_heads and head_dim: MHA, hidden_size / heads.
@@ -221,7 +230,7 @@ def test_model_shapes(tmp_path):
         "model_type": "opt", "num_hidden_layers": 3, "num_attention_heads": 4,
         "hidden_size": 64,
     })
-    assert patch_arg_utils.model_shapes(opt) == {
+    assert _shapes(opt) == {
         "num_layers": 3, "num_kv_heads": 4, "head_dim": 16,
     }
 
@@ -359,3 +368,32 @@ def test_pool_cap_below_one_step_is_refused_before_start():
     with pytest.raises(ValueError, match=r"--infinigen-cpu-pool-gib .* holds 100 tokens"
                                          r".*--max-num-batched-tokens"):
         args.create_engine_config()
+
+
+def test_importing_modules_patches_nothing():
+    """Only register() (the entry point) changes vLLM; imports do not."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, pkgutil
+import vllm_infinigen
+from vllm.engine.arg_utils import EngineArgs
+before = (EngineArgs.__init__, EngineArgs.add_cli_args, EngineArgs.create_engine_config)
+for module in pkgutil.walk_packages(vllm_infinigen.__path__, "vllm_infinigen."):
+    if module.name.endswith("__main__") or module.name.endswith("ray_cpu"):
+        continue  # runs the kernel build / needs Ray
+    importlib.import_module(module.name)
+after = (EngineArgs.__init__, EngineArgs.add_cli_args, EngineArgs.create_engine_config)
+assert before == after, "an import patched EngineArgs"
+from vllm.v1 import kv_cache_spec_registry as registry
+from vllm_infinigen.spec import InfiniGenSparseSpec
+assert InfiniGenSparseSpec not in registry._REGISTRY_KVCACHESPEC_LIST
+vllm_infinigen.register()
+assert EngineArgs.create_engine_config is not before[2], "register() did not patch"
+assert InfiniGenSparseSpec in registry._REGISTRY_KVCACHESPEC_LIST
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -18,6 +18,7 @@ import vllm_infinigen
 from vllm_infinigen.patch import patch_ray
 
 STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
+vllm_infinigen.register()  # what vLLM's plugin loader does in every process
 
 
 def two_rank_args(backend: str, **kwargs) -> EngineArgs:

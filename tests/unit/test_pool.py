@@ -238,8 +238,9 @@ def test_block_size_must_divide_the_slots():
     with pytest.raises(ValueError, match="block size 16"):
         CappedPoolIndex(1, 1, num_slots=40, num_rows=4, policy="fifo", block_size=16)
     capped = make_pool_index(2, 3, 64, 8, "fifo", torch.device("cpu"), block_size=16)
-    assert capped.capped and capped.row_map.shape == (2, 4, 3, 16)
-    assert not make_pool_index(2, 3, 64, 64, "fifo", torch.device("cpu"), block_size=16).capped
+    assert isinstance(capped, CappedPoolIndex) and capped.row_map.shape == (2, 4, 3, 16)
+    assert isinstance(make_pool_index(2, 3, 64, 64, "fifo", torch.device("cpu"), block_size=16),
+                      IdentityPoolIndex)
 
 
 def test_repeated_slots_take_one_row():

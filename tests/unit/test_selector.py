@@ -99,13 +99,13 @@ def kept_sets(selection):
 
 
 def run_both(num_heads, num_kv_heads, alpha, budget, sink_tokens, recent_tokens, seed,
-             num_slots=None):
+             width=None):
     partial_query, partial_keys = random_inputs(num_heads, num_kv_heads, seed)
-    if num_slots is None:
-        num_slots = max_selected(CONTEXT_LENS, budget, sink_tokens + recent_tokens)
+    if width is None:
+        width = max_selected(CONTEXT_LENS, budget, sink_tokens + recent_tokens)
     selection = select_tokens(
         partial_query, partial_keys, torch.tensor(CONTEXT_LENS), scale=SCALE,
-        alpha=alpha, budget=budget, num_slots=num_slots,
+        alpha=alpha, budget=budget, width=width,
         sink_tokens=sink_tokens, recent_tokens=recent_tokens,
     )
     expected = reference_selection(
@@ -134,7 +134,7 @@ def test_matches_reference(num_heads, num_kv_heads, alpha, budget, sink_tokens,
 def test_matches_reference_with_spare_slots(seed):
     """A K larger than needed (here N) changes nothing but the padding."""
     selection, (kept, num_selected) = run_both(8, 4, 2.0, 0.3, 1, 2, seed,
-                                               num_slots=NUM_TOKENS)
+                                               width=NUM_TOKENS)
     assert selection.positions.shape == (len(CONTEXT_LENS), 4, NUM_TOKENS)
     assert selection.num_selected.tolist() == num_selected
     assert kept_sets(selection) == kept
@@ -156,12 +156,12 @@ def test_hand_built_counts_floor_of_mean():
     keys = torch.tensor([[0.0, 3.0], [5.0, 2.9], [4.5, 2.8], [1.0, -5.0]])
     partial_keys = keys[None, :, :, None]  # [1, 4, 2, 1]
     selection = select_tokens(partial_query, partial_keys, torch.tensor([4]), scale=1.0,
-                              alpha=1.0, budget=1.0, num_slots=4)
+                              alpha=1.0, budget=1.0, width=4)
     assert selection.num_selected.tolist() == [2]  # floor((2 + 3) / 2)
     assert kept_sets(selection) == [[{1, 2}, {0, 1}]]
 
     with_sink = select_tokens(partial_query, partial_keys, torch.tensor([4]), scale=1.0,
-                              alpha=1.0, budget=1.0, num_slots=4, sink_tokens=1)
+                              alpha=1.0, budget=1.0, width=4, sink_tokens=1)
     assert with_sink.num_selected.tolist() == [3]
     assert kept_sets(with_sink) == [[{0, 1, 2}, {0, 1, 2}]]
 
@@ -171,7 +171,7 @@ def test_hand_built_group_takes_best_query_head():
     partial_query = torch.tensor([[[1.0], [-1.0]]])  # [1, 2, 1]
     partial_keys = torch.tensor([2.0, -3.0, 0.5])[None, :, None, None]  # [1, 3, 1, 1]
     selection = select_tokens(partial_query, partial_keys, torch.tensor([3]), scale=1.0,
-                              alpha=1.5, budget=1.0, num_slots=3)
+                              alpha=1.5, budget=1.0, width=3)
     # max over heads: [2, 3, 0.5]; within 1.5 of 3: positions 0 and 1.
     assert selection.num_selected.tolist() == [2]
     assert kept_sets(selection) == [[{0, 1}]]
@@ -182,7 +182,7 @@ def test_full_budget_huge_alpha_selects_every_token(num_heads, num_kv_heads):
     partial_query, partial_keys = random_inputs(num_heads, num_kv_heads, seed=4)
     selection = select_tokens(
         partial_query, partial_keys, torch.tensor(CONTEXT_LENS), scale=SCALE,
-        alpha=1e9, budget=1.0, num_slots=max_selected(CONTEXT_LENS, 1.0, 0),
+        alpha=1e9, budget=1.0, width=max_selected(CONTEXT_LENS, 1.0, 0),
     )
     assert selection.num_selected.tolist() == CONTEXT_LENS
     assert kept_sets(selection) == [[set(range(n))] * num_kv_heads for n in CONTEXT_LENS]
@@ -196,7 +196,7 @@ def test_max_selected_bounds_num_selected(alpha, budget, sink_tokens, recent_tok
     bound = max_selected(CONTEXT_LENS, budget, sink_tokens + recent_tokens)
     selection = select_tokens(
         partial_query, partial_keys, torch.tensor(CONTEXT_LENS), scale=SCALE,
-        alpha=alpha, budget=budget, num_slots=NUM_TOKENS,
+        alpha=alpha, budget=budget, width=NUM_TOKENS,
         sink_tokens=sink_tokens, recent_tokens=recent_tokens,
     )
     assert int(selection.num_selected.max()) <= bound
@@ -225,7 +225,7 @@ def test_absent_entries_are_never_selected():
     """Entries a capped pool evicted are out of the running, even forced ones."""
     partial_query, partial_keys = random_inputs(4, 2, seed=5)
     lens = torch.tensor(CONTEXT_LENS)
-    kwargs = dict(scale=SCALE, alpha=1e4, budget=1.0, num_slots=NUM_TOKENS,
+    kwargs = dict(scale=SCALE, alpha=1e4, budget=1.0, width=NUM_TOKENS,
                   sink_tokens=2, recent_tokens=2)
     gen = torch.Generator().manual_seed(6)
     present = torch.rand(len(CONTEXT_LENS), NUM_TOKENS, 2, generator=gen) < 0.6

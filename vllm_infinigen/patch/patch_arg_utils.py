@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import json
-import os
 import time
 from typing import Any
 
@@ -18,10 +17,11 @@ from vllm_infinigen.config import (
     FLAG_OF_FIELD,
     KV_MANAGERS,
     InfiniGenConfig,
+    engine_setup,
     infinigen_config_of,
 )
+from vllm_infinigen.layout import ModelLayout, read_hf_config
 from vllm_infinigen.skewing import local_model_dir
-from vllm_infinigen.layout import kv_cache_group_size
 
 logger = init_logger(__name__)
 
@@ -134,11 +134,14 @@ def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "selected tokens only, so prompt logprobs (e.g. lm-eval) measure the selection.",
         "min_context": "Rows with a shorter context attend densely in the sparse "
         f"layers, without speculating (default {defaults.min_context}; 0: always select).",
+        "speculation": "Whose query selects a sparse layer's tokens: previous-layer "
+        "(default, the paper: layer i selects for layer i+1 ahead of it) or "
+        "same-layer (the layer's own query; no prefetch).",
     }
     types = {"alpha": float, "partial_ratio": float, "budget": float,
              "skew_file": str, "dense_layers": int, "sink_tokens": int, "recent_tokens": int,
              "transfer": str, "cpu_pool_gib": float, "eviction": str, "policy": str,
-             "eval_dense_prefix": int, "min_context": int}
+             "eval_dense_prefix": int, "min_context": int, "speculation": str}
     for field, flag in FLAG_OF_FIELD.items():
         group.add_argument(flag, type=types[field], default=None, help=helps[field])
     return parser
@@ -163,12 +166,12 @@ def _create_engine_config(self, *args, **kwargs):
     config = infinigen_config_of(self.additional_config)
     if config is None:
         return _original_create_engine_config(self, *args, **kwargs)
-    check_engine_args(self)
-    skew_file = prepare_skew_file(self.model, config)
-    self.additional_config = {
-        **self.additional_config,
-        "infinigen": {**config.to_dict(), "skew_file": skew_file},
-    }
+    model_dir = local_model_dir(self.model)
+    hf_config = read_hf_config(model_dir)
+    check_engine_args(self, config, hf_config)
+    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    config = dataclasses.replace(config, skew_file=prepare_skew_file(model_dir, config, layout))
+    self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}
     from vllm.config import KVTransferConfig
 
     self.enable_prefix_caching = False
@@ -186,12 +189,24 @@ def _create_engine_config(self, *args, **kwargs):
         )
     from vllm_infinigen.pool import pool_rows
 
-    pool_rows(vllm_config, num_slots=2**62)  # a cap too small for one step fails here
+    setup = engine_setup(vllm_config, parsed=config)  # a cap too small for one step fails here
+    pool_rows(setup.config, setup.pool_bytes_per_token, setup.step_tokens, num_slots=2**62)
     return vllm_config
 
 
-def check_engine_args(args: EngineArgs) -> None:
-    """Refuses what InfiniGen cannot run yet, naming the flag to change."""
+def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
+                      hf_config: dict[str, Any] | None = None) -> None:
+    """Refuses what InfiniGen cannot run yet, naming the flag to change.
+
+    Args:
+        config: The settings parsed from ``args.additional_config`` (None:
+            parsed here).
+        hf_config: The model's ``config.json`` (None: read here).
+    """
+    if config is None:
+        config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
+    if hf_config is None:
+        hf_config = read_hf_config(local_model_dir(args.model))
     from vllm.platforms import current_platform
 
     def refuse(reason: str) -> None:
@@ -218,7 +233,6 @@ def check_engine_args(args: EngineArgs) -> None:
         refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
     if args.kv_cache_dtype not in ("auto", None):
         refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
-    hf_config = _read_hf_config(local_model_dir(args.model))
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         refuse(f"model type {model_type!r} is not supported; supported: "
@@ -226,17 +240,16 @@ def check_engine_args(args: EngineArgs) -> None:
     uses_window = hf_config.get("sliding_window") and hf_config.get("use_sliding_window", True)
     if uses_window and model_type != "opt":
         refuse("sliding-window attention models are not supported")
-    config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
-    if config.dense_layers >= hf_config["num_hidden_layers"]:
+    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    if not layout.num_sparse:
         refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
-               f"in a {hf_config['num_hidden_layers']}-layer model")
-    num_sparse = hf_config["num_hidden_layers"] - config.dense_layers
-    if config.dense_layers > kv_cache_group_size(config.dense_layers, num_sparse):
+               f"in a {layout.num_layers}-layer model")
+    if config.dense_layers > layout.group_size:
         # vLLM would split the dense layers over several KV-cache groups; the
         # pool follows the slots of the first one only.
         refuse(f"--infinigen-dense-layers {config.dense_layers} would split the dense "
                f"layers over several KV-cache groups; use at most "
-               f"{hf_config['num_hidden_layers'] // 2}")
+               f"{layout.num_layers // 2}")
     if getattr(args, "num_gpu_blocks_override", None):
         refuse("--num-gpu-blocks-override would size the cache past the KV space "
                "that InfiniGen shares with its partial keys; remove it")
@@ -245,22 +258,7 @@ def check_engine_args(args: EngineArgs) -> None:
                "remove --disable-hybrid-kv-cache-manager")
 
 
-def _read_hf_config(model_dir: str) -> dict[str, Any]:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
-
-
-def model_shapes(model_dir: str) -> dict[str, int]:
-    hf = _read_hf_config(model_dir)
-    num_heads = hf["num_attention_heads"]
-    return {
-        "num_layers": hf["num_hidden_layers"],
-        "num_kv_heads": hf.get("num_key_value_heads") or num_heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads,
-    }
-
-
-def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
+def prepare_skew_file(model_dir: str, config: InfiniGenConfig, layout: ModelLayout) -> str:
     """Validates the given skew file, or computes and caches one; returns its path."""
     from vllm_infinigen.skewing import (
         cached_skew_path,
@@ -270,9 +268,9 @@ def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
         save_skew_tables,
     )
 
-    model_dir = local_model_dir(model)
     fingerprint = model_fingerprint(model_dir)
-    shapes = model_shapes(model_dir)
+    shapes = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+              "head_dim": layout.head_dim}
     if config.skew_file is not None:
         load_skew_tables(config.skew_file, fingerprint, config.partial_ratio, **shapes)
         return config.skew_file
@@ -290,7 +288,7 @@ def prepare_skew_file(model: str, config: InfiniGenConfig) -> str:
     logger.info(
         "InfiniGen: computed skewing for %s on the bundled calibration text in "
         "%.1f s (cached at %s; `vllm-infinigen prepare` makes one ahead of time)",
-        model, time.perf_counter() - start, path,
+        model_dir, time.perf_counter() - start, path,
     )
     return str(path)
 

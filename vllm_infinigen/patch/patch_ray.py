@@ -35,22 +35,18 @@ def require_ray() -> None:
 def enable() -> None:
     """Lets vLLM's Ray executors run CPU workers; a second call changes nothing.
 
-    Called from ``create_engine_config`` (driver) and again from the
-    executor's init (engine core, which may be a spawned process).
+    Called from ``create_engine_config`` (driver); a spawned engine core
+    gets the executor class from the driver, and the executor binds the CPU
+    workers itself (``ray_cpu.bind_cpu_workers``).
     """
     global _original_get_class
     if _original_get_class is not None:
         return
-    from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.executor import ray_executor, ray_executor_v2
     from vllm.v1.executor.abstract import Executor
 
     from vllm_infinigen import ray_cpu
 
-    CpuPlatform.ray_device_key = ray_cpu.RAY_DEVICE_KEY
-    # The executors create their actors from these module-level names.
-    ray_executor.RayWorkerWrapper = ray_cpu.CPURayWorkerWrapper
-    ray_executor_v2.RayWorkerProc = ray_cpu.CPURayWorkerProc
+    ray_cpu.bind_cpu_workers()
     _original_get_class = Executor.get_class
     Executor.get_class = staticmethod(_get_class)
 

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The worker-side step logic, driven directly: a runtime over hand-built layers,
+one decode step, and the exact positions each policy selects."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.layer_state import LayerSource
+from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.runtime import InfiniGenRuntime
+
+DIM, BLOCK, CONTEXT = 4, 16, 32
+IMPORTANT = [5, 17, 30]  # the context tokens whose keys match the query
+
+
+class _QKV(torch.nn.Module):
+    """q = k = v = the attention input (one head of ``DIM`` channels)."""
+
+    def forward(self, hidden: torch.Tensor):
+        return torch.cat([hidden, hidden, hidden], dim=-1), None
+
+
+def _source(index: int) -> LayerSource:
+    impl = SimpleNamespace(num_heads=1, num_kv_heads=1, head_size=DIM,
+                           scale=1 / math.sqrt(DIM))
+    self_attn = torch.nn.Module()
+    self_attn.qkv_proj = _QKV()
+    return LayerSource(index, f"model.layers.{index}.self_attn.attn",
+                       SimpleNamespace(impl=impl), self_attn,
+                       skew=torch.eye(DIM)[None].contiguous(), query_proj=None)
+
+
+@pytest.fixture
+def step():
+    """A runtime (layer 0 dense, 1 and 2 sparse) holding one request's 32
+    context tokens in layer 2, and the dense metadata of its next decode step."""
+    config = InfiniGenConfig(alpha=1.0, budget=1.0, dense_layers=1, min_context=0)
+    layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
+                         dense_layers=1, partial_ratio=1.0)
+    runtime = InfiniGenRuntime(config, [_source(i) for i in range(3)], torch.device("cpu"),
+                               layout=layout)
+    runtime.allocate_pool(num_blocks=4, block_size=BLOCK, dtype=torch.float32,
+                          num_rows=4 * BLOCK)
+    keys = torch.zeros(CONTEXT, 1, DIM)
+    keys[IMPORTANT, 0, 0] = 1.0
+    values = torch.arange(CONTEXT, dtype=torch.float32).view(CONTEXT, 1, 1).repeat(1, 1, DIM)
+    runtime.write(runtime.layers[2], keys, values, torch.arange(CONTEXT))
+    metadata = SimpleNamespace(query_start_loc=torch.tensor([0, 1]),
+                               seq_lens=torch.tensor([CONTEXT + 1]),
+                               block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32))
+    return runtime, metadata, torch.tensor([CONTEXT])  # the new token's slot
+
+
+def _attend_layer2(runtime, metadata, new_slot, query: torch.Tensor) -> torch.Tensor:
+    """Layer 2's attention in the step: writes its new K/V, attends; [1, 1, DIM]."""
+    layer = runtime.layers[2]
+    runtime.write(layer, query, query, new_slot)
+    plan = runtime.begin_layer(layer, metadata, new_slot, block_size=BLOCK)
+    output = torch.zeros(1, 1, DIM)
+    runtime.attend(layer, plan, query, output)
+    return output
+
+
+def _attention_over(positions: list[int], query: torch.Tensor) -> torch.Tensor:
+    """Reference: the new token attends to ``positions`` and itself."""
+    keys = torch.zeros(CONTEXT + 1, DIM)
+    keys[IMPORTANT, 0] = 1.0
+    keys[CONTEXT] = query.view(DIM)
+    values = torch.arange(CONTEXT + 1, dtype=torch.float32)[:, None].repeat(1, DIM)
+    values[CONTEXT] = query.view(DIM)
+    chosen = positions + [CONTEXT]
+    probs = torch.softmax(keys[chosen] @ query.view(DIM) / math.sqrt(DIM), dim=0)
+    return (probs @ values[chosen]).view(1, 1, DIM)
+
+
+def test_previous_layer_selects_exactly_the_matching_tokens(step):
+    runtime, metadata, new_slot = step
+    speculating = runtime.layers[1]
+    hidden = torch.tensor([[10.0, 0.0, 0.0, 0.0]])
+    speculating.capture(hidden)
+    runtime.begin_layer(speculating, metadata, new_slot, block_size=BLOCK)
+    selection = runtime.layers[2].selection  # [S, H_kv, W]
+    assert selection.shape[:2] == (1, 1)
+    assert [p for p in selection[0, 0].tolist() if p >= 0] == IMPORTANT
+    assert speculating.captured_input is None  # used once, dropped
+
+    query = hidden.view(1, 1, DIM)
+    output = _attend_layer2(runtime, metadata, new_slot, query)
+    torch.testing.assert_close(output, _attention_over(IMPORTANT, query))
+    counters = runtime.take_counters()
+    assert counters["selected_tokens.2"] == len(IMPORTANT)
+    assert counters["candidate_tokens.2"] == CONTEXT
+
+
+def test_same_layer_speculation_selects_with_the_layers_own_query(step):
+    runtime, metadata, new_slot = step
+    runtime.update_selection(speculation="same-layer")
+    speculating = runtime.layers[1]
+    speculating.capture(torch.tensor([[0.0, 10.0, 0.0, 0.0]]))  # would select nothing useful
+    runtime.begin_layer(speculating, metadata, new_slot, block_size=BLOCK)
+    assert runtime.layers[2].selection is None  # nothing selected ahead
+    assert speculating.captured_input is None
+    query = torch.tensor([10.0, 0.0, 0.0, 0.0]).view(1, 1, DIM)
+    output = _attend_layer2(runtime, metadata, new_slot, query)
+    torch.testing.assert_close(output, _attention_over(IMPORTANT, query))
+    assert runtime.take_counters()["selected_tokens.2"] == len(IMPORTANT)
+
+
+def test_a_layer_without_a_selection_fails_naming_the_layer(step):
+    runtime, metadata, new_slot = step
+    with pytest.raises(RuntimeError, match="sparse layer 2 has no selection"):
+        _attend_layer2(runtime, metadata, new_slot, torch.ones(1, 1, DIM))
+
+
+def test_streaming_selects_sinks_and_recent_tokens_in_the_layer(step):
+    runtime, metadata, new_slot = step
+    runtime.update_selection(policy="streaming", budget=0.25)  # 8 of 32 tokens
+    query = torch.tensor([0.0, 1.0, 0.0, 0.0]).view(1, 1, DIM)
+    output = _attend_layer2(runtime, metadata, new_slot, query)
+    expected = [0, 1, 2, 3, 28, 29, 30, 31]
+    torch.testing.assert_close(output, _attention_over(expected, query))
+    assert runtime.take_counters()["selected_tokens.2"] == len(expected)
+
+
+def test_shutdown_stops_the_copy_worker():
+    config = InfiniGenConfig(alpha=1.0, dense_layers=1, transfer="copy")
+    layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
+                         dense_layers=1, partial_ratio=1.0)
+    runtime = InfiniGenRuntime(config, [_source(i) for i in range(3)], torch.device("cpu"),
+                               layout=layout)
+    runtime.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        runtime.transfer._executor.submit(lambda: None)

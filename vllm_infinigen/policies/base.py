@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The interface every selection policy implements, and helpers they share.
+
+The runtime (``runtime.py``) calls a policy at fixed points of a step::
+
+    allocate(layer)             once a sparse layer's pool exists (and when the
+                                policy is switched on in a running engine)
+    on_write(layer, key, slots) after new K/V reach the pool
+    select(layer, plan, query)  in the layer's own attention, before it
+                                attends (policies that select in the layer)
+    select_ahead(source, plan)  in the layer before, for ``source.next``
+                                (when ``selects_ahead``: InfiniGen's default)
+    on_attend(layer, plan, positions, probs)
+                                after the attention, with the attention each
+                                selected token received (``records_attention``)
+    attend_prompt(...)          the prompt rows, when the policy scores them
+
+A selection is [S, H_kv, W] int32 ascending token positions per KV head of
+each sparse row, -1 padded (W: the step's widest selection, host side).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from vllm_infinigen.selector import Selection
+
+if TYPE_CHECKING:
+    from vllm_infinigen.config import InfiniGenConfig
+    from vllm_infinigen.layer_state import LayerState
+    from vllm_infinigen.step_plan import StepPlan
+
+
+class SelectionPolicy:
+    """One selection rule with the per-slot state it keeps (per sparse layer).
+
+    Args:
+        settings: The engine's settings; ``alpha`` already resolved.
+    """
+
+    name: ClassVar[str]
+    # Wants the attention each selected token received (``on_attend``).
+    records_attention: ClassVar[bool] = False
+    # Why --infinigen-eval-dense-prefix cannot measure this policy (None: it can).
+    eval_mode_refusal: ClassVar[str | None] = None
+    # Runs on a pool capped by --infinigen-cpu-pool-gib (tokens may be evicted).
+    supports_capped_pool: ClassVar[bool] = False
+
+    def selects_ahead(self, settings: InfiniGenConfig) -> bool:
+        """Selects for the next layer from this layer's attention input (prefetch)."""
+        return False
+
+    def allocate(self, layer: LayerState) -> None:
+        """Per-slot state of a sparse layer whose pool exists (may read the pool)."""
+
+    def on_write(self, layer: LayerState, key: torch.Tensor, slots: torch.Tensor) -> None:
+        """New keys [T, H_kv, D] of ``slots`` [T] int64 (< 0: padding) are in the pool."""
+
+    def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
+               settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
+        """The selection of ``layer``'s sparse rows; query: [T, H_q, D] of the layer.
+
+        Args:
+            row_map: The capped pool's rows of ``layer`` (None: uncapped).
+        """
+        raise NotImplementedError(f"policy {self.name} selects ahead, not in the layer")
+
+    def select_ahead(self, source: LayerState, plan: StepPlan, settings: InfiniGenConfig,
+                     row_map: torch.Tensor | None) -> torch.Tensor:
+        """The selection of ``source.next``'s sparse rows, from ``source``'s input.
+
+        Args:
+            row_map: The capped pool's rows of ``source.next`` (None: uncapped).
+        """
+        raise NotImplementedError(f"policy {self.name} selects in the layer")
+
+    def on_attend(self, layer: LayerState, plan: StepPlan, positions: torch.Tensor,
+                  probs: torch.Tensor) -> None:
+        """Attention each selected token received: positions, probs [S, H_kv, W]."""
+
+    def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
+                      output: torch.Tensor, row_map: torch.Tensor | None) -> bool:
+        """Attends the prompt rows itself (True) or leaves them to the kernel (False)."""
+        return False
+
+
+def from_position_mask(chosen: torch.Tensor, width: int) -> Selection:
+    """A selection of ``width`` entries from a mask over positions [B, H_kv, N] bool."""
+    num_tokens = chosen.shape[-1]
+    width = max(1, min(width, num_tokens))
+    # Chosen positions first (in position order), then padding.
+    order = chosen.to(torch.int64) * (2 * num_tokens) - torch.arange(num_tokens,
+                                                                      device=chosen.device)
+    top = torch.topk(order, width, dim=-1).indices
+    valid = torch.gather(chosen, -1, top)
+    return Selection(positions=top, valid=valid, num_selected=valid[:, 0].sum(dim=-1))
+
+
+def as_positions(selection: Selection) -> torch.Tensor:
+    """[B, H_kv, W] int32 ascending positions, -1 padded, of a ``Selection``."""
+    positions = selection.positions.masked_fill(~selection.valid, -1)
+    order = torch.where(positions < 0, torch.iinfo(torch.int64).max, positions)
+    return positions.gather(-1, order.argsort(dim=-1)).to(torch.int32).contiguous()
+
+
+def context_slots(plan: StepPlan, with_slots: bool = True
+                  ) -> tuple[torch.Tensor | None, torch.Tensor, list[int]]:
+    """The step's sparse rows: (slot ids [S, N] of every context position, N
+    the step's longest context; context lengths [S]; their host copy).
+
+    The slot ids address a policy's per-slot state (None unless ``with_slots``).
+    """
+    rows = plan.sparse
+    slots = plan.context_slots[rows] if with_slots else None
+    return slots, plan.context_lens[rows], [plan.context_host[i] for i in rows.tolist()]

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""InfiniGen's own policy: which tokens a sparse layer attends to, from its
+skewed partial query scored against its partial keys.
+
+``--infinigen-speculation previous-layer`` (default, the paper): in layer i,
+before its attention, layer i+1's query, computed from layer i's attention
+input (captured by the ``qkv_proj`` pre-hook, ``ops.py``) through layer i+1's
+query projection and rotary embedding, selects for layer i+1, so the entries
+can be on their way before layer i+1 runs. ``same-layer``: each sparse layer
+selects with its own query, in its own attention (no prefetch; where host and
+device memory are one, as on the CPU build, nothing is lost by waiting).
+Either way the compiled ``select_tokens`` kernel scores (alpha count capped by
+the budget, per-head top-k, sink/recent window). No per-slot state besides the
+partial keys, which every sparse layer keeps (``layer_state.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_infinigen import kernels
+from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.layer_state import LayerState
+from vllm_infinigen.policies.base import SelectionPolicy
+from vllm_infinigen.step_plan import StepPlan
+
+
+def partial_query(target: LayerState, hidden: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """[S, H_kv, G, R] skewed partial query of ``target`` from attention inputs [S, hidden]."""
+    q_size = target.num_heads * target.head_size
+    projection = target.query_proj
+    if projection is not None:  # only the query rows, prepacked as vLLM's own
+        query = projection.cpu_linear(hidden, projection.weight, projection.bias)
+    else:
+        qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
+        query = qkv[:, :q_size]
+    if target.rotary_emb is not None:
+        query, _ = target.rotary_emb(positions, query.contiguous(), None)
+    return skewed(target, query)
+
+
+def skewed(layer: LayerState, query: torch.Tensor) -> torch.Tensor:
+    """[S, H_kv, G, R] partial query from the layer's own queries [S, H_q, D]."""
+    group = layer.num_heads // layer.num_kv_heads
+    query = query.float().reshape(-1, layer.num_kv_heads, group, layer.head_size)
+    return torch.einsum("bhgd,hdr->bhgr", query, layer.skew).contiguous()
+
+
+class InfiniGenPolicy(SelectionPolicy):
+    name = "infinigen"
+    supports_capped_pool = True
+
+    def selects_ahead(self, settings: InfiniGenConfig) -> bool:
+        return settings.speculation == "previous-layer"
+
+    def select_ahead(self, source: LayerState, plan: StepPlan, settings: InfiniGenConfig,
+                     row_map: torch.Tensor | None) -> torch.Tensor:
+        target = source.next
+        hidden = source.captured_input
+        if hidden is None:
+            raise RuntimeError(
+                f"InfiniGen: layer {source.layer_idx} has no captured attention "
+                "input; the qkv_proj pre-hook did not run"
+            )
+        rows = plan.sparse_rows
+        query = partial_query(target, hidden[rows.tokens], rows.context_lens)
+        return _select(target, plan, query, settings, row_map)
+
+    def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
+               settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
+        return _select(layer, plan, skewed(layer, query[plan.sparse_rows.tokens]), settings,
+                       row_map)
+
+
+def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
+            settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
+    """The selection of ``layer``'s sparse rows for a partial query [S, H_kv, G, R]."""
+    rows = plan.sparse_rows
+    selection, _ = kernels.select_tokens(
+        query, layer.partial_keys, rows.block_table, rows.context_lens,
+        scale=layer.scale, alpha=settings.alpha, budget=settings.budget,
+        sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
+        row_map=row_map)
+    return selection
