@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import models
+from benchmarks.harness import models
 
 
 @pytest.fixture(scope="session")

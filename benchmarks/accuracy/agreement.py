@@ -24,7 +24,7 @@ size). ``covered_mass`` reports sum_K p, how much of p the estimate resolves.
 Top-1 agreement: InfiniGen's most likely token is the dense greedy token.
 Example::
 
-    flock /tmp/engine.lock python benchmarks/accuracy/agreement.py --budget 0.05 0.1 0.2
+    flock /tmp/engine.lock python -m benchmarks.accuracy.agreement --budget 0.05 0.1 0.2
 """
 
 from __future__ import annotations
@@ -38,26 +38,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import report
+from benchmarks.accuracy import sweeps
+from benchmarks.harness import paths
+from benchmarks.accuracy.perplexity import cut_windows, tokenize_text
 
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.accuracy.harness import (  # noqa: E402
-    POLICIES,
-    SelectionMeter,
-    batched,
-    default_path,
-    is_control,
-    policy_of,
-    selection_grid,
-    start_engine,
-    sweep,
-)
-from benchmarks.accuracy.perplexity import cut_windows, tokenize_text  # noqa: E402
-
-DEFAULT_MODEL = default_path("models/gutenberg-llama-2k")
-DEFAULT_TEXT = default_path("data/text/gutenberg-frankenstein.txt")
-DEFAULT_OUT = report.RESULTS_DIR / "agreement"
+DEFAULT_MODEL = paths.shared_path("models/gutenberg-llama-2k")
+DEFAULT_TEXT = paths.shared_path("data/text/gutenberg-frankenstein.txt")
+DEFAULT_OUT = paths.RESULTS / "agreement"
 # Floor for q(R) when the known tokens already hold all of q's mass (rounding).
 MIN_REST = 1e-12
 
@@ -133,9 +121,9 @@ def dense_generate(args, prompts: Sequence[list[int]]) -> tuple[list[list[int]],
 
     params = SamplingParams(temperature=0.0, max_tokens=args.generate_tokens, ignore_eos=True,
                             logprobs=args.top_logprobs, detokenize=False)
-    with start_engine(str(args.model), "vllm", max_model_len=args.max_model_len,
-                      kv_cache_memory_bytes=args.kv_cache_bytes,
-                      max_logprobs=args.top_logprobs) as llm:
+    with sweeps.start_engine(str(args.model), "vllm", max_model_len=args.max_model_len,
+                             kv_cache_memory_bytes=args.kv_cache_bytes,
+                             max_logprobs=args.top_logprobs) as llm:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                use_tqdm=True)
     tokens = [list(out.outputs[0].token_ids) for out in outputs]
@@ -150,19 +138,19 @@ def sparse_compare(args, prompts, dense_tokens, dense_steps) -> list[dict]:
     from benchmarks.accuracy.teacher_forcing import force_continuations
 
     results = []
-    with start_engine(str(args.model), "infinigen", max_model_len=args.max_model_len,
-                      infinigen={"budget": args.budget[0]},
-                      kv_cache_memory_bytes=args.kv_cache_bytes,
-                      max_logprobs=args.top_logprobs) as llm:
-        for setting in sweep(llm, "infinigen", selection_grid(
+    with sweeps.start_engine(str(args.model), "infinigen", max_model_len=args.max_model_len,
+                             infinigen={"budget": args.budget[0]},
+                             kv_cache_memory_bytes=args.kv_cache_bytes,
+                             max_logprobs=args.top_logprobs) as llm:
+        for setting in sweeps.sweep(llm, "infinigen", sweeps.selection_grid(
                 args.budget, args.policy, args.select_all_control)):
             start = time.perf_counter()
             per_prompt = []
-            with SelectionMeter(llm) as meter, tqdm(total=len(prompts), unit="prompt",
-                                                     desc=f"infinigen {setting}",
-                                                     file=sys.stderr) as bar:
+            with sweeps.SelectionMeter(llm) as meter, tqdm(total=len(prompts), unit="prompt",
+                                                            desc=f"infinigen {setting}",
+                                                            file=sys.stderr) as bar:
                 indices = list(range(len(prompts)))
-                for chunk in batched(indices, args.batch_size):
+                for chunk in sweeps.batched(indices, args.batch_size):
                     steps = force_continuations(
                         llm, [prompts[i] for i in chunk], [dense_tokens[i] for i in chunk],
                         num_logprobs=args.top_logprobs)
@@ -173,8 +161,8 @@ def sparse_compare(args, prompts, dense_tokens, dense_steps) -> list[dict]:
             flat = [position for prompt in per_prompt for position in prompt]
             results.append({
                 "kv_manager": "infinigen",
-                "control": is_control(setting),
-                **setting, "policy": policy_of(setting), **summarize_positions(flat),
+                "control": sweeps.is_control(setting),
+                **setting, "policy": sweeps.policy_of(setting), **summarize_positions(flat),
                 "selected_fraction": meter.fraction,
                 "seconds": time.perf_counter() - start,
                 "per_prompt_kl": [[round(p["kl"], 6) for p in prompt] for prompt in per_prompt],
@@ -220,19 +208,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--generate-tokens", type=int, default=128)
     parser.add_argument("--top-logprobs", type=int, default=20,
                         help="k: top tokens returned per step (vocabulary size: exact KL)")
-    parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
-    parser.add_argument("--policy", nargs="+", default=["infinigen"], choices=POLICIES,
-                        help="selection rules (--infinigen-policy), swept on the InfiniGen engine")
-    parser.add_argument("--no-select-all-control", dest="select_all_control",
-                        action="store_false",
-                        help="skip the control (budget 1, alpha 1e4: should equal dense)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    sweeps.add_selection_options(parser, [0.05, 0.1, 0.2])
+    sweeps.add_run_options(parser, max_model_len=2048, kv_cache_bytes=256 << 20, batch_size=8,
+                           out=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    if not all(0 < b <= 1 for b in args.budget):
-        parser.error("--budget values must be in (0, 1]")
+    sweeps.check_budgets(parser, args.budget)
     if args.generate_tokens < 2:
         parser.error("--generate-tokens must be >= 2 (step 0 comes from the prefill)")
     if args.top_logprobs < 1:
@@ -244,10 +224,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for path in (args.model, args.text):
-        if not path.exists():
-            print(f"skipped: {path} is absent", file=sys.stderr)
-            return 0
+    if sweeps.inputs_missing(args.model, args.text):
+        return 0
     token_ids = tokenize_text(str(args.model), args.text.read_text(encoding="utf-8"))
     windows = cut_windows(token_ids, args.prompt_tokens, args.generate_tokens, args.num_prompts)
     prompts = [prompt for prompt, _ in windows]

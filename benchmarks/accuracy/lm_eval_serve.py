@@ -14,10 +14,10 @@ Per configuration, one after the other (one heavy vLLM process at a time)::
 lm-eval's loglikelihood reads the prompt logprobs of ``/v1/completions``
 (``echo``, ``logprobs=1``, ``max_tokens=1``); in the evaluation mode every
 prompt row past the dense prefix attends over the selection. The task YAMLs
-(written to a temporary directory) reproduce lm-eval's own ``copa``,
-``openbookqa``, ``piqa``, ``winogrande`` and ``rte`` prompts, choices, targets and
-metrics over the local files of ``mc_tasks.py``, with the evaluated split as
-the few-shot split (lm-eval then drops the document from its own shots).
+(``lm_eval_tasks.py``, written to a temporary directory) reproduce lm-eval's
+own prompts, choices, targets and metrics over the local files of
+``mc_tasks.py``, with the evaluated split as the few-shot split (lm-eval then
+drops the document from its own shots).
 Requests go as token ids, encoded by lm-eval with the model's tokenizer and
 its BOS (``add_bos_token=True``), as ``mc_tasks.py`` encodes them.
 
@@ -26,7 +26,7 @@ offline engine in the same mode, and ``benchmarks/results/lm_eval_serve.{json,md
 compares acc / acc_norm per task and configuration, the prompts lm-eval built
 with ours, and the per-document log-likelihoods (``--log_samples``). Example::
 
-    flock /tmp/engine.lock python benchmarks/accuracy/lm_eval_serve.py --limit 20
+    flock /tmp/engine.lock python -m benchmarks.accuracy.lm_eval_serve --limit 20
 """
 
 from __future__ import annotations
@@ -46,66 +46,16 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+from benchmarks.accuracy import mc_prompts, mc_tasks
+from benchmarks.accuracy.lm_eval_tasks import (
+    lm_eval_command,
+    read_lm_eval_output,
+    write_task_yamls,
+)
+from benchmarks.harness import paths, report
+from benchmarks.harness.servers import SERVED_NAME, start_server, stop_server
 
-from benchmarks.accuracy import mc_tasks, report  # noqa: E402
-
-DEFAULT_OUT = report.RESULTS_DIR / "lm_eval_serve"
-TASK_PREFIX = "local_"
-SERVED_MODEL = "tiny"  # tests/e2e/servers.py's --served-model-name
-# lm-eval's prompt fields per task over the local files' columns (mc_tasks.TASKS
-# names the file and the metrics lm-eval reports).
-TASK_FIELDS: dict[str, dict[str, Any]] = {
-    # super_glue/copa: premise without its period + " because"/" therefore" (the
-    # file's query); choices " " + choice, first letter lower-cased (in the file).
-    "copa": {"doc_to_text": "query", "doc_to_target": "gold",
-             "doc_to_choice": "{{ choices | map('regex_replace', '^', ' ') | list }}"},
-    "openbookqa": {"doc_to_text": "query", "doc_to_target": "gold", "doc_to_choice": "choices"},
-    # piqa: "Question: {{goal}}\nAnswer:"; the file's query is "Question: {goal}\n".
-    "piqa": {"doc_to_text": "{{query}}Answer:", "doc_to_target": "gold",
-             "doc_to_choice": "choices"},
-    # winogrande: an int doc_to_text (the gold option) makes the options contexts.
-    "winogrande": {"doc_to_text": "gold", "doc_to_target": "continuation",
-                   "doc_to_choice": "context_options"},
-    "rte": {"doc_to_text": "{{sentence1}}\nQuestion: {{sentence2}} True or False?\nAnswer:",
-            "doc_to_target": "label", "doc_to_choice": ["True", "False"]},
-}
-
-
-def task_config(name: str, data_dir: Path) -> dict[str, Any]:
-    """The lm-eval task config of one local file (``local_<name>``)."""
-    task = mc_tasks.TASKS[name]
-    path = str((Path(data_dir) / task.file).resolve())
-    if path.endswith(".tsv"):  # GLUE's TSV, read as mc_tasks.load_docs reads it
-        dataset = {"dataset_path": "csv", "dataset_kwargs": {
-            "data_files": {"test": path}, "sep": "\t", "quoting": 3,
-            "keep_default_na": False}}
-    else:
-        dataset = {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": path}}}
-    return {
-        "task": TASK_PREFIX + name, **dataset,
-        "test_split": "test", "fewshot_split": "test", "output_type": "multiple_choice",
-        **TASK_FIELDS[name],
-        "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
-                        for m in task.lm_eval_metrics],
-        "metadata": {"version": 1.0},
-    }
-
-
-def write_task_yamls(out_dir: Path, data_dir: Path, tasks: Sequence[str]) -> dict[str, str]:
-    """Writes ``local_<task>.yaml`` per task into ``out_dir``; returns the YAML texts."""
-    import yaml
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    texts = {}
-    for name in tasks:
-        texts[name] = yaml.safe_dump(task_config(name, data_dir), sort_keys=False,
-                                     allow_unicode=True)
-        (out_dir / f"{TASK_PREFIX}{name}.yaml").write_text(texts[name], encoding="utf-8")
-    return texts
-
-
+DEFAULT_OUT = paths.RESULTS / "lm_eval_serve"
 @dataclass(frozen=True)
 class ServeConfig:
     """One server: dense vLLM (``policy`` None) or a policy at a budget in evaluation mode."""
@@ -132,62 +82,13 @@ class ServeConfig:
                 "--infinigen-min-context", "0"]
 
 
-def lm_eval_command(base_url: str, model: Path, tasks: Sequence[str], *, limit: int,
-                    num_fewshot: int, max_length: int, batch_size: int,
-                    include_path: Path, output_path: Path) -> list[str]:
-    """``lm_eval run`` against a server's ``/v1/completions``, token-id requests with BOS."""
-    model_args = ",".join([
-        f"base_url={base_url}/v1/completions", f"model={SERVED_MODEL}", f"tokenizer={model}",
-        "tokenizer_backend=huggingface", "tokenized_requests=True", "add_bos_token=True",
-        f"max_length={max_length}", "num_concurrent=1", "max_retries=1"])
-    lm_eval = Path(sys.executable).parent / "lm_eval"
-    return [str(lm_eval), "run", "--model", "local-completions", "--model_args", model_args,
-            "--tasks", ",".join(TASK_PREFIX + t for t in tasks),
-            "--num_fewshot", str(num_fewshot), "--limit", str(limit),
-            "--batch_size", str(batch_size), "--include_path", str(include_path),
-            "--output_path", str(output_path), "--log_samples"]
-
-
-def _value(metrics: dict, name: str) -> float | None:
-    value = metrics.get(f"{name},none")
-    return None if value is None else float(value)
-
-
-def read_lm_eval_output(output_path: Path) -> dict[str, dict[str, Any]]:
-    """Per task: lm-eval's acc / acc_norm and, per document, its choices' lls and prompts.
-
-    Reads the newest ``results_*.json`` under ``output_path`` and the
-    ``samples_local_<task>_*.jsonl`` beside it (``--log_samples``).
-    """
-    results_files = sorted(Path(output_path).rglob("results_*.json"))
-    if not results_files:
-        raise FileNotFoundError(f"no lm-eval results_*.json under {output_path}")
-    results = json.loads(results_files[-1].read_text())["results"]
-    out = {}
-    for task_name, metrics in results.items():
-        docs = []
-        for path in sorted(results_files[-1].parent.glob(f"samples_{task_name}_*.jsonl"))[-1:]:
-            lines = path.read_text(encoding="utf-8").splitlines()
-            for sample in sorted(map(json.loads, filter(str.strip, lines)),
-                                 key=lambda sample: sample["doc_id"]):
-                # lm-eval 0.4 logs {"gen_args_0": {"arg_0": context, "arg_1": continuation}}
-                docs.append({
-                    "doc_id": sample["doc_id"],
-                    "loglikelihoods": [float(resp[0]) for resp in sample["filtered_resps"]],
-                    "requests": [(arg["arg_0"], arg["arg_1"])
-                                 for arg in sample["arguments"].values()]})
-        out[task_name.removeprefix(TASK_PREFIX)] = {
-            "acc": _value(metrics, "acc"), "acc_norm": _value(metrics, "acc_norm"), "docs": docs}
-    return out
-
-
 def our_prompts(name: str, data_dir: Path, limit: int, num_fewshot: int) -> list[list[tuple]]:
     """Per document, mc_tasks.py's (context, continuation) per choice."""
-    task = mc_tasks.TASKS[name]
-    docs = mc_tasks.load_docs(task, data_dir)
-    rng = random.Random(mc_tasks.FEWSHOT_SEED)
-    return [mc_tasks.build_requests(task, doc,
-                                    mc_tasks.sample_fewshot(docs, doc, num_fewshot, rng))
+    task = mc_prompts.TASKS[name]
+    docs = mc_prompts.load_docs(task, data_dir)
+    rng = random.Random(mc_prompts.FEWSHOT_SEED)
+    return [mc_prompts.build_requests(task, doc,
+                                    mc_prompts.sample_fewshot(docs, doc, num_fewshot, rng))
             for doc in docs[:limit]]
 
 
@@ -216,7 +117,7 @@ def compare_task(lm_eval: dict[str, Any], ours: dict[str, Any],
     if docs:
         theirs = [d["loglikelihoods"] for d in docs]
         mine = [ours["doc_loglikelihoods"][d["doc_id"]] for d in docs]
-        agreement = mc_tasks.prediction_agreement(theirs, mine)
+        agreement = mc_prompts.prediction_agreement(theirs, mine)
         row.update({
             "docs_compared": len(docs),
             "same_choice": round(agreement["same_choice"] * len(docs)),
@@ -231,8 +132,6 @@ def compare_task(lm_eval: dict[str, Any], ours: dict[str, Any],
 def run_lm_eval(config: ServeConfig, args: argparse.Namespace, work: Path,
                 env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Starts the server, runs lm_eval against it, stops it; (parsed output, log)."""
-    from tests.e2e.servers import start_server, stop_server
-
     slug = config.label.replace(" ", "_").replace("=", "")
     log = work / f"serve_{slug}.log"
     serve_args = [*config.serve_args(args.eval_dense_prefix), "--max-model-len",
@@ -266,7 +165,7 @@ def run_ours(configs: Sequence[ServeConfig], args: argparse.Namespace, work: Pat
     policies = [c.policy for c in configs if c.policy is not None]
     kv_managers = (["vllm"] if any(c.policy is None for c in configs) else []) + (
         ["infinigen"] if policies else [])
-    command = [sys.executable, str(Path(mc_tasks.__file__).resolve()), "--model",
+    command = [sys.executable, "-m", "benchmarks.accuracy.mc_tasks", "--model",
                str(args.model), "--data-dir", str(args.data_dir), "--tasks", *args.tasks,
                "--limit", str(args.limit), "--num-fewshot", str(args.num_fewshot),
                "--kv-manager", *kv_managers, "--budget", f"{args.budget:g}",
@@ -278,7 +177,7 @@ def run_ours(configs: Sequence[ServeConfig], args: argparse.Namespace, work: Pat
     progress(f"[ours, batch {batch_size}] {shlex.join(command)}")
     start = time.perf_counter()
     with open(work / f"mc_tasks_b{batch_size}.log", "w") as out:
-        subprocess.run(command, env=env, check=True, stdout=out)
+        subprocess.run(command, env=env, check=True, stdout=out, cwd=paths.REPO)
     seconds = time.perf_counter() - start
     progress(f"[ours, batch {batch_size}] done in {seconds:.0f} s")
     written = json.loads((work / f"mc_tasks_b{batch_size}.json").read_text())
@@ -382,10 +281,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=mc_tasks.DEFAULT_MODEL)
     parser.add_argument("--data-dir", type=Path, default=mc_tasks.DEFAULT_DATA)
-    parser.add_argument("--tasks", nargs="+", default=list(mc_tasks.TASKS),
-                        choices=list(mc_tasks.TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(mc_prompts.TASKS),
+                        choices=list(mc_prompts.TASKS))
     parser.add_argument("--limit", type=int, default=20, help="first N documents per task")
-    parser.add_argument("--num-fewshot", type=int, default=mc_tasks.NUM_FEWSHOT)
+    parser.add_argument("--num-fewshot", type=int, default=mc_prompts.NUM_FEWSHOT)
     parser.add_argument("--policy", nargs="+", default=["infinigen"],
                         choices=["infinigen", "streaming", "quest"],
                         help="policies served in evaluation mode (H2O has none)")
@@ -471,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "## The dense prefix", DENSE_PREFIX_NOTE.format(n=args.eval_dense_prefix, **context),
         "## Batching", batching_note(rows, args.batch_size),
         "## Commands", "\n".join(
-            [f"- {label}: `vllm serve MODEL --served-model-name {SERVED_MODEL} "
+            [f"- {label}: `vllm serve MODEL --served-model-name {SERVED_NAME} "
              f"{run['serve_args']}` (up in {run['server_start_seconds']:.0f} s), then "
              f"lm-eval ({run['lm_eval_seconds']:.0f} s):\n\n      {run['lm_eval_command']}\n"
              for label, run in runs.items()]

@@ -20,7 +20,7 @@ By default the model is ``../shared/models/gutenberg-llama-2k`` (2,048-token
 context) on its held-out book, Frankenstein; ``--model``/``--text`` take any HF
 model directory and UTF-8 text. Example::
 
-    flock /tmp/engine.lock python benchmarks/accuracy/perplexity.py \\
+    flock /tmp/engine.lock python -m benchmarks.accuracy.perplexity \\
         --policy infinigen h2o streaming quest --budget 0.05 0.1 0.2 0.4
 
 One engine per ``--kv-manager``; an InfiniGen engine is switched between
@@ -37,33 +37,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.accuracy.harness import (  # noqa: E402
-    KV_MANAGERS,
-    POLICIES,
-    REPO,
-    SelectionMeter,
-    default_path,
-    is_control,
-    policy_of,
-    selection_grid,
-    start_engine,
-    sweep,
-)
-from benchmarks.accuracy.teacher_forcing import (  # noqa: E402
+from benchmarks.harness import report
+from benchmarks.accuracy import sweeps
+from benchmarks.harness import paths
+from benchmarks.accuracy.teacher_forcing import (
     perplexity,
     prefill_scores,
     score_continuations,
 )
 
-GUTENBERG = default_path("models/gutenberg-llama-2k")
-FRANKENSTEIN = default_path("data/text/gutenberg-frankenstein.txt")
-STORIES = default_path("models/stories260k-vllm-cpu")
-TINYSTORIES = default_path("data/text/tinystories-sample.txt")
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "perplexity"
+GUTENBERG = paths.shared_path("models/gutenberg-llama-2k")
+FRANKENSTEIN = paths.shared_path("data/text/gutenberg-frankenstein.txt")
+STORIES = paths.shared_path("models/stories260k-vllm-cpu")
+TINYSTORIES = paths.shared_path("data/text/tinystories-sample.txt")
+DEFAULT_OUT = paths.RESULTS / "perplexity"
 STORY_SEPARATOR = "<|endoftext|>"
 SCORINGS = ("decode", "eval-prefill")
 
@@ -114,7 +101,7 @@ def scoring_of(requested: str, setting: dict | None) -> str:
     Dense vLLM has no evaluation mode (its prefill is dense whatever the mode,
     and decode gives the same numbers); H2O's has none by design.
     """
-    if requested == "eval-prefill" and setting is not None and policy_of(setting) != "h2o":
+    if requested == "eval-prefill" and setting is not None and sweeps.policy_of(setting) != "h2o":
         return "eval-prefill"
     return "decode"
 
@@ -129,7 +116,7 @@ def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
                            kwargs={"eval_dense_prefix": len(prompts[0])})
     start = time.perf_counter()
     try:
-        with SelectionMeter(llm) as meter:
+        with sweeps.SelectionMeter(llm) as meter:
             if mode == "eval-prefill":
                 scores = prefill_scores(llm, prompts, continuations)
             else:
@@ -140,11 +127,12 @@ def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
     elapsed = time.perf_counter() - start
     logprobs = [logprob for window in scores for logprob in window]
     label = kv_manager if setting is None else (
-        "infinigen select-all (control)" if is_control(setting) else policy_of(setting))
+        "infinigen select-all (control)" if sweeps.is_control(setting)
+        else sweeps.policy_of(setting))
     return {
         "label": label,
         "kv_manager": kv_manager,
-        "policy": policy_of(setting),
+        "policy": sweeps.policy_of(setting),
         "budget": None if setting is None else setting.get("budget"),
         "alpha": None if setting is None else setting.get("alpha"),
         "scoring": mode,
@@ -161,16 +149,16 @@ def score(llm, windows: list[tuple[list[int], list[int]]], kv_manager: str,
 def run_engine(args: argparse.Namespace, kv_manager: str,
                windows: list[tuple[list[int], list[int]]]) -> list[dict]:
     """One engine: dense vLLM scores once; InfiniGen once per (policy, budget) and the control."""
-    settings = selection_grid(args.budget, args.policy,
+    settings = sweeps.selection_grid(args.budget, args.policy,
                               select_all_control=args.select_all_control)
     infinigen = None
     if kv_manager == "infinigen":
         infinigen = {"budget": args.budget[0], "alpha": args.alpha,
                      "sink_tokens": args.sink_tokens, "recent_tokens": args.recent_tokens}
     results = []
-    with start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
-                      infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
-        for setting in sweep(llm, kv_manager, settings):
+    with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
+                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+        for setting in sweeps.sweep(llm, kv_manager, settings):
             result = score(llm, windows, kv_manager, setting, args.scoring)
             print(f"[{result['label']} budget {result['budget']}] perplexity "
                   f"{result['perplexity']:.3f} ({result['scoring']}, "
@@ -197,11 +185,11 @@ def results_table(results: Sequence[dict]) -> str:
 def budget_table(results: Sequence[dict]) -> str:
     """Perplexity per policy (rows) and budget (columns)."""
     budgets = sorted({r["budget"] for r in results
-                      if r["policy"] is not None and not is_control(r)})
-    by = {(r["policy"], r["budget"]): r for r in results if not is_control(r)}
+                      if r["policy"] is not None and not sweeps.is_control(r)})
+    by = {(r["policy"], r["budget"]): r for r in results if not sweeps.is_control(r)}
     rows = []
     for policy in dict.fromkeys(r["policy"] for r in results
-                                if r["policy"] is not None and not is_control(r)):
+                                if r["policy"] is not None and not sweeps.is_control(r)):
         rows.append([policy, *[report.cell(by.get((policy, b), {}).get("perplexity"), ".3f")
                                for b in budgets]])
     return report.markdown_table(["policy", *[f"budget {b:g}" for b in budgets]], rows)
@@ -213,7 +201,7 @@ def plot_panels(results: Sequence[dict]) -> list[report.Panel]:
     for r in results:
         if r["policy"] is None:
             panel.references["dense vLLM"] = r["perplexity"]
-        elif is_control(r):
+        elif sweeps.is_control(r):
             panel.references["select-all control"] = r["perplexity"]
         else:
             panel.series.setdefault(r["policy"], []).append((r["budget"], r["perplexity"]))
@@ -228,17 +216,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--text", type=Path, default=None,
                         help="UTF-8 text (default: Frankenstein for gutenberg-llama-2k, "
                              "the TinyStories sample otherwise)")
-    parser.add_argument("--kv-manager", nargs="+", default=list(KV_MANAGERS),
-                        choices=KV_MANAGERS, help="one engine each, one after the other")
-    parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=POLICIES)
-    parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4])
+    parser.add_argument("--kv-manager", nargs="+", default=list(sweeps.KV_MANAGERS),
+                        choices=sweeps.KV_MANAGERS, help="one engine each, one after the other")
+    sweeps.add_selection_options(parser, [0.05, 0.1, 0.2, 0.4], sweeps.POLICIES)
     parser.add_argument("--alpha", type=float, default=None,
                         help="InfiniGen alpha (default: the paper's value)")
     parser.add_argument("--sink-tokens", type=int, default=0)
     parser.add_argument("--recent-tokens", type=int, default=0)
-    parser.add_argument("--no-select-all-control", dest="select_all_control",
-                        action="store_false",
-                        help="skip the control (budget 1, alpha 1e4: should equal dense)")
     parser.add_argument("--scoring", choices=SCORINGS, default="decode")
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="P: dense-prefill tokens per window")
@@ -256,8 +240,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.model = GUTENBERG if GUTENBERG.exists() else STORIES
     if args.text is None:
         args.text = FRANKENSTEIN if args.model == GUTENBERG else TINYSTORIES
-    if not all(0 < budget <= 1 for budget in args.budget):
-        parser.error("--budget values must be in (0, 1]")
+    sweeps.check_budgets(parser, args.budget)
     if min(args.sink_tokens, args.recent_tokens) < 0:
         parser.error("--sink-tokens and --recent-tokens must be >= 0")
     if args.prompt_tokens < 1 or args.score_tokens < 1:
@@ -272,10 +255,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for path in (args.model, args.text):
-        if not Path(path).exists():
-            print(f"skipped: {path} is absent", file=sys.stderr)
-            return 0
+    if sweeps.inputs_missing(args.model, args.text):
+        return 0
     token_ids = tokenize_text(str(args.model), Path(args.text).read_text(encoding="utf-8"))
     windows = cut_windows(token_ids, args.prompt_tokens, args.score_tokens,
                           args.num_windows or None)

@@ -27,7 +27,7 @@ InfiniGen at budget 0.001 (1 selected token) plus sink 4 + recent 128: an
 sparse layers only (the dense layers still see everything, and the current
 token and the one speculated token are attended too). Example::
 
-    flock /tmp/engine.lock python benchmarks/accuracy/retrieval.py \\
+    flock /tmp/engine.lock python -m benchmarks.accuracy.retrieval \\
         --budget 0.05 0.1 0.2 --dense-layers 2 1 --calibration default synthetic \\
         --streaming-approx
 """
@@ -44,26 +44,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+from benchmarks.harness import report
+from benchmarks.accuracy import sweeps
+from benchmarks.harness import paths
 
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.accuracy.harness import (  # noqa: E402
-    KV_MANAGERS,
-    POLICIES,
-    SelectionMeter,
-    batched,
-    default_path,
-    is_control,
-    policy_of,
-    selection_grid,
-    start_engine,
-    sweep,
-)
-
-DEFAULT_MODEL = default_path("models/recall-llama-1k")
-DEFAULT_DATA = default_path("data/recall/recall-1k.jsonl")
-DEFAULT_OUT = report.RESULTS_DIR / "retrieval"
+DEFAULT_MODEL = paths.shared_path("models/recall-llama-1k")
+DEFAULT_DATA = paths.shared_path("data/recall/recall-1k.jsonl")
+DEFAULT_OUT = paths.RESULTS / "retrieval"
 BUCKETS = ("first_quarter", "middle", "last_quarter")
 STREAMING_APPROX = {"budget": 0.001, "sink_tokens": 4, "recent_tokens": 128}
 SEP, QUERY, ANSWER = 3, 4, 5
@@ -171,7 +158,7 @@ def answer(llm, rows: Sequence[dict], decode_prompt_tokens: int, batch_size: int
 
     predictions, logprobs = [], []
     with tqdm(total=len(rows), desc=desc, unit="prompt", file=sys.stderr) as bar:
-        for chunk in batched(rows, batch_size):
+        for chunk in sweeps.batched(rows, batch_size):
             pairs = [forced_pair(row, decode_prompt_tokens) for row in chunk]
             steps = force_continuations(llm, *zip(*pairs), num_logprobs=1)
             for row, sequence in zip(chunk, steps):
@@ -187,26 +174,26 @@ def setting_label(setting: dict | None, variant: dict | None) -> str:
     if setting is None or variant is None:
         return "dense"
     engine = f"{variant['dense_layers']} dense layers, {variant['calibration']} skew"
-    if is_control(setting):
+    if sweeps.is_control(setting):
         return f"select all (control), {engine}"
     if setting.get("recent_tokens"):
         return (f"streaming approx (sink {setting['sink_tokens']} + recent "
                 f"{setting['recent_tokens']}), {engine}")
-    return f"{policy_of(setting)}, {engine}"
+    return f"{sweeps.policy_of(setting)}, {engine}"
 
 
 def evaluate(llm, rows, args, kv_manager: str, setting: dict | None,
              variant: dict | None) -> dict:
     label = setting_label(setting, variant)
     start = time.perf_counter()
-    with SelectionMeter(llm) as meter:
+    with sweeps.SelectionMeter(llm) as meter:
         predictions, logprobs = answer(llm, rows, args.decode_prompt_tokens, args.batch_size,
                                        f"{label} b={(setting or {}).get('budget', 1):g}")
     correct = [p == row["answer_token_ids"][0] for p, row in zip(predictions, rows)]
     result = {
         "label": label, "kv_manager": kv_manager, **(variant or {}),
         "budget": None, "sink_tokens": None, "recent_tokens": None, **(setting or {}),
-        "policy": policy_of(setting),
+        "policy": sweeps.policy_of(setting),
         "accuracy": bucket_accuracy(rows, correct),
         "mean_answer_logprob": sum(logprobs) / len(logprobs),
         "selected_fraction": meter.fraction,
@@ -229,20 +216,20 @@ def _mean(values: Sequence[bool]) -> float | None:
 def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None,
                skew_file: Path | None) -> list[dict]:
     """One engine: dense, or one InfiniGen variant (dense layers, calibration) swept."""
-    settings = selection_grid(args.budget, args.policy)
+    settings = sweeps.selection_grid(args.budget, args.policy)
     if args.streaming_approx:
         explicit = {"policy": "infinigen"} if "policy" in settings[0] else {}
         settings.append({**explicit, **STREAMING_APPROX})
     if args.select_all_control:
-        settings += selection_grid([], args.policy, select_all_control=True)
+        settings += sweeps.selection_grid([], args.policy, select_all_control=True)
     infinigen = None
     if kv_manager == "infinigen":
         infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"],
                      "skew_file": str(skew_file) if skew_file else None}
-    with start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
-                      infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+    with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
+                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
         return [evaluate(llm, rows, args, kv_manager, setting, variant)
-                for setting in sweep(llm, kv_manager, settings)]
+                for setting in sweeps.sweep(llm, kv_manager, settings)]
 
 
 def results_table(results: Sequence[dict]) -> str:
@@ -276,7 +263,7 @@ def plot_panels(results: Sequence[dict]) -> list[report.Panel]:
             value = r["accuracy"][bucket]["acc"]
             if r["budget"] is None:
                 panel.references["dense"] = value
-            elif is_control(r):
+            elif sweeps.is_control(r):
                 continue  # the control equals dense; it is in the table
             elif r.get("recent_tokens"):
                 panel.series.setdefault(
@@ -293,31 +280,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts (default: all)")
-    parser.add_argument("--kv-manager", nargs="+", default=list(KV_MANAGERS), choices=KV_MANAGERS)
-    parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    parser.add_argument("--kv-manager", nargs="+", default=list(sweeps.KV_MANAGERS),
+                        choices=sweeps.KV_MANAGERS)
+    sweeps.add_selection_options(parser, [0.05, 0.1, 0.2])
     parser.add_argument("--dense-layers", type=int, nargs="+", default=[2],
                         help="InfiniGen dense layers; one engine per value")
-    parser.add_argument("--policy", nargs="+", default=["infinigen"], choices=POLICIES,
-                        help="selection rules (--infinigen-policy), swept on each InfiniGen engine")
     parser.add_argument("--calibration", nargs="+", default=["synthetic"],
                         choices=["default", "synthetic"],
                         help="skew calibration text; one engine per value")
     parser.add_argument("--streaming-approx", action="store_true",
                         help="also budget 0.001 + sink 4 + recent 128 (StreamingLLM-like, "
                              "sparse layers only)")
-    parser.add_argument("--no-select-all-control", dest="select_all_control",
-                        action="store_false",
-                        help="skip the control (budget 1, alpha 1e4: should equal dense)")
     parser.add_argument("--decode-prompt-tokens", type=int, default=3,
                         help="prompt tokens forced through decode before the answer "
                              "(3: QUERY k ANSWER)")
-    parser.add_argument("--max-model-len", type=int, default=1088)
-    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    parser.add_argument("--batch-size", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    sweeps.add_run_options(parser, max_model_len=1088, kv_cache_bytes=256 << 20, batch_size=50,
+                           out=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    if not all(0 < b <= 1 for b in args.budget):
-        parser.error("--budget values must be in (0, 1]")
+    sweeps.check_budgets(parser, args.budget)
     if args.decode_prompt_tokens < 1:
         parser.error("--decode-prompt-tokens must be >= 1: the answer would come from "
                      "the dense prefill")
@@ -326,10 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for path in (args.model, args.data):
-        if not path.exists():
-            print(f"skipped: {path} is absent", file=sys.stderr)
-            return 0
+    if sweeps.inputs_missing(args.model, args.data):
+        return 0
     rows = load_examples(args.data, args.limit)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

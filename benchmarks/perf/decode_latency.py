@@ -1,16 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Decode time per step and KV bytes per step versus context: dense vLLM, InfiniGen, baselines.
 
-python benchmarks/perf/decode_latency.py [--preset long|short|gqa128|gutenberg] [--model DIR]
+python -m benchmarks.perf.decode_latency [--preset long|short|gqa128|gutenberg] [--model DIR]
     [--contexts 1024 ... 16384] [--batch-sizes 1 4] [--policies infinigen h2o streaming quest]
     [--engines dense in-place copy] [--budget 0.2] [--min-context N] [--decode-steps 16]
     [--max-batch-tokens 65536] [--retries 2] [--bandwidth-mib 256] [--out PATH]
-python benchmarks/perf/decode_latency.py --render benchmarks/results/decode_latency_long.json
+python -m benchmarks.perf.decode_latency --render benchmarks/results/decode_latency_long.json
 
 Presets (explicit flags override them):
 
 - ``long`` (default): a random tiny Llama (6 layers, 8 x 32 MHA heads, 17K
-  positions; ``common.LONG_MODEL``), contexts 1K..16K, batches 1 and 4, dense
+  positions; ``models.LONG_MODEL``), contexts 1K..16K, batches 1 and 4, dense
   vLLM and an in-place InfiniGen engine running every policy
   -> ``benchmarks/results/decode_latency_long.{json,md,png}``; about 15
   minutes on 2 cores, most of it prefill (InfiniGen's prefill over the pool
@@ -19,7 +19,7 @@ Presets (explicit flags override them):
   -> ``decode_latency_short``.
 - ``gqa128``: a realistic attention shape with small weights (16 layers, 8
   query / 2 KV heads of 128, hidden 512, MLP 512, 17K positions;
-  ``common.GQA128_MODEL``), contexts 256..16K, batches 1 and 4, dense vs
+  ``models.GQA128_MODEL``), contexts 256..16K, batches 1 and 4, dense vs
   in-place InfiniGen -> ``decode_latency_gqa128``.
 - ``gutenberg``: ``../shared/models/gutenberg-llama-2k`` at 256..1920 tokens,
   dense vs InfiniGen with the in-place and the copy transfer
@@ -71,12 +71,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `tests` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.perf import common, decode_report  # noqa: E402
-from benchmarks.perf.bandwidth import measure_bandwidth  # noqa: E402
+from benchmarks.harness import models, paths, report
+from benchmarks.harness.engines import engine, infinigen_kwargs
+from benchmarks.perf import decode_report, kv_math, machine
+from benchmarks.perf.step_driver import Driver
+from benchmarks.perf.bandwidth import measure_bandwidth
 
 # Engine configurations: stock vLLM, or InfiniGen with a transfer mode.
 ENGINES = {
@@ -88,7 +87,7 @@ ENGINES = {
 }
 # Order of the policies inside one window (see the module docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
-# "model": a directory, or None for the random ``common.long_context_model(**model_spec)``.
+# "model": a directory, or None for the random ``models.long_context_model(**model_spec)``.
 PRESETS: dict[str, dict[str, Any]] = {
     "long": {"model": None, "contexts": [1024, 2048, 4096, 8192, 16384], "batch_sizes": [1, 4],
              "engines": ["dense", "in-place"], "policies": list(POLICY_ORDER),
@@ -96,11 +95,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "short": {"model": None, "contexts": [128, 256, 512], "batch_sizes": [1, 4],
               "engines": ["dense", "in-place"], "policies": list(POLICY_ORDER),
               "out": "decode_latency_short"},
-    "gqa128": {"model": None, "model_spec": common.GQA128_MODEL,
+    "gqa128": {"model": None, "model_spec": models.GQA128_MODEL,
                "contexts": [256, 1024, 4096, 16384], "batch_sizes": [1, 4],
                "engines": ["dense", "in-place"], "policies": ["infinigen"],
                "out": "decode_latency_gqa128"},
-    "gutenberg": {"model": common.GUTENBERG, "contexts": [256, 512, 1024, 1920],
+    "gutenberg": {"model": paths.GUTENBERG, "contexts": [256, 512, 1024, 1920],
                   "batch_sizes": [1, 4], "engines": ["dense", "in-place", "copy"],
                   "policies": ["infinigen"], "out": "decode_latency"},
 }
@@ -117,68 +116,10 @@ def ordered_policies(policies: list[str]) -> list[str]:
     return [p for p in POLICY_ORDER if p in policies]
 
 
-class Driver:
-    """Steps an in-process engine through submit / prefill / timed decode windows."""
-
-    def __init__(self, llm, max_tokens: int):
-        from vllm import SamplingParams
-
-        self.llm = llm
-        self.engine = llm.llm_engine
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                     detokenize=False)
-        self.generated: dict[str, int] = {}
-
-    def _step(self) -> int:
-        """One engine step; returns how many requests got a token."""
-        got = 0
-        for out in self.engine.step():
-            tokens = len(out.outputs[0].token_ids) if out.outputs else 0
-            if tokens > self.generated.get(out.request_id, 0):
-                got += 1
-            self.generated[out.request_id] = tokens
-        return got
-
-    def submit_and_prefill(self, prompts: list[list[int]], tag: str) -> float:
-        """Adds the requests and steps until each has its first token; returns seconds."""
-        self.generated = {}
-        start = time.perf_counter()
-        for index, prompt in enumerate(prompts):
-            request_id = f"{tag}-{index}"
-            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, self.params)
-            self.generated[request_id] = 0
-        while min(self.generated.values()) < 1:
-            self._step()
-        return time.perf_counter() - start
-
-    def warm(self, steps: int) -> None:
-        for _ in range(steps):
-            self._step()
-
-    def window(self, steps: int) -> tuple[list[float], list[int]]:
-        """``steps`` timed steps: (seconds per step, requests that got a token in each)."""
-        times, got = [], []
-        for _ in range(steps):
-            start = time.perf_counter()
-            got.append(self._step())
-            times.append(time.perf_counter() - start)
-        return times, got
-
-    def mean_generated(self) -> float:
-        return statistics.fmean(self.generated.values())
-
-    def finish(self) -> None:
-        """Aborts the batch and steps until the engine is idle."""
-        self.engine.abort_request(list(self.generated))
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        self.generated = {}
-
-
 def counters(llm) -> dict[str, float]:
     from vllm_infinigen.metrics import summarize
 
-    return common.counter_totals(summarize(llm.get_metrics()))
+    return kv_math.counter_totals(summarize(llm.get_metrics()))
 
 
 def grid(args) -> list[tuple[int, int]]:
@@ -189,10 +130,10 @@ def grid(args) -> list[tuple[int, int]]:
 
 def measure_row(*, engine_name: str, policy: str | None, context: int, batch: int,
                 mean_context: float, times: list[float], full: bool, prefill_s: float,
-                delta: dict[str, float], shape: common.ModelShape, args) -> dict[str, Any]:
+                delta: dict[str, float], shape: kv_math.ModelShape, args) -> dict[str, Any]:
     """One result row: timing, and KV bytes per step against dense and the ideal."""
     step_s = statistics.median(times)
-    dense_bytes = common.dense_step_bytes(shape, batch * mean_context)
+    dense_bytes = kv_math.dense_step_bytes(shape, batch * mean_context)
     row: dict[str, Any] = {
         "config": config_label(engine_name, policy), "engine": engine_name, "policy": policy,
         "context": context, "batch": batch, "mean_context": round(mean_context, 1),
@@ -209,7 +150,7 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
                    ideal_kv_read_vs_dense=1.0, pool_bytes_per_step=0.0,
                    achieved_gb_s=dense_bytes / step_s / 1e9)
         return row
-    step = common.sparse_step_bytes(shape, args.dense_layers, policy, delta, len(times),
+    step = kv_math.sparse_step_bytes(shape, args.dense_layers, policy, delta, len(times),
                                     args.partial_ratio)
     sparse_layers = shape.layers - args.dense_layers
     ideal_pool = sparse_layers * args.budget * shape.kv_bytes_per_token_layer * batch * mean_context
@@ -220,9 +161,9 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
         counter_dense_kv_bytes_per_step=step.dense_equivalent,
         dense_layer_bytes_per_step=step.dense_layers, metadata_bytes_per_step=step.metadata,
         pool_bytes_per_step=step.pool_to_attention, ideal_pool_bytes_per_step=ideal_pool,
-        ideal_kv_read_vs_dense=common.ideal_kv_fraction(
+        ideal_kv_read_vs_dense=kv_math.ideal_kv_fraction(
             shape.layers, args.dense_layers,
-            common.ideal_sparse_fraction(policy, args.budget, args.partial_ratio, shape)),
+            kv_math.ideal_sparse_fraction(policy, args.budget, args.partial_ratio, shape)),
         selected_fraction=delta.get("selected_tokens", 0.0) / candidates if candidates else None,
         swap_wait_ms_per_step=delta.get("swap_wait_us", 0.0) / 1000 / len(times),
     )
@@ -250,7 +191,7 @@ def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
     return settings
 
 
-def sizing(engine_name: str, shape: common.ModelShape, args) -> tuple[list, int, int, int]:
+def sizing(engine_name: str, shape: kv_math.ModelShape, args) -> tuple[list, int, int, int]:
     """(policies, max_tokens per request, tokens to hold, ``kv_cache_memory_bytes``)."""
     from vllm_infinigen.layout import kv_cache_group_size
 
@@ -263,16 +204,16 @@ def sizing(engine_name: str, shape: common.ModelShape, args) -> tuple[list, int,
     ahead = max(batch * context for context, batch in points) // args.max_num_batched_tokens
     max_tokens = 2 + len(policies) * per_policy * (1 + args.retries) + ahead + 8
     tokens = max(batch * (context + max_tokens + 64) for context, batch in points)
-    kv_bytes = common.kv_space_bytes(
+    kv_bytes = kv_math.kv_space_bytes(
         shape, tokens, setup["kv_manager"], dense_layers=args.dense_layers,
         group_size=kv_cache_group_size(args.dense_layers, shape.layers - args.dense_layers),
         partial_ratio=args.partial_ratio)
     return policies, max_tokens, tokens, kv_bytes
 
 
-def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -> list[dict]:
+def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) -> list[dict]:
     """One engine: every (context, batch), every policy of the window."""
-    shape = common.model_shape(model)
+    shape = kv_math.model_shape(model)
     setup = ENGINES[engine_name]
     policies, max_tokens, _, kv_bytes = sizing(engine_name, shape, args)
     points = grid(args)
@@ -280,12 +221,12 @@ def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -
     progress(f"{engine_name}: starting the engine ({kv_bytes / 2**20:.0f} MiB KV space)")
     rows: list[dict] = []
     rng = random.Random(0)
-    with common.engine(model, setup["kv_manager"], infinigen=infinigen,
-                       max_model_len=max(args.contexts) + max_tokens + 8,
-                       kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=max(batch for _, batch in points),
-                       enforce_eager=args.enforce_eager) as llm:
+    with engine(model, kv_manager=setup["kv_manager"], **infinigen_kwargs(infinigen),
+                max_model_len=max(args.contexts) + max_tokens + 8,
+                kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=max(batch for _, batch in points),
+                enforce_eager=args.enforce_eager) as llm:
         driver = Driver(llm, max_tokens)
         progress(f"{engine_name}: engine up; warm-up")
         driver.submit_and_prefill([[1, 5, 6, 7]] * max(b for _, b in points), "warmup")
@@ -305,13 +246,13 @@ def run_engine(engine_name: str, model: Path, args, progress: common.Progress) -
                 attempts = []
                 for _ in range(1 + args.retries):
                     if args.quiet_wait > 0:
-                        common.wait_for_quiet(args.contention_cores, args.quiet_wait)
+                        machine.wait_for_quiet(args.contention_cores, args.quiet_wait)
                     driver.warm(args.warmup_steps)
                     before = counters(llm) if policy else {}
                     start_generated = driver.mean_generated()
-                    with common.CpuMeter() as meter:
+                    with machine.CpuMeter() as meter:
                         times, got = driver.window(args.decode_steps)
-                    delta = common.counter_delta(before, counters(llm)) if policy else {}
+                    delta = kv_math.counter_delta(before, counters(llm)) if policy else {}
                     attempts.append((meter.other_cores or 0.0, start_generated, times, got,
                                      delta))
                     if (meter.other_cores or 0.0) <= args.contention_cores:
@@ -384,7 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, list(preset[key]))
     if args.out is None:
-        args.out = common.RESULTS / preset["out"]
+        args.out = paths.RESULTS / preset["out"]
     args.model_default = args.model is None
     if args.model is None:
         args.model = preset["model"]
@@ -397,7 +338,7 @@ def render(path: Path) -> int:
     data = json.loads(Path(path).read_text())
     settings = data["settings"]
     args = argparse.Namespace(**{k: v for k, v in settings.items() if k != "model_shape"})
-    shape = common.ModelShape(**settings["model_shape"])
+    shape = kv_math.ModelShape(**settings["model_shape"])
     rows = data["results"]
     meta = data["meta"]
     out = Path(path).with_suffix("")
@@ -415,27 +356,27 @@ def main(argv: list[str] | None = None) -> int:
         return render(args.render)
     # Drive the engine core step by step in this process.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    progress = common.Progress(total=len(grid(args)) * sum(
+    progress = machine.Progress(total=len(grid(args)) * sum(
         len(args.policies) if ENGINES[name]["infinigen"] else 1 for name in args.engines))
     if args.model is None:
-        args.model = common.long_context_model(**(args.model_spec or {}))
+        args.model = models.long_context_model(**(args.model_spec or {}))
         progress(f"model: {args.model}")
     if not Path(args.model).is_dir():
         print(f"skipped: model directory {args.model} is absent (pass --model)")
         return 0
-    meta = report.run_metadata(model=str(args.model), load_average_start=common.load_average())
+    meta = report.run_metadata(model=str(args.model), load_average_start=machine.load_average())
     weights = Path(args.model) / "model.safetensors"
     meta["model_weight_bytes"] = weights.stat().st_size if weights.is_file() else None
     if args.bandwidth_mib > 0:
         if args.quiet_wait > 0:
-            common.wait_for_quiet(args.contention_cores, args.quiet_wait)
+            machine.wait_for_quiet(args.contention_cores, args.quiet_wait)
         meta["bandwidth"] = measure_bandwidth(args.bandwidth_mib)
         progress(f"streaming bandwidth: {decode_report.bandwidth_text(meta['bandwidth'])}")
     rows = [row for name in args.engines for row in run_engine(name, Path(args.model), args,
                                                                progress)]
-    meta["load_average_end"] = common.load_average()
+    meta["load_average_end"] = machine.load_average()
     meta["wall_s"] = round(time.monotonic() - progress.start, 1)
-    shape = common.model_shape(Path(args.model))
+    shape = kv_math.model_shape(Path(args.model))
     settings = {key: (str(value) if isinstance(value, Path) else value)
                 for key, value in vars(args).items()}
     settings["model_shape"] = {"layers": shape.layers, "kv_heads": shape.kv_heads,

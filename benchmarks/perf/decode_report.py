@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.accuracy import report
-from benchmarks.perf import common
+from benchmarks.harness import report
+from benchmarks.perf import kv_math
+from vllm_infinigen import layout
 
 # Dense's context-dependent cost over a sparse config's that the target asks for.
 CONTEXT_COST_TARGET = 2.5
@@ -117,7 +118,7 @@ def _context_cost_table(rows: Sequence[Mapping[str, Any]]) -> str:
              "dense / config (fastest)"], table))
 
 
-def sections(rows: list[dict], args, shape: common.ModelShape,
+def sections(rows: list[dict], args, shape: kv_math.ModelShape,
              bandwidth: Mapping[str, Any] | None = None,
              weight_bytes: int | None = None) -> list[str]:
     """Markdown: timing tables, achieved GB/s, context-dependent cost, bytes table, notes."""
@@ -164,7 +165,7 @@ def sections(rows: list[dict], args, shape: common.ModelShape,
                 report.cell(row.get("selected_fraction"), ".3f"),
             ])
     sparse = shape.layers - args.dense_layers
-    rank = common.partial_rank(shape.head_dim, args.partial_ratio)
+    rank = layout.partial_rank(shape.head_dim, args.partial_ratio)
     min_context = getattr(args, "min_context", None)
     weights = ("" if weight_bytes is None else
                f"; weights {weight_bytes / 2**20:.0f} MiB (read every step, not in the KV "

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A projection on paper: InfiniGen's decode step on a GPU, from bytes moved per step.
 
-python benchmarks/perf/gpu_projection.py [--fractions 0.118 0.2] [--out PATH]
+python -m benchmarks.perf.gpu_projection [--fractions 0.118 0.2] [--out PATH]
 
 The paper's speed setting (OPT-13B, fp16, batch 20, 1,920-token prompts + 128
 generated, RTX A6000 with PCIe 3.0 x16) is turned into bytes per decode step
@@ -38,11 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.perf import common  # noqa: E402
+from benchmarks.harness import paths, report
 
 
 @dataclass(frozen=True)
@@ -166,7 +162,7 @@ def dense_throughput_at_max_batch(setting: Setting, hw: Hardware) -> float:
     return batch / step_times(smaller, hw, selected_fraction=1.0)["dense_in_hbm"]
 
 
-def measured_fractions(results: Path = common.RESULTS) -> dict[str, float]:
+def measured_fractions(results: Path = paths.RESULTS) -> dict[str, float]:
     """Mean selected fraction of InfiniGen rows in our decode-latency results, per file."""
     out = {}
     for path in sorted(results.glob("decode_latency*.json")):
@@ -232,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fractions", type=float, nargs="*", default=[],
                         help="extra selected fractions to project")
-    parser.add_argument("--out", type=Path, default=common.RESULTS / "gpu_projection")
+    parser.add_argument("--out", type=Path, default=paths.RESULTS / "gpu_projection")
     args = parser.parse_args(argv)
     setting = PAPER_SETTING
     fractions = {"paper cap 400 tokens": PAPER_MAX_KV / setting.mean_context}

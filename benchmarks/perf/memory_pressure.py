@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Many concurrent long requests in a fixed KV space: dense vLLM, InfiniGen, vLLM's CPU offloading.
 
-python benchmarks/perf/memory_pressure.py [--model DIR] [--configs vllm infinigen
+python -m benchmarks.perf.memory_pressure [--model DIR] [--configs vllm infinigen
     vllm-offload vllm-offload-simple] [--requests 24] [--prompt-tokens 1024]
     [--output-tokens 512] [--kv-cache-mib 48] [--offload-gib 1] [--out PATH]
 
@@ -47,11 +47,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `tests` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.perf import common  # noqa: E402
+from benchmarks.harness import paths, report
+from benchmarks.harness.engines import engine, infinigen_kwargs
+from benchmarks.perf import kv_math, latency_stats, machine
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "vllm": {"kv_manager": "vllm"},
@@ -63,6 +61,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # The last exception line of a traceback in a log, e.g. "Exception: CPU Offloading is ...".
 ERROR_LINE = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
 WRAPPER_ERRORS = ("Engine core initialization failed",)
+
+# The notes under the results table.
+NOTES = """\
+## Notes
+
+- KV capacity: vLLM's device blocks x block size (InfiniGen: blocks of the dense \
+layers' group; the sparse layers' K/V are in the host pool, outside this space); \
+≈ requests held = capacity / tokens per request.
+- TTFT counts from the arrival (all requests arrive at once, so it includes \
+queueing); TPOT = (last token - first token) / (tokens - 1) per request; \
+preemptions: `vllm:num_preemptions` over the run (a preempted request is \
+recomputed).
+- Peak running: `vllm:num_requests_running`, sampled every 4 engine steps.
+- others' cores: CPU that processes other than this run's used during it \
+(of 2 cores): other jobs share the machine.\
+"""
 
 
 def root_cause(log: str) -> str | None:
@@ -90,13 +104,14 @@ def run_one(name: str, args) -> dict[str, Any]:
     if setup.get("offload"):
         extra["kv_offloading_size"] = args.offload_gib
     prompts = workload(args)
-    with common.engine(args.model, setup["kv_manager"], infinigen=setup.get("infinigen"),
-                       max_model_len=args.prompt_tokens + args.output_tokens + 16,
-                       kv_cache_memory_bytes=args.kv_cache_mib << 20,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.requests, **extra) as llm:
-        engine = llm.llm_engine
-        cache = engine.vllm_config.cache_config
+    with engine(args.model, kv_manager=setup["kv_manager"],
+                **infinigen_kwargs(setup.get("infinigen")),
+                max_model_len=args.prompt_tokens + args.output_tokens + 16,
+                kv_cache_memory_bytes=args.kv_cache_mib << 20,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.requests, **extra) as llm:
+        llm_engine = llm.llm_engine
+        cache = llm_engine.vllm_config.cache_config
         block_size = cache.block_size
         num_blocks = cache.num_gpu_blocks
         params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True,
@@ -104,20 +119,20 @@ def run_one(name: str, args) -> dict[str, Any]:
         # Warm-up (compilation, first-step costs), not measured.
         llm.generate([{"prompt_token_ids": [1, 5, 6, 7] * 16}], SamplingParams(
             max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
-        preemptions_before = common.metric_value(llm.get_metrics(), "vllm:num_preemptions")
-        meter = common.CpuMeter(tree=True).__enter__()
+        preemptions_before = latency_stats.metric_value(llm.get_metrics(), "vllm:num_preemptions")
+        meter = machine.CpuMeter(tree=True).__enter__()
         start = time.monotonic()
         for index, prompt in enumerate(prompts):
-            engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+            llm_engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
         finished: dict[str, Any] = {}
         running_peak, steps, last_report = 0, 0, start
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while llm_engine.has_unfinished_requests():
+            for out in llm_engine.step():
                 if out.finished:
                     finished[out.request_id] = out
             steps += 1
             if steps % 4 == 0:
-                running = common.metric_value(llm.get_metrics(), "vllm:num_requests_running")
+                running = latency_stats.metric_value(llm.get_metrics(), "vllm:num_requests_running")
                 running_peak = max(running_peak, int(running))
             if time.monotonic() - last_report > 10:
                 last_report = time.monotonic()
@@ -126,10 +141,10 @@ def run_one(name: str, args) -> dict[str, Any]:
         wall = time.monotonic() - start
         meter.__exit__(None, None, None)
         metrics = llm.get_metrics()
-        latencies = [common.request_latency(out.metrics) for out in finished.values()]
-        summary = common.latency_summary(latencies, wall)
+        latencies = [latency_stats.request_latency(out.metrics) for out in finished.values()]
+        summary = latency_stats.latency_summary(latencies, wall)
         summary.update(
-            config=name, preemptions=common.metric_value(metrics, "vllm:num_preemptions")
+            config=name, preemptions=latency_stats.metric_value(metrics, "vllm:num_preemptions")
             - preemptions_before,
             running_peak=running_peak, kv_blocks=num_blocks, block_size=block_size,
             other_cores_busy=meter.other_cores,
@@ -141,7 +156,7 @@ def run_one(name: str, args) -> dict[str, Any]:
         if setup["kv_manager"] == "infinigen":
             from vllm_infinigen.metrics import summarize
 
-            totals = common.counter_totals(summarize(metrics))
+            totals = kv_math.counter_totals(summarize(metrics))
             if totals.get("candidate_tokens"):
                 summary["selected_fraction"] = (totals["selected_tokens"]
                                                 / totals["candidate_tokens"])
@@ -158,7 +173,7 @@ def run_child(name: str, args, log_dir: Path) -> dict[str, Any]:
     start = time.monotonic()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                cwd=common.REPO)
+                                cwd=paths.REPO)
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -200,24 +215,13 @@ def sections(results: list[dict], args) -> list[str]:
             lines.append(f"- `{r['config']}`: {r.get('error') or 'see log_tail in the JSON'} "
                          f"(exit code {r.get('returncode')})")
         out.append("\n".join(lines))
-    out.append(
-        "## Notes\n\n"
-        "- KV capacity: vLLM's device blocks x block size (InfiniGen: blocks of the dense "
-        "layers' group; the sparse layers' K/V are in the host pool, outside this space); "
-        "≈ requests held = capacity / tokens per request.\n"
-        "- TTFT counts from the arrival (all requests arrive at once, so it includes "
-        "queueing); TPOT = (last token - first token) / (tokens - 1) per request; "
-        "preemptions: `vllm:num_preemptions` over the run (a preempted request is "
-        "recomputed).\n"
-        "- Peak running: `vllm:num_requests_running`, sampled every 4 engine steps.\n"
-        "- others' cores: CPU that processes other than this run's used during it "
-        "(of 2 cores): other jobs share the machine.")
+    out.append(NOTES)
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=common.GUTENBERG)
+    parser.add_argument("--model", type=Path, default=paths.GUTENBERG)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
@@ -228,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-limit", type=int, default=8000,
                         help="prompt ids are drawn from [3, this)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
-    parser.add_argument("--out", type=Path, default=common.RESULTS / "memory_pressure")
+    parser.add_argument("--out", type=Path, default=paths.RESULTS / "memory_pressure")
     parser.add_argument("--run-config", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -246,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model.is_dir():
         print(f"skipped: model directory {args.model} is absent (pass --model)")
         return 0
-    progress = common.Progress(total=len(args.configs))
-    meta = report.run_metadata(model=str(args.model), load_average_start=common.load_average())
+    progress = machine.Progress(total=len(args.configs))
+    meta = report.run_metadata(model=str(args.model), load_average_start=machine.load_average())
     results = []
     with tempfile.TemporaryDirectory(prefix="memory_pressure_") as tmp:
         for name in args.configs:
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress(f"{name}: {result['requests_per_s']:.3f} req/s, "
                          f"{result['output_tokens_per_s']:.1f} tok/s, "
                          f"{result['preemptions']:.0f} preemptions", advance=True)
-    meta["load_average_end"] = common.load_average()
+    meta["load_average_end"] = machine.load_average()
     settings = {key: (str(value) if isinstance(value, Path) else value)
                 for key, value in vars(args).items()
                 if key not in ("run_config", "result_file", "child_argv")}

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Cost of skewing: `vllm-infinigen prepare` and the engine's load-time skewing.
 
-python benchmarks/perf/prepare_cost.py [--models bundled gutenberg long] [--repeats 2]
+python -m benchmarks.perf.prepare_cost [--models bundled gutenberg long] [--repeats 2]
     [--engine-starts] [--out benchmarks/results/prepare_cost]
 
 Per model:
@@ -35,19 +35,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `tests` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.perf import common  # noqa: E402
+from benchmarks.harness import models, paths, report
+from benchmarks.harness.engines import engine
+from benchmarks.perf import kv_math, machine
 
 PREPARE = Path(sys.executable).parent / "vllm-infinigen"
 PRINTED_SECONDS = re.compile(r"fingerprint \S+, ([0-9.]+) s")
 
+# The notes under the results table.
+NOTES = """\
+## Notes
+
+- prepare wall/CPU: the whole `vllm-infinigen prepare` process (Python, torch \
+and transformers imports included); CPU = user + sys of that child, so with \
+2 cores it can exceed wall. The printed compute time is the tool's own \
+(model load in float32, forward over up to 2,048 calibration tokens, one SVD \
+per layer and KV head, writing the file).
+- load-time: `prepare_skew_file` as the engine's front end runs it without \
+`--infinigen-skew-file`: cold = compute + cache, warm = the cached file found \
+and validated (fingerprint of the checkpoint, shapes).\
+"""
+
 
 def model_dirs(names: list[str]) -> dict[str, Path]:
-    known = {"bundled": lambda: common.BUNDLED_MODEL, "gutenberg": lambda: common.GUTENBERG,
-             "long": common.long_context_model}
+    known = {"bundled": lambda: paths.BUNDLED_MODEL, "gutenberg": lambda: paths.GUTENBERG,
+             "long": models.long_context_model}
     out = {}
     for name in names:
         out[name] = Path(known[name]()) if name in known else Path(name)
@@ -59,7 +71,7 @@ def with_rusage(command: list[str], env: dict[str, str] | None = None,
     """Runs ``command``: wall time, and CPU seconds (user + sys) and peak RSS of that child."""
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, text=True, cwd=common.REPO)
+                            env={**os.environ, **(env or {})}, text=True, cwd=paths.REPO)
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     try:
@@ -88,11 +100,12 @@ def load_time_child(model: str) -> dict[str, Any]:
     """(In the child.) Cold and warm ``prepare_skew_file`` after vLLM's imports."""
     start = time.perf_counter()
     import vllm  # noqa: F401
-    import vllm_infinigen  # noqa: F401
+    import vllm_infinigen
     from vllm_infinigen.config import InfiniGenConfig
     from vllm_infinigen.layout import ModelLayout
     from vllm_infinigen.patch.patch_arg_utils import prepare_skew_file
 
+    vllm_infinigen.register()  # the patches an engine's front end runs with
     imports = time.perf_counter() - start
     out: dict[str, Any] = {"imports_s": imports}
     for phase in ("cold", "warm"):
@@ -109,8 +122,8 @@ def load_time_child(model: str) -> dict[str, Any]:
 def engine_start_child(model: str, kv_manager: str) -> dict[str, Any]:
     """(In the child.) Seconds to construct an ``LLM`` for ``model``."""
     start = time.perf_counter()
-    with common.engine(Path(model), kv_manager, max_model_len=512,
-                       kv_cache_memory_bytes=64 << 20):
+    with engine(model, kv_manager=kv_manager, max_model_len=512,
+                kv_cache_memory_bytes=64 << 20):
         return {"start_s": time.perf_counter() - start}
 
 
@@ -126,13 +139,13 @@ def run_in_child(function: str, *args: str, env: dict[str, str] | None = None) -
             "output": result["output"][-1500:]}
 
 
-def measure(models: dict[str, Path], args, progress: common.Progress) -> list[dict]:
+def measure(models: dict[str, Path], args, progress: machine.Progress) -> list[dict]:
     rows = []
     for name, model in models.items():
         if not model.is_dir():
             progress(f"{name}: {model} is absent, skipped", advance=True)
             continue
-        shape = common.model_shape(model)
+        shape = kv_math.model_shape(model)
         row: dict[str, Any] = {"model": name, "path": str(model), "layers": shape.layers,
                                "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
                                "params_bytes": (model / "model.safetensors").stat().st_size
@@ -196,16 +209,7 @@ def sections(rows: list[dict], args) -> list[str]:
         out.append("## Engine start (LLM construction, s)\n\n" + report.markdown_table(
             ["model", "stock vLLM", "InfiniGen, cold skew cache", "InfiniGen, cached skew"],
             lines))
-    out.append(
-        "## Notes\n\n"
-        "- prepare wall/CPU: the whole `vllm-infinigen prepare` process (Python, torch "
-        "and transformers imports included); CPU = user + sys of that child, so with "
-        "2 cores it can exceed wall. The printed compute time is the tool's own "
-        "(model load in float32, forward over up to 2,048 calibration tokens, one SVD "
-        "per layer and KV head, writing the file).\n"
-        "- load-time: `prepare_skew_file` as the engine's front end runs it without "
-        "`--infinigen-skew-file`: cold = compute + cache, warm = the cached file found "
-        "and validated (fingerprint of the checkpoint, shapes).")
+    out.append(NOTES)
     return out
 
 
@@ -216,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-starts", action="store_true",
                         help="also time LLM construction (starts engines: run under the lock)")
-    parser.add_argument("--out", type=Path, default=common.RESULTS / "prepare_cost")
+    parser.add_argument("--out", type=Path, default=paths.RESULTS / "prepare_cost")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -229,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
     models = model_dirs(args.models)
-    progress = common.Progress(total=len(models))
-    meta = report.run_metadata(load_average_start=common.load_average())
+    progress = machine.Progress(total=len(models))
+    meta = report.run_metadata(load_average_start=machine.load_average())
     rows = measure(models, args, progress)
-    meta["load_average_end"] = common.load_average()
+    meta["load_average_end"] = machine.load_average()
     settings = {"models": {k: str(v) for k, v in models.items()}, "repeats": args.repeats,
                 "engine_starts": args.engine_starts}
     report.write_results(args.out, meta, "Skewing cost: `vllm-infinigen prepare` and load time",

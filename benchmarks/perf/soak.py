@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soak: repeated bursts of mixed OpenAI traffic against a server short of memory.
 
-python benchmarks/perf/soak.py [--bursts 3] [--requests 200] [--concurrency 24]
+python -m benchmarks.perf.soak [--bursts 3] [--requests 200] [--concurrency 24]
     [--out benchmarks/results]
 
 Starts ``vllm serve`` on the bundled stories260K with ``--kv-manager
 infinigen``, a KV space of a few requests (``--kv-cache-memory-bytes``: vLLM
 preempts), a capped pool (``--infinigen-cpu-pool-gib``: every sparse layer
 evicts) and small steps (``--max-num-batched-tokens``: prefills are split,
-seeded ones included). Each burst is the mix of ``load.py`` (streaming and
+seeded ones included). Each burst is the mix of ``load`` (streaming and
 not, token-id and text prompts, greedy and sampled with n = 1..3, half of the
 sampled ones seeded, client cancellations) with requests the server must
 refuse (malformed and out of range). After each burst, once the server is
@@ -29,34 +29,31 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` and `tests` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.perf.load import (  # noqa: E402
-    BAD_REQUESTS,
-    IDLE_GAUGES,
-    idle_metrics,
-    make_requests,
-    run_load,
-    summarize,
+from benchmarks.harness.paths import BUNDLED_MODEL, RESULTS
+from benchmarks.harness.report import command_line
+from benchmarks.harness.request_mix import BAD_REQUESTS, IDLE_GAUGES, random_mix, send_all
+from benchmarks.harness.servers import (
+    metric_total,
+    metrics,
+    process_tree,
+    start_server,
+    stop_server,
 )
-from tests.e2e.servers import metric_total, metrics, start_server, stop_server  # noqa: E402
-from tests.models import BUNDLED_MODEL  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+from benchmarks.perf.load import idle_metrics, summarize
+from vllm_infinigen.layout import ModelLayout
 
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of a process and its descendants."""
     import psutil
 
-    root = psutil.Process(pid)
     total = 0
-    for proc in [root, *root.children(recursive=True)]:
+    for proc in process_tree(pid):
         try:
             total += proc.memory_info().rss
         except psutil.Error:
@@ -83,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rss-growth", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    # The mix of load.py.
+    # The mix of the load benchmark.
     args.cancel_fraction, args.sampled_fraction, args.bad_fraction = 0.1, 0.3, 0.05
     args.min_prompt, args.max_prompt, args.min_tokens, args.max_tokens = 4, 300, 8, 64
     return args
@@ -91,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args) -> dict:
     # stories260K: 3 sparse layers x 4 KV heads x K+V of 32 float32 per token.
-    pool_gib = args.pool_tokens * 3 * 4 * 2 * 32 * 4 / 2**30
+    token_bytes = ModelLayout.of_model_dir(BUNDLED_MODEL).pool_bytes_per_token(dtype_bytes=4)
+    pool_gib = args.pool_tokens * token_bytes / 2**30
     flags = ["--kv-manager", "infinigen", "--infinigen-budget", "0.2",
              "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
              "--infinigen-cpu-pool-gib", f"{pool_gib:.9f}",
@@ -104,13 +102,14 @@ def run(args) -> dict:
         rss_start = tree_rss(server.proc.pid)
         for burst in range(args.bursts):
             args.seed = burst
-            requests = make_requests(args)
+            requests = random_mix(args)
             start = time.monotonic()
-            tally = asyncio.run(run_load(server.base_url, requests, args.concurrency))
+            results = asyncio.run(send_all(server.base_url, requests, args.concurrency,
+                                           report_every=max(1, len(requests) // 10)))
             wall = time.monotonic() - start
             idle = idle_metrics(server.base_url)
-            summary = summarize(tally, wall)
-            done = sorted(r.seconds for r in tally.results if r.ended == "completed")
+            summary = summarize(requests, results, wall)
+            done = sorted(r.seconds for r in results if r.ended == "completed")
             summary["latency_p99_s"] = done[min(len(done) - 1, int(0.99 * len(done)))]
             entry = {"burst": burst, "results": summary, "idle_after": idle,
                      "idle": all(not idle.get(name) for name in IDLE_GAUGES),
@@ -126,7 +125,7 @@ def run(args) -> dict:
         code = stop_server(server)
     import vllm
 
-    return {"meta": {"command": " ".join(["python", *sys.argv]),
+    return {"meta": {"command": shlex.join(command_line()),
                      "machine": platform.platform(), "cpus": os.cpu_count(),
                      "vllm": vllm.__version__, "serve_flags": flags,
                      "bad_requests": sorted(BAD_REQUESTS),

@@ -10,13 +10,13 @@
 #
 # Writes benchmarks/results/vllm_bench_<bench>_<kv manager>.json (vLLM's own
 # result files), .txt (the command and the result lines of its output), and
-# vllm_bench.{json,md} (a summary, benchmarks/perf/vllm_bench_report.py).
+# vllm_bench.{json,md} (a summary, python -m benchmarks.perf.vllm_bench_report).
 # Full logs go to benchmarks/results/tmp/ (not committed).
 #
 # `vllm bench latency` draws prompt ids below 10,000 (vllm/benchmarks/latency.py),
 # which the bundled model's 512-token vocabulary refuses; the script records
 # that error once and runs latency on a random Llama with a 10,240-token
-# vocabulary (tests/models.build_wide_vocab_llama) instead.
+# vocabulary (benchmarks/harness/models.build_wide_vocab_llama) instead.
 #
 # Every engine start takes the lock $LOCK (default /tmp/engine.lock) so that
 # engines of other jobs on this machine do not run at the same time; do not
@@ -47,7 +47,6 @@ KV_BYTES="${KV_BYTES:-33554432}"
 RESULTS="$REPO/benchmarks/results"
 LOGS="$RESULTS/tmp/vllm_bench"
 mkdir -p "$LOGS"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 # Prompt ids within the bundled model's vocabulary have no effect on timing.
 COMMON=(--dtype float32 --max-model-len 512 --kv-cache-memory-bytes "$KV_BYTES" --seed 0)
 INFINIGEN=(--kv-manager infinigen --infinigen-budget 0.2)
@@ -128,7 +127,7 @@ done
 # random tiny Llama with a 32K vocabulary instead.
 WIDE="$LOGS/wide-vocab-llama"
 if [ ! -f "$WIDE/config.json" ]; then
-  "$PYTHON" -c "import sys; from pathlib import Path; from tests.models import build_wide_vocab_llama as b; b(Path(sys.argv[1]))" "$WIDE"
+  (cd "$REPO" && "$PYTHON" -c "import sys; from pathlib import Path; from benchmarks.harness.models import build_wide_vocab_llama as b; b(Path(sys.argv[1]))" "$WIDE")
 fi
 for manager in vllm infinigen; do
   extra=(); [ "$manager" = infinigen ] && extra=("${INFINIGEN[@]}")
@@ -147,4 +146,4 @@ for manager in vllm infinigen; do
     "$manager" "$port" "${extra[@]}"
 done
 
-"$PYTHON" "$REPO/benchmarks/perf/vllm_bench_report.py" --model "$MODEL" --wide-model "$WIDE"
+(cd "$REPO" && "$PYTHON" -m benchmarks.perf.vllm_bench_report --model "$MODEL" --wide-model "$WIDE")

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Summary of ``benchmarks/perf/vllm_bench.sh``: vLLM's result files side by side.
 
-python benchmarks/perf/vllm_bench_report.py [--model DIR] [--wide-model DIR]
+python -m benchmarks.perf.vllm_bench_report [--model DIR] [--wide-model DIR]
 
 Reads ``benchmarks/results/vllm_bench_{throughput,latency,serve}_{vllm,infinigen}.json``
 (written by ``vllm bench``) and the ``.txt`` next to them, and writes
@@ -16,11 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.accuracy import report  # noqa: E402
-from benchmarks.perf import common  # noqa: E402
+from benchmarks.harness import paths, report
+from benchmarks.perf import machine
 
 MANAGERS = ("vllm", "infinigen")
 # (label, key in vLLM's JSON, format) per benchmark.
@@ -101,20 +98,20 @@ def sections(data: dict, results: Path, args) -> list[str]:
                    "model has 512 tokens"
                    + (f": `{errors[-1].strip()[:300]}`" if errors else "") + ". Latency ran "
                    "on a random Llama with a 10,240-token vocabulary instead "
-                   "(`tests/models.build_wide_vocab_llama`).")
+                   "(`benchmarks/harness/models.build_wide_vocab_llama`).")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(common.BUNDLED_MODEL))
+    parser.add_argument("--model", default=str(paths.BUNDLED_MODEL))
     parser.add_argument("--wide-model", default="wide-vocab-llama")
-    parser.add_argument("--results", type=Path, default=common.RESULTS)
-    parser.add_argument("--out", type=Path, default=common.RESULTS / "vllm_bench")
+    parser.add_argument("--results", type=Path, default=paths.RESULTS)
+    parser.add_argument("--out", type=Path, default=paths.RESULTS / "vllm_bench")
     args = parser.parse_args(argv)
     data = summary(args.results)
     meta = report.run_metadata(model=args.model, wide_model=args.wide_model,
-                               load_average=common.load_average())
+                               load_average=machine.load_average())
     meta["command"] = "benchmarks/perf/vllm_bench.sh"
     report.write_results(args.out, meta, "vLLM's own benchmarks, with and without InfiniGen",
                          {"model": args.model, "wide_model": args.wide_model}, data,

@@ -62,7 +62,7 @@ def write_distribution(root: Path) -> Path:
 
 def fault_env(root: Path, at: int) -> dict[str, str]:
     """Environment for a process whose vLLM should fail at speculation call ``at``."""
-    from tests.models import REPO
+    from benchmarks.harness.paths import REPO
 
     paths = [str(write_distribution(root)), str(REPO), os.environ.get("PYTHONPATH", "")]
     return {FAULT_AT_ENV: str(at), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from tests.models import BUNDLED_MODEL
 from vllm_infinigen.metrics import summarize
 
 pytestmark = pytest.mark.slow
@@ -16,9 +16,8 @@ MAX_TOKENS = 30
 
 
 @pytest.fixture(scope="module")
-def stock() -> list[list[int]]:
-    with engine(str(BUNDLED_MODEL)) as llm:
-        return greedy_tokens(llm, PROMPTS, MAX_TOKENS)
+def stock(shared_engine) -> list[list[int]]:
+    return greedy_tokens(shared_engine(BUNDLED_MODEL), PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

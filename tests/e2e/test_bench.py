@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests import models
-from tests.models import BUNDLED_MODEL
+from benchmarks.harness import models
+from benchmarks.harness.paths import BUNDLED_MODEL
+from benchmarks.harness.servers import SERVE_FLAGS, VLLM
 
 pytestmark = pytest.mark.slow
-VLLM = str(Path(sys.executable).parent / "vllm")
-FLAGS = ["--kv-manager", "infinigen", "--infinigen-budget", "0.2", "--dtype", "float32",
-         "--max-model-len", "512", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20)]
+FLAGS = ["--kv-manager", "infinigen", "--infinigen-budget", "0.2", *SERVE_FLAGS]
 
 
 def _run(args: list[str]) -> str:

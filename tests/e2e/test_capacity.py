@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from vllm import SamplingParams
 
-from tests import models
+from benchmarks.harness import models
 from tests.e2e.engines import engine, random_prompts
 
 pytestmark = pytest.mark.slow

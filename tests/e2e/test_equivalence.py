@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import models
-from tests.e2e.engines import engine, greedy_tokens, random_prompts
+from benchmarks.harness import paths
+from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
 from vllm_infinigen.metrics import summarize
 
 pytestmark = pytest.mark.slow
@@ -15,24 +15,23 @@ pytestmark = pytest.mark.slow
 # prefilled in chunks while the short ones already decode (mixed batches).
 PROMPT_LENGTHS = [3, 40, 150, 333]
 MAX_TOKENS = 40
-SELECT_ALL = dict(kv_manager="infinigen", infinigen_budget=1.0, infinigen_alpha=1e4)
 
 
 def _model_path(name: str, tiny_models: dict[str, str]) -> str:
     if name == "stories260k":
-        path = models.shared_path("models/stories260k-vllm-cpu")
+        path = paths.find_shared("models/stories260k-vllm-cpu")
         if path is None:
             pytest.skip("../shared/models/stories260k-vllm-cpu is absent")
         return str(path)
     return tiny_models[name]
 
 
-@pytest.mark.parametrize("name", ["llama-mha", "llama-gqa", "opt", "stories260k"])
-def test_select_all_equals_stock(name, tiny_models):
+# llama-gqa last: its stock engine serves the preemption test next.
+@pytest.mark.parametrize("name", ["llama-mha", "opt", "stories260k", "llama-gqa"])
+def test_select_all_equals_stock(name, tiny_models, shared_engine):
     model = _model_path(name, tiny_models)
     prompts = random_prompts(PROMPT_LENGTHS, seed=len(name))
-    with engine(model) as llm:
-        stock = greedy_tokens(llm, prompts, MAX_TOKENS)
+    stock = greedy_tokens(shared_engine(model), prompts, MAX_TOKENS)
     with engine(model, **SELECT_ALL) as llm:
         ours = greedy_tokens(llm, prompts, MAX_TOKENS)
         counters = summarize(llm.get_metrics())
@@ -44,13 +43,12 @@ def test_select_all_equals_stock(name, tiny_models):
         assert counters["selected_tokens"][layer] == candidates
 
 
-def test_select_all_equals_stock_through_preemption(tiny_models):
+def test_select_all_equals_stock_through_preemption(tiny_models, shared_engine):
     """A KV space too small for the batch forces preemption and recompute: the
     pool slots of a preempted request are rewritten before they are read."""
     model = tiny_models["llama-gqa"]
     prompts = random_prompts([300, 280, 260, 240, 220, 200], seed=9)
-    with engine(model) as llm:
-        stock = greedy_tokens(llm, prompts, 100)
+    stock = greedy_tokens(shared_engine(model), prompts, 100)
     # 4 tiny-Llama layers, 2 dense: 128 KiB per block id (2 pages of 64 KiB)
     # plus 12 KiB of partial keys, so 1.5 MiB holds ~10 blocks; the batch
     # needs 6 x 4 blocks by the end.

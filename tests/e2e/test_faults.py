@@ -27,9 +27,9 @@ import time
 
 import pytest
 
+from benchmarks.harness.paths import BUNDLED_MODEL, REPO
+from benchmarks.harness.servers import SERVED_NAME, alive, kill_tree, process_tree, start_server
 from tests.e2e.fault_inject import MESSAGE, fault_env
-from tests.e2e.servers import SERVED_NAME, alive, kill_tree, process_tree, start_server
-from tests.models import BUNDLED_MODEL, REPO
 
 pytestmark = pytest.mark.slow
 FAULT_AT = 30  # the 10th decode step of stories260K (3 speculating layers)

@@ -12,14 +12,11 @@ request, no pool bytes, no device blocks.
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 import requests
 
-from tests.e2e.burst import IDLE_GAUGES, SENTENCE, make_jobs, run_burst
-from tests.e2e.servers import SERVED_NAME, metric_total, metrics, start_server, stop_server
+from benchmarks.harness.request_mix import IDLE_GAUGES, SENTENCE, burst, fixed_mix, wait_until_idle
+from benchmarks.harness.servers import SERVED_NAME, metric_total, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 MAX_STEP_TOKENS = 16384  # > the burst's prompt tokens (<= 40 sequences x 301)
@@ -41,30 +38,24 @@ def server(tmp_path_factory):
 def runs(server) -> dict:
     """Two concurrent bursts, then the uncancelled jobs one at a time; then
     /metrics once the server is idle (or after 15 s)."""
-    jobs = make_jobs()
+    jobs = fixed_mix()
     out: dict = {}
     for name in ("burst", "burst_again"):
-        out[name] = asyncio.run(asyncio.wait_for(run_burst(server.base_url, jobs, True), 300))
+        out[name] = burst(server.base_url, jobs)
     kept = [job for job in jobs if job.cancel_after is None]
-    alone = iter(asyncio.run(asyncio.wait_for(run_burst(server.base_url, kept, False), 300)))
+    alone = iter(burst(server.base_url, kept, concurrency=1))
     out["alone"] = [None if job.cancel_after is not None else next(alone) for job in jobs]
-    deadline = time.monotonic() + 15
-    while True:
-        out["metrics"] = metrics(server.base_url)
-        idle = {name: metric_total(out["metrics"], name) for name in IDLE_GAUGES}
-        if all(value == 0 for value in idle.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    out["metrics"] = wait_until_idle(server.base_url, 15)
     return out
 
 
 def completed(runs: dict, name: str):
-    return [(job, outcome) for job, outcome in zip(make_jobs(), runs[name])
+    return [(job, outcome) for job, outcome in zip(fixed_mix(), runs[name])
             if job.cancel_after is None]
 
 
 def test_the_mix_has_every_kind():
-    jobs = make_jobs()
+    jobs = fixed_mix()
     assert sum(job.cancel_after is not None for job in jobs) == 4
     assert {job.n for job in jobs} == {1, 2, 3}
     assert any(job.stream and job.seed is not None for job in jobs)
@@ -83,7 +74,7 @@ def test_every_completed_request_gets_max_tokens_per_choice(runs, name):
 
 def test_cancelled_streams_stopped_early(runs):
     for name in ("burst", "burst_again"):
-        for job, outcome in zip(make_jobs(), runs[name]):
+        for job, outcome in zip(fixed_mix(), runs[name]):
             if job.cancel_after is not None:
                 assert outcome.cancelled
                 assert len(outcome.tokens[0]) < job.max_tokens
@@ -128,7 +119,7 @@ def test_cancelled_streams_were_aborted_in_the_engine(runs):
     delivered = sum(len(ids) for name in ("burst", "burst_again", "alone")
                     for _, outcome in completed(runs, name) for ids in outcome.tokens.values())
     generated = metric_total(runs["metrics"], "vllm:generation_tokens_total")
-    num_cancelled = 2 * sum(job.cancel_after is not None for job in make_jobs())
+    num_cancelled = 2 * sum(job.cancel_after is not None for job in fixed_mix())
     assert num_cancelled <= generated - delivered < num_cancelled * 150
 
 

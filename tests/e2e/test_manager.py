@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.models import BUNDLED_MODEL, REPO
+from benchmarks.harness.paths import BUNDLED_MODEL, REPO
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import re
 import pytest
 from vllm.utils.cpu_resource_utils import get_memory_node_info
 
+from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from tests.models import BUNDLED_MODEL
 from vllm_infinigen.metrics import summarize
 
 pytestmark = pytest.mark.slow

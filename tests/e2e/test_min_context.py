@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.harness.engines import SELECT_ALL
+from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from tests.models import BUNDLED_MODEL
 from vllm_infinigen.metrics import summarize
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def test_short_contexts_attend_every_token_and_equal_select_all(llm):
         assert counters["selected_tokens"][layer] == candidates
     # Dense over the pool is exact: the same tokens as selecting everything.
     llm.collective_rpc("set_infinigen_selection",
-                       kwargs={"min_context": 0, "budget": 1.0, "alpha": 1e4})
+                       kwargs={"min_context": 0, **SELECT_ALL})
     try:
         assert greedy_tokens(llm, SHORT, MAX_TOKENS) == short
     finally:

@@ -12,16 +12,15 @@ import time
 import pytest
 import torch
 
-from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from tests.e2e.servers import alive, process_tree
-from tests.models import BUNDLED_MODEL
+from benchmarks.harness.paths import BUNDLED_MODEL
+from benchmarks.harness.servers import alive, process_tree
+from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
 from vllm_infinigen.metrics import summarize
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = random_prompts([3, 40, 150, 333], seed=3)
 MAX_TOKENS = 30
-SELECT_ALL = dict(kv_manager="infinigen", infinigen_budget=1.0, infinigen_alpha=1e4)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +46,10 @@ def monkeypatch_module():
 
 
 @pytest.fixture(scope="module")
-def single_process_stock() -> list[list[int]]:
-    with engine(str(BUNDLED_MODEL)) as llm:
-        return greedy_tokens(llm, PROMPTS, MAX_TOKENS)
+def single_process_stock(shared_engine) -> list[list[int]]:
+    """The stock engine of test_pool_cap.py too: tests list it before ``two_ranks``,
+    so that it starts before the rank binding is set."""
+    return greedy_tokens(shared_engine(BUNDLED_MODEL), PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture
@@ -96,14 +96,14 @@ def assert_all_gone(procs: list, timeout: float = 10.0) -> None:
 
 
 def test_mp_two_ranks_select_all_equals_single_process_and_select_per_rank(
-        two_ranks, single_process_stock):
+        single_process_stock, two_ranks):
     with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="mp",
                 **SELECT_ALL) as llm:
         check_select_all_then_select_per_rank(llm, single_process_stock)
 
 
 def test_ray_two_ranks_select_all_equals_single_process_and_select_per_rank(
-        ray_available, two_ranks, cores, single_process_stock):
+        single_process_stock, ray_available, two_ranks, cores):
     """vLLM's default Ray executor (RayExecutorV2), a local Ray started by the engine."""
     known = {proc.pid for proc in process_tree(os.getpid())}
     with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="ray",
@@ -117,7 +117,7 @@ def test_ray_two_ranks_select_all_equals_single_process_and_select_per_rank(
 
 
 def test_ray_v1_executor_stock_manager_equals_single_process(
-        ray_available, two_ranks, cores, single_process_stock, monkeypatch):
+        single_process_stock, ray_available, two_ranks, cores, monkeypatch):
     """``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: the compiled-graph executor, vLLM's own manager."""
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
     known = {proc.pid for proc in process_tree(os.getpid())}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from tests.models import BUNDLED_MODEL
+from benchmarks.harness.paths import BUNDLED_MODEL
+from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
 from vllm_infinigen.metrics import summarize
 
 pytestmark = pytest.mark.slow
@@ -29,15 +29,13 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def stock_fitting() -> list[list[int]]:
-    with engine(str(BUNDLED_MODEL)) as llm:
-        return greedy_tokens(llm, FITTING, MAX_TOKENS)
+def stock_fitting(shared_engine) -> list[list[int]]:
+    return greedy_tokens(shared_engine(BUNDLED_MODEL), FITTING, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def capped(stock_fitting):
-    with engine(str(BUNDLED_MODEL), kv_manager="infinigen", infinigen_cpu_pool_gib=POOL_GIB,
-                infinigen_budget=1.0, infinigen_alpha=1e4) as llm:
+    with engine(str(BUNDLED_MODEL), infinigen_cpu_pool_gib=POOL_GIB, **SELECT_ALL) as llm:
         yield llm
 
 

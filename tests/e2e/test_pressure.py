@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """`vllm serve --kv-manager infinigen` short of everything at once.
 
-The burst of ``test_load.py`` (greedy and seeded n > 1 sampling, streams and
-not, token-id and text prompts, client cancellations) against a server whose
+The burst of ``test_load.py`` (``request_mix.fixed_mix``: greedy and seeded
+n > 1 sampling, streams and not, token-id and text prompts, client
+cancellations) against a server whose
 KV space holds 768 tokens, two or three of its requests (vLLM preempts), whose capped pool
 holds 512 tokens per sparse layer and KV head (every sparse layer evicts),
 and whose steps take 64 tokens (most prefills, seeded ones included, are
@@ -12,14 +13,11 @@ idle and hold nothing afterwards.
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 import requests
 
-from tests.e2e.burst import IDLE_GAUGES, SENTENCE, make_jobs, run_burst
-from tests.e2e.servers import SERVED_NAME, metric_total, metrics, start_server, stop_server
+from benchmarks.harness.request_mix import IDLE_GAUGES, SENTENCE, burst, fixed_mix, wait_until_idle
+from benchmarks.harness.servers import SERVED_NAME, metric_total, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 # stories260K: 3 sparse layers x 4 KV heads x K+V of 32 float32 = 3,072 B a token.
@@ -42,16 +40,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(server) -> dict:
-    jobs = make_jobs()
-    outcomes = asyncio.run(asyncio.wait_for(run_burst(server.base_url, jobs, True), 600))
-    deadline = time.monotonic() + 15
-    while True:
-        text = metrics(server.base_url)
-        if (all(metric_total(text, name) == 0 for name in IDLE_GAUGES)
-                or time.monotonic() > deadline):
-            break
-        time.sleep(0.5)
-    return {"jobs": jobs, "outcomes": outcomes, "metrics": text}
+    jobs = fixed_mix()
+    outcomes = burst(server.base_url, jobs, timeout=600)
+    return {"jobs": jobs, "outcomes": outcomes, "metrics": wait_until_idle(server.base_url, 15)}
 
 
 def test_the_burst_preempts_evicts_and_splits_seeded_prefills(run):

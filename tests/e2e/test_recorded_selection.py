@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from tests import models
-from tests.models import REPO
+from benchmarks.harness import paths
+from benchmarks.harness.paths import REPO
 from tests.unit.test_selector import kept_sets, reference_selection
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory, tiny_models):
-    path = models.shared_path("models/stories260k-vllm-cpu")
+    path = paths.find_shared("models/stories260k-vllm-cpu")
     model = str(path) if path is not None else tiny_models["llama-gqa"]
     out = tmp_path_factory.mktemp("records") / "records.pt"
     proc = subprocess.run(

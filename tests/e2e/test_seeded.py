@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from vllm import SamplingParams
 
+from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import SELECT_ALL, engine, random_prompts
-from tests.models import BUNDLED_MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -3,72 +3,29 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from tests.models import BUNDLED_MODEL
+from benchmarks.harness.paths import BUNDLED_MODEL
+from benchmarks.harness.servers import SERVE_FLAGS, VLLM, start_server, stop_server
 
 pytestmark = pytest.mark.slow
-VLLM = str(Path(sys.executable).parent / "vllm")
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-COMMON_FLAGS = [
-    "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-    "--kv-cache-memory-bytes", str(32 << 20),
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [VLLM, "serve", str(BUNDLED_MODEL), "--served-model-name", "tiny",
-             "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
-             # Its 182-token prompt is short: select there too (see engines.py).
-             "--infinigen-min-context", "0",
-             "--chat-template", str(template), "--host", "127.0.0.1",
-             "--port", str(port), *COMMON_FLAGS],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-3000:]}")
-    yield base
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("vllm serve did not stop on SIGINT")
+    # Its 182-token prompt is short: start_server selects there too (min context 0).
+    server = start_server(log, "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
+                          "--chat-template", str(template))
+    yield server.base_url
+    assert stop_server(server) is not None, "vllm serve did not stop on SIGINT"
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +96,7 @@ def test_bad_requests_get_400_and_serving_goes_on(server, client, body):
 def _start_error(tmp_path, skew_file: str) -> str:
     proc = subprocess.run(
         [VLLM, "serve", str(BUNDLED_MODEL), "--kv-manager", "infinigen",
-         "--infinigen-skew-file", skew_file, *COMMON_FLAGS],
+         "--infinigen-skew-file", skew_file, *SERVE_FLAGS],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert proc.returncode != 0

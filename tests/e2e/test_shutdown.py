@@ -23,7 +23,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.servers import (
+from benchmarks.harness.servers import (
     SERVED_NAME,
     alive,
     kill_tree,

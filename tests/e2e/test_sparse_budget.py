@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from tests.models import BUNDLED_MODEL
-from vllm_infinigen.skewing import CALIBRATION_TEXT
 from vllm_infinigen.metrics import summarize
+from vllm_infinigen.skewing import CALIBRATION_TEXT
 
 pytestmark = pytest.mark.slow
 BUDGET = 0.2

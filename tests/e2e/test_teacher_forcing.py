@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.accuracy.perplexity import tokenize_text
+from benchmarks.accuracy.sweeps import selection_counts
 from benchmarks.accuracy.teacher_forcing import (
     engine_kwargs,
     prefill_scores,
     score_continuations,
 )
-from tests import models
+from benchmarks.harness import paths
+from benchmarks.harness.engines import SELECT_ALL
 from tests.e2e.engines import engine
-from vllm_infinigen.metrics import summarize
 
 pytestmark = pytest.mark.slow
 
@@ -31,28 +33,20 @@ PROMPT_TOKENS = 64
 SCORE_TOKENS = [400, 150, 275]
 LONG_WINDOW = 0
 SMALL_BUDGET = 0.05
-SELECT_ALL = dict(budget=1.0, alpha=1e4)
-
-
-def _counts(llm) -> tuple[float, float]:
-    """(selected, candidate) tokens so far, summed over the sparse layers."""
-    counters = summarize(llm.get_metrics())
-    return (sum(counters.get("selected_tokens", {}).values()),
-            sum(counters.get("candidate_tokens", {}).values()))
 
 
 def _score_with_fraction(llm, windows) -> tuple[list[list[float]], float]:
     """Scores, and the selected fraction of this call alone."""
-    selected_before, candidates_before = _counts(llm)
+    selected_before, candidates_before = selection_counts(llm)
     scores = score_continuations(llm, *zip(*windows))
-    selected, candidates = _counts(llm)
+    selected, candidates = selection_counts(llm)
     assert candidates > candidates_before, "no sparse decode step ran"
     return scores, (selected - selected_before) / (candidates - candidates_before)
 
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    path = models.shared_path(MODEL)
+    path = paths.find_shared(MODEL)
     if path is None:
         pytest.skip(f"../shared/{MODEL} is absent")
     return str(path)
@@ -61,16 +55,10 @@ def model() -> str:
 @pytest.fixture(scope="module")
 def windows(model) -> list[tuple[list[int], list[int]]]:
     """(prompt, continuation) token windows cut one after another from the text."""
-    from transformers import AutoTokenizer
-
-    path = models.shared_path(TEXT)
+    path = paths.find_shared(TEXT)
     if path is None:
         pytest.skip(f"../shared/{TEXT} is absent")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    token_ids = []
-    for story in path.read_text(encoding="utf-8").split("<|endoftext|>"):
-        if story.strip():
-            token_ids += tokenizer.encode(story.strip())
+    token_ids = tokenize_text(model, path.read_text(encoding="utf-8"))
     out, start = [], 0
     for num_scored in SCORE_TOKENS:
         end = start + PROMPT_TOKENS + num_scored
@@ -130,9 +118,9 @@ def infinigen(model, windows) -> dict:
         # row that reads another step's keys.
         llm.collective_rpc("set_infinigen_selection",
                            kwargs={"eval_dense_prefix": PROMPT_TOKENS})
-        selected_before, candidates_before = _counts(llm)
+        selected_before, candidates_before = selection_counts(llm)
         eval_prefill = _prefill_scores(llm, windows)
-        selected, candidates = _counts(llm)
+        selected, candidates = selection_counts(llm)
         llm.collective_rpc("set_infinigen_selection", kwargs={"eval_dense_prefix": None})
         sparse, sparse_fraction = _score_with_fraction(llm, windows)
         # Default mode: prompt rows are dense, whatever the budget.

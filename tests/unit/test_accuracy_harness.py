@@ -19,11 +19,13 @@ import pytest
 from benchmarks.accuracy import (
     agreement,
     lm_eval_serve,
+    lm_eval_tasks,
+    mc_prompts,
     mc_tasks,
     perplexity,
-    report,
     retrieval,
 )
+from benchmarks.harness import report
 from benchmarks.accuracy.teacher_forcing import split_for_decode
 
 COPA = {"query": "The man turned on the faucet, therefore", "gold": 1,
@@ -42,67 +44,67 @@ RTE = {"sentence1": "Bacteria mutate fast.", "sentence2": "Bacteria are winning.
 
 def test_copa_requests_keep_lm_evals_double_space():
     # lm-eval's COPA choices start with a space and the target delimiter adds one.
-    requests = mc_tasks.build_requests(mc_tasks.TASKS["copa"], COPA, [])
+    requests = mc_prompts.build_requests(mc_prompts.TASKS["copa"], COPA, [])
     assert requests == [
         ("The man turned on the faucet, therefore", "  the toilet filled with water."),
         ("The man turned on the faucet, therefore", "  water flowed from the spout."),
     ]
-    assert mc_tasks.gold_index(mc_tasks.TASKS["copa"], COPA) == 1
+    assert mc_prompts.gold_index(mc_prompts.TASKS["copa"], COPA) == 1
 
 
 def test_openbookqa_requests():
-    requests = mc_tasks.build_requests(mc_tasks.TASKS["openbookqa"], OBQA, [])
+    requests = mc_prompts.build_requests(mc_prompts.TASKS["openbookqa"], OBQA, [])
     assert requests == [("Predators eat", " lions"), ("Predators eat", " humans"),
                         ("Predators eat", " bunnies"), ("Predators eat", " grass")]
 
 
 def test_piqa_requests_rebuild_lm_evals_question_answer_prompt():
-    requests = mc_tasks.build_requests(mc_tasks.TASKS["piqa"], PIQA, [])
+    requests = mc_prompts.build_requests(mc_prompts.TASKS["piqa"], PIQA, [])
     assert requests == [("Question: How do I open a jar?\nAnswer:", " Twist the lid."),
                         ("Question: How do I open a jar?\nAnswer:", " Bake the lid.")]
     with pytest.raises(ValueError):
-        mc_tasks.TASKS["piqa"].doc_to_text({"query": "How do I open a jar?"})
+        mc_prompts.TASKS["piqa"].doc_to_text({"query": "How do I open a jar?"})
 
 
 def test_winogrande_puts_the_options_in_the_contexts():
-    task = mc_tasks.TASKS["winogrande"]
-    requests = mc_tasks.build_requests(task, WINO, [])
+    task = mc_prompts.TASKS["winogrande"]
+    requests = mc_prompts.build_requests(task, WINO, [])
     assert requests == [
         ("Sarah was a better surgeon than Maria so Sarah", " always got the harder cases."),
         ("Sarah was a better surgeon than Maria so Maria", " always got the harder cases."),
     ]
-    assert mc_tasks.gold_index(task, WINO) == 0
+    assert mc_prompts.gold_index(task, WINO) == 0
 
 
 def test_rte_requests_and_label_mapping():
-    task = mc_tasks.TASKS["rte"]
+    task = mc_prompts.TASKS["rte"]
     context = "Bacteria mutate fast.\nQuestion: Bacteria are winning. True or False?\nAnswer:"
-    assert mc_tasks.build_requests(task, RTE, []) == [(context, " True"), (context, " False")]
-    assert mc_tasks.gold_index(task, RTE) == 1  # GLUE label 1 = not entailment = False
+    assert mc_prompts.build_requests(task, RTE, []) == [(context, " True"), (context, " False")]
+    assert mc_prompts.gold_index(task, RTE) == 1  # GLUE label 1 = not entailment = False
 
 
 def test_fewshot_prefix_renders_solved_examples():
-    piqa = mc_tasks.TASKS["piqa"]
+    piqa = mc_prompts.TASKS["piqa"]
     shot = {"query": "Question: Boil water?\n", "gold": 1, "choices": ["Freeze it.", "Heat it."]}
-    context, continuation = mc_tasks.build_requests(piqa, PIQA, [shot, shot])[0]
+    context, continuation = mc_prompts.build_requests(piqa, PIQA, [shot, shot])[0]
     one = "Question: Boil water?\nAnswer: Heat it.\n\n"
     assert context == one + one + "Question: How do I open a jar?\nAnswer:"
     assert continuation == " Twist the lid."
     # Multiple input: the shot's gold context, then its continuation.
-    wino = mc_tasks.TASKS["winogrande"]
+    wino = mc_prompts.TASKS["winogrande"]
     wino_shot = {"context_options": ["A so B", "A so C"], "continuation": "won.", "gold": 1}
-    context, _ = mc_tasks.build_requests(wino, WINO, [wino_shot])[1]
+    context, _ = mc_prompts.build_requests(wino, WINO, [wino_shot])[1]
     assert context == "A so C won.\n\nSarah was a better surgeon than Maria so Maria"
     # COPA's answer keeps lm-eval's double space in the shots too.
     copa_shot = {"query": "It rained, therefore", "gold": 0, "choices": ["we got wet.", "x."]}
-    context, _ = mc_tasks.build_requests(mc_tasks.TASKS["copa"], COPA, [copa_shot])[0]
+    context, _ = mc_prompts.build_requests(mc_prompts.TASKS["copa"], COPA, [copa_shot])[0]
     assert context.startswith("It rained, therefore  we got wet.\n\n")
 
 
 def test_fewshot_sampler_excludes_the_document_and_is_seeded():
     docs = [{"i": i} for i in range(8)]
-    first = [mc_tasks.sample_fewshot(docs, d, 5, random.Random(1234)) for d in docs]
-    again = [mc_tasks.sample_fewshot(docs, d, 5, random.Random(1234)) for d in docs]
+    first = [mc_prompts.sample_fewshot(docs, d, 5, random.Random(1234)) for d in docs]
+    again = [mc_prompts.sample_fewshot(docs, d, 5, random.Random(1234)) for d in docs]
     assert first == again
     for doc, shots in zip(docs, first):
         assert len(shots) == 5 and doc not in shots
@@ -110,14 +112,14 @@ def test_fewshot_sampler_excludes_the_document_and_is_seeded():
     # lm-eval draws n + 1 and drops the document: same draw as rng.sample(docs, 6).
     rng = random.Random(1234)
     drawn = random.Random(1234).sample(docs, 6)
-    assert mc_tasks.sample_fewshot(docs, docs[0], 5, rng) == [d for d in drawn if d != docs[0]][:5]
-    assert mc_tasks.sample_fewshot(docs, docs[0], 0, rng) == []
+    assert mc_prompts.sample_fewshot(docs, docs[0], 5, rng) == [d for d in drawn if d != docs[0]][:5]
+    assert mc_prompts.sample_fewshot(docs, docs[0], 0, rng) == []
 
 
 def test_load_docs_reads_glue_tsv_with_quotes(tmp_path):
     (tmp_path / "rte_dev.tsv").write_text(
         'sentence1\tsentence2\tlabel\tidx\nHe said "hi.\tHe spoke.\t0\t0\n')
-    docs = mc_tasks.load_docs(mc_tasks.TASKS["rte"], tmp_path)
+    docs = mc_prompts.load_docs(mc_prompts.TASKS["rte"], tmp_path)
     assert docs == [{"sentence1": 'He said "hi.', "sentence2": "He spoke.", "label": "0",
                      "idx": "0"}]
 
@@ -138,22 +140,22 @@ def _char_encode(text: str) -> list[int]:
 
 
 def test_encode_pair_moves_trailing_spaces_and_splits_the_whole():
-    context, continuation = mc_tasks.encode_pair(_char_encode, "xy  ", "z")
+    context, continuation = mc_prompts.encode_pair(_char_encode, "xy  ", "z")
     assert context == [1, ord("x"), ord("y")]
     assert continuation == [ord(" "), ord(" "), ord("z")]
     # The continuation is what follows the context in the encoded whole,
     # even where a merge crosses the boundary ("a" + "b" -> one token).
-    context, continuation = mc_tasks.encode_pair(_char_encode, "xa", "b")
+    context, continuation = mc_prompts.encode_pair(_char_encode, "xa", "b")
     assert context == [1, ord("x"), ord("a")] and continuation == []
     with pytest.raises(ValueError):
-        mc_tasks.encode_pair(_char_encode, "", "b")
+        mc_prompts.encode_pair(_char_encode, "", "b")
 
 
 def test_truncate_left_keeps_the_last_tokens():
-    assert mc_tasks.truncate_left([1, 2, 3, 4], [5, 6], 10) == ([1, 2, 3, 4], [5, 6])
-    assert mc_tasks.truncate_left([1, 2, 3, 4], [5, 6], 5) == ([3, 4], [5, 6])
+    assert mc_prompts.truncate_left([1, 2, 3, 4], [5, 6], 10) == ([1, 2, 3, 4], [5, 6])
+    assert mc_prompts.truncate_left([1, 2, 3, 4], [5, 6], 5) == ([3, 4], [5, 6])
     with pytest.raises(ValueError):
-        mc_tasks.truncate_left([1], [5, 6, 7], 4)
+        mc_prompts.truncate_left([1], [5, 6, 7], 4)
 
 
 def test_split_for_decode_moves_the_prompt_tail_into_the_forced_part():
@@ -167,9 +169,9 @@ def test_split_for_decode_moves_the_prompt_tail_into_the_forced_part():
 
 def test_acc_and_acc_norm_follow_lm_eval():
     # Raw: choice 0 wins (-4 > -6). Per character: -4/2 = -2 vs -6/12 = -0.5, choice 1 wins.
-    metrics = mc_tasks.mc_metrics([-4.0, -6.0], ["ab", "abcdefghijkl"], gold=1)
+    metrics = mc_prompts.mc_metrics([-4.0, -6.0], ["ab", "abcdefghijkl"], gold=1)
     assert metrics == {"acc": 0.0, "acc_norm": 1.0, "acc_bytes": 1.0}
-    metrics = mc_tasks.mc_metrics([-4.0, -6.0], ["ab", "abcdefghijkl"], gold=0)
+    metrics = mc_prompts.mc_metrics([-4.0, -6.0], ["ab", "abcdefghijkl"], gold=0)
     assert metrics == {"acc": 1.0, "acc_norm": 0.0, "acc_bytes": 0.0}
 
 
@@ -177,27 +179,27 @@ def test_acc_norm_counts_characters_and_acc_bytes_counts_bytes():
     # "é" is 1 character but 2 UTF-8 bytes.
     choices = ["ééé", "ab"]  # 3 characters / 6 bytes vs 2 / 2
     lls = [-4.0, -2.0]  # per character -1.33 vs -1.0 -> 1; per byte -0.67 vs -1.0 -> 0
-    metrics = mc_tasks.mc_metrics(lls, choices, gold=0)
+    metrics = mc_prompts.mc_metrics(lls, choices, gold=0)
     assert metrics["acc"] == 0.0 and metrics["acc_norm"] == 0.0 and metrics["acc_bytes"] == 1.0
 
 
 def test_ties_go_to_the_first_choice_and_multiple_input_has_no_norm():
-    assert mc_tasks.mc_metrics([-1.0, -1.0], ["a", "b"], gold=0)["acc"] == 1.0
-    assert mc_tasks.mc_metrics([-1.0, -1.0], ["a", "b"], gold=1)["acc"] == 0.0
-    metrics = mc_tasks.mc_metrics([-2.0, -1.0], ["long context", "c"], 1, multiple_input=True)
+    assert mc_prompts.mc_metrics([-1.0, -1.0], ["a", "b"], gold=0)["acc"] == 1.0
+    assert mc_prompts.mc_metrics([-1.0, -1.0], ["a", "b"], gold=1)["acc"] == 0.0
+    metrics = mc_prompts.mc_metrics([-2.0, -1.0], ["long context", "c"], 1, multiple_input=True)
     assert metrics == {"acc": 1.0, "acc_norm": None, "acc_bytes": None}
     with pytest.raises(ValueError):
-        mc_tasks.mc_metrics([-1.0], ["a", "b"], gold=0)
+        mc_prompts.mc_metrics([-1.0], ["a", "b"], gold=0)
 
 
 def test_aggregate_averages_over_documents():
-    task = mc_tasks.TASKS["openbookqa"]
+    task = mc_prompts.TASKS["openbookqa"]
     docs = [OBQA, {**OBQA, "gold": 0}]
-    requests = [mc_tasks.Request("openbookqa", d, c, [1], [2], False)
+    requests = [mc_prompts.Request("openbookqa", d, c, [1], [2], False)
                 for d in range(2) for c in range(4)]
     # doc 0: choice 2 best (gold 2) -> acc 1; doc 1: choice 2 best (gold 0) -> acc 0.
     lls = [-9.0, -9.0, -1.0, -9.0] * 2
-    out = mc_tasks.aggregate(task, docs, requests, lls)
+    out = mc_prompts.aggregate(task, docs, requests, lls)
     assert out["num_docs"] == 2 and out["acc"] == 0.5 and out["chance"] == 0.25
 
 
@@ -356,34 +358,34 @@ def test_try_plot_without_matplotlib_reports_and_returns_none(tmp_path, monkeypa
 def test_prediction_agreement_with_dense():
     dense = [[-1.0, -2.0], [-3.0, -1.0, -2.0]]
     sparse = [[-1.5, -1.2], [-3.0, -1.0, -2.5]]
-    out = mc_tasks.prediction_agreement(dense, sparse)
+    out = mc_prompts.prediction_agreement(dense, sparse)
     assert out["same_choice"] == 0.5  # doc 0 flips to choice 1
     assert out["mean_abs_delta"] == pytest.approx((0.5 + 0.8 + 0 + 0 + 0.5) / 5)
     with pytest.raises(ValueError):
-        mc_tasks.prediction_agreement(dense, sparse[:1])
+        mc_prompts.prediction_agreement(dense, sparse[:1])
     results = [{"task": "t", "kv_manager": "vllm", "doc_loglikelihoods": dense},
                {"task": "t", "kv_manager": "infinigen", "doc_loglikelihoods": sparse}]
-    mc_tasks.add_dense_agreement(results)
+    mc_prompts.add_dense_agreement(results)
     assert results[0]["vs_dense_same_choice"] == 1.0
     assert results[1]["vs_dense_same_choice"] == 0.5
 
 
 def test_selection_grid_names_policies_only_when_swept():
-    from benchmarks.accuracy import harness
+    from benchmarks.accuracy import sweeps
 
-    assert harness.selection_grid([0.1, 0.2]) == [{"budget": 0.1}, {"budget": 0.2}]
-    assert harness.selection_grid([0.1], select_all_control=True) == [
+    assert sweeps.selection_grid([0.1, 0.2]) == [{"budget": 0.1}, {"budget": 0.2}]
+    assert sweeps.selection_grid([0.1], select_all_control=True) == [
         {"budget": 0.1}, {"budget": 1.0, "alpha": 1e4}]
-    grid = harness.selection_grid([0.1, 0.2], ["infinigen", "h2o"], select_all_control=True)
+    grid = sweeps.selection_grid([0.1, 0.2], ["infinigen", "h2o"], select_all_control=True)
     assert grid == [{"policy": "infinigen", "budget": 0.1}, {"policy": "infinigen", "budget": 0.2},
                     {"policy": "h2o", "budget": 0.1}, {"policy": "h2o", "budget": 0.2},
                     {"policy": "infinigen", "budget": 1.0, "alpha": 1e4}]
-    assert [harness.policy_of(s) for s in grid] == ["infinigen"] * 2 + ["h2o"] * 2 + ["infinigen"]
-    assert harness.policy_of(None) is None and harness.policy_of({"budget": 0.1}) == "infinigen"
-    assert [harness.is_control(s) for s in grid] == [False] * 4 + [True]
-    assert not harness.is_control(None) and not harness.is_control({"budget": 1.0})
+    assert [sweeps.policy_of(s) for s in grid] == ["infinigen"] * 2 + ["h2o"] * 2 + ["infinigen"]
+    assert sweeps.policy_of(None) is None and sweeps.policy_of({"budget": 0.1}) == "infinigen"
+    assert [sweeps.is_control(s) for s in grid] == [False] * 4 + [True]
+    assert not sweeps.is_control(None) and not sweeps.is_control({"budget": 1.0})
     with pytest.raises(ValueError, match="unknown"):
-        harness.selection_grid([0.1], ["snapkv"])
+        sweeps.selection_grid([0.1], ["snapkv"])
 
 
 def test_mode_and_setting_labels():
@@ -458,7 +460,7 @@ def _write_task_files(data_dir, num_docs: int = 7) -> None:
             row[key] = row[key].replace(" ", f" {index} ", 1)
             row["gold"] = index % 2
             rows.append(json.dumps(row))
-        (data_dir / mc_tasks.TASKS[name].file).write_text("\n".join(rows) + "\n")
+        (data_dir / mc_prompts.TASKS[name].file).write_text("\n".join(rows) + "\n")
     lines = ["sentence1\tsentence2\tlabel\tidx"] + [
         f'He said "hi {index}.\t{RTE["sentence2"]}\t{index % 2}\t{index}'
         for index in range(num_docs)]
@@ -467,16 +469,16 @@ def _write_task_files(data_dir, num_docs: int = 7) -> None:
 
 def test_task_yamls_use_the_local_files_and_the_evaluated_split_for_shots(tmp_path):
     yaml = pytest.importorskip("yaml")
-    texts = lm_eval_serve.write_task_yamls(tmp_path / "tasks", tmp_path, list(mc_tasks.TASKS))
+    texts = lm_eval_tasks.write_task_yamls(tmp_path / "tasks", tmp_path, list(mc_prompts.TASKS))
     for name, text in texts.items():
         config = yaml.safe_load((tmp_path / "tasks" / f"local_{name}.yaml").read_text())
         assert config == yaml.safe_load(text)
         assert config["task"] == f"local_{name}"
         assert config["fewshot_split"] == config["test_split"] == "test"
         assert config["dataset_kwargs"]["data_files"] == {
-            "test": str(tmp_path / mc_tasks.TASKS[name].file)}
+            "test": str(tmp_path / mc_prompts.TASKS[name].file)}
         assert [m["metric"] for m in config["metric_list"]] == list(
-            mc_tasks.TASKS[name].lm_eval_metrics)
+            mc_prompts.TASKS[name].lm_eval_metrics)
     rte = yaml.safe_load(texts["rte"])
     assert rte["dataset_path"] == "csv" and rte["dataset_kwargs"]["sep"] == "\t"
     assert yaml.safe_load(texts["copa"])["dataset_path"] == "json"
@@ -491,13 +493,13 @@ def test_lm_eval_builds_the_same_requests_as_mc_tasks(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     _write_task_files(tmp_path / "data")
-    lm_eval_serve.write_task_yamls(tmp_path / "tasks", tmp_path / "data", list(mc_tasks.TASKS))
+    lm_eval_tasks.write_task_yamls(tmp_path / "tasks", tmp_path / "data", list(mc_prompts.TASKS))
     manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
-    tasks = manager.load([f"local_{name}" for name in mc_tasks.TASKS])["tasks"]
-    assert sorted(tasks) == sorted(f"local_{name}" for name in mc_tasks.TASKS)
+    tasks = manager.load([f"local_{name}" for name in mc_prompts.TASKS])["tasks"]
+    assert sorted(tasks) == sorted(f"local_{name}" for name in mc_prompts.TASKS)
     for task_name, task in tasks.items():
         task.set_config(key="num_fewshot", value=2)
-        task.set_fewshot_seed(seed=mc_tasks.FEWSHOT_SEED)
+        task.set_fewshot_seed(seed=mc_prompts.FEWSHOT_SEED)
         task.build_all_requests(limit=5, rank=0, world_size=1)
         theirs: dict[int, list[tuple]] = {}
         for instance in task.instances:
@@ -524,7 +526,7 @@ def _lm_eval_output(out_dir, lls: list[list[float]]) -> None:
 
 def test_read_lm_eval_output_and_compare_with_ours(tmp_path):
     _lm_eval_output(tmp_path, [[-1.0, -2.0], [-3.0, -2.5]])
-    out = lm_eval_serve.read_lm_eval_output(tmp_path)
+    out = lm_eval_tasks.read_lm_eval_output(tmp_path)
     assert out["copa"]["acc"] == 0.5 and out["copa"]["acc_norm"] is None
     assert [d["doc_id"] for d in out["copa"]["docs"]] == [0, 1]  # sorted
     assert out["copa"]["docs"][1]["loglikelihoods"] == [-3.0, -2.5]
@@ -536,7 +538,7 @@ def test_read_lm_eval_output_and_compare_with_ours(tmp_path):
     assert (row["docs_compared"], row["same_choice"], row["same_prompts"]) == (2, 1, 1)
     assert row["max_abs_dll"] == 1.0
     with pytest.raises(FileNotFoundError):
-        lm_eval_serve.read_lm_eval_output(tmp_path / "empty")
+        lm_eval_tasks.read_lm_eval_output(tmp_path / "empty")
 
 
 def test_serve_configs_and_lm_eval_command():
@@ -547,7 +549,7 @@ def test_serve_configs_and_lm_eval_command():
         "0.2", "--infinigen-eval-dense-prefix", "16", "--infinigen-min-context", "0"]
     dense = lm_eval_serve.ServeConfig()
     assert (dense.label, dense.mode, dense.serve_args(16)) == ("dense", "vllm", [])
-    command = lm_eval_serve.lm_eval_command(
+    command = lm_eval_tasks.lm_eval_command(
         "http://127.0.0.1:8000", "/m", ["copa", "rte"], limit=20, num_fewshot=5,
         max_length=2048, batch_size=1, include_path="/t", output_path="/o")
     model_args = dict(arg.split("=", 1) for arg in command[command.index("--model_args") + 1]
@@ -561,8 +563,8 @@ def test_serve_configs_and_lm_eval_command():
 
 def test_comparison_rows_tables_and_notes(tmp_path):
     _lm_eval_output(tmp_path, [[-1.0, -2.0], [-3.0, -2.5]])
-    lm_eval = {"dense": lm_eval_serve.read_lm_eval_output(tmp_path),
-               "infinigen b=0.2": lm_eval_serve.read_lm_eval_output(tmp_path)}
+    lm_eval = {"dense": lm_eval_tasks.read_lm_eval_output(tmp_path),
+               "infinigen b=0.2": lm_eval_tasks.read_lm_eval_output(tmp_path)}
     ours = [{"kv_manager": "vllm", "task": "copa", "acc": 0.5, "acc_norm": 0.5,
              "doc_loglikelihoods": [[-1.0, -2.0], [-3.0, -2.5]]},
             {"kv_manager": "infinigen", "task": "copa", "acc": 0.0, "acc_norm": 0.0,

@@ -339,7 +339,7 @@ def test_other_instruction_sets_build_and_agree(capability):
     import subprocess
     import sys
 
-    from tests.models import REPO
+    from benchmarks.harness.paths import REPO
 
     native = kernels.target_isa()
     if capability == native or (capability == "AVX2" and native != "AVX512"):

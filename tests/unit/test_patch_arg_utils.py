@@ -239,24 +239,23 @@ def test_model_shapes(tmp_path):
 # Run-once guard
 
 
-def test_apply_all_twice_is_idempotent(monkeypatch):
-    before = {
+def _patched_methods() -> dict:
+    """The engine-argument methods the patch replaces, as the classes hold them now."""
+    return {
         "init": EngineArgs.__dict__["__init__"],
         "async_init": AsyncEngineArgs.__dict__["__init__"],
         "add_cli_args": EngineArgs.__dict__["add_cli_args"],
         "from_cli_args": EngineArgs.__dict__["from_cli_args"],
         "create_engine_config": EngineArgs.__dict__["create_engine_config"],
     }
+
+
+def test_apply_all_twice_is_idempotent(monkeypatch):
+    before = _patched_methods()
     patch.apply_all()
     patch.apply_all()
     vllm_infinigen.register()
-    after = {
-        "init": EngineArgs.__dict__["__init__"],
-        "async_init": AsyncEngineArgs.__dict__["__init__"],
-        "add_cli_args": EngineArgs.__dict__["add_cli_args"],
-        "from_cli_args": EngineArgs.__dict__["from_cli_args"],
-        "create_engine_config": EngineArgs.__dict__["create_engine_config"],
-    }
+    after = _patched_methods()
     assert after == before
     # One wrapper around vLLM's own __init__, not a wrapper of a wrapper.
     for cls in (EngineArgs, AsyncEngineArgs):
@@ -360,7 +359,7 @@ def test_kv_cache_group_size_matches_vllm(dense, sparse):
 
 
 def test_pool_cap_below_one_step_is_refused_before_start():
-    from tests.models import BUNDLED_MODEL
+    from benchmarks.harness.paths import BUNDLED_MODEL
 
     # stories260K: 3,072 B of pool per token; 100 tokens < 128 per step.
     args = EngineArgs(model=str(BUNDLED_MODEL), dtype="float32", max_model_len=512,

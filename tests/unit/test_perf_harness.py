@@ -17,10 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.perf import (bandwidth, common, decode_latency, decode_report, gpu_projection,
-                             memory_pressure)
+from benchmarks.harness import models, paths
+from benchmarks.perf import (bandwidth, decode_latency, decode_report, gpu_projection, kv_math,
+                             latency_stats, machine, memory_pressure)
+from vllm_infinigen import layout
 
-SHAPE = common.ModelShape(layers=6, kv_heads=8, head_dim=32, dtype_bytes=4)
+SHAPE = kv_math.ModelShape(layers=6, kv_heads=8, head_dim=32, dtype_bytes=4)
 
 
 def test_kv_bytes_per_token_layer_is_k_plus_v_of_every_kv_head():
@@ -28,33 +30,33 @@ def test_kv_bytes_per_token_layer_is_k_plus_v_of_every_kv_head():
 
 
 def test_partial_rank_matches_the_runtime_rounding():
-    assert common.partial_rank(32, 0.2) == 6  # int(6.4)
-    assert common.partial_rank(128, 0.2) == 25
-    assert common.partial_rank(4, 0.1) == 1  # at least one channel
+    assert layout.partial_rank(32, 0.2) == 6  # int(6.4)
+    assert layout.partial_rank(128, 0.2) == 25
+    assert layout.partial_rank(4, 0.1) == 1  # at least one channel
 
 
 def test_ideal_fraction_is_the_papers_r_over_2_plus_budget_in_sparse_layers():
-    sparse = common.ideal_sparse_fraction("infinigen", budget=0.2, partial_ratio=0.2)
+    sparse = kv_math.ideal_sparse_fraction("infinigen", budget=0.2, partial_ratio=0.2)
     assert sparse == pytest.approx(0.3)
     # 2 dense layers read everything, 4 sparse read 0.3 of theirs.
-    assert common.ideal_kv_fraction(6, 2, sparse) == pytest.approx((2 + 4 * 0.3) / 6)
+    assert kv_math.ideal_kv_fraction(6, 2, sparse) == pytest.approx((2 + 4 * 0.3) / 6)
     # gutenberg-llama-2k: 8 layers, the README's 0.475.
-    assert common.ideal_kv_fraction(8, 2, sparse) == pytest.approx(0.475)
-    assert common.ideal_kv_fraction(6, 6, sparse) == 1.0
+    assert kv_math.ideal_kv_fraction(8, 2, sparse) == pytest.approx(0.475)
+    assert kv_math.ideal_kv_fraction(6, 6, sparse) == 1.0
     with pytest.raises(ValueError):
-        common.ideal_kv_fraction(6, 7, sparse)
+        kv_math.ideal_kv_fraction(6, 7, sparse)
 
 
 def test_baseline_ideals_count_their_metadata():
     # Quest: min + max of the keys per 16-token page = 1/16 of K+V.
-    assert common.ideal_sparse_fraction("quest", 0.2, shape=SHAPE) == pytest.approx(0.2 + 1 / 16)
+    assert kv_math.ideal_sparse_fraction("quest", 0.2, shape=SHAPE) == pytest.approx(0.2 + 1 / 16)
     # H2O: one float32 score per token and KV head against 2 * 32 * 4 bytes.
-    assert common.ideal_sparse_fraction("h2o", 0.2, shape=SHAPE) == pytest.approx(0.2 + 4 / 256)
-    assert common.ideal_sparse_fraction("streaming", 0.2, shape=SHAPE) == pytest.approx(0.2)
+    assert kv_math.ideal_sparse_fraction("h2o", 0.2, shape=SHAPE) == pytest.approx(0.2 + 4 / 256)
+    assert kv_math.ideal_sparse_fraction("streaming", 0.2, shape=SHAPE) == pytest.approx(0.2)
     with pytest.raises(ValueError):
-        common.ideal_sparse_fraction("quest", 0.2)  # needs the shape
+        kv_math.ideal_sparse_fraction("quest", 0.2)  # needs the shape
     with pytest.raises(ValueError):
-        common.metadata_bytes_per_token("snapkv", SHAPE)
+        kv_math.metadata_bytes_per_token("snapkv", SHAPE)
 
 
 def test_sparse_step_bytes_from_counters():
@@ -66,44 +68,44 @@ def test_sparse_step_bytes_from_counters():
         "candidate_tokens": context * sparse_layers * steps,
         "swap_bytes": selected_entries * 2 * 32 * 4 * sparse_layers * steps,
     }
-    step = common.sparse_step_bytes(SHAPE, 2, "infinigen", counters, steps)
+    step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, steps)
     per_layer = context * SHAPE.kv_bytes_per_token_layer
     assert step.dense_equivalent == pytest.approx(6 * per_layer)
-    assert step.dense_equivalent == pytest.approx(common.dense_step_bytes(SHAPE, context))
+    assert step.dense_equivalent == pytest.approx(kv_math.dense_step_bytes(SHAPE, context))
     assert step.dense_layers == pytest.approx(2 * per_layer)
     assert step.metadata == pytest.approx(4 * context * 8 * 6 * 4)  # rank 6 partial keys
     assert step.pool_to_attention == pytest.approx(4 * 0.2 * per_layer)
     # (2 + 4 * (6/64 + 0.2)) / 6: the measured rank is 6 of 32 channels, not 6.4.
     assert step.fraction == pytest.approx((2 + 4 * (6 / 64 + 0.2)) / 6)
-    assert step.fraction < common.ideal_kv_fraction(6, 2, 0.3)
+    assert step.fraction < kv_math.ideal_kv_fraction(6, 2, 0.3)
 
 
 def test_streaming_reads_no_metadata_and_bad_inputs_fail():
     counters = {"candidate_tokens": 400.0, "swap_bytes": 0.0}
-    assert common.sparse_step_bytes(SHAPE, 2, "streaming", counters, 1).metadata == 0
+    assert kv_math.sparse_step_bytes(SHAPE, 2, "streaming", counters, 1).metadata == 0
     with pytest.raises(ValueError):
-        common.sparse_step_bytes(SHAPE, 2, "streaming", counters, 0)
+        kv_math.sparse_step_bytes(SHAPE, 2, "streaming", counters, 0)
     with pytest.raises(ValueError):
-        common.sparse_step_bytes(SHAPE, 6, "streaming", counters, 1)
+        kv_math.sparse_step_bytes(SHAPE, 6, "streaming", counters, 1)
 
 
 def test_counter_totals_and_delta():
-    before = common.counter_totals({"swap_bytes": {"2": 10, "3": 5}})
-    after = common.counter_totals({"swap_bytes": {"2": 30, "3": 5},
+    before = kv_math.counter_totals({"swap_bytes": {"2": 10, "3": 5}})
+    after = kv_math.counter_totals({"swap_bytes": {"2": 30, "3": 5},
                                    "candidate_tokens": {"2": 7}})
-    assert common.counter_delta(before, after) == {"swap_bytes": 20.0, "candidate_tokens": 7.0}
+    assert kv_math.counter_delta(before, after) == {"swap_bytes": 20.0, "candidate_tokens": 7.0}
 
 
 def test_kv_space_holds_the_tokens_for_each_manager():
     tokens = 1000
-    dense = common.kv_space_bytes(SHAPE, tokens, "vllm", margin=1.0)
+    dense = kv_math.kv_space_bytes(SHAPE, tokens, "vllm", margin=1.0)
     assert dense == tokens * 6 * 2048
     # InfiniGen: 2 pages per block id + 4 sparse layers x 8 heads x 6 channels x 4 B.
-    infinigen = common.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0)
+    infinigen = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0)
     assert infinigen == tokens * (2 * 2048 + 4 * 8 * 6 * 4)
-    assert common.kv_space_bytes(SHAPE, tokens, "vllm") > dense  # margin
+    assert kv_math.kv_space_bytes(SHAPE, tokens, "vllm") > dense  # margin
     with pytest.raises(ValueError):
-        common.kv_space_bytes(SHAPE, tokens, "lmcache")
+        kv_math.kv_space_bytes(SHAPE, tokens, "lmcache")
 
 
 def _metrics(**fields):
@@ -113,32 +115,32 @@ def _metrics(**fields):
 
 
 def test_request_latency_uses_engine_stamps_for_tpot():
-    latency = common.request_latency(_metrics())
+    latency = latency_stats.request_latency(_metrics())
     assert latency.ttft_s == 0.5
     assert latency.tpot_s == pytest.approx(0.2)  # 0.8 s over 4 tokens after the first
     assert latency.e2e_s == pytest.approx(1.3)
     assert latency.output_tokens == 5 and latency.preemptions == 1
-    single = common.request_latency(_metrics(num_generation_tokens=1, last_token_ts=100.0))
+    single = latency_stats.request_latency(_metrics(num_generation_tokens=1, last_token_ts=100.0))
     assert single.tpot_s is None and single.e2e_s == 0.5
 
 
 def test_percentiles_interpolate_between_order_statistics():
     values = [4.0, 1.0, 3.0, 2.0]
-    assert common.percentile(values, 0) == 1.0
-    assert common.percentile(values, 50) == 2.5
-    assert common.percentile(values, 100) == 4.0
-    assert common.percentile(values, 90) == pytest.approx(3.7)
-    assert common.percentile([7.0], 99) == 7.0
-    assert math.isnan(common.percentile([], 50))
+    assert latency_stats.percentile(values, 0) == 1.0
+    assert latency_stats.percentile(values, 50) == 2.5
+    assert latency_stats.percentile(values, 100) == 4.0
+    assert latency_stats.percentile(values, 90) == pytest.approx(3.7)
+    assert latency_stats.percentile([7.0], 99) == 7.0
+    assert math.isnan(latency_stats.percentile([], 50))
     with pytest.raises(ValueError):
-        common.percentile(values, 101)
+        latency_stats.percentile(values, 101)
 
 
 def test_latency_summary_throughput_and_tpot_skip_single_token_requests():
-    latencies = [common.request_latency(_metrics()),
-                 common.request_latency(_metrics(num_generation_tokens=1, last_token_ts=100.0,
+    latencies = [latency_stats.request_latency(_metrics()),
+                 latency_stats.request_latency(_metrics(num_generation_tokens=1, last_token_ts=100.0,
                                                  first_token_latency=1.5))]
-    summary = common.latency_summary(latencies, wall_s=2.0)
+    summary = latency_stats.latency_summary(latencies, wall_s=2.0)
     assert summary["requests_per_s"] == 1.0
     assert summary["output_tokens"] == 6 and summary["output_tokens_per_s"] == 3.0
     assert summary["ttft_s_mean"] == pytest.approx(1.0)
@@ -151,8 +153,8 @@ def test_metric_value_sums_label_sets():
                SimpleNamespace(name="vllm:num_preemptions", value=3.0),
                SimpleNamespace(name="vllm:other", value=9.0),
                SimpleNamespace(name="vllm:num_preemptions")]  # a histogram: no value
-    assert common.metric_value(metrics, "vllm:num_preemptions") == 5.0
-    assert common.metric_value(metrics, "vllm:absent") == 0.0
+    assert latency_stats.metric_value(metrics, "vllm:num_preemptions") == 5.0
+    assert latency_stats.metric_value(metrics, "vllm:absent") == 0.0
 
 
 def test_root_cause_skips_the_wrapper_error():
@@ -190,7 +192,7 @@ def test_gpu_projection_bytes_and_times():
 def test_cpu_meter_counts_our_time_and_never_negative_others():
     import time
 
-    with common.CpuMeter() as meter:
+    with machine.CpuMeter() as meter:
         end = time.monotonic() + 0.2
         while time.monotonic() < end:
             pass
@@ -203,7 +205,7 @@ def test_wait_for_quiet_gives_up_at_the_timeout():
     import time
 
     start = time.monotonic()
-    other = common.wait_for_quiet(max_cores=-1.0, timeout_s=0.1, interval_s=0.05)  # never quiet
+    other = machine.wait_for_quiet(max_cores=-1.0, timeout_s=0.1, interval_s=0.05)  # never quiet
     assert time.monotonic() - start < 2
     assert other is None or other >= 0
 
@@ -211,23 +213,23 @@ def test_wait_for_quiet_gives_up_at_the_timeout():
 # -- decode sweep: models, presets, derived numbers ----------------------------------
 
 def test_model_cache_names_keep_the_long_model_and_tell_the_gqa128_model_apart():
-    assert common.model_cache_name(common.LONG_MODEL) == "llama-l6-h256-q8-kv8-p17408-s0"
-    assert (common.model_cache_name(common.GQA128_MODEL)
+    assert models.model_cache_name(models.LONG_MODEL) == "llama-l6-h256-q8-kv8-p17408-s0"
+    assert (models.model_cache_name(models.GQA128_MODEL)
             == "llama-l16-h512-q8-kv2-d128-i512-p17408-s0")
     # head_dim given but equal to hidden / heads, MLP 2 x hidden: the old name.
-    assert common.model_cache_name({**common.LONG_MODEL, "head_dim": 32,
-                                    "intermediate_size": 512}) == common.model_cache_name(
-        common.LONG_MODEL)
+    assert models.model_cache_name({**models.LONG_MODEL, "head_dim": 32,
+                                    "intermediate_size": 512}) == models.model_cache_name(
+        models.LONG_MODEL)
 
 
 def test_build_tiny_llama_head_dim_and_mlp_keywords(tmp_path):
-    from tests.models import build_tiny_llama
+    from benchmarks.harness.models import build_tiny_llama
 
     out = build_tiny_llama(tmp_path / "m", num_kv_heads=2, num_layers=1, num_heads=4,
                            hidden_size=64, head_dim=128, intermediate_size=32)
     config = json.loads((out / "config.json").read_text())
     assert (config["head_dim"], config["intermediate_size"]) == (128, 32)
-    assert common.model_shape(out) == common.ModelShape(layers=1, kv_heads=2, head_dim=128)
+    assert kv_math.model_shape(out) == kv_math.ModelShape(layers=1, kv_heads=2, head_dim=128)
     default = build_tiny_llama(tmp_path / "d", num_kv_heads=2, num_layers=1)
     config = json.loads((default / "config.json").read_text())
     assert (config["head_dim"], config["intermediate_size"]) == (32, 256)  # as before
@@ -238,7 +240,7 @@ def test_gqa128_preset_and_min_context_passthrough():
     assert args.contexts == [256, 1024, 4096, 16384] and args.batch_sizes == [1, 4]
     assert args.engines == ["dense", "in-place"] and args.policies == ["infinigen"]
     assert args.out.name == "decode_latency_gqa128"
-    assert args.model is None and args.model_spec == common.GQA128_MODEL
+    assert args.model is None and args.model_spec == models.GQA128_MODEL
     assert args.min_context is None
     assert decode_latency.infinigen_settings("dense", args) is None
     assert "min_context" not in decode_latency.infinigen_settings("in-place", args)
@@ -251,7 +253,7 @@ def test_gqa128_preset_and_min_context_passthrough():
 
 def test_gqa128_kv_space_for_16k_by_4():
     args = decode_latency.parse_args(["--preset", "gqa128"])
-    shape = common.ModelShape(layers=16, kv_heads=2, head_dim=128)
+    shape = kv_math.ModelShape(layers=16, kv_heads=2, head_dim=128)
     _, max_tokens, tokens, kv_bytes = decode_latency.sizing("dense", shape, args)
     assert tokens == 4 * (16384 + max_tokens + 64)
     assert kv_bytes == math.ceil(tokens * 16 * 2048 * 1.15)
@@ -327,7 +329,7 @@ def test_measure_bandwidth_returns_positive_rates():
 
 
 def test_render_of_an_old_result_file_adds_the_new_tables(tmp_path, capsys):
-    committed = common.RESULTS / "decode_latency_long.json"
+    committed = paths.RESULTS / "decode_latency_long.json"
     if not committed.is_file():
         pytest.skip("no committed decode_latency_long.json")
     before = committed.read_bytes()

@@ -125,6 +125,30 @@ def test_padding_slots_map_to_the_padding_row():
     assert identity.rows(0, _slots(3)[:, None], HEADS).tolist() == [[3, 3]]
 
 
+def _random_traffic(pool: CappedPoolIndex, rng: random.Random, live: set[int], *,
+                    admit_below: float, release_below: float, max_admitted: int,
+                    max_used: int, used_layer: int | None = None, pad: bool = False) -> None:
+    """One random step: admit up to ``max_admitted`` free slots (``pad``: plus a -1),
+    release some live ones, or record a use of up to ``max_used`` live slots in
+    ``used_layer`` (None: a random layer). ``live`` follows admits and releases."""
+    action = rng.random()
+    free = [s for s in range(pool.num_slots) if s not in live]
+    if action < admit_below and free:
+        new = rng.sample(free, min(len(free), rng.randint(1, max_admitted)))
+        pool.admit(torch.tensor(new + [-1] if pad else new))
+        live |= set(new)
+    elif action < release_below and live:
+        gone = rng.sample(sorted(live), rng.randint(1, len(live)))
+        pool.release(torch.tensor(gone))
+        live -= set(gone)
+    elif live:
+        chosen = torch.tensor(rng.sample(sorted(live), min(max_used, len(live))))
+        layer = rng.randrange(pool.num_layers) if used_layer is None else used_layer
+        heads = torch.arange(pool.num_heads)[None, :, None]
+        per_head = pool.rows(layer, chosen[None, None, :], heads)
+        pool.record_use(layer, per_head.clamp(min=0), per_head >= 0)
+
+
 @pytest.mark.parametrize("policy", ["counter", "lru", "fifo"])
 def test_maps_stay_consistent_under_random_traffic(policy):
     """owner[l, h, row] == slot exactly when row_of[l, slot, h] == row."""
@@ -133,20 +157,8 @@ def test_maps_stay_consistent_under_random_traffic(policy):
     pool = CappedPoolIndex(layers, heads, num_slots=slots, num_rows=rows, policy=policy)
     live: set[int] = set()
     for _ in range(200):
-        action = rng.random()
-        free = [s for s in range(slots) if s not in live]
-        if action < 0.5 and free:
-            new = rng.sample(free, min(len(free), rng.randint(1, 5)))
-            pool.admit(torch.tensor(new))
-            live |= set(new)
-        elif action < 0.7 and live:
-            gone = rng.sample(sorted(live), rng.randint(1, len(live)))
-            pool.release(torch.tensor(gone))
-            live -= set(gone)
-        elif live:
-            chosen = torch.tensor(rng.sample(sorted(live), min(3, len(live))))
-            per_head = pool.rows(1, chosen[None, None, :], torch.arange(heads)[None, :, None])
-            pool.record_use(1, per_head.clamp(min=0), per_head >= 0)
+        _random_traffic(pool, rng, live, admit_below=0.5, release_below=0.7, max_admitted=5,
+                        max_used=3, used_layer=1)
         for layer in range(layers):
             for head in range(heads):
                 owner = pool.owner[layer, head]
@@ -253,21 +265,8 @@ def test_row_map_agrees_with_rows_under_random_traffic(policy):
     all_slots = torch.arange(slots)
     live: set[int] = set()
     for _ in range(150):
-        action = rng.random()
-        free = [s for s in range(slots) if s not in live]
-        if action < 0.55 and free:
-            new = rng.sample(free, min(len(free), rng.randint(1, 9)))
-            pool.admit(torch.tensor(new + [-1]))
-            live |= set(new)
-        elif action < 0.75 and live:
-            gone = rng.sample(sorted(live), rng.randint(1, len(live)))
-            pool.release(torch.tensor(gone))
-            live -= set(gone)
-        elif live:
-            chosen = torch.tensor(rng.sample(sorted(live), min(6, len(live))))
-            layer = rng.randrange(layers)
-            per_head = pool.rows(layer, chosen[None, None, :], torch.arange(heads)[None, :, None])
-            pool.record_use(layer, per_head.clamp(min=0), per_head >= 0)
+        _random_traffic(pool, rng, live, admit_below=0.55, release_below=0.75, max_admitted=9,
+                        max_used=6, pad=True)
         assert pool.row_map.is_contiguous()
         for layer in range(layers):
             mapped = pool.rows(layer, all_slots[:, None], torch.arange(heads)[None, :])

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from benchmarks.harness.request_mix import BAD_REQUESTS, random_mix
 from benchmarks.perf import soak
-from benchmarks.perf.load import BAD_REQUESTS
 
 
 def _burst(rss: int, errors: int = 0, idle: bool = True) -> dict:
@@ -15,7 +15,7 @@ def _burst(rss: int, errors: int = 0, idle: bool = True) -> dict:
 def test_the_mix_has_seeds_cancellations_and_bad_requests():
     args = soak.parse_args(["--requests", "400"])
     args.seed = 0
-    requests = soak.make_requests(args)
+    requests = random_mix(args)
     assert sum(r.seed is not None for r in requests) > 20
     assert all(r.sampled for r in requests if r.seed is not None)
     assert sum(r.cancel_after is not None for r in requests) > 20

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engines and selection sweeps shared by the accuracy benchmarks.
+"""Engines, selection sweeps and command-line options shared by the accuracy benchmarks.
 
 One engine per KV manager; an InfiniGen engine is switched between selection
 settings (budget, sink/recent window, alpha) with the worker's
@@ -15,23 +15,23 @@ the counter difference over its own scoring calls::
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import os
+import argparse
+import sys
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from benchmarks.accuracy.teacher_forcing import engine_kwargs
+from benchmarks.harness.engines import (
+    SELECT_ALL,
+    engine,
+    infinigen_kwargs,
+    with_selection_everywhere,
+)
+from vllm_infinigen.config import POLICIES
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("VLLM_INFINIGEN_SHARED", REPO.parent / "shared"))
 KV_MANAGERS = ("vllm", "infinigen")
-# Control setting: InfiniGen selecting every token (the alpha rule cannot bind),
-# which must score as dense vLLM. Sweep it last: its alpha stays in force.
-SELECT_ALL = {"budget": 1.0, "alpha": 1e4}
-# Selection rules of ``--infinigen-policy`` (switchable at run time).
-POLICIES = ("infinigen", "h2o", "streaming", "quest")
 T = TypeVar("T")
 
 
@@ -68,17 +68,20 @@ class SelectionMeter:
         return self.selected / self.candidates if self.candidates else None
 
 
-@contextlib.contextmanager
 def start_engine(
-    model: str,
+    model: str | Path,
     kv_manager: str,
     *,
     max_model_len: int,
     infinigen: dict[str, Any] | None = None,
     kv_cache_memory_bytes: int = 256 << 20,
     **llm_kwargs: Any,
-) -> Iterator[Any]:
+) -> AbstractContextManager[Any]:
     """An offline float32, eager engine set up for teacher forcing.
+
+    InfiniGen selects at every context length: accuracy is measured on the
+    selection, which the dense short-context path (``--infinigen-min-context``)
+    would hide.
 
     Args:
         model: Model directory.
@@ -89,38 +92,14 @@ def start_engine(
         kv_cache_memory_bytes: KV space (CPU: size it explicitly).
         llm_kwargs: Other ``LLM`` keyword arguments (e.g. ``max_logprobs``).
     """
-    import vllm_infinigen  # noqa: F401  (adds the kv_manager keyword)
-    from vllm import LLM
-
     if kv_manager not in KV_MANAGERS:
         raise ValueError(f"kv_manager must be one of {KV_MANAGERS}, got {kv_manager!r}")
     if infinigen and kv_manager != "infinigen":
         raise ValueError("infinigen settings need kv_manager='infinigen'")
-    prefixed = {f"infinigen_{key}": value for key, value in (infinigen or {}).items()
-                if value is not None}
-    if kv_manager == "infinigen":
-        # Accuracy is measured on the selection at every context length; the
-        # dense short-context path (--infinigen-min-context) would hide it.
-        prefixed.setdefault("infinigen_min_context", 0)
-    llm = LLM(
-        model=model,
-        kv_manager=kv_manager,
-        **prefixed,
-        **engine_kwargs(),
-        dtype="float32",
-        max_model_len=max_model_len,
-        kv_cache_memory_bytes=kv_cache_memory_bytes,
-        enforce_eager=True,
-        disable_log_stats=False,
-        seed=0,
-        **llm_kwargs,
-    )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return engine(model, **with_selection_everywhere(dict(
+        kv_manager=kv_manager, **infinigen_kwargs(infinigen), **engine_kwargs(),
+        max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        enforce_eager=True, **llm_kwargs)))
 
 
 def sweep(llm, kv_manager: str, settings: Sequence[dict[str, Any]]) -> Iterator[dict | None]:
@@ -176,6 +155,40 @@ def batched(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
         yield items[start : start + size]
 
 
-def default_path(relative: str) -> Path:
-    """A path under ``../shared`` (``VLLM_INFINIGEN_SHARED`` overrides)."""
-    return SHARED / relative
+def add_selection_options(parser: argparse.ArgumentParser, budgets: Sequence[float],
+                          policies: Sequence[str] = ("infinigen",)) -> None:
+    """``--budget``, ``--policy`` and ``--no-select-all-control``: the settings an
+    InfiniGen engine is swept through (``selection_grid``)."""
+    parser.add_argument("--budget", type=float, nargs="+", default=list(budgets),
+                        help="selection budgets, swept on one engine")
+    parser.add_argument("--policy", nargs="+", default=list(policies), choices=POLICIES,
+                        help="selection rules (--infinigen-policy), swept on the InfiniGen engine")
+    parser.add_argument("--no-select-all-control", dest="select_all_control",
+                        action="store_false",
+                        help="skip the control (budget 1, alpha 1e4: should equal dense)")
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, max_model_len: int,
+                    kv_cache_bytes: int, batch_size: int, out: Path) -> None:
+    """``--max-model-len``, ``--kv-cache-bytes``, ``--batch-size`` and ``--out``."""
+    parser.add_argument("--max-model-len", type=int, default=max_model_len)
+    parser.add_argument("--kv-cache-bytes", type=int, default=kv_cache_bytes)
+    parser.add_argument("--batch-size", type=int, default=batch_size,
+                        help="requests per engine call (progress granularity)")
+    parser.add_argument("--out", type=Path, default=out,
+                        help="results stem: writes .json, .md and .png")
+
+
+def check_budgets(parser: argparse.ArgumentParser, budgets: Sequence[float]) -> None:
+    """Exits with a usage error unless every budget is in (0, 1]."""
+    if not all(0 < budget <= 1 for budget in budgets):
+        parser.error("--budget values must be in (0, 1]")
+
+
+def inputs_missing(*paths: str | Path) -> bool:
+    """Whether a model or data path is absent (then the benchmark is skipped, said on stderr)."""
+    for path in paths:
+        if not Path(path).exists():
+            print(f"skipped: {path} is absent", file=sys.stderr)
+            return True
+    return False

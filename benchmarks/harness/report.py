@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Results of the accuracy benchmarks: JSON + Markdown (+ PNG) under benchmarks/results/.
+"""Result files of the benchmarks: JSON + Markdown (+ PNG) under benchmarks/results/.
 
 Every result records how it was made (command, machine, versions, where the
 ``vllm_infinigen`` runtime was imported from and the repository's commit)::
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS_DIR = REPO / "benchmarks" / "results"
+from benchmarks.harness.paths import REPO
 
 
 class PlotUnavailable(RuntimeError):
@@ -59,6 +58,14 @@ def runtime_source() -> dict[str, Any]:
             "uncommitted_changes": bool(status)}
 
 
+def command_line() -> list[str]:
+    """How this process was started, to run it again: ``python -m MODULE ARGS`` for a
+    module run (``sys.argv[0]`` then holds the module's file, not its name)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    argv = ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
+    return [Path(sys.executable).name, *argv]
+
+
 def run_metadata(**extra: Any) -> dict[str, Any]:
     """Command, machine, versions and source of this run, plus ``extra``."""
     import torch
@@ -66,7 +73,7 @@ def run_metadata(**extra: Any) -> dict[str, Any]:
     import vllm
 
     return {
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": shlex.join(command_line()),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),

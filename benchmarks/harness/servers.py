@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Starting, watching and stopping `vllm serve` processes in tests and benchmarks."""
+"""Starting, watching and stopping `vllm serve` processes (tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from pathlib import Path
 
 import requests
 
-from tests.models import BUNDLED_MODEL
+from benchmarks.harness.paths import BUNDLED_MODEL
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 SERVED_NAME = "tiny"
+# The tests' server: small and float32, eager (no compile time at start-up).
 SERVE_FLAGS = [
     "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
     "--kv-cache-memory-bytes", str(32 << 20),
@@ -51,7 +52,8 @@ def start_server(log: Path, *extra: str, model: str | Path = BUNDLED_MODEL,
             (the log's tail is in the message).
     """
     if "infinigen" in extra and "--infinigen-min-context" not in extra:
-        extra = (*extra, "--infinigen-min-context", "0")  # see engines.with_selection_everywhere
+        # Select at every context length (engines.with_selection_everywhere).
+        extra = (*extra, "--infinigen-min-context", "0")
     port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen(

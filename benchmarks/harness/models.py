@@ -1,24 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tiny Hugging Face models for tests, built from seeds (no downloads)."""
+"""Tiny Hugging Face models built from seeds (no downloads), for tests and benchmarks.
+
+``build_*`` write a random model with the bundled 512-token tokenizer (or a
+word-level one); ``long_context_model`` builds the performance benchmarks'
+models once and caches them under ``paths.MODEL_CACHE``.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-BUNDLED_MODEL = REPO / "vllm_infinigen" / "assets" / "stories260k"
-SHARED = Path(os.environ.get("VLLM_INFINIGEN_SHARED", REPO.parent / "shared"))
+from benchmarks.harness.paths import BUNDLED_MODEL, MODEL_CACHE
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def shared_path(relative: str) -> Path | None:
-    path = SHARED / relative
-    return path if path.exists() else None
 
 
 def _copy_tokenizer(out: Path) -> None:
@@ -93,3 +94,38 @@ def build_wide_vocab_llama(out: Path, vocab_size: int = 10240, seed: int = 0) ->
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     build_word_tokenizer(out, vocab_size)
     return out
+
+
+# The long-context model of the decode sweep: few layers, wide enough that
+# attention (context x 8 KV heads x 32) dominates the weights (~2.6 MB per
+# layer) from a few thousand tokens on; positions for 16K + decode steps.
+LONG_MODEL = {"num_layers": 6, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 8,
+              "max_positions": 16384 + 1024, "seed": 0}
+# A realistic attention shape (head_dim 128, GQA 4:1, 16 layers) with small
+# weights (~8 MB per layer): attention-bound from a few thousand tokens on.
+GQA128_MODEL = {"num_layers": 16, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2,
+                "head_dim": 128, "intermediate_size": 512, "max_positions": 16384 + 1024,
+                "seed": 0}
+
+
+def long_context_model(root: Path = MODEL_CACHE, **overrides: Any) -> Path:
+    """The random tiny Llama of the decode sweep, built once (seeded) and cached."""
+    spec = {**LONG_MODEL, **overrides}
+    out = Path(root) / model_cache_name(spec)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    build_tiny_llama(tmp, **spec)
+    tmp.rename(out)
+    return out
+
+
+def model_cache_name(spec: Mapping[str, Any]) -> str:
+    """Directory name of a ``build_tiny_llama`` spec: head_dim (default 32) when it is
+    not hidden / heads, the MLP width when it is not 2 x hidden."""
+    name = "llama-l{num_layers}-h{hidden_size}-q{num_heads}-kv{num_kv_heads}".format(**spec)
+    if spec.get("head_dim", 32) != spec["hidden_size"] // spec["num_heads"]:
+        name += f"-d{spec.get('head_dim', 32)}"
+    if spec.get("intermediate_size") not in (None, 2 * spec["hidden_size"]):
+        name += f"-i{spec['intermediate_size']}"
+    return name + "-p{max_positions}-s{seed}".format(**spec)
