@@ -23,6 +23,7 @@ def main(model: str, out: str) -> None:
 
     records = []
     original = kernels.select_tokens
+    speculation = ["previous-layer"]  # the setting of the calls being recorded
 
     def recording(partial_query, partial_keys, block_table, context_lens, **kwargs):
         positions, num_selected = original(partial_query, partial_keys, block_table,
@@ -39,13 +40,19 @@ def main(model: str, out: str) -> None:
             "positions": positions.to(torch.int64),
             "valid": positions >= 0,
             "num_selected": num_selected.clone(),
+            "speculation": speculation[0],
         })
         return positions, num_selected
 
     kernels.select_tokens = recording
     with engine(model, kv_manager="infinigen", infinigen_budget=0.2,
                 infinigen_recent_tokens=2) as llm:
-        greedy_tokens(llm, random_prompts([30, 200, 420], seed=7), max_tokens=12)
+        prompts = random_prompts([30, 200, 420], seed=7)
+        greedy_tokens(llm, prompts, max_tokens=12)
+        # The same requests with each layer selecting for itself.
+        speculation[0] = "same-layer"
+        llm.collective_rpc("set_infinigen_selection", kwargs={"speculation": "same-layer"})
+        greedy_tokens(llm, prompts, max_tokens=12)
     torch.save(records, out)
 
 

@@ -34,8 +34,11 @@ def test_select_all_equals_stock(name, tiny_models, shared_engine):
     stock = greedy_tokens(shared_engine(model), prompts, MAX_TOKENS)
     with engine(model, **SELECT_ALL) as llm:
         ours = greedy_tokens(llm, prompts, MAX_TOKENS)
+        llm.collective_rpc("set_infinigen_selection", kwargs={"speculation": "same-layer"})
+        same_layer = greedy_tokens(llm, prompts, MAX_TOKENS)
         counters = summarize(llm.get_metrics())
     assert ours == stock
+    assert same_layer == stock  # --infinigen-speculation same-layer
     # Every sparse layer (2 and 3 of 4) ran and selected every candidate.
     assert sorted(counters["candidate_tokens"], key=int)[:2] == ["2", "3"]
     for layer, candidates in counters["candidate_tokens"].items():

@@ -30,8 +30,11 @@ def records(tmp_path_factory, tiny_models):
 
 
 def test_recorded_selections_match_reference(records):
-    # 12 decode steps (the first comes from prefill), 3 sparse layers of 5.
+    # 12 decode steps (the first comes from prefill), 3 sparse layers of 5,
+    # speculated by the previous layer, then the same requests again with
+    # --infinigen-speculation same-layer.
     assert len(records) >= 11
+    assert sum(r["speculation"] == "same-layer" for r in records) >= 11
     compared = 0
     for record in records:
         kwargs = record["kwargs"]
