@@ -84,9 +84,6 @@ class ModelLayout:
     def num_sparse(self) -> int:
         return max(self.num_layers - self.dense_layers, 0)
 
-    def is_sparse(self, layer_idx: int) -> bool:
-        return layer_idx >= self.dense_layers
-
     @property
     def rank(self) -> int:
         """Partial-key channels per KV head."""
@@ -96,10 +93,6 @@ class ModelLayout:
     def group_size(self) -> int:
         """Pages per block id of vLLM's KV space (``kv_cache_group_size``)."""
         return kv_cache_group_size(self.dense_layers, self.num_sparse)
-
-    def kv_heads_on_rank(self, world_size: int) -> int:
-        """KV heads one tensor-parallel rank holds (vLLM replicates when fewer)."""
-        return max(self.num_kv_heads // world_size, 1)
 
     def kv_bytes_per_token_layer(self, dtype_bytes: int, kv_heads: int | None = None) -> int:
         """K + V of one token in one layer (``kv_heads``: all of the model's)."""

@@ -89,7 +89,10 @@ class PoolIndex(Protocol):
         """Gives the step's new slots [n] (< 0 ignored) their rows."""
 
     def release(self, slots: torch.Tensor) -> None:
-        """Frees the rows of a finished or preempted request's slots."""
+        """Frees the rows of ``slots`` [n] (< 0 ignored)."""
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Frees the rows of a finished or preempted request's blocks."""
 
     def record_selection(self, layer: int, positions: torch.Tensor,
                          block_table: torch.Tensor) -> None:
@@ -141,6 +144,9 @@ class IdentityPoolIndex:
         return None
 
     def release(self, slots: torch.Tensor) -> None:
+        return None
+
+    def release_blocks(self, block_ids: list[int]) -> None:
         return None
 
     def record_selection(self, layer: int, positions: torch.Tensor,
@@ -257,6 +263,12 @@ class CappedPoolIndex:
         rows = table[:, where].to(torch.int64)  # [L, H, n]
         self._free(self._layer_ids, rows, rows >= 0)
         table[:, where] = -1
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Frees the entries of every slot of ``block_ids``."""
+        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.row_map.device)
+        self.release((blocks[:, None] * self.block_size
+                      + torch.arange(self.block_size, device=blocks.device)).flatten())
 
     def admit(self, slots: torch.Tensor) -> None:
         """Gives every (layer, head) a row for each new slot, evicting when full.

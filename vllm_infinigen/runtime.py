@@ -175,9 +175,9 @@ class InfiniGenRuntime:
         """Stops the copy worker (``--infinigen-transfer copy``), if any."""
         self.transfer.shutdown()
 
-    def release(self, slots: torch.Tensor) -> None:
-        """Frees the pool rows of a finished or preempted request's slots."""
-        self.pool_index.release(slots)
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Frees the pool rows of a finished or preempted request's dense blocks."""
+        self.pool_index.release_blocks(block_ids)
 
     def update_selection(self, alpha: float | None = None, **changes) -> None:
         """Changes the selection settings of the running engine (for sweeps).
@@ -240,9 +240,10 @@ class InfiniGenRuntime:
         self.begin_step(dense_metadata, slot_mapping)
         plan = self.plan_for(dense_metadata, block_size)
         ahead = bool(plan.sparse.numel()) and self.policy.selects_ahead(self.config)
-        if state.next is not None and ahead and not self._deferred(plan):
+        deferred = ahead and self._deferred(plan)
+        if state.next is not None and ahead and not deferred:
             self.speculate(state, plan)
-        if not (state.next is not None and ahead and self._deferred(plan)):
+        if not (state.next is not None and deferred):
             state.capture(None)
         return plan
 

@@ -189,10 +189,5 @@ class InfiniGenCPUWorker(CPUWorker):
         for req_id in gone:
             request = self.model_runner.requests.get(req_id)
             if request is not None:
-                self.infinigen_runtime.release(self._slots_of(request.block_ids[self._dense_group]))
+                self.infinigen_runtime.release_blocks(request.block_ids[self._dense_group])
         return super().execute_model(scheduler_output)
-
-    def _slots_of(self, block_ids: list[int]) -> torch.Tensor:
-        block_size = self.cache_config.block_size
-        blocks = torch.tensor(block_ids, dtype=torch.int64)[:, None]
-        return (blocks * block_size + torch.arange(block_size)).flatten()

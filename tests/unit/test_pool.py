@@ -105,6 +105,16 @@ def test_release_frees_everything():
     assert (pool.row_of[:, :64] == -1).all()
 
 
+def test_release_blocks_frees_exactly_the_blocks_slots():
+    pool = CappedPoolIndex(2, 2, num_slots=64, num_rows=40, policy="fifo", block_size=8)
+    pool.admit(torch.arange(32))  # blocks 0..3
+    pool.release_blocks([1, 3])
+    by_slot = pool.row_of[:, :64]
+    assert (by_slot[:, 8:16] == -1).all() and (by_slot[:, 24:32] == -1).all()
+    assert (by_slot[:, 0:8] >= 0).all() and (by_slot[:, 16:24] >= 0).all()
+    assert pool.occupied().tolist() == [2 * 16, 2 * 16]
+
+
 def test_a_step_larger_than_the_pool_names_the_flags():
     pool = CappedPoolIndex(1, 1, num_slots=64, num_rows=4, policy="lru")
     with pytest.raises(ValueError, match="--infinigen-cpu-pool-gib.*--max-num-batched-tokens"):
