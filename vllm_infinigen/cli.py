@@ -38,18 +38,32 @@ def vllm_main() -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from vllm_infinigen.skewing import compute_skew_tables, local_model_dir, save_skew_tables
+    """Writes a skew file; prints what it calibrated on, the time and the peak memory."""
+    import resource
 
-    text = Path(args.calibration_text).read_text() if args.calibration_text else None
+    from vllm_infinigen.skewing import (
+        CALIBRATION_TEXT,
+        compute_skew_tables,
+        local_model_dir,
+        read_calibration_files,
+        save_skew_tables,
+    )
+
+    texts = read_calibration_files(args.calibration_text) if args.calibration_text else None
+    source = (f"{len(texts)} calibration file(s)" if texts
+              else f"the bundled text ({CALIBRATION_TEXT.name})")
     start = time.perf_counter()
     tables = compute_skew_tables(
-        local_model_dir(args.model), args.partial_ratio, text, args.max_tokens
+        local_model_dir(args.model), args.partial_ratio, texts, args.max_tokens,
+        dtype=args.dtype, progress=True,
     )
     save_skew_tables(tables, args.out)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     print(
         f"wrote {args.out}: {len(tables.skew)} layers, {tables.skew[0].shape[0]} KV "
-        f"heads, rank {tables.rank}, fingerprint {tables.fingerprint}, "
-        f"{time.perf_counter() - start:.1f} s"
+        f"heads, rank {tables.rank}, fingerprint {tables.fingerprint}; calibrated on "
+        f"{tables.calibration_tokens} tokens of {source}; "
+        f"{time.perf_counter() - start:.1f} s, peak RSS {peak / 2**30:.2f} GiB"
     )
     return 0
 
@@ -98,10 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="write a skew file for a model")
     p.add_argument("model", help="Hugging Face model directory")
-    p.add_argument("--calibration-text", help="text file (default: bundled text)")
+    p.add_argument("--calibration-text", nargs="+", metavar="PATH",
+                   help="text files or directories (every *.txt inside), used in order "
+                        "(default: the bundled book excerpt)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--partial-ratio", type=float, default=0.2)
-    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=2048,
+                   help="calibration tokens in all (default: 2048, as the paper's artifact)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="auto: bfloat16 for 16-bit checkpoints (no float32 copy), "
+                        "float32 for float32 ones")
     p.set_defaults(run=prepare)
     d = commands.add_parser("demo", help="generate with InfiniGen and print its counters")
     d.add_argument("--model", default=str(DEFAULT_MODEL))

@@ -11,6 +11,10 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("VLLM_INFINIGEN_SHARED", REPO.parent / "shared"))
 BUNDLED_MODEL = REPO / "vllm_infinigen" / "assets" / "stories260k"
 GUTENBERG = SHARED / "models" / "gutenberg-llama-2k"
+# A children's story in TinyStories' style, written for this project: prompts
+# the bundled stories260k model understands (and the calibration text bundled
+# before the Pride and Prejudice excerpt, compared in the attribution benchmark).
+STORY_TEXT = REPO / "benchmarks" / "harness" / "texts" / "story.txt"
 RESULTS = REPO / "benchmarks" / "results"
 # Built benchmark models, beside the skew files (``VLLM_INFINIGEN_CACHE``).
 MODEL_CACHE = Path(os.environ.get(

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.harness.paths import BUNDLED_MODEL
+from benchmarks.harness.paths import BUNDLED_MODEL, STORY_TEXT
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
 from vllm_infinigen.metrics import summarize
-from vllm_infinigen.skewing import CALIBRATION_TEXT
 
 pytestmark = pytest.mark.slow
 BUDGET = 0.2
@@ -20,7 +19,7 @@ MAX_TOKENS = 48
 def prompts():
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(BUNDLED_MODEL)(CALIBRATION_TEXT.read_text()).input_ids
+    ids = AutoTokenizer.from_pretrained(BUNDLED_MODEL)(STORY_TEXT.read_text()).input_ids
     return [{"prompt_token_ids": ids[start : start + n]}
             for start, n in zip((0, 700, 1400), PROMPT_TOKENS)]
 
@@ -45,7 +44,7 @@ def test_selected_fraction_within_budget(eager_run):
 def test_output_is_story_text(eager_run):
     _, _, text = eager_run
     words = [w.strip('.,!?"') for w in text.split()]
-    known = set(CALIBRATION_TEXT.read_text().replace("\n", " ").split())
+    known = set(STORY_TEXT.read_text().replace("\n", " ").split())
     known |= {w.strip('.,!?"') for w in known}
     assert len(words) >= 20
     assert sum(w in known for w in words) >= 0.6 * len(words), text

@@ -397,3 +397,15 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_start_up_calibration_that_would_not_fit_is_refused_naming_prepare():
+    from vllm_infinigen.patch.patch_arg_utils import check_calibration_fits
+    from vllm_infinigen.skewing import calibration_memory_bytes
+
+    model = STORIES_DIR
+    needed = calibration_memory_bytes(model)
+    check_calibration_fits(model, free=needed)
+    with pytest.raises(ValueError, match=r"needs about .* GiB, but .* GiB are free; run "
+                       r"`vllm-infinigen prepare .* --out FILE` .* --infinigen-skew-file FILE"):
+        check_calibration_fits(model, free=needed - 1)

@@ -13,9 +13,14 @@ from safetensors.torch import save_file
 
 from vllm_infinigen.layout import partial_rank
 from vllm_infinigen.skewing import (
+    CALIBRATION_TEXT,
     SKEW_FLAG,
     SkewTables,
+    calibration_chunks,
+    calibration_memory_bytes,
     compute_skew_tables,
+    load_dtype,
+    read_calibration_files,
     load_skew_tables,
     model_fingerprint,
     save_skew_tables,
@@ -290,3 +295,115 @@ def test_compute_skew_tables_stories260k():
     for skew in tables.skew:
         gram = skew.transpose(1, 2) @ skew
         torch.testing.assert_close(gram, torch.eye(6).expand_as(gram), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# Calibration text: the bundled book, several files, chunks, memory
+
+
+def test_bundled_text_is_a_book_of_at_least_2048_tokens():
+    """At least 2,048 words (so 2,048 tokens with any tokenizer that does not
+    merge words), and not the children's story it replaced."""
+    import re
+
+    text = CALIBRATION_TEXT.read_text(encoding="utf-8")
+    assert len(re.findall(r"\w+", text)) >= 2048
+    assert text.startswith("Chapter I.") and "Mr. Bennet" in text
+    assert "Project Gutenberg" not in text and "[Illustration]" not in text
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES_DIR), reason=f"{STORIES_DIR} not present")
+def test_bundled_text_calibrates_on_2048_tokens():
+    tables = compute_skew_tables(STORIES_DIR, 0.2)
+    assert tables.calibration_tokens == 2048
+
+
+def test_read_calibration_files_takes_files_and_directories(tmp_path):
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.txt").write_text("third")
+    (tmp_path / "notes.md").write_text("not a .txt: skipped in a directory")
+    single = tmp_path / "notes.md"
+    assert read_calibration_files([tmp_path, single]) == [
+        "first", "second", "third", "not a .txt: skipped in a directory"]
+
+
+def test_read_calibration_files_errors_name_the_path(tmp_path):
+    with pytest.raises(ValueError, match=f"--calibration-text {tmp_path / 'missing'}: no such"):
+        read_calibration_files([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no \\*.txt file"):
+        read_calibration_files([tmp_path / "empty"])
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ValueError, match="bin.txt: not UTF-8"):
+        read_calibration_files([tmp_path / "bin.txt"])
+
+
+class WordTokenizer:
+    """One token per word, BOS (1) first, like a Hugging Face tokenizer call."""
+
+    bos_token_id = 1
+
+    def __call__(self, text, verbose=False):
+        class Encoded:
+            input_ids = [1] + [len(word) + 10 for word in text.split()]
+        return Encoded()
+
+
+def test_calibration_chunks_cut_texts_at_the_context_and_stop_at_max_tokens():
+    texts = [" ".join(["ab"] * 9), " ".join(["abc"] * 50)]  # 10 and 51 tokens
+    chunks = calibration_chunks(WordTokenizer(), texts, max_tokens=30, context=8)
+    # Text 1: 10 tokens -> 8 + (BOS + 2); text 2: the 20 tokens left -> 8 + 8 + (BOS + 4).
+    assert [len(c) for c in chunks] == [8, 3, 8, 8, 5]
+    assert all(chunk[0] == 1 for chunk in chunks)
+    assert chunks[1] == [1, 12, 12] and chunks[4] == [1, 13, 13, 13, 13]
+
+
+def test_load_dtype_keeps_float32_checkpoints_and_never_upcasts_16_bit(tmp_path):
+    for stored, expected in (("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                             ("float16", torch.bfloat16)):
+        (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": stored}))
+        assert load_dtype(str(tmp_path)) == expected
+        assert load_dtype(str(tmp_path), "float32") == torch.float32
+    with pytest.raises(ValueError, match="calibration dtype"):
+        load_dtype(str(tmp_path), "float16")
+
+
+def test_calibration_memory_counts_the_weights_from_the_headers(tmp_path):
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 128, "intermediate_size": 256,
+              "vocab_size": 512, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"w": torch.zeros(1000, 1000, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    small = calibration_memory_bytes(str(tmp_path), max_tokens=16)
+    assert 2_000_000 <= small < 2_200_000  # 1M bf16 weights + activations of 16 tokens
+    big = {**config, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(big))
+    assert calibration_memory_bytes(str(tmp_path), max_tokens=16) > 4_000_000
+    assert calibration_memory_bytes(str(tmp_path), max_tokens=2048) > (
+        calibration_memory_bytes(str(tmp_path), max_tokens=16))
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES_DIR), reason=f"{STORIES_DIR} not present")
+def test_prepare_takes_several_files_and_reports_time_and_memory(tmp_path, capsys):
+    from vllm_infinigen.cli import main
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "one.txt").write_text("Once upon a time there was a cat. " * 20)
+    (tmp_path / "two.txt").write_text("The dog ran to the park and played. " * 40)
+    out = tmp_path / "skew.safetensors"
+    assert main(["prepare", STORIES_DIR, "--calibration-text", str(tmp_path / "texts"),
+                 str(tmp_path / "two.txt"), "--out", str(out), "--max-tokens", "300"]) == 0
+    printed = capsys.readouterr().out
+    assert "calibrated on 300 tokens of 2 calibration file(s)" in printed
+    assert " s, peak RSS " in printed and " GiB" in printed
+    fingerprint = model_fingerprint(STORIES_DIR)
+    tables = load_skew_tables(str(out), fingerprint, 0.2, num_layers=5, num_kv_heads=4,
+                              head_dim=32)
+    # The second file changed the skew: not what the first alone gives.
+    alone = compute_skew_tables(STORIES_DIR, 0.2, [(tmp_path / "texts" / "one.txt").read_text()],
+                                max_tokens=300)
+    assert alone.calibration_tokens < 300
+    assert not all(torch.equal(a, b) for a, b in zip(alone.skew, tables.skew))

@@ -21,7 +21,7 @@ from vllm_infinigen.config import (
     infinigen_config_of,
 )
 from vllm_infinigen.layout import ModelLayout, read_hf_config
-from vllm_infinigen.skewing import local_model_dir
+from vllm_infinigen.skewing import BUNDLED_CALIBRATION_NOTE, local_model_dir
 
 logger = init_logger(__name__)
 
@@ -279,18 +279,43 @@ def prepare_skew_file(model_dir: str, config: InfiniGenConfig, layout: ModelLayo
         try:
             load_skew_tables(str(path), fingerprint, config.partial_ratio, **shapes)
             logger.info("InfiniGen: using cached skew file %s", path)
+            logger.info(BUNDLED_CALIBRATION_NOTE)
             return str(path)
         except ValueError as e:
             logger.warning("InfiniGen: recomputing unusable cached skew file (%s)", e)
+    check_calibration_fits(model_dir)
     start = time.perf_counter()
-    tables = compute_skew_tables(model_dir, config.partial_ratio)
+    tables = compute_skew_tables(model_dir, config.partial_ratio, progress=True)
     save_skew_tables(tables, str(path))
     logger.info(
-        "InfiniGen: computed skewing for %s on the bundled calibration text in "
-        "%.1f s (cached at %s; `vllm-infinigen prepare` makes one ahead of time)",
-        model_dir, time.perf_counter() - start, path,
+        "InfiniGen: computed skewing for %s on %d tokens of the bundled calibration "
+        "text in %.1f s (cached at %s; `vllm-infinigen prepare` makes one ahead of time)",
+        model_dir, tables.calibration_tokens, time.perf_counter() - start, path,
     )
+    logger.info(BUNDLED_CALIBRATION_NOTE)
     return str(path)
+
+
+def check_calibration_fits(model_dir: str, free: int | None = None) -> None:
+    """Refuses to calibrate at start-up a model whose calibration would not fit
+    in free memory (``skewing.calibration_memory_bytes``), naming the way out.
+
+    Args:
+        free: Free bytes (default: what the OS reports as available).
+    """
+    import psutil
+
+    from vllm_infinigen.skewing import calibration_memory_bytes
+
+    needed = calibration_memory_bytes(model_dir)
+    free = psutil.virtual_memory().available if free is None else free
+    if needed > free:
+        raise ValueError(
+            f"--kv-manager infinigen: computing the skewing of {model_dir} at start-up "
+            f"needs about {needed / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB are free; "
+            f"run `vllm-infinigen prepare {model_dir} --out FILE` ahead of time (where "
+            "the memory is free) and pass --infinigen-skew-file FILE"
+        )
 
 
 def apply() -> None:
