@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -311,9 +312,12 @@ def compute_skew_tables(
     num_layers = text_config.num_hidden_layers
     bar = tqdm(total=len(chunks) * num_layers, desc=f"calibration ({num_tokens} tokens)",
                unit="layer", disable=not progress, file=sys.stderr)
+    # Only the attention inputs matter: no KV cache, logits of one position.
+    extra = ({"logits_to_keep": 1}
+             if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
     with torch.no_grad(), bar:
         for chunk in chunks:
-            model(input_ids=torch.tensor([chunk]), use_cache=False)
+            model(input_ids=torch.tensor([chunk]), use_cache=False, **extra)
     bar = None
     del model
     head_dim = captured[0][0][0].shape[-1]

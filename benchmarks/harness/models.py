@@ -129,3 +129,75 @@ def model_cache_name(spec: Mapping[str, Any]) -> str:
     if spec.get("intermediate_size") not in (None, 2 * spec["hidden_size"]):
         name += f"-i{spec['intermediate_size']}"
     return name + "-p{max_positions}-s{seed}".format(**spec)
+
+
+# Llama 3.1 8B's shapes and RoPE scaling (config.json of the published model).
+LLAMA31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+
+
+def full_size_llama(root: Path = MODEL_CACHE, shape: Mapping[str, Any] = LLAMA31_8B,
+                    name: str = "llama3.1-8b-shape-random-bf16", seed: int = 0) -> Path:
+    """A random-weight bfloat16 checkpoint of a real model's shape, built once and cached.
+
+    For measuring what a full-size model costs (time, memory), not its
+    outputs: written one layer per safetensors shard, so building it takes
+    one layer's memory. Tokenizer: the bundled 512-token one (ids below the
+    vocabulary).
+    """
+    from safetensors.torch import save_file
+
+    out = Path(root) / name
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv_heads, head_dim = (shape["num_attention_heads"], shape["num_key_value_heads"],
+                                 shape["head_dim"])
+
+    def weight(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=generator) * 0.02).to(torch.bfloat16)
+
+    shards = {"model-embed.safetensors": {
+        "model.embed_tokens.weight": weight(shape["vocab_size"], hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        "lm_head.weight": weight(shape["vocab_size"], hidden)}}
+    index = {}
+    for layer in range(shape["num_hidden_layers"]):
+        shards[f"model-layer{layer:03d}.safetensors"] = None
+    for file in shards:
+        if shards[file] is None:
+            layer = int(file[len("model-layer"):-len(".safetensors")])
+            p = f"model.layers.{layer}."
+            tensors = {
+                p + "self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+                p + "mlp.gate_proj.weight": weight(inter, hidden),
+                p + "mlp.up_proj.weight": weight(inter, hidden),
+                p + "mlp.down_proj.weight": weight(hidden, inter),
+                p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            }
+        else:
+            tensors = shards[file]
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, file))
+        shards[file] = True  # written: drop the tensors
+        del tensors
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": index}, indent=1))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **shape}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    _copy_tokenizer(tmp)
+    tmp.rename(out)
+    return out

@@ -40,7 +40,7 @@ from benchmarks.harness.engines import engine
 from benchmarks.perf import kv_math, machine
 
 PREPARE = Path(sys.executable).parent / "vllm-infinigen"
-PRINTED_SECONDS = re.compile(r"fingerprint \S+, ([0-9.]+) s")
+PRINTED_SECONDS = re.compile(r"; ([0-9.]+) s, peak RSS")
 
 # The notes under the results table.
 NOTES = """\
@@ -49,8 +49,12 @@ NOTES = """\
 - prepare wall/CPU: the whole `vllm-infinigen prepare` process (Python, torch \
 and transformers imports included); CPU = user + sys of that child, so with \
 2 cores it can exceed wall. The printed compute time is the tool's own \
-(model load in float32, forward over up to 2,048 calibration tokens, one SVD \
-per layer and KV head, writing the file).
+(model load in the checkpoint's dtype, bfloat16 for 16-bit checkpoints, forward \
+over up to 2,048 calibration tokens, one SVD per layer and KV head, writing the file).
+- llama3.1-8b-shape: a random-weight bfloat16 checkpoint with Llama 3.1 8B's \
+shapes and RoPE scaling (`benchmarks/harness/models.py::full_size_llama`, \
+built once and cached), the largest that fits this machine's memory; its \
+outputs mean nothing, its time and memory are a real 8B model's.
 - load-time: `prepare_skew_file` as the engine's front end runs it without \
 `--infinigen-skew-file`: cold = compute + cache, warm = the cached file found \
 and validated (fingerprint of the checkpoint, shapes).\
@@ -59,7 +63,7 @@ and validated (fingerprint of the checkpoint, shapes).\
 
 def model_dirs(names: list[str]) -> dict[str, Path]:
     known = {"bundled": lambda: paths.BUNDLED_MODEL, "gutenberg": lambda: paths.GUTENBERG,
-             "long": models.long_context_model}
+             "long": models.long_context_model, "llama3.1-8b-shape": models.full_size_llama}
     out = {}
     for name in names:
         out[name] = Path(known[name]()) if name in known else Path(name)
@@ -148,8 +152,8 @@ def measure(models: dict[str, Path], args, progress: machine.Progress) -> list[d
         shape = kv_math.model_shape(model)
         row: dict[str, Any] = {"model": name, "path": str(model), "layers": shape.layers,
                                "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
-                               "params_bytes": (model / "model.safetensors").stat().st_size
-                               if (model / "model.safetensors").is_file() else None,
+                               "params_bytes": sum(f.stat().st_size
+                                                   for f in model.glob("*.safetensors")),
                                "cli": [], "load_time": [], "engine_start": {}}
         for repeat in range(args.repeats):
             with tempfile.TemporaryDirectory(prefix="prepare_cost_") as tmp:
@@ -216,7 +220,8 @@ def sections(rows: list[dict], args) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["bundled", "gutenberg"],
-                        help="bundled, gutenberg, long, or model directories")
+                        help="bundled, gutenberg, long, llama3.1-8b-shape (16 GB, built once), "
+                             "or model directories")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-starts", action="store_true",
                         help="also time LLM construction (starts engines: run under the lock)")
