@@ -37,12 +37,14 @@ SKEW_FLAG = "--infinigen-skew-file"
 # 2,048 tokens of a PG-19 book.
 CALIBRATION_TEXT = Path(__file__).parent / "assets" / "calibration.txt"
 # Logged whenever an engine uses a skew computed from CALIBRATION_TEXT; the
-# numbers are from benchmarks/results/attribution.md.
+# numbers are from benchmarks/results/attribution.md (budget 0.1, defaults).
 BUNDLED_CALIBRATION_NOTE = (
-    "InfiniGen: the skewing comes from the bundled calibration text (a novel's first "
-    "chapters); `vllm-infinigen prepare MODEL --calibration-text FILE_OR_DIR ... --out "
-    "SKEW` on text of your own domain, then --infinigen-skew-file SKEW, usually selects "
-    "better"
+    "InfiniGen: the skewing comes from the bundled calibration text (chapters of an "
+    "English novel); `vllm-infinigen prepare MODEL --calibration-text FILE_OR_DIR ... "
+    "--out SKEW` on text of your own domain, then --infinigen-skew-file SKEW, usually "
+    "selects better (measured at budget 0.1: answer accuracy 0.61 -> 0.745 on a "
+    "retrieval model whose tokenizer reads no English; perplexity within 1% on a model "
+    "trained on books)"
 )
 CALIBRATION_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _FINGERPRINT_CONFIG_KEYS = (

@@ -43,6 +43,7 @@ Results: ``benchmarks/results/attribution.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -74,9 +75,14 @@ class Task:
     metric: str
     higher_is_better: bool
     max_model_len: int
-    data: Any
-    score: Callable[[Any, Any, dict | None], dict]
-    in_domain: list[str]  # calibration texts of the task's own kind
+    data: Any = None
+    score: Callable[[Any, Any, dict | None], dict] | None = None
+    in_domain: list[str] | None = None  # calibration texts of the task's own kind
+
+
+# What the report needs of each task (``--render`` builds tasks from this alone).
+TASK_INFO = {"recall": (retrieval.DEFAULT_MODEL, "accuracy", True, 1088),
+             "book": (perplexity.GUTENBERG, "perplexity", False, 1025)}
 
 
 def recall_task(args: argparse.Namespace) -> Task:
@@ -96,8 +102,7 @@ def recall_task(args: argparse.Namespace) -> Task:
     # evaluation file's; the word-level tokenizer reads ids as "t<id>".
     in_domain = ["<s> " + " ".join(f"t{t}" for t in retrieval.synthetic_recall_ids(seed))
                  for seed in (12345, 23456)]
-    return Task("recall", retrieval.DEFAULT_MODEL, "accuracy", True, 1088, rows, score,
-                in_domain)
+    return Task("recall", *TASK_INFO["recall"], rows, score, in_domain)
 
 
 def book_task(args: argparse.Namespace) -> Task:
@@ -114,8 +119,7 @@ def book_task(args: argparse.Namespace) -> Task:
 
     # The held-out book past the scored windows (which start at its beginning).
     start = max(scored_chars * 2, len(text) // 2)
-    return Task("book", perplexity.GUTENBERG, "perplexity", False, 1025, windows, score,
-                [text[start:]])
+    return Task("book", *TASK_INFO["book"], windows, score, [text[start:]])
 
 
 TASKS = {"recall": recall_task, "book": book_task}
@@ -260,6 +264,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="recall: requests per engine call (progress granularity)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="results stem: writes .json, .md and .png")
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite the .md and .png from the .json at --out")
     args = parser.parse_args(argv)
     sweeps.check_budgets(parser, args.budget)
     if not all(0 < r < 1 for r in args.partial_ratio):
@@ -269,15 +275,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tasks = [TASKS[name](args) for name in args.tasks
-             if not sweeps.inputs_missing(retrieval.DEFAULT_MODEL if name == "recall"
-                                          else perplexity.GUTENBERG)]
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for task in tasks:
-            results += run_task(task, args, Path(tmp))
-    meta = report.run_metadata()
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    if args.render:
+        saved = json.loads(args.out.with_suffix(".json").read_text())
+        meta, settings, results = saved["meta"], saved["settings"], saved["results"]
+        args = argparse.Namespace(**{**settings, "out": args.out})
+        tasks = [Task(name, *TASK_INFO[name]) for name in args.tasks]
+    else:
+        tasks = [TASKS[name](args) for name in args.tasks
+                 if not sweeps.inputs_missing(TASK_INFO[name][0])]
+        results = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for task in tasks:
+                results += run_task(task, args, Path(tmp))
+        meta = report.run_metadata()
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     sections, control_ok = attribution_report.sections(tasks, results, args)
     png = report.try_plot(args.out.with_suffix(".png"),
                           attribution_report.panels(tasks, results, args), "accuracy attribution")

@@ -16,19 +16,26 @@ CONTROL_TOLERANCE = 1e-3
 
 def configurations(args) -> list[tuple[str, str, tuple]]:
     """(factor, description, (r, calibration, speculation, rule)) rows of the attribution."""
-    rows = [("exact", "same-layer, full keys, fixed k",
+    return [(factor, description, key) for factor, description, _, key in _rows(args)]
+
+
+def _rows(args) -> list[tuple[str, str, str, tuple]]:
+    """Attribution rows with a short plot label each."""
+    rows = [("exact", "same-layer, full keys, fixed k", "exact",
              (FULL_KEYS, "in-domain", "same-layer", "fixed-k")),
-            ("(1) speculation", "previous-layer, full keys, fixed k",
+            ("(1) speculation", "previous-layer, full keys, fixed k", "(1) previous-layer",
              (FULL_KEYS, "in-domain", "previous-layer", "fixed-k"))]
     rows += [("(2) partial keys", f"same-layer, r {r:g}, fixed k, in-domain skew",
-              (r, "in-domain", "same-layer", "fixed-k"))
+              f"(2) r {r:g}", (r, "in-domain", "same-layer", "fixed-k"))
              for r in sorted(args.partial_ratio, reverse=True)]
     rows.append(("(3) alpha count", "same-layer, full keys, alpha 5 (capped at the budget)",
-                 (FULL_KEYS, "in-domain", "same-layer", "alpha")))
+                 "(3) alpha 5", (FULL_KEYS, "in-domain", "same-layer", "alpha")))
     rows += [("(4) calibration", f"same-layer, r {DEFAULT_RATIO:g}, fixed k, {c} skew",
-              (DEFAULT_RATIO, c, "same-layer", "fixed-k")) for c in args.calibration]
+              f"(4) {c} text", (DEFAULT_RATIO, c, "same-layer", "fixed-k"))
+             for c in args.calibration]
     rows += [("InfiniGen default", f"previous-layer, r {DEFAULT_RATIO:g}, alpha 5, {c} skew",
-              (DEFAULT_RATIO, c, "previous-layer", "alpha")) for c in args.calibration]
+              f"default, {c} text", (DEFAULT_RATIO, c, "previous-layer", "alpha"))
+             for c in args.calibration]
     return rows
 
 
@@ -181,7 +188,7 @@ def sections(tasks, results: Sequence[dict], args) -> tuple[list[str], bool]:
 
 def panels(tasks, results: Sequence[dict], args) -> list[report.Panel]:
     """Per task: the metric against measured density, a line per attribution row."""
-    rows = {key: f"{factor}: {description}" for factor, description, key in configurations(args)}
+    rows = {key: label for _, _, label, key in _rows(args)}
     out = []
     for task in tasks:
         panel = report.Panel(f"{task.name} ({task.model.name})", task.metric,

@@ -73,6 +73,7 @@ from typing import Any
 
 from benchmarks.harness import models, paths, report
 from benchmarks.harness.engines import engine, infinigen_kwargs
+from vllm_infinigen.config import SPECULATIONS
 from benchmarks.perf import decode_report, kv_math, machine
 from benchmarks.perf.step_driver import Driver
 from benchmarks.perf.bandwidth import measure_bandwidth
@@ -184,6 +185,8 @@ def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
         settings["min_context"] = args.min_context
     if getattr(args, "alpha", None) is not None:
         settings["alpha"] = args.alpha
+    if getattr(args, "speculation", None) is not None:
+        settings["speculation"] = args.speculation
     if engine_name == "capped":
         if getattr(args, "cpu_pool_gib", None) is None:
             raise SystemExit("--engines capped needs --cpu-pool-gib")
@@ -298,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-pool-gib", type=float, help="pool cap of the 'capped' engine "
                         "(InfiniGen's --infinigen-cpu-pool-gib)")
     parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--speculation", choices=SPECULATIONS,
+                        help="InfiniGen's --infinigen-speculation (default: previous-layer)")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--retries", type=int, default=3,
