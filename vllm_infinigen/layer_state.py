@@ -34,7 +34,7 @@ class LayerSource:
     index: int  # decoder layer
     name: str  # vLLM's name of its attention layer
     attention: torch.nn.Module  # vLLM's ``Attention``
-    self_attn: torch.nn.Module | None  # holds ``qkv_proj`` and ``rotary_emb``
+    self_attn: torch.nn.Module | None  # holds ``qkv_proj``, ``rotary_emb``, ``q_norm``
     skew: torch.Tensor  # [H_kv of this rank, D, R] float32
     query_proj: torch.nn.Module | None  # ``query_weights.py``; None: use qkv_proj
 
@@ -46,7 +46,9 @@ class LayerState:
         layer_idx: Index of the decoder layer.
         layer_name: vLLM's name of its attention layer.
         attn: vLLM's ``Attention`` module (shapes and scale from its impl).
-        self_attn: The module holding ``qkv_proj`` and ``rotary_emb``, if any.
+        self_attn: The module holding ``qkv_proj``, ``rotary_emb`` and, in
+            models that normalise each head's query before RoPE (Qwen3),
+            ``q_norm``, if any.
         sparse: Whether the layer attends over a selection.
         skew: [H_kv, D, R] float32 skew slice of this rank's KV heads.
         query_proj: The query rows of ``qkv_proj``, prepacked
@@ -72,6 +74,9 @@ class LayerState:
         self.scale = impl.scale
         self.qkv_proj = getattr(self_attn, "qkv_proj", None)
         self.rotary_emb = getattr(self_attn, "rotary_emb", None)
+        # Per-head RMSNorm of the query before RoPE (Qwen3); the keys reach
+        # ``write`` already normalised and rotated by the model.
+        self.q_norm = getattr(self_attn, "q_norm", None)
         self.skew = skew
         self.query_proj = query_proj
         self.next = next
