@@ -21,6 +21,8 @@ TINY_MODELS: dict[str, Callable[[Path], Path]] = {
     # Per-head q/k RMSNorm before RoPE.
     "qwen3": lambda out: models.build_tiny_qwen3(out, seed=1),
     "qwen3-moe": lambda out: models.build_tiny_qwen3(out, seed=2, moe=True),
+    # 8 layers alternating a 64-token sliding window and full attention.
+    "gemma3": models.build_tiny_gemma3,
 }
 
 

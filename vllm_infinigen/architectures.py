@@ -4,10 +4,14 @@
 InfiniGen replaces a layer's attention with attention over a selection of the
 whole context, and speculates with the next sparse layer's own query
 projection, ``q_norm`` and ``rotary_emb``. That is right only for layers that
-attend to the whole context the way these families do. A sliding window is
-refused when vLLM would really use it (the window is shorter than the longest
-sequence); a window that can never exclude a token is switched off, which is
-what vLLM's ``--disable-sliding-window`` does to it.
+attend to the whole context the way these families do. Sliding windows:
+
+- Gemma 3 (``HYBRID_MODEL_TYPES``) interleaves sliding-window layers with
+  full-attention ones: the windowed layers stay on vLLM's sliding-window
+  cache, untouched, and only full-attention layers can become sparse.
+- Elsewhere a window is refused when vLLM would really use it (it is shorter
+  than the longest sequence); a window that can never exclude a token is
+  switched off, which is what vLLM's ``--disable-sliding-window`` does to it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ SUPPORTED_MODEL_TYPES = {
              "with the layer's own q_norm",
     "qwen3_moe": "as qwen3; the MoE MLP is untouched",
     "opt": "no RoPE, biased projections",
+    "gemma3_text": "sliding-window layers stay on vLLM's sliding-window cache; "
+                   "the full-attention layers are split into dense and sparse, "
+                   "each speculating for the next full-attention layer",
 }
+# Families whose sliding-window layers stay beside InfiniGen's full-attention ones.
+HYBRID_MODEL_TYPES = ("gemma3_text",)
 # model_type -> why it is refused (others: "not supported").
 REFUSED_MODEL_TYPES = {
     "gemma2": "attention logit soft-capping is not implemented in InfiniGen's "
@@ -84,6 +93,20 @@ class AttentionPlan:
         return [idx for idx, window in enumerate(self.windows) if window is None]
 
     @property
+    def window_layers(self) -> tuple[int, ...]:
+        """The windowed layers that stay windowed beside sparse ones (Gemma 3);
+        () where a window is refused or switched off (``window_refusal``)."""
+        if self.model_type not in HYBRID_MODEL_TYPES or not self.full_layers:
+            return ()
+        return tuple(idx for idx, window in enumerate(self.windows) if window is not None)
+
+    @property
+    def switches_window_off(self) -> bool:
+        """A window InfiniGen runs as full attention: it never excludes a token."""
+        return (self.window is not None and not self.window_layers
+                and not self.window_excludes_tokens)
+
+    @property
     def window_excludes_tokens(self) -> bool:
         """Whether a windowed layer can drop a token from a sequence vLLM admits."""
         return self.window is not None and self.window < self.max_model_len
@@ -108,7 +131,7 @@ def names_a_window(hf_config: dict[str, Any]) -> bool:
 
 def window_refusal(plan: AttentionPlan) -> str | None:
     """Why the windows vLLM would run cannot run with InfiniGen, or None."""
-    if plan.window is None:
+    if plan.window is None or plan.window_layers:
         return None
     windowed = len(plan.windows) - len(plan.full_layers)
     if plan.full_layers and plan.model_type in _UNIFORM_WINDOW_ONLY:

@@ -100,10 +100,13 @@ def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor],
 
 
 def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
-    """Swaps each layer's attention impl for InfiniGen's and hooks the
-    speculating layers' ``qkv_proj`` (both listed in the patch index)."""
+    """Swaps each full-attention layer's attention impl for InfiniGen's and
+    hooks the speculating layers' ``qkv_proj`` (both listed in the patch
+    index); sliding-window layers keep vLLM's impl and cache."""
     for source, state in zip(sources, runtime.layers):
         attention = source.attention
+        if state.windowed:
+            continue
         if state.sparse:
             attention.get_kv_cache_spec = _sparse_spec_getter(attention)
         if state.next is not None:
@@ -115,10 +118,12 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
     config, layers = runtime.config, runtime.layers
     sparse = runtime.sparse_layers
     logger.info(
-        "InfiniGen: %d layers, dense %s, sparse %s, alpha %.2f, budget %.2f, "
-        "partial rank %d of %d, dense below %d context tokens; speculation through %s%s",
-        len(layers), [s.layer_idx for s in layers if not s.sparse],
-        [s.layer_idx for s in sparse], config.alpha, config.budget,
+        "InfiniGen: %d layers, dense %s, sparse %s, sliding-window (left to vLLM) %s, "
+        "alpha %.2f, budget %.2f, partial rank %d of %d, dense below %d context tokens; "
+        "speculation through %s%s",
+        len(layers), [s.layer_idx for s in layers if not s.sparse and not s.windowed],
+        [s.layer_idx for s in sparse], [s.layer_idx for s in layers if s.windowed],
+        config.alpha, config.budget,
         layers[0].rank, layers[0].head_size, config.min_context,
         "the query slice of qkv_proj" if all(s.query_proj is not None for s in sparse)
         else "the whole qkv_proj",

@@ -54,6 +54,7 @@ class LayerState:
         query_proj: The query rows of ``qkv_proj``, prepacked
             (``query_weights.py``); None: speculate through ``qkv_proj``.
         next: The sparse layer this layer speculates for, if any.
+        windowed: A sliding-window layer, left to vLLM (neither dense nor sparse).
         pool_layer: Index among the sparse layers (the pool index's layer).
         stats: [2] float64 view of the runtime's counters for this layer.
     """
@@ -61,11 +62,12 @@ class LayerState:
     def __init__(self, layer_idx: int, layer_name: str, attn: torch.nn.Module,
                  self_attn: torch.nn.Module | None, sparse: bool, *,
                  skew: torch.Tensor, query_proj: torch.nn.Module | None = None,
-                 next: LayerState | None = None, pool_layer: int = -1,
-                 stats: torch.Tensor | None = None):
+                 next: LayerState | None = None, windowed: bool = False,
+                 pool_layer: int = -1, stats: torch.Tensor | None = None):
         self.layer_idx = layer_idx
         self.layer_name = layer_name
         self.sparse = sparse
+        self.windowed = windowed
         self.pool_layer = pool_layer
         impl = attn.impl
         self.num_heads = impl.num_heads
@@ -106,7 +108,7 @@ class LayerState:
         if positions is None:
             raise RuntimeError(
                 f"InfiniGen: sparse layer {self.layer_idx} has no selection; "
-                f"layer {self.layer_idx - 1} did not speculate for it"
+                "the layer before it did not speculate for it"
             )
         return positions
 

@@ -116,8 +116,10 @@ def build_tiny_gemma3(out: Path, num_layers: int = 8, seed: int = 0,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=1024,
         sliding_window=sliding_window, sliding_window_pattern=sliding_window_pattern,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15,
-        tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+        # Gemma scales embeddings by sqrt(hidden): larger weights make greedy
+        # output repeat one token, which would hide differences.
+        initializer_range=0.02,
     )
     model = Gemma3ForCausalLM(config)
     with torch.no_grad():

@@ -3,8 +3,9 @@
 
 For the previous-layer speculation the reference recomputes the partial query
 on its own, with the Hugging Face model's modules (transformers, not vLLM and
-not this package): ``q_proj``, the per-head ``q_norm`` (Qwen3), the model's
-RoPE (Llama 3's scaling included), then the recorded skew. It also checks
+not this package): ``q_proj``, the per-head ``q_norm`` (Qwen3, Gemma 3), the
+model's RoPE (Llama 3's scaling included; Gemma 3's of full-attention
+layers), then the recorded skew. It also checks
 that the partial keys in the cache are the skewed keys, after ``k_norm`` and
 RoPE, of the Hugging Face model run over the same tokens.
 """
@@ -12,6 +13,7 @@ RoPE, of the Hugging Face model run over the same tokens.
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 
@@ -22,6 +24,7 @@ from benchmarks.harness import paths
 from benchmarks.harness.paths import REPO
 from tests.e2e.record_selections import MAX_TOKENS, PROMPT_LENGTHS
 from tests.unit.test_selector import kept_sets, reference_selection
+from vllm_infinigen.layout import read_hf_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +44,7 @@ def _record(model: str, out) -> dict:
     return torch.load(out)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama3-rope"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama3-rope", "gemma3"])
 def recorded(request, tmp_path_factory, tiny_models):
     """(model directory, recording) of one engine run."""
     if request.param == "llama":
@@ -59,6 +62,7 @@ class HFReference:
         from transformers import AutoModelForCausalLM
         from transformers.modeling_utils import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         self.keys: dict[int, torch.Tensor] = {}
 
@@ -67,6 +71,9 @@ class HFReference:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
         AttentionInterface.register("record_keys", keep_keys)
+        # Masks as for sdpa: without it, a custom attention function gets no
+        # sliding-window mask (Gemma 3's windowed layers would see everything).
+        AttentionMaskInterface.register("record_keys", sdpa_mask)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="record_keys").eval()
         self.rope = importlib.import_module(type(self.model).__module__).apply_rotary_pos_emb
@@ -79,7 +86,10 @@ class HFReference:
         if hasattr(attn, "q_norm"):
             query = attn.q_norm(query)
         query = query.transpose(0, 1)[None]  # [1, H_q, S, D]
-        cos, sin = self.model.model.rotary_emb(hidden[None], positions[None].to(torch.int64))
+        rope_args = [hidden[None], positions[None].to(torch.int64)]
+        if "layer_type" in inspect.signature(self.model.model.rotary_emb.forward).parameters:
+            rope_args.append(attn.layer_type)  # Gemma 3: RoPE per kind of layer
+        cos, sin = self.model.model.rotary_emb(*rope_args)
         query, _ = self.rope(query, query, cos, sin)
         return query[0].transpose(0, 1)
 
@@ -110,6 +120,13 @@ def test_recorded_selections_match_reference(recorded):
     assert sum(r["speculation"] == "same-layer" for r in records) >= 11
     speculated = [r for r in records if r["speculation"] == "previous-layer"]
     assert speculated and all(r["query_inputs"] is not None for r in speculated)
+    # Speculation targets the sparse layers: the full-attention layers past the
+    # first two (Gemma 3's sliding-window layers are neither).
+    config = read_hf_config(model)
+    windowed = {idx for idx, kind in enumerate(config.get("layer_types") or ())
+                if kind == "sliding_attention"}
+    full = [idx for idx in range(config["num_hidden_layers"]) if idx not in windowed]
+    assert {r["query_inputs"]["layer_idx"] for r in speculated} == set(full[2:])
     hf = HFReference(model)
     keys = {id(tokens): hf.run(tokens) for tokens in sequences}
     compared = 0

@@ -121,3 +121,63 @@ def test_skew_file_of_another_family_is_refused_naming_the_file(tmp_path):
         patch_arg_utils.prepare_skew_file(str(qwen3), config, layouts[1])
     assert str(info.value).startswith(f"--infinigen-skew-file {skew_file}: written for "
                                       "another model")
+
+
+@pytest.mark.parametrize("dense,sparse,windowed", [(2, 2, 4), (2, 2, 22), (1, 3, 4),
+                                                   (2, 3, 3), (3, 5, 40)])
+def test_kv_cache_group_size_with_windows_matches_vllm(dense, sparse, windowed):
+    """Our mirror of the grouping equals vLLM's, sliding-window groups included."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from vllm_infinigen.layout import kv_cache_group_size
+    from vllm_infinigen.spec import InfiniGenSparseSpec, dense_group_index
+
+    shape = dict(block_size=128, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    full = FullAttentionSpec(**shape)
+    specs = {f"model.layers.{i}.self_attn.attn": SlidingWindowSpec(**shape, sliding_window=64)
+             for i in range(windowed)}
+    specs.update({f"model.layers.{windowed + i}.self_attn.attn": full for i in range(dense)})
+    specs.update({f"model.layers.{windowed + dense + i}.self_attn.attn":
+                  InfiniGenSparseSpec.of(full) for i in range(sparse)})
+    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    size = kv_cache_group_size(dense, sparse, windowed)
+    assert max(len(group.layer_names) for group in groups) == size
+    dense_group = groups[dense_group_index(groups)]
+    assert dense_group.layer_names == [f"model.layers.{windowed + i}.self_attn.attn"
+                                       for i in range(dense)]
+
+
+def test_gemma3_layout_splits_full_attention_layers():
+    from vllm_infinigen.layout import ModelLayout
+
+    # Gemma 3 1B's pattern: a full-attention layer every 6th of 26.
+    windowed = tuple(idx for idx in range(26) if (idx + 1) % 6)
+    layout = ModelLayout("gemma3_text", num_layers=26, num_heads=4, num_kv_heads=1,
+                         head_dim=256, window_layers=windowed)
+    assert layout.full_layers == [5, 11, 17, 23]
+    assert layout.sparse_layers == [17, 23] and layout.num_sparse == 2
+    assert layout.group_size == 2  # 22 windowed, 2 dense, 2 sparse
+    assert layout.max_dense_layers() == 2  # 3 dense + 1 sparse: groups of 1
+
+
+def test_gemma3_keeps_its_windows(tmp_path):
+    """Windowed layers stay windowed (not refused, not switched off), even
+    where the window is shorter than the context; the checks count the
+    full-attention layers only."""
+    from benchmarks.harness import models
+
+    model = str(models.build_tiny_gemma3(tmp_path / "gemma3"))
+    args = EngineArgs(model=model, max_model_len=512)
+    plan = patch_arg_utils.attention_plan(args, {"sliding_window": 64})
+    assert plan.windows == (64, None) * 4 and plan.window_excludes_tokens
+    assert plan.window_layers == (0, 2, 4, 6) and plan.full_layers == [1, 3, 5, 7]
+    assert window_refusal(plan) is None and not plan.switches_window_off
+    check(model, max_model_len=512)
+    with pytest.raises(ValueError, match="--infinigen-dense-layers 4 leaves no sparse layer "
+                                         "in a 8-layer model with 4 full-attention layers"):
+        check(model, kv_manager="infinigen", infinigen_dense_layers=4)
+    with pytest.raises(ValueError, match="--infinigen-dense-layers 3 would split the dense "
+                                         "layers over several KV-cache groups; use at most 2"):
+        check(model, kv_manager="infinigen", infinigen_dense_layers=3)

@@ -175,14 +175,15 @@ def _create_engine_config(self, *args, **kwargs):
     hf_config = read_hf_config(model_dir)
     attention = attention_plan(self, hf_config)
     check_engine_args(self, config, hf_config, attention)
-    if attention is not None and attention.window is not None:
-        # Not refused, so the window never excludes a token: full attention.
+    if attention is not None and attention.switches_window_off:
         logger.info(
             "InfiniGen: the sliding window of %d tokens is at least --max-model-len %d, "
             "so it never excludes a token: running its layers as full attention "
             "(--disable-sliding-window)", attention.window, attention.max_model_len)
         self.disable_sliding_window = True
-    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    layout = ModelLayout.from_hf_config(
+        hf_config, config.dense_layers, config.partial_ratio,
+        window_layers=attention.window_layers if attention is not None else ())
     config = dataclasses.replace(config, skew_file=prepare_skew_file(model_dir, config, layout))
     self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}
     from vllm.config import KVTransferConfig
@@ -268,16 +269,19 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         reason = None if attention is None else window_refusal(attention)
     if reason is not None:
         refuse(reason)
-    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    layout = ModelLayout.from_hf_config(
+        hf_config, config.dense_layers, config.partial_ratio,
+        window_layers=attention.window_layers if attention is not None else ())
     if not layout.num_sparse:
         refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
-               f"in a {layout.num_layers}-layer model")
+               f"in a {layout.num_layers}-layer model with {len(layout.full_layers)} "
+               "full-attention layers")
     if config.dense_layers > layout.group_size:
         # vLLM would split the dense layers over several KV-cache groups; the
         # pool follows the slots of the first one only.
         refuse(f"--infinigen-dense-layers {config.dense_layers} would split the dense "
                f"layers over several KV-cache groups; use at most "
-               f"{layout.num_layers // 2}")
+               f"{layout.max_dense_layers()}")
     if getattr(args, "num_gpu_blocks_override", None):
         refuse("--num-gpu-blocks-override would size the cache past the KV space "
                "that InfiniGen shares with its partial keys; remove it")
