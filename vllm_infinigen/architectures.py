@@ -113,13 +113,24 @@ class AttentionPlan:
 
 
 def model_type_refusal(hf_config: dict[str, Any]) -> str | None:
-    """Why a ``config.json`` cannot run with InfiniGen, or None."""
+    """Why a ``config.json`` cannot run with InfiniGen, or None.
+
+    Besides the model type: attention variants of supported families that
+    vLLM runs differently from what the sparse layers compute.
+    """
     model_type = hf_config.get("model_type")
     if model_type in REFUSED_MODEL_TYPES:
         return f"model type {model_type!r} is not supported: {REFUSED_MODEL_TYPES[model_type]}"
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"model type {model_type!r} is not supported; supported: "
                 f"{list(SUPPORTED_MODEL_TYPES)}")
+    if hf_config.get("dual_chunk_attention_config"):
+        return (f"model type {model_type!r} with dual_chunk_attention_config is not "
+                "supported: vLLM runs dual-chunk attention, InfiniGen's sparse layers "
+                "plain attention over the whole context")
+    if hf_config.get("is_causal") is False or hf_config.get("use_bidirectional_attention"):
+        return (f"model type {model_type!r} with bidirectional attention is not "
+                "supported: InfiniGen selects tokens for causal decoding")
     return None
 
 

@@ -181,3 +181,18 @@ def test_gemma3_keeps_its_windows(tmp_path):
     with pytest.raises(ValueError, match="--infinigen-dense-layers 3 would split the dense "
                                          "layers over several KV-cache groups; use at most 2"):
         check(model, kv_manager="infinigen", infinigen_dense_layers=3)
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({**QWEN2, "dual_chunk_attention_config": {"chunk_size": 256}}, "dual-chunk attention"),
+    ({**QWEN3, "is_causal": False}, "bidirectional attention"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True},
+     "bidirectional attention"),
+    ({"model_type": "deepseek_v3"}, "multi-head latent attention"),
+])
+def test_attention_variants_are_refused_naming_model_type_and_reason(tmp_path, changes,
+                                                                      reason):
+    with pytest.raises(ValueError) as info:
+        check(variant(tmp_path, **changes))
+    assert f"model type {changes['model_type']!r}" in str(info.value)
+    assert reason in str(info.value)
