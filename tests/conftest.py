@@ -1,21 +1,47 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared fixtures: tiny models built once per session."""
+"""Shared fixtures: tiny models built once per session, when first used."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from benchmarks.harness import models
 
+# name -> builder(out_dir): random tiny checkpoints (head_dim 32, 4 layers).
+TINY_MODELS: dict[str, Callable[[Path], Path]] = {
+    "llama-mha": lambda out: models.build_tiny_llama(out, num_kv_heads=4),
+    "llama-gqa": lambda out: models.build_tiny_llama(out, num_kv_heads=2),
+    "opt": models.build_tiny_opt,
+    # Llama 3.x rope scaling (rope_type llama3), as Llama 3.1 checkpoints ship it.
+    "llama3-rope": lambda out: models.build_tiny_llama(
+        out, num_kv_heads=2, seed=3, rope_scaling=models.LLAMA3_ROPE_SCALING),
+    # Per-head q/k RMSNorm before RoPE.
+    "qwen3": lambda out: models.build_tiny_qwen3(out, seed=1),
+    "qwen3-moe": lambda out: models.build_tiny_qwen3(out, seed=2, moe=True),
+    # 8 layers alternating a 64-token sliding window and full attention.
+    "gemma3": models.build_tiny_gemma3,
+}
+
+
+class TinyModels(dict):
+    """{name: model directory}, each model built on first lookup (a second or so)."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> str:
+        path = str(TINY_MODELS[name](self.root / name))
+        self[name] = path
+        return path
+
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("models")
-    return {
-        "llama-mha": str(models.build_tiny_llama(root / "llama-mha", num_kv_heads=4)),
-        "llama-gqa": str(models.build_tiny_llama(root / "llama-gqa", num_kv_heads=2)),
-        "opt": str(models.build_tiny_opt(root / "opt")),
-    }
+def tiny_models(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_infinigen.architectures import AttentionPlan
 from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.policies import POLICY_NAMES, policy_class
 
@@ -289,7 +290,8 @@ def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None) -> EngineSe
     model = vllm_config.model_config
     layout = dataclasses.replace(
         ModelLayout.from_hf_config(model.hf_text_config, config.dense_layers,
-                                   config.partial_ratio),
+                                   config.partial_ratio,
+                                   window_layers=AttentionPlan.of(model).window_layers),
         head_dim=model.get_head_size())
     setup = EngineSetup(config, layout, model.dtype.itemsize,
                         vllm_config.scheduler_config.max_num_batched_tokens)

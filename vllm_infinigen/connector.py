@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_infinigen.metrics import InfiniGenPromMetrics, InfiniGenStats
 from vllm_infinigen.config import engine_setup
 from vllm_infinigen.pool import pool_rows
+from vllm_infinigen.spec import dense_group_index
 
 if TYPE_CHECKING:
     from vllm_infinigen.runtime import InfiniGenRuntime
@@ -92,13 +93,14 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         block_pool = manager.block_pool
         block_size = self._vllm_config.cache_config.block_size
-        # Group 0 holds the dense layers (layer 0 first): its blocks are the
-        # only device blocks InfiniGen requests hold.
-        dense = manager.coordinator.single_type_managers[0]
-        used = sum(sum(not block.is_null for block in blocks)
-                   for blocks in dense.req_to_blocks.values())
+        # Requests hold device blocks in the dense layers' group (whose block
+        # ids address the pool) and in sliding-window layers' groups (Gemma 3).
+        managers = manager.coordinator.single_type_managers
+        held = [sum(sum(not block.is_null for block in blocks)
+                    for blocks in group.req_to_blocks.values()) for group in managers]
+        used = held[dense_group_index(self._kv_cache_config.kv_cache_groups)]
         num_slots = block_pool.num_gpu_blocks * block_size
-        gauges = {"device_blocks": used}
+        gauges = {"device_blocks": sum(held)}
         setup = self._setup
         capped = self._workers_report_pool or pool_rows(
             setup.config, setup.pool_bytes_per_token, setup.step_tokens, num_slots) < num_slots

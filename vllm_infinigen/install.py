@@ -100,28 +100,52 @@ def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor],
 
 
 def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
-    """Swaps each layer's attention impl for InfiniGen's and hooks the
-    speculating layers' ``qkv_proj`` (both listed in the patch index)."""
+    """Swaps each full-attention layer's attention impl for InfiniGen's and
+    hooks the speculating layers' ``qkv_proj`` (both listed in the patch
+    index); sliding-window layers keep vLLM's impl and cache."""
     for source, state in zip(sources, runtime.layers):
         attention = source.attention
+        if state.windowed:
+            continue
         if state.sparse:
             attention.get_kv_cache_spec = _sparse_spec_getter(attention)
         if state.next is not None:
             if state.next.qkv_proj is None or state.qkv_proj is None:
                 raise ValueError(f"InfiniGen: layer {source.name} has no qkv_proj to hook")
+            _check_query_norm(state.next)
             state.qkv_proj.register_forward_pre_hook(capture_pre_hook(source.name))
         attention.impl = InfiniGenImplMixin.wrap(attention.impl, runtime, state)
     config, layers = runtime.config, runtime.layers
+    sparse = runtime.sparse_layers
     logger.info(
-        "InfiniGen: %d layers, dense %s, sparse %s, alpha %.2f, budget %.2f, "
-        "partial rank %d of %d, dense below %d context tokens; speculation through %s",
-        len(layers), [s.layer_idx for s in layers if not s.sparse],
-        [s.layer_idx for s in runtime.sparse_layers], config.alpha, config.budget,
+        "InfiniGen: %d layers, dense %s, sparse %s, sliding-window (left to vLLM) %s, "
+        "alpha %.2f, budget %.2f, partial rank %d of %d, dense below %d context tokens; "
+        "speculation through %s%s",
+        len(layers), [s.layer_idx for s in layers if not s.sparse and not s.windowed],
+        [s.layer_idx for s in sparse], [s.layer_idx for s in layers if s.windowed],
+        config.alpha, config.budget,
         layers[0].rank, layers[0].head_size, config.min_context,
-        "the query slice of qkv_proj" if all(s.query_proj is not None
-                                             for s in runtime.sparse_layers)
+        "the query slice of qkv_proj" if all(s.query_proj is not None for s in sparse)
         else "the whole qkv_proj",
+        ", the per-head q_norm" if any(s.q_norm is not None for s in sparse) else "",
     )
+
+
+def _check_query_norm(state: LayerState) -> None:
+    """The speculation applies ``q_norm`` per head (Qwen3's layout): refuse
+    another layout rather than compute a wrong query.
+
+    Raises:
+        ValueError: When the norm's weight is not one value per head channel.
+    """
+    norm = state.q_norm
+    weight = getattr(norm, "weight", None)
+    if norm is not None and (weight is None or tuple(weight.shape) != (state.head_size,)):
+        raise ValueError(
+            f"InfiniGen: layer {state.layer_name} has a q_norm of weight shape "
+            f"{None if weight is None else tuple(weight.shape)}; speculation supports "
+            f"a per-head query norm only ({state.head_size} channels)"
+        )
 
 
 def _sparse_spec_getter(attn: torch.nn.Module):

@@ -34,7 +34,7 @@ class LayerSource:
     index: int  # decoder layer
     name: str  # vLLM's name of its attention layer
     attention: torch.nn.Module  # vLLM's ``Attention``
-    self_attn: torch.nn.Module | None  # holds ``qkv_proj`` and ``rotary_emb``
+    self_attn: torch.nn.Module | None  # holds ``qkv_proj``, ``rotary_emb``, ``q_norm``
     skew: torch.Tensor  # [H_kv of this rank, D, R] float32
     query_proj: torch.nn.Module | None  # ``query_weights.py``; None: use qkv_proj
 
@@ -46,12 +46,15 @@ class LayerState:
         layer_idx: Index of the decoder layer.
         layer_name: vLLM's name of its attention layer.
         attn: vLLM's ``Attention`` module (shapes and scale from its impl).
-        self_attn: The module holding ``qkv_proj`` and ``rotary_emb``, if any.
+        self_attn: The module holding ``qkv_proj``, ``rotary_emb`` and, in
+            models that normalise each head's query before RoPE (Qwen3),
+            ``q_norm``, if any.
         sparse: Whether the layer attends over a selection.
         skew: [H_kv, D, R] float32 skew slice of this rank's KV heads.
         query_proj: The query rows of ``qkv_proj``, prepacked
             (``query_weights.py``); None: speculate through ``qkv_proj``.
         next: The sparse layer this layer speculates for, if any.
+        windowed: A sliding-window layer, left to vLLM (neither dense nor sparse).
         pool_layer: Index among the sparse layers (the pool index's layer).
         stats: [2] float64 view of the runtime's counters for this layer.
     """
@@ -59,11 +62,12 @@ class LayerState:
     def __init__(self, layer_idx: int, layer_name: str, attn: torch.nn.Module,
                  self_attn: torch.nn.Module | None, sparse: bool, *,
                  skew: torch.Tensor, query_proj: torch.nn.Module | None = None,
-                 next: LayerState | None = None, pool_layer: int = -1,
-                 stats: torch.Tensor | None = None):
+                 next: LayerState | None = None, windowed: bool = False,
+                 pool_layer: int = -1, stats: torch.Tensor | None = None):
         self.layer_idx = layer_idx
         self.layer_name = layer_name
         self.sparse = sparse
+        self.windowed = windowed
         self.pool_layer = pool_layer
         impl = attn.impl
         self.num_heads = impl.num_heads
@@ -72,6 +76,9 @@ class LayerState:
         self.scale = impl.scale
         self.qkv_proj = getattr(self_attn, "qkv_proj", None)
         self.rotary_emb = getattr(self_attn, "rotary_emb", None)
+        # Per-head RMSNorm of the query before RoPE (Qwen3); the keys reach
+        # ``write`` already normalised and rotated by the model.
+        self.q_norm = getattr(self_attn, "q_norm", None)
         self.skew = skew
         self.query_proj = query_proj
         self.next = next
@@ -101,7 +108,7 @@ class LayerState:
         if positions is None:
             raise RuntimeError(
                 f"InfiniGen: sparse layer {self.layer_idx} has no selection; "
-                f"layer {self.layer_idx - 1} did not speculate for it"
+                "the layer before it did not speculate for it"
             )
         return positions
 

@@ -3,12 +3,16 @@
 
 Everything that sizes something reads it from here: the front-end checks
 (``patch/patch_arg_utils.py``), the scheduler-side connector, the worker's
-memory split and pool, and the benchmarks' byte arithmetic::
+memory split and pool, and the benchmarks' byte arithmetic. The split is
+over the full-attention layers, in order (all layers, unless the model keeps
+sliding-window layers beside them, as Gemma 3 does)::
 
-    layers 0 .. dense_layers - 1          dense: vLLM's paged cache, stock
-    layers dense_layers .. num_layers - 1  sparse: K/V in InfiniGen's host pool,
-                                           ``rank`` partial-key channels per
-                                           KV head beside vLLM's KV space
+    first dense_layers full-attention layers   dense: vLLM's paged cache, stock
+    the other full-attention layers            sparse: K/V in InfiniGen's host
+                                               pool, ``rank`` partial-key channels
+                                               per KV head beside vLLM's KV space
+    window_layers                              windowed: vLLM's sliding-window
+                                               cache, stock, never touched
 
 Counts are of the whole model (all tensor-parallel ranks) unless a name says
 ``on_rank``.
@@ -28,16 +32,18 @@ def partial_rank(head_dim: int, partial_ratio: float) -> int:
     return max(1, int(head_dim * partial_ratio))
 
 
-def kv_cache_group_size(num_dense: int, num_sparse: int) -> int:
+def kv_cache_group_size(num_dense: int, num_sparse: int, num_windowed: int = 0) -> int:
     """Layers per KV-cache group, as vLLM's hybrid allocator picks it.
 
-    Mirrors ``kv_cache_utils._get_kv_cache_groups_uniform_page_size``: the
-    smaller layer count, unless the larger is under 1.5 times it. Every block
-    id then has this many pages, one per layer of its group.
+    Mirrors ``kv_cache_utils._get_kv_cache_groups_uniform_page_size`` over the
+    layer counts of each kind (dense, sparse, sliding-window): the smallest,
+    unless the largest is under 1.5 times it. Every block id then has this
+    many pages, one per layer of its group.
     """
-    group_size = min(num_dense, num_sparse)
-    if max(num_dense, num_sparse) < 1.5 * group_size:
-        group_size = max(num_dense, num_sparse)
+    counts = [count for count in (num_dense, num_sparse, num_windowed) if count]
+    group_size = min(counts)
+    if max(counts) < 1.5 * group_size:
+        group_size = max(counts)
     return group_size
 
 
@@ -58,11 +64,18 @@ class ModelLayout:
     head_dim: int
     dense_layers: int = 2
     partial_ratio: float = 0.2
+    window_layers: tuple[int, ...] = ()  # layers vLLM runs with a sliding window
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any, dense_layers: int = 2,
-                       partial_ratio: float = 0.2) -> ModelLayout:
-        """From a ``config.json`` dict or a transformers config object."""
+                       partial_ratio: float = 0.2,
+                       window_layers: tuple[int, ...] = ()) -> ModelLayout:
+        """From a ``config.json`` dict or a transformers config object.
+
+        Args:
+            window_layers: The sliding-window layers InfiniGen leaves to vLLM
+                (``architectures.AttentionPlan.window_layers``).
+        """
         get = hf.get if isinstance(hf, Mapping) else (lambda key: getattr(hf, key, None))
         num_heads = get("num_attention_heads")
         return cls(
@@ -73,16 +86,28 @@ class ModelLayout:
             head_dim=get("head_dim") or get("hidden_size") // num_heads,
             dense_layers=dense_layers,
             partial_ratio=partial_ratio,
+            window_layers=tuple(window_layers),
         )
 
     @classmethod
     def of_model_dir(cls, model_dir: str | os.PathLike, dense_layers: int = 2,
                      partial_ratio: float = 0.2) -> ModelLayout:
+        """From ``config.json`` alone: every layer full attention."""
         return cls.from_hf_config(read_hf_config(model_dir), dense_layers, partial_ratio)
 
     @property
+    def full_layers(self) -> list[int]:
+        """Full-attention layers, in order: the ones dense_layers counts."""
+        windowed = set(self.window_layers)
+        return [idx for idx in range(self.num_layers) if idx not in windowed]
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return self.full_layers[self.dense_layers:]
+
+    @property
     def num_sparse(self) -> int:
-        return max(self.num_layers - self.dense_layers, 0)
+        return len(self.sparse_layers)
 
     @property
     def rank(self) -> int:
@@ -92,7 +117,15 @@ class ModelLayout:
     @property
     def group_size(self) -> int:
         """Pages per block id of vLLM's KV space (``kv_cache_group_size``)."""
-        return kv_cache_group_size(self.dense_layers, self.num_sparse)
+        return kv_cache_group_size(min(self.dense_layers, len(self.full_layers)),
+                                   self.num_sparse, len(self.window_layers))
+
+    def max_dense_layers(self) -> int:
+        """The most dense layers that keep them in one KV-cache group (0: none)."""
+        fits = [count for count in range(1, len(self.full_layers))
+                if count <= kv_cache_group_size(count, len(self.full_layers) - count,
+                                                len(self.window_layers))]
+        return max(fits, default=0)
 
     def kv_bytes_per_token_layer(self, dtype_bytes: int, kv_heads: int | None = None) -> int:
         """K + V of one token in one layer (``kv_heads``: all of the model's)."""

@@ -18,7 +18,7 @@ prepacked copy of W_q (and its bias) per sparse layer in host memory.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
@@ -34,10 +34,10 @@ class QueryProjection(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def capture_query_weights(first_layer: int) -> Iterator[dict[int, torch.nn.Module]]:
+def capture_query_weights(layers: Collection[int]) -> Iterator[dict[int, torch.nn.Module]]:
     """Yields {layer_idx: module} whose ``cpu_linear(x, weight, bias)`` is x W_q^T + b_q.
 
-    Filled while the model loads, for the ``qkv_proj`` of layers >= ``first_layer``.
+    Filled while the model loads, for the ``qkv_proj`` of ``layers`` (the sparse ones).
     """
     from vllm.model_executor.layers import utils
     from vllm.model_executor.layers.linear import QKVParallelLinear
@@ -49,7 +49,7 @@ def capture_query_weights(first_layer: int) -> Iterator[dict[int, torch.nn.Modul
         if isinstance(layer, QKVParallelLinear) and layer.weight.ndim == 2 \
                 and not layer.weight.is_meta:
             idx = extract_layer_index(layer.prefix)
-            if idx >= first_layer:
+            if idx in layers:
                 q_size = layer.num_heads * layer.head_size  # this rank's query rows
                 bias = getattr(layer, "bias", None)
                 query = QueryProjection(layer.weight.detach()[:q_size].clone(),

@@ -12,7 +12,11 @@ Data path of one decode step, for a model with L layers and ``dense_layers=2``::
 
 Sparse layers hold no blocks in vLLM's cache (``spec.py``); their K/V and
 partial keys live in ``LayerState`` buffers addressed by the dense group's
-block ids. Rows with a context shorter than ``min_context`` attend densely
+block ids. In models with sliding-window layers beside full-attention ones
+(Gemma 3, ``layout.window_layers``) the windowed layers are left to vLLM and
+the split above runs over the full-attention layers alone: layer i is then the
+i-th full-attention layer, and it speculates for the next full-attention
+layer from its own attention input. Rows with a context shorter than ``min_context`` attend densely
 over the pool; prompt rows attend causally over it. The compiled kernels
 (``kernels/``) do the writing, selecting and attending.
 """
@@ -49,10 +53,11 @@ class InfiniGenRuntime:
 
     Args:
         config: The engine's settings with ``alpha`` resolved for the model.
-        sources: Every attention layer of the model, in order (layer 0 is
-            dense: its metadata indexes the pool).
+        sources: Every attention layer of the model, in order (the first
+            full-attention layer is dense: its metadata indexes the pool).
         device: Where the partial keys live.
-        layout: The model's layout (all ranks: the counters are per model KV head).
+        layout: The model's layout (all ranks: the counters are per model KV
+            head), which names the sparse and the windowed layers.
         rank: Tensor-parallel rank of this worker (for the per-rank gauges).
         prompt_lens_of: The step's prompt lengths; None: every row with one
             query token and some context is a decode row.
@@ -69,7 +74,10 @@ class InfiniGenRuntime:
         self.total_kv_heads = layout.num_kv_heads
         self.rank = rank
         self.prompt_lens_of = prompt_lens_of
-        self.reference_layer = sources[0].name
+        # The first dense full-attention layer: its group's metadata and slots
+        # (block ids) are the step's rows and the pool's addresses.
+        self.reference_layer = next(source.name for source in sources
+                                    if source.index == layout.full_layers[0])
         # stats: [layers, 2] entries attended and context tokens; each layer's
         # kernels add to its row (``state.stats`` is a view). Tokens are
         # counted as the mean over all KV heads of the model: a tensor-parallel
@@ -89,17 +97,27 @@ class InfiniGenRuntime:
         self._plan: StepPlan | None = None
 
     def _layer_states(self, sources: Sequence[LayerSource]) -> list[LayerState]:
-        """Layer states, last first: a layer before a sparse one speculates for it."""
-        dense_layers = self.config.dense_layers
+        """Layer states, built last first: the full-attention layer before a
+        sparse one speculates for it; windowed layers take no part."""
+        sparse_layers = self.layout.sparse_layers
+        windowed = set(self.layout.window_layers)
         states: list[LayerState] = []
+        next_full: LayerState | None = None  # the next full-attention layer
         for source in reversed(sources):
-            sparse = source.index >= dense_layers
-            after = states[0] if states and states[0].sparse else None
-            states.insert(0, LayerState(
+            sparse = source.index in sparse_layers
+            full = source.index not in windowed
+            after = next_full if full and next_full is not None and next_full.sparse else None
+            state = LayerState(
                 source.index, source.name, source.attention, source.self_attn, sparse,
                 skew=source.skew, query_proj=source.query_proj if sparse else None,
-                next=after, pool_layer=source.index - dense_layers if sparse else -1,
-                stats=self.stats[source.index]))
+                next=after, windowed=not full,
+                pool_layer=sparse_layers.index(source.index) if sparse else -1,
+                stats=self.stats[source.index])
+            states.insert(0, state)
+            if full:
+                next_full = state
+        self._speculator = {state.next.layer_idx: state for state in states
+                            if state.next is not None}
         return states
 
     def _policy(self, name: str) -> SelectionPolicy:
@@ -252,7 +270,7 @@ class InfiniGenRuntime:
         """A sparse layer's attention; query, output: [T, H_q, D], output in place."""
         if (self.policy.selects_ahead(self.config) and plan.sparse.numel()
                 and self._deferred(plan)):
-            previous = self.layers[state.layer_idx - 1]
+            previous = self._speculator[state.layer_idx]
             self.speculate(previous, plan)
             previous.capture(None)
         if plan.has_other_rows:

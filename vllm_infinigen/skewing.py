@@ -277,6 +277,7 @@ def compute_skew_tables(
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
     captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -296,6 +297,8 @@ def compute_skew_tables(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("infinigen_calibration", capture)
+    # sdpa's masks: a custom function otherwise gets no sliding-window mask (Gemma 3).
+    AttentionMaskInterface.register("infinigen_calibration", sdpa_mask)
     if calibration_text is None:
         calibration_text = CALIBRATION_TEXT.read_text(encoding="utf-8")
     texts = [calibration_text] if isinstance(calibration_text, str) else list(calibration_text)

@@ -72,6 +72,16 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         return tuple([] for _ in kv_cache_group_ids), 0
 
 
+def dense_group_index(kv_cache_groups: Sequence) -> int:
+    """The KV-cache group of the dense full-attention layers, whose block ids
+    address the pool: neither InfiniGen's sparse spec nor a sliding window
+    (Gemma 3's windowed layers have groups of their own)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return next(idx for idx, group in enumerate(kv_cache_groups)
+                if not isinstance(group.kv_cache_spec, (InfiniGenSparseSpec, SlidingWindowSpec)))
+
+
 _registered = False
 
 

@@ -72,7 +72,7 @@ class InfiniGenCPUWorker(CPUWorker):
 
     def load_model(self, *args, **kwargs) -> None:
         self.infinigen = engine_setup(self.vllm_config)
-        with capture_query_weights(self.infinigen.config.dense_layers) as query_weights:
+        with capture_query_weights(set(self.infinigen.layout.sparse_layers)) as query_weights:
             super().load_model(*args, **kwargs)
         self.infinigen_runtime = build_runtime(
             self.model_runner.model, self.vllm_config, torch.device("cpu"), query_weights,

@@ -30,9 +30,15 @@ def _copy_tokenizer(out: Path) -> None:
 def build_tiny_llama(out: Path, num_kv_heads: int, num_layers: int = 4, seed: int = 0,
                      num_heads: int = 4, hidden_size: int = 128,
                      max_positions: int = 1024, head_dim: int = 32,
-                     intermediate_size: int | None = None) -> Path:
+                     intermediate_size: int | None = None,
+                     rope_scaling: Mapping[str, Any] | None = None) -> Path:
     """A random Llama (head_dim 32 unless given; MLP 2 x hidden unless given) with the
-    bundled 512-token tokenizer."""
+    bundled 512-token tokenizer.
+
+    ``rope_scaling`` (e.g. ``LLAMA3_ROPE_SCALING``) is written to ``config.json``
+    as Llama 3.x checkpoints ship it: ``rope_theta`` beside a ``rope_scaling``
+    dict, not transformers 5's ``rope_parameters``.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -45,6 +51,82 @@ def build_tiny_llama(out: Path, num_kv_heads: int, num_layers: int = 4, seed: in
         initializer_range=0.15, tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    if rope_scaling is not None:
+        path = Path(out) / "config.json"
+        saved = json.loads(path.read_text())
+        theta = saved.pop("rope_parameters", {}).get("rope_theta", 10000.0)
+        saved.update(rope_theta=theta, rope_scaling=dict(rope_scaling))
+        path.write_text(json.dumps(saved, indent=2))
+    _copy_tokenizer(out)
+    return out
+
+
+# Llama 3.1's rope scaling, with the original context shrunk to 128 tokens so
+# that it changes most of a 32-channel head's frequencies within test prompts
+# (wavelengths above 128 / low_freq_factor positions are slowed down 8x).
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+
+
+def build_tiny_qwen3(out: Path, num_layers: int = 4, seed: int = 0, moe: bool = False,
+                     num_kv_heads: int = 2) -> Path:
+    """A random Qwen3 (``moe``: Qwen3-MoE, 4 experts, 2 per token) with head_dim 32.
+
+    Qwen3 normalises each head's query and key (RMSNorm over head_dim) before
+    RoPE; the norms' weights are drawn at random (transformers initialises them
+    to one) so that a speculation path that skipped or misapplied them would
+    select differently.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=512, hidden_size=128, num_hidden_layers=num_layers,
+                 num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=32,
+                 max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                 initializer_range=0.15, tie_word_embeddings=False)
+    if moe:
+        config = Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64,
+                                num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                **shape)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=256, **shape))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 2.0)
+    model.save_pretrained(out, safe_serialization=True)
+    _copy_tokenizer(out)
+    return out
+
+
+def build_tiny_gemma3(out: Path, num_layers: int = 8, seed: int = 0,
+                      sliding_window: int = 64, sliding_window_pattern: int = 2) -> Path:
+    """A random Gemma 3 text model (``gemma3_text``) with head_dim 32.
+
+    Every ``sliding_window_pattern``-th layer attends to the whole context, the
+    others to the last ``sliding_window`` tokens (defaults: 8 layers,
+    alternating, a 64-token window, so test prompts reach past it).
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=1024,
+        sliding_window=sliding_window, sliding_window_pattern=sliding_window_pattern,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+        # Gemma scales embeddings by sqrt(hidden): larger weights make greedy
+        # output repeat one token, which would hide differences.
+        initializer_range=0.02,
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(-0.5, 1.0)  # Gemma's norms scale by 1 + weight
+    model.save_pretrained(out, safe_serialization=True)
     _copy_tokenizer(out)
     return out
 

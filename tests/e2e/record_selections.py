@@ -4,6 +4,10 @@
 Usage: python -m tests.e2e.record_selections MODEL OUT.pt
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that
 wrapping ``vllm_infinigen.kernels.select_tokens`` sees the worker's calls.
+Calls made by the previous-layer speculation also record what went into the
+partial query (the speculating layer's attention input, the positions, the
+target layer and its skew), so that a test can recompute the query on its own.
+The output holds the records and each request's tokens (prompt + generated).
 """
 
 from __future__ import annotations
@@ -13,17 +17,28 @@ import sys
 
 import torch
 
+PROMPT_LENGTHS = [30, 200, 420]
+MAX_TOKENS = 12
+
 
 def main(model: str, out: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm_infinigen import kernels
     from vllm_infinigen.kernels.reference import partial_keys_of
+    from vllm_infinigen.policies import infinigen as infinigen_policy
 
     from tests.e2e.engines import engine, greedy_tokens, random_prompts
 
     records = []
     original = kernels.select_tokens
+    original_partial_query = infinigen_policy.partial_query
     speculation = ["previous-layer"]  # the setting of the calls being recorded
+    query_inputs: list[dict] = []  # of the partial query the next call scores
+
+    def recording_partial_query(target, hidden, positions):
+        query_inputs.append({"layer_idx": target.layer_idx, "hidden": hidden.clone(),
+                             "positions": positions.clone(), "skew": target.skew.clone()})
+        return original_partial_query(target, hidden, positions)
 
     def recording(partial_query, partial_keys, block_table, context_lens, **kwargs):
         positions, num_selected = original(partial_query, partial_keys, block_table,
@@ -41,19 +56,22 @@ def main(model: str, out: str) -> None:
             "valid": positions >= 0,
             "num_selected": num_selected.clone(),
             "speculation": speculation[0],
+            "query_inputs": query_inputs.pop() if query_inputs else None,
         })
         return positions, num_selected
 
     kernels.select_tokens = recording
+    infinigen_policy.partial_query = recording_partial_query
     with engine(model, kv_manager="infinigen", infinigen_budget=0.2,
                 infinigen_recent_tokens=2) as llm:
-        prompts = random_prompts([30, 200, 420], seed=7)
-        greedy_tokens(llm, prompts, max_tokens=12)
+        prompts = random_prompts(PROMPT_LENGTHS, seed=7)
+        outputs = greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)
         # The same requests with each layer selecting for itself.
         speculation[0] = "same-layer"
         llm.collective_rpc("set_infinigen_selection", kwargs={"speculation": "same-layer"})
-        greedy_tokens(llm, prompts, max_tokens=12)
-    torch.save(records, out)
+        greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+    sequences = [prompt["prompt_token_ids"] + tokens for prompt, tokens in zip(prompts, outputs)]
+    torch.save({"records": records, "sequences": sequences}, out)
 
 
 if __name__ == "__main__":

@@ -202,10 +202,10 @@ def test_check_engine_args_refuses_unsupported_models(tmp_path):
     gpt2 = fake_model_dir(tmp_path / "gpt2", {"model_type": "gpt2"})
     with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
         patch_arg_utils.check_engine_args(EngineArgs(model=gpt2))
-    windowed = fake_model_dir(tmp_path / "mistral",
-                              {"model_type": "mistral", "sliding_window": 4096})
-    with pytest.raises(ValueError, match="sliding-window"):
-        patch_arg_utils.check_engine_args(EngineArgs(model=windowed))
+    gemma2 = fake_model_dir(tmp_path / "gemma2", {"model_type": "gemma2"})
+    with pytest.raises(ValueError, match="model type 'gemma2' is not supported: attention "
+                                         "logit soft-capping"):
+        patch_arg_utils.check_engine_args(EngineArgs(model=gemma2))
 
 
 def test_check_engine_args_needs_local_files(tmp_path):
@@ -308,17 +308,6 @@ def test_check_engine_args_refuses_disabled_hybrid_manager():
     args = EngineArgs(model=STORIES_DIR, disable_hybrid_kv_cache_manager=True)
     with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
         patch_arg_utils.check_engine_args(args)
-
-
-def test_qwen2_checkpoint_with_window_off_is_accepted(tmp_path):
-    config = json.loads((Path(STORIES_DIR) / "config.json").read_text())
-    config.update(model_type="qwen2", sliding_window=32768, use_sliding_window=False)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    assert patch_arg_utils.check_engine_args(EngineArgs(model=str(tmp_path))) is None
-    config["use_sliding_window"] = True
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="sliding-window"):
-        patch_arg_utils.check_engine_args(EngineArgs(model=str(tmp_path)))
 
 
 def test_non_dict_additional_config_is_stock():

@@ -137,3 +137,22 @@ def test_shutdown_stops_the_copy_worker():
     runtime.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         runtime.transfer._executor.submit(lambda: None)
+
+
+def test_sliding_window_layers_take_no_part():
+    """Gemma 3's layout (windowed 0, 2, 4, 6): the dense/sparse split and the
+    speculation run over the full-attention layers 1, 3, 5, 7 alone."""
+    config = InfiniGenConfig(alpha=1.0, budget=1.0, dense_layers=2, min_context=0)
+    layout = ModelLayout("gemma3_text", num_layers=8, num_heads=1, num_kv_heads=1,
+                         head_dim=DIM, dense_layers=2, partial_ratio=1.0,
+                         window_layers=(0, 2, 4, 6))
+    runtime = InfiniGenRuntime(config, [_source(i) for i in range(8)], torch.device("cpu"),
+                               layout=layout)
+    layers = runtime.layers
+    assert [s.layer_idx for s in runtime.sparse_layers] == [5, 7]
+    assert [s.layer_idx for s in layers if s.windowed] == [0, 2, 4, 6]
+    assert {s.layer_idx: s.next.layer_idx for s in layers if s.next is not None} == {3: 5, 5: 7}
+    assert [s.pool_layer for s in runtime.sparse_layers] == [0, 1]
+    # The first dense full-attention layer's metadata and slots index the pool.
+    assert runtime.reference_layer == "model.layers.1.self_attn.attn"
+    assert runtime._speculator == {5: layers[3], 7: layers[5]}

@@ -76,8 +76,9 @@ Patch index
     Future plan: drop when vLLM's CPU platform supports Ray.
 
 ``vllm_infinigen/install.py`` (the InfiniGen worker's ``load_model``)
-    Objects: each ``Attention`` layer of the loaded model (``.impl``,
-    ``.get_kv_cache_spec``) and the ``qkv_proj`` module of each layer that
+    Objects: each full-attention ``Attention`` layer of the loaded model
+    (``.impl``, ``.get_kv_cache_spec``; sliding-window layers, as in Gemma 3,
+    are left as they are) and the ``qkv_proj`` module of each layer that
     speculates.
     Why: the sparse layers attend over InfiniGen's pool and selection, and
     layer i needs its own attention input to speculate for layer i+1; vLLM

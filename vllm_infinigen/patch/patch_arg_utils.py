@@ -12,6 +12,12 @@ from typing import Any
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.logger import init_logger
 
+from vllm_infinigen.architectures import (
+    AttentionPlan,
+    model_type_refusal,
+    names_a_window,
+    window_refusal,
+)
 from vllm_infinigen.config import (
     EVICTION_POLICIES,
     FLAG_OF_FIELD,
@@ -29,7 +35,6 @@ KWARG_PREFIX = "infinigen_"
 CONNECTOR_NAME = "InfiniGenConnector"
 CONNECTOR_MODULE = "vllm_infinigen.connector"
 WORKER_CLS = "vllm_infinigen.worker.InfiniGenCPUWorker"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
 
 _original_init: dict[type, Any] = {}
 _original_add_cli_args = None
@@ -168,8 +173,17 @@ def _create_engine_config(self, *args, **kwargs):
         return _original_create_engine_config(self, *args, **kwargs)
     model_dir = local_model_dir(self.model)
     hf_config = read_hf_config(model_dir)
-    check_engine_args(self, config, hf_config)
-    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    attention = attention_plan(self, hf_config)
+    check_engine_args(self, config, hf_config, attention)
+    if attention is not None and attention.switches_window_off:
+        logger.info(
+            "InfiniGen: the sliding window of %d tokens is at least --max-model-len %d, "
+            "so it never excludes a token: running its layers as full attention "
+            "(--disable-sliding-window)", attention.window, attention.max_model_len)
+        self.disable_sliding_window = True
+    layout = ModelLayout.from_hf_config(
+        hf_config, config.dense_layers, config.partial_ratio,
+        window_layers=attention.window_layers if attention is not None else ())
     config = dataclasses.replace(config, skew_file=prepare_skew_file(model_dir, config, layout))
     self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}
     from vllm.config import KVTransferConfig
@@ -194,14 +208,29 @@ def _create_engine_config(self, *args, **kwargs):
     return vllm_config
 
 
+def attention_plan(args: EngineArgs, hf_config: dict[str, Any]) -> AttentionPlan | None:
+    """The attention vLLM would run, when ``config.json`` names a sliding window
+    (None otherwise: every layer is full attention).
+
+    Resolved through vLLM's own ``ModelConfig`` (what ``create_engine_config``
+    builds first), so that transformers' defaults (Qwen's ``use_sliding_window``),
+    ``--disable-sliding-window`` and the resolved ``--max-model-len`` count.
+    """
+    if not names_a_window(hf_config):
+        return None
+    return AttentionPlan.of(args.create_model_config())
+
+
 def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
-                      hf_config: dict[str, Any] | None = None) -> None:
+                      hf_config: dict[str, Any] | None = None,
+                      attention: AttentionPlan | None = None) -> None:
     """Refuses what InfiniGen cannot run yet, naming the flag to change.
 
     Args:
         config: The settings parsed from ``args.additional_config`` (None:
             parsed here).
         hf_config: The model's ``config.json`` (None: read here).
+        attention: ``attention_plan(args, hf_config)`` (None: computed here).
     """
     if config is None:
         config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
@@ -233,23 +262,26 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
     if args.kv_cache_dtype not in ("auto", None):
         refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
-    model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        refuse(f"model type {model_type!r} is not supported; supported: "
-               f"{list(SUPPORTED_MODEL_TYPES)}")
-    uses_window = hf_config.get("sliding_window") and hf_config.get("use_sliding_window", True)
-    if uses_window and model_type != "opt":
-        refuse("sliding-window attention models are not supported")
-    layout = ModelLayout.from_hf_config(hf_config, config.dense_layers, config.partial_ratio)
+    reason = model_type_refusal(hf_config)
+    if reason is None:
+        if attention is None:
+            attention = attention_plan(args, hf_config)
+        reason = None if attention is None else window_refusal(attention)
+    if reason is not None:
+        refuse(reason)
+    layout = ModelLayout.from_hf_config(
+        hf_config, config.dense_layers, config.partial_ratio,
+        window_layers=attention.window_layers if attention is not None else ())
     if not layout.num_sparse:
         refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
-               f"in a {layout.num_layers}-layer model")
+               f"in a {layout.num_layers}-layer model with {len(layout.full_layers)} "
+               "full-attention layers")
     if config.dense_layers > layout.group_size:
         # vLLM would split the dense layers over several KV-cache groups; the
         # pool follows the slots of the first one only.
         refuse(f"--infinigen-dense-layers {config.dense_layers} would split the dense "
                f"layers over several KV-cache groups; use at most "
-               f"{layout.num_layers // 2}")
+               f"{layout.max_dense_layers()}")
     if getattr(args, "num_gpu_blocks_override", None):
         refuse("--num-gpu-blocks-override would size the cache past the KV space "
                "that InfiniGen shares with its partial keys; remove it")

@@ -27,14 +27,25 @@ from vllm_infinigen.step_plan import StepPlan
 
 def partial_query(target: LayerState, hidden: torch.Tensor,
                   positions: torch.Tensor) -> torch.Tensor:
-    """[S, H_kv, G, R] skewed partial query of ``target`` from attention inputs [S, hidden]."""
-    q_size = target.num_heads * target.head_size
+    """[S, H_kv, G, R] skewed partial query of ``target`` from attention inputs [S, hidden].
+
+    The query is what ``target``'s own attention would compute from ``hidden``,
+    through the target layer's own modules, in the model's order: projection,
+    per-head ``q_norm`` when the model has one (Qwen3: RMSNorm over each
+    head's D channels, before RoPE), then ``rotary_emb`` (vLLM's object, so
+    rope scaling such as Llama 3's is applied as in the model).
+    """
+    num_heads, head_size = target.num_heads, target.head_size
     projection = target.query_proj
     if projection is not None:  # only the query rows, prepacked as vLLM's own
         query = projection.cpu_linear(hidden, projection.weight, projection.bias)
     else:
         qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
-        query = qkv[:, :q_size]
+        query = qkv[:, :num_heads * head_size]
+    if target.q_norm is not None:
+        # query: [S, H_q * D] -> per head [S, H_q, D], as vLLM's Qwen3Attention.
+        query = target.q_norm(query.reshape(-1, num_heads, head_size)).reshape(
+            -1, num_heads * head_size)
     if target.rotary_emb is not None:
         query, _ = target.rotary_emb(positions, query.contiguous(), None)
     return skewed(target, query)
