@@ -101,26 +101,38 @@ def test_unused_window_is_switched_off_only_with_infinigen(tmp_path):
 
 
 def test_skew_file_of_another_family_is_refused_naming_the_file(tmp_path):
-    """Same shapes (4 layers, 2 KV heads of 32), other family: the fingerprint
-    (model_type and weights) tells them apart."""
+    """Every family's skew file is accepted for its own model and refused for
+    each other family's, naming the file: the fingerprint (model_type and
+    weights) tells them apart even where the shapes agree (llama, qwen3 and
+    qwen3_moe here: 4 layers, 2 KV heads of 32)."""
     from benchmarks.harness import models
     from vllm_infinigen.config import InfiniGenConfig
     from vllm_infinigen.layout import ModelLayout
     from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
 
-    llama = models.build_tiny_llama(tmp_path / "llama", num_kv_heads=2)
-    qwen3 = models.build_tiny_qwen3(tmp_path / "qwen3")
-    skew_file = str(tmp_path / "llama.skew.safetensors")
-    save_skew_tables(compute_skew_tables(str(llama), 0.2), skew_file)
-    config = InfiniGenConfig(skew_file=skew_file)
-    layouts = [ModelLayout.of_model_dir(path) for path in (llama, qwen3)]
-    assert layouts[0].num_layers == layouts[1].num_layers == 4
-    assert layouts[0].num_kv_heads == layouts[1].num_kv_heads == 2
-    assert patch_arg_utils.prepare_skew_file(str(llama), config, layouts[0]) == skew_file
-    with pytest.raises(ValueError) as info:
-        patch_arg_utils.prepare_skew_file(str(qwen3), config, layouts[1])
-    assert str(info.value).startswith(f"--infinigen-skew-file {skew_file}: written for "
-                                      "another model")
+    families = {
+        "llama": models.build_tiny_llama(tmp_path / "llama", num_kv_heads=2),
+        "qwen3": models.build_tiny_qwen3(tmp_path / "qwen3"),
+        "qwen3_moe": models.build_tiny_qwen3(tmp_path / "qwen3_moe", moe=True),
+        "gemma3_text": models.build_tiny_gemma3(tmp_path / "gemma3"),
+        "opt": models.build_tiny_opt(tmp_path / "opt"),
+    }
+    skew_files = {}
+    for family, model in families.items():
+        skew_files[family] = str(tmp_path / f"{family}.skew.safetensors")
+        save_skew_tables(compute_skew_tables(str(model), 0.2), skew_files[family])
+    layouts = {family: ModelLayout.of_model_dir(model) for family, model in families.items()}
+    for owner, skew_file in skew_files.items():
+        config = InfiniGenConfig(skew_file=skew_file)
+        for family, model in families.items():
+            if family == owner:
+                assert patch_arg_utils.prepare_skew_file(
+                    str(model), config, layouts[family]) == skew_file
+                continue
+            with pytest.raises(ValueError) as info:
+                patch_arg_utils.prepare_skew_file(str(model), config, layouts[family])
+            assert str(info.value).startswith(
+                f"--infinigen-skew-file {skew_file}: written for another model"), (owner, family)
 
 
 @pytest.mark.parametrize("dense,sparse,windowed", [(2, 2, 4), (2, 2, 22), (1, 3, 4),
