@@ -117,12 +117,14 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         attention.impl = InfiniGenImplMixin.wrap(attention.impl, runtime, state)
     config, layers = runtime.config, runtime.layers
     sparse = runtime.sparse_layers
+    windowed = [s.layer_idx for s in layers if s.windowed]
     logger.info(
-        "InfiniGen: %d layers, dense %s, sparse %s, sliding-window (left to vLLM) %s, "
+        "InfiniGen: %d layers, dense %s, sparse %s%s, "
         "alpha %.2f, budget %.2f, partial rank %d of %d, dense below %d context tokens; "
         "speculation through %s%s",
         len(layers), [s.layer_idx for s in layers if not s.sparse and not s.windowed],
-        [s.layer_idx for s in sparse], [s.layer_idx for s in layers if s.windowed],
+        [s.layer_idx for s in sparse],
+        f", sliding-window (left to vLLM) {windowed}" if windowed else "",
         config.alpha, config.budget,
         layers[0].rank, layers[0].head_size, config.min_context,
         "the query slice of qkv_proj" if all(s.query_proj is not None for s in sparse)
