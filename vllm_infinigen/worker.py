@@ -18,6 +18,7 @@ from vllm_infinigen.pool import pool_rows
 from vllm_infinigen.query_weights import capture_query_weights
 from vllm_infinigen.runtime import InfiniGenRuntime, PromptLengths
 from vllm_infinigen.skewing import load_skew_tables, local_model_dir, model_fingerprint
+from vllm_infinigen.spec import dense_group_index
 
 logger = init_logger(__name__)
 
@@ -172,10 +173,7 @@ class InfiniGenCPUWorker(CPUWorker):
             kv_cache_config.num_blocks, block_size, self.model_config.dtype,
             *self._pool_rows(num_slots),
         )
-        self._dense_group = next(
-            idx for idx, group in enumerate(kv_cache_config.kv_cache_groups)
-            if runtime.reference_layer in group.layer_names
-        )
+        self._dense_group = dense_group_index(kv_cache_config.kv_cache_groups)
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if not has_kv_transfer_group():

@@ -98,10 +98,8 @@ def recall_task(args: argparse.Namespace) -> Task:
                 "buckets": {b: accuracy[b]["acc"] for b in retrieval.BUCKETS},
                 "mean_answer_logprob": sum(logprobs) / len(logprobs)}
 
-    # Two 1,024-token sequences in the task's layout, seeds unlike the
-    # evaluation file's; the word-level tokenizer reads ids as "t<id>".
-    in_domain = ["<s> " + " ".join(f"t{t}" for t in retrieval.synthetic_recall_ids(seed))
-                 for seed in (12345, 23456)]
+    # Two 1,024-token sequences in the task's layout, seeds unlike the evaluation file's.
+    in_domain = [retrieval.synthetic_recall_text(seed) for seed in (12345, 23456)]
     return Task("recall", *TASK_INFO["recall"], rows, score, in_domain)
 
 

@@ -112,12 +112,17 @@ def synthetic_recall_ids(seed: int = 12345, length: int = 1024, num_pairs: int =
     return body + queries
 
 
+def synthetic_recall_text(seed: int = 12345) -> str:
+    """``synthetic_recall_ids`` as text: the model's word-level tokenizer reads
+    ids written as "t<id>" and adds no BOS."""
+    return "<s> " + " ".join(f"t{token}" for token in synthetic_recall_ids(seed))
+
+
 def calibration_skew_file(model: Path, out_dir: Path) -> Path:
-    """Skew tables calibrated on ``synthetic_recall_ids`` (as ``vllm-infinigen prepare``)."""
+    """Skew tables calibrated on ``synthetic_recall_text`` (as ``vllm-infinigen prepare``)."""
     from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
 
-    # The model's word-level tokenizer reads ids written as "t<id>" and adds no BOS.
-    text = "<s> " + " ".join(f"t{token}" for token in synthetic_recall_ids())
+    text = synthetic_recall_text()
     path = Path(out_dir) / "recall-synthetic.skew.safetensors"
     save_skew_tables(compute_skew_tables(str(model), 0.2, text, 1024), str(path))
     return path

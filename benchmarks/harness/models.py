@@ -246,33 +246,33 @@ def full_size_llama(root: Path = MODEL_CACHE, shape: Mapping[str, Any] = LLAMA31
     def weight(*size: int) -> torch.Tensor:
         return (torch.randn(*size, generator=generator) * 0.02).to(torch.bfloat16)
 
-    shards = {"model-embed.safetensors": {
+    def layer(idx: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{idx}."
+        norm = torch.ones(hidden, dtype=torch.bfloat16)
+        return {
+            p + "self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": weight(inter, hidden),
+            p + "mlp.up_proj.weight": weight(inter, hidden),
+            p + "mlp.down_proj.weight": weight(hidden, inter),
+            p + "input_layernorm.weight": norm,
+            p + "post_attention_layernorm.weight": norm.clone(),
+        }
+
+    # One shard at a time, each built just before it is written.
+    shards = {"model-embed.safetensors": lambda: {
         "model.embed_tokens.weight": weight(shape["vocab_size"], hidden),
         "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
         "lm_head.weight": weight(shape["vocab_size"], hidden)}}
+    for idx in range(shape["num_hidden_layers"]):
+        shards[f"model-layer{idx:03d}.safetensors"] = lambda idx=idx: layer(idx)
     index = {}
-    for layer in range(shape["num_hidden_layers"]):
-        shards[f"model-layer{layer:03d}.safetensors"] = None
-    for file in shards:
-        if shards[file] is None:
-            layer = int(file[len("model-layer"):-len(".safetensors")])
-            p = f"model.layers.{layer}."
-            tensors = {
-                p + "self_attn.q_proj.weight": weight(heads * head_dim, hidden),
-                p + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
-                p + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
-                p + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
-                p + "mlp.gate_proj.weight": weight(inter, hidden),
-                p + "mlp.up_proj.weight": weight(inter, hidden),
-                p + "mlp.down_proj.weight": weight(hidden, inter),
-                p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-                p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            }
-        else:
-            tensors = shards[file]
+    for file, build in shards.items():
+        tensors = build()
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         index.update(dict.fromkeys(tensors, file))
-        shards[file] = True  # written: drop the tensors
         del tensors
     (tmp / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": index}, indent=1))
