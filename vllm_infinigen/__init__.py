@@ -51,7 +51,7 @@ def register() -> None:
         )
     _route_logging()
     from vllm_infinigen.patch import apply_all
-    from vllm_infinigen.spec import register_spec
+    from vllm_infinigen.scheduler.spec import register_spec
 
     apply_all()
     register_spec()

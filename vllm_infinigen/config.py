@@ -1,18 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""InfiniGen settings: one frozen dataclass, validated where it is built."""
+"""Every process: InfiniGen's settings, each declared once.
+
+A setting is one field of ``InfiniGenConfig``, made with ``setting()``: its
+type, default, help and validity live there, and everything else is derived
+from the field: the ``--infinigen-<name>`` flag and its ``--help`` line
+(``frontend/args.py``), the ``infinigen_<name>`` keyword of ``LLM(...)``, the
+``additional_config["infinigen"]["<name>"]`` key, the check in
+``__post_init__`` and whether a running engine may change it
+(``set_infinigen_selection``). ``engine_setup`` parses the settings once per
+process, with the model's layout.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_infinigen.architectures import AttentionPlan
 from vllm_infinigen.layout import ModelLayout
-from vllm_infinigen.policies import POLICY_NAMES, policy_class
+from vllm_infinigen.policies import POLICY_NAMES, POLICY_TRAITS
 
 KV_MANAGERS = ("vllm", "infinigen")
+FLAG_PREFIX = "--infinigen-"
+KWARG_PREFIX = "infinigen_"
 
 # The paper's alpha: a margin in logit space (OPT 4, Llama-2 5).
 DEFAULT_ALPHA_NO_ROPE = 4.0
@@ -22,23 +35,6 @@ DEFAULT_ALPHA_ROPE = 5.0
 # (measured: benchmarks/README.md, "Short contexts").
 DEFAULT_MIN_CONTEXT = 1024
 
-# CLI flag of each field, for error messages and argparse.
-FLAG_OF_FIELD = {
-    "alpha": "--infinigen-alpha",
-    "partial_ratio": "--infinigen-partial-ratio",
-    "budget": "--infinigen-budget",
-    "skew_file": "--infinigen-skew-file",
-    "dense_layers": "--infinigen-dense-layers",
-    "sink_tokens": "--infinigen-sink-tokens",
-    "recent_tokens": "--infinigen-recent-tokens",
-    "transfer": "--infinigen-transfer",
-    "cpu_pool_gib": "--infinigen-cpu-pool-gib",
-    "eviction": "--infinigen-eviction",
-    "policy": "--infinigen-policy",
-    "eval_dense_prefix": "--infinigen-eval-dense-prefix",
-    "min_context": "--infinigen-min-context",
-    "speculation": "--infinigen-speculation",
-}
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
 SPECULATIONS = ("previous-layer", "same-layer")
@@ -46,144 +42,143 @@ SPECULATIONS = ("previous-layer", "same-layer")
 POLICIES = POLICY_NAMES
 
 
-@dataclass(frozen=True)
-class InfiniGenConfig:
-    """What InfiniGen does in every engine process.
+def flag(name: str) -> str:
+    """The command-line flag of setting ``name``."""
+    return FLAG_PREFIX + name.replace("_", "-")
+
+
+# Checks: value -> what is wrong with it (None: nothing).
+def _number(value: Any) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and value == value)  # NaN fails
+
+
+def _positive(value: Any) -> str | None:
+    return None if _number(value) and value > 0 else "must be a number > 0"
+
+
+def _fraction(value: Any) -> str | None:
+    return None if _number(value) and 0 < value <= 1 else "must be in (0, 1]"
+
+
+def _count(minimum: int, why: str = "") -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            return f"must be an integer >= {minimum}{why}"
+        return None
+    return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    return lambda value: None if value in choices else f"must be one of {list(choices)}"
+
+
+def _existing_file(value: Any) -> str | None:
+    if not isinstance(value, str) or not value:
+        return "must be a file path"
+    return None if os.path.isfile(value) else f"no such file: {value}"
+
+
+def setting(default: Any, help: str, *, check: Callable[[Any], str | None] | None = None,
+            choices: tuple[str, ...] | None = None, runtime: bool = False,
+            show_default: bool = True) -> Any:
+    """One InfiniGen setting, as a field of ``InfiniGenConfig``.
 
     Args:
-        alpha: The paper's alpha: a token is counted as important for a head
-            when its speculated score is above ``max(score) - alpha``. ``None``
-            picks the paper's value for the model family at engine start
-            (4 without RoPE, 5 with RoPE).
-        partial_ratio: The paper's r: fraction of the head dimension kept in
-            the partial query weight and the partial key cache.
-        budget: Cap on the selected tokens of a request, as a fraction of the
-            tokens already in its context (the paper's max_num_kv, 0.2).
-        skew_file: File written by ``vllm-infinigen prepare``; without it the
-            engine computes the skewing at load time (and caches it).
-        dense_layers: The first layers attend densely (the paper keeps 2); the
-            last dense layer speculates for the first sparse one.
-        sink_tokens: First tokens of the context always attended (0: the
-            paper keeps none).
-        recent_tokens: Last tokens of the context always attended, besides the
-            current token, which is always attended.
-        transfer: How selected entries reach the attention: ``in-place``
-            (read from the pool; CPU, where host and device memory are one),
-            ``copy`` (staged through double buffers by a copy worker, as on a
-            GPU), or ``auto`` (in place on CPU, copy elsewhere).
-        cpu_pool_gib: Cap on the host pool of the sparse layers' K/V, in GiB,
-            beside the KV space (``None``: sized by the worker within the
-            memory grant, ``memory.py``). When full, each (layer, KV head)
-            evicts by ``eviction``.
-        eviction: ``counter`` (the least often selected of the oldest half;
-            the paper's best), ``lru`` or ``fifo``; see ``pool.py``.
-        policy: ``infinigen``, or a baseline at the same budget on the same
-            machinery: ``h2o``, ``streaming`` or ``quest`` (``policies/``).
-        eval_dense_prefix: Evaluation mode (``None``: off). Prompt rows at
-            positions >= this many tokens are computed like decode rows, each
-            over the tokens the policy selects from the positions before it,
-            so prompt logprobs (lm-eval's loglikelihood) measure the
-            selection; the first ``eval_dense_prefix`` rows stay dense. A row
-            at position p gets what a decode step at context p would get: the
-            mode equals teacher-forced decoding of the same tokens, in one
-            prefill (InfiniGen, StreamingLLM and Quest; H2O is refused). For
-            accuracy measurements only: it costs a selection per prompt token.
-        speculation: Whose query selects a sparse layer's tokens (policy
-            ``infinigen``): ``previous-layer`` (the paper: layer i, from its
-            attention input, for layer i+1, so the entries can be fetched
-            ahead) or ``same-layer`` (the layer's own query, in the layer).
-            The baselines always select in the layer.
-        min_context: Rows whose context is shorter than this attend densely
-            over the pool in the sparse layers, without speculating (0: every
-            row attends over its selection). Below it a selection saves too
-            little to pay for itself, and keeps few tokens.
+        default: Its value when not given (None: "not set"; None is always valid).
+        help: Its ``--help`` text; "(default X)" is appended unless
+            ``show_default`` is False or the default is None.
+        check: value -> the problem with it, or None (``choices`` checks itself).
+        choices: The values it takes.
+        runtime: A running engine may change it (``set_infinigen_selection``).
     """
+    if choices is not None and check is None:
+        check = _one_of(choices)
+    return dataclasses.field(default=default, metadata={
+        "help": help, "check": check, "choices": choices, "runtime": runtime,
+        "show_default": show_default})
 
-    alpha: float | None = None
-    partial_ratio: float = 0.2
-    budget: float = 0.2
-    skew_file: str | None = None
-    dense_layers: int = 2
-    sink_tokens: int = 0
-    recent_tokens: int = 0
-    transfer: str = "auto"
-    cpu_pool_gib: float | None = None
-    eviction: str = "counter"
-    policy: str = "infinigen"
-    eval_dense_prefix: int | None = None
-    min_context: int = DEFAULT_MIN_CONTEXT
-    speculation: str = "previous-layer"
+
+@dataclass(frozen=True)
+class InfiniGenConfig:
+    """What InfiniGen does in every engine process (the paper's symbols spelled out)."""
+
+    # The paper's alpha: a token counts as important for a head when its
+    # speculated score is above max(score) - alpha; None: by model family.
+    alpha: float | None = setting(
+        None, "Score margin (logits) under the best token within which tokens are "
+        "counted as important (default: 4 without RoPE, 5 with RoPE).",
+        check=_positive, runtime=True)
+    # The paper's r: channels kept in the partial query weight and partial keys.
+    partial_ratio: float = setting(
+        0.2, "Fraction of head channels in the partial query/key.", check=_fraction)
+    # Cap on a request's selected tokens, a fraction of its context (max_num_kv).
+    budget: float = setting(
+        0.2, "Cap on selected tokens, as a fraction of the context.", check=_fraction,
+        runtime=True)
+    skew_file: str | None = setting(
+        None, "Skew file from `vllm-infinigen prepare` (default: computed at start-up "
+        "on bundled calibration text, then cached).", check=_existing_file)
+    # The first full-attention layers attend densely; the last speculates for
+    # the first sparse one.
+    dense_layers: int = setting(
+        2, "First layers kept dense.",
+        check=_count(1, ": layer 0 has no previous layer to speculate for it"))
+    sink_tokens: int = setting(0, "First context tokens always attended.", check=_count(0),
+                               runtime=True)
+    recent_tokens: int = setting(0, "Last context tokens always attended.", check=_count(0),
+                                 runtime=True)
+    transfer: str = setting(
+        "auto", "How selected KV reaches the attention: in-place (CPU: read from the "
+        "pool), copy (staged by a copy worker), auto (the platform's own).", choices=TRANSFERS)
+    # Host pool of the sparse layers' K/V (all ranks) beside the KV space;
+    # None: sized by the worker within the memory grant (memory.py).
+    cpu_pool_gib: float | None = setting(
+        None, "Size of the host pool of the sparse layers' K/V in GiB, beside the KV "
+        "space (default: sized within the memory grant with the KV space, uncapped when "
+        "--gpu-memory-utilization sizes both); when full, each layer and KV head evicts "
+        "by --infinigen-eviction.", check=_positive)
+    eviction: str = setting(
+        "counter", "Pool eviction policy when capped (counter: the least often selected of "
+        "the oldest half).", choices=EVICTION_POLICIES, runtime=True)
+    policy: str = setting(
+        "infinigen", "Selection policy: infinigen, or a baseline at the same budget on the "
+        "same machinery: h2o, streaming, quest.", choices=POLICIES, runtime=True)
+    # Evaluation mode: prompt rows at positions >= N attend like decode rows
+    # over their selection (teacher-forced decoding in one prefill).
+    eval_dense_prefix: int | None = setting(
+        None, "Evaluation mode for accuracy measurements (default: off): prompt rows past "
+        "the first N tokens attend like decode rows, over the selected tokens only, so "
+        "prompt logprobs (e.g. lm-eval) measure the selection.",
+        check=_count(1, " (the first prompt token has no context to select from)"),
+        runtime=True)
+    min_context: int = setting(
+        DEFAULT_MIN_CONTEXT, "Rows with a shorter context attend densely in the sparse "
+        "layers, without speculating (0: always select).", check=_count(0), runtime=True)
+    speculation: str = setting(
+        "previous-layer", "Whose query selects a sparse layer's tokens: previous-layer (the "
+        "paper: layer i selects for layer i+1 ahead of it) or same-layer (the layer's own "
+        "query; no prefetch).", choices=SPECULATIONS, runtime=True)
 
     def __post_init__(self) -> None:
-        if self.alpha is not None and not _is_number(self.alpha, positive=True):
+        for field in dataclasses.fields(self):
+            value, check = getattr(self, field.name), field.metadata.get("check")
+            if value is None or check is None:
+                continue
+            problem = check(value)
+            if problem is not None:
+                raise ValueError(f"{flag(field.name)} {problem}, got {value!r}")
+        traits = POLICY_TRAITS[self.policy]
+        if self.eval_dense_prefix is not None and traits.eval_mode_refusal:
             raise ValueError(
-                f"{FLAG_OF_FIELD['alpha']} must be a number > 0, got {self.alpha!r}"
+                f"{flag('eval_dense_prefix')} does not apply to {flag('policy')} "
+                f"{self.policy}: {traits.eval_mode_refusal}"
             )
-        for name in ("partial_ratio", "budget"):
-            value = getattr(self, name)
-            if not _is_number(value, positive=True) or value > 1:
-                raise ValueError(
-                    f"{FLAG_OF_FIELD[name]} must be in (0, 1], got {value!r}"
-                )
-        for name in ("dense_layers", "sink_tokens", "recent_tokens", "min_context"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"{FLAG_OF_FIELD[name]} must be an integer >= 0, got {value!r}"
-                )
-        prefix = self.eval_dense_prefix
-        if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int)
-                                   or prefix < 1):
+        if not traits.supports_capped_pool and self.cpu_pool_gib is not None:
             raise ValueError(
-                f"{FLAG_OF_FIELD['eval_dense_prefix']} must be an integer >= 1 (the "
-                f"first prompt token has no context to select from), got {prefix!r}"
+                f"{flag('policy')} {self.policy} runs on an uncapped pool; "
+                f"remove {flag('cpu_pool_gib')}"
             )
-        if self.transfer not in TRANSFERS:
-            raise ValueError(
-                f"{FLAG_OF_FIELD['transfer']} must be one of {list(TRANSFERS)}, "
-                f"got {self.transfer!r}"
-            )
-        if self.cpu_pool_gib is not None and not _is_number(self.cpu_pool_gib, positive=True):
-            raise ValueError(
-                f"{FLAG_OF_FIELD['cpu_pool_gib']} must be a number > 0, "
-                f"got {self.cpu_pool_gib!r}"
-            )
-        if self.speculation not in SPECULATIONS:
-            raise ValueError(
-                f"{FLAG_OF_FIELD['speculation']} must be one of {list(SPECULATIONS)}, "
-                f"got {self.speculation!r}"
-            )
-        if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(
-                f"{FLAG_OF_FIELD['eviction']} must be one of {list(EVICTION_POLICIES)}, "
-                f"got {self.eviction!r}"
-            )
-        policy = policy_class(self.policy)  # an unknown name fails, naming the flag
-        if prefix is not None and policy.eval_mode_refusal:
-            raise ValueError(
-                f"{FLAG_OF_FIELD['eval_dense_prefix']} does not apply to "
-                f"{FLAG_OF_FIELD['policy']} {self.policy}: {policy.eval_mode_refusal}"
-            )
-        if not policy.supports_capped_pool and self.cpu_pool_gib is not None:
-            raise ValueError(
-                f"{FLAG_OF_FIELD['policy']} {self.policy} runs on an uncapped pool; "
-                f"remove {FLAG_OF_FIELD['cpu_pool_gib']}"
-            )
-        if self.dense_layers < 1:
-            raise ValueError(
-                f"{FLAG_OF_FIELD['dense_layers']} must be >= 1: layer 0 has no "
-                "previous layer to speculate for it"
-            )
-        if self.skew_file is not None:
-            if not isinstance(self.skew_file, str) or not self.skew_file:
-                raise ValueError(
-                    f"{FLAG_OF_FIELD['skew_file']} must be a file path, "
-                    f"got {self.skew_file!r}"
-                )
-            if not os.path.isfile(self.skew_file):
-                raise ValueError(
-                    f"{FLAG_OF_FIELD['skew_file']}: no such file: {self.skew_file}"
-                )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> InfiniGenConfig:
@@ -193,18 +188,17 @@ class InfiniGenConfig:
             ValueError: On unknown keys or bad values, naming the flag.
         """
         values = dict(values or {})
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ValueError(
-                f"unknown InfiniGen setting(s) {unknown}; known: {sorted(known)} "
-                f"(flags {', '.join(FLAG_OF_FIELD.values())})"
+                f"unknown InfiniGen setting(s) {unknown}; known: {sorted(fields)} "
+                f"(flags {', '.join(flag(name) for name in fields)})"
             )
-        for name in ("alpha", "partial_ratio", "budget", "cpu_pool_gib"):
-            if isinstance(values.get(name), int) and not isinstance(
-                values.get(name), bool
-            ):
-                values[name] = float(values[name])
+        for name, value in values.items():
+            if (value_type(fields[name]) is float and isinstance(value, int)
+                    and not isinstance(value, bool)):
+                values[name] = float(value)
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,12 +210,24 @@ class InfiniGenConfig:
         return DEFAULT_ALPHA_ROPE if uses_rope else DEFAULT_ALPHA_NO_ROPE
 
 
-def _is_number(value: Any, positive: bool) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    if value != value:  # NaN
-        return False
-    return value > 0 if positive else True
+def settings() -> tuple[dataclasses.Field, ...]:
+    """Every setting (a field of ``InfiniGenConfig``), in declaration order."""
+    return dataclasses.fields(InfiniGenConfig)
+
+
+def value_type(field: dataclasses.Field) -> type:
+    """The type of a setting's values: ``float | None`` -> float."""
+    name = str(field.type).split("|")[0].strip()
+    return {"float": float, "int": int, "str": str, "bool": bool}[name]
+
+
+def runtime_settings() -> frozenset[str]:
+    """Settings a running engine may change (``set_infinigen_selection``)."""
+    return frozenset(field.name for field in settings() if field.metadata["runtime"])
+
+
+# CLI flag of each setting, for error messages and tests.
+FLAG_OF_FIELD = {field.name: flag(field.name) for field in settings()}
 
 
 def kv_manager_of(additional_config: dict[str, Any] | None) -> str:
@@ -273,12 +279,15 @@ class EngineSetup:
 _setups: dict[int, tuple[dict, EngineSetup]] = {}
 
 
-def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None) -> EngineSetup | None:
+def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None,
+                 layout: ModelLayout | None = None) -> EngineSetup | None:
     """The engine's ``EngineSetup`` (None when InfiniGen is off), parsed once.
 
     Args:
         parsed: The settings, already parsed from this ``additional_config``
             by the caller (the front end, which validates them first).
+        layout: The model's layout with these settings, already built by the
+            caller (the front end); its head size is taken from vLLM's model.
     """
     additional = vllm_config.additional_config
     cached = _setups.get(id(additional))
@@ -288,11 +297,11 @@ def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None) -> EngineSe
     if config is None:
         return None
     model = vllm_config.model_config
-    layout = dataclasses.replace(
-        ModelLayout.from_hf_config(model.hf_text_config, config.dense_layers,
-                                   config.partial_ratio,
-                                   window_layers=AttentionPlan.of(model).window_layers),
-        head_dim=model.get_head_size())
+    if layout is None:
+        layout = ModelLayout.from_hf_config(
+            model.hf_text_config, config.dense_layers, config.partial_ratio,
+            window_layers=AttentionPlan.of(model).window_layers)
+    layout = dataclasses.replace(layout, head_dim=model.get_head_size())
     setup = EngineSetup(config, layout, model.dtype.itemsize,
                         vllm_config.scheduler_config.max_num_batched_tokens)
     _setups[id(additional)] = (additional, setup)

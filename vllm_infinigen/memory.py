@@ -1,88 +1,120 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: how the user's memory setting is split between vLLM's KV
-space, the partial keys and InfiniGen's host pool.
+"""Every process: the host pool InfiniGen plans, decided in one place.
 
-The sparse layers hold no vLLM blocks, so from the same KV space vLLM gives
-the dense group several times the token slots it would give a stock engine,
-and an uncapped pool wants a K/V row for each of them in every sparse layer.
-On the CPU build the pool and the KV space are the same RAM, so one budget
-covers both (``plan_memory``):
+The pool holds every sparse layer's K/V, a row per (token, sparse layer, KV
+head). How many tokens it holds is decided once per worker::
 
-- ``--gpu-memory-utilization`` alone (vLLM sizes the KV space from the
-  fraction): the budget vLLM computed is split three ways, in proportion to
-  what one block id costs in each, so that the pool holds every slot of the
-  dense group (nothing is evicted) and the three together stay within it.
-- ``--kv-cache-memory-bytes`` (or ``VLLM_CPU_KVCACHE_SPACE``): the KV space
-  is what the user set (vLLM's blocks and the partial keys), and the pool
-  gets what the memory fraction leaves after the worker's resident memory
-  and the KV space, at most 90% of free memory. When the dense group holds
-  more tokens than that pays for, the pool caps itself and evicts with
-  ``--infinigen-eviction``.
-- ``--infinigen-cpu-pool-gib``: the pool is what the user set, beside the KV
-  space (``pool.pool_rows``); it fails at start-up when free memory cannot
-  hold it.
+    front end   cap_rows(): --infinigen-cpu-pool-gib must hold one step's
+                tokens (refused at start-up otherwise)
+    worker      the platform splits its memory grant into vLLM's KV space,
+                the partial keys and a byte budget for the pool
+                (CPU: ``platforms/cpu/memory.py``); once vLLM has made its
+                blocks, plan_pool() turns the flag or that budget into the
+                PoolPlan the runtime allocates
+    scheduler   cap_rows() again, to tell a capped pool (whose use the
+                workers report) from one with a row per slot
+
+Nothing here imports torch: the front end and the scheduler read it cheaply.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-FREE_MEMORY_SHARE = 0.9  # of free host memory, at most, for a pool sized here
+# Of free host memory, at most, for a pool (and for the budget a platform
+# gives it): the rest stays for the process and the OS.
+FREE_MEMORY_SHARE = 0.9
+CAP_FLAG = "--infinigen-cpu-pool-gib"
 
 
-@dataclass(frozen=True)
-class BlockCosts:
-    """Bytes one block id of the dense group costs on this worker."""
-
-    pages: int  # vLLM's pages (every layer of a KV-cache group)
-    partial: int  # partial keys of every sparse layer
-    pool: int  # the pool's K/V rows of every sparse layer
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """What the worker tells vLLM, and what the pool may take."""
-
-    kv_space: int  # bytes for vLLM's blocks (``determine_available_memory``)
-    partial: int  # bytes of partial keys beside them
-    pool_budget: int | None  # bytes for the pool; None: --infinigen-cpu-pool-gib
-    source: str  # the setting that granted the pool's bytes, for the log
-
-
-def plan_memory(granted: int, costs: BlockCosts, *, explicit_kv: bool,
-                explicit_pool: bool, requested: int, resident: int, free: int,
-                fraction: float) -> MemoryPlan:
-    """Splits the worker's memory grant.
+def cap_rows(cpu_pool_gib: float | None, pool_bytes_per_token: int,
+             step_tokens: int) -> int | None:
+    """Tokens per (sparse layer, KV head) that ``--infinigen-cpu-pool-gib`` pays for.
 
     Args:
-        granted: vLLM's own KV size for this worker (explicit bytes, or the
-            memory fraction less what the worker already holds).
-        explicit_kv: The KV space was set in bytes, not derived from the fraction.
-        explicit_pool: ``--infinigen-cpu-pool-gib`` is set.
-        requested: Bytes the memory fraction grants the worker.
-        resident: Bytes the worker already holds (model, buffers).
-        free: Free host memory now.
-        fraction: ``--gpu-memory-utilization``, for the log.
+        cpu_pool_gib: The flag's value (None: unset, the answer is None).
+        pool_bytes_per_token: K/V bytes of every sparse layer, all ranks
+            (``ModelLayout.pool_bytes_per_token``).
+        step_tokens: Tokens one step writes (``--max-num-batched-tokens``).
+
+    Raises:
+        ValueError: When the cap cannot hold one step's tokens, naming the flags.
     """
-    with_partial = costs.pages + costs.partial
-    if explicit_pool or explicit_kv:
-        kv_space = granted * costs.pages // with_partial
-        partial = granted - kv_space
-        if explicit_pool:
-            return MemoryPlan(kv_space, partial, None, "--infinigen-cpu-pool-gib")
-        budget = max(0, min(requested - resident - granted, int(FREE_MEMORY_SHARE * free)))
-        return MemoryPlan(kv_space, partial, budget,
-                          f"--gpu-memory-utilization {fraction} less the worker's "
-                          f"{resident / 2**30:.2f} GiB and the KV space of "
-                          f"--kv-cache-memory-bytes")
-    total = with_partial + costs.pool
-    kv_space = granted * costs.pages // total
-    partial = granted * costs.partial // total
-    return MemoryPlan(kv_space, partial, granted - kv_space - partial,
-                      f"--gpu-memory-utilization {fraction}, shared with the KV space")
+    if cpu_pool_gib is None:
+        return None
+    rows = int(cpu_pool_gib * 2**30) // pool_bytes_per_token
+    if rows < step_tokens:
+        raise ValueError(
+            f"{CAP_FLAG} {cpu_pool_gib} holds {rows} tokens, fewer than one step "
+            f"writes ({step_tokens}, --max-num-batched-tokens); raise it to at least "
+            f"{step_tokens * pool_bytes_per_token / 2**30:.4g}"
+        )
+    return rows
 
 
-def rows_within(budget: int, bytes_per_token: int, num_slots: int) -> int:
-    """Tokens per (layer, KV head) the pool holds in ``budget`` bytes: every slot
-    of the dense group if it can, else as many as the bytes pay for."""
-    return min(num_slots, budget // bytes_per_token)
+@dataclass(frozen=True)
+class PoolPlan:
+    """The pool of one worker, as the runtime allocates it.
+
+    Uncapped, a row per slot of the dense group, addressed by block id;
+    capped, ``num_rows`` rows per (layer, KV head), each mapped to a slot by
+    the pool index (``worker/pool_index.py``), in units of ``block_size`` rows.
+    """
+
+    num_rows: int  # tokens per (sparse layer, KV head)
+    num_slots: int  # slots of the dense KV-cache group (block ids x block size)
+    block_size: int
+    num_bytes: int  # host bytes of every sparse layer's pool on this worker
+    sized_by: str  # the setting that decided it, for the start-up log
+
+    @property
+    def capped(self) -> bool:
+        return self.num_rows < self.num_slots
+
+    @property
+    def num_units(self) -> int:
+        """Blocks of ``block_size`` rows per (sparse layer, KV head)."""
+        return -(-self.num_rows // self.block_size)
+
+
+def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_tokens: int,
+              cap: int | None, budget: int | None, sized_by: str, free: int) -> PoolPlan:
+    """Decides the pool of a worker whose dense group has ``num_blocks`` blocks.
+
+    Args:
+        bytes_per_token: K/V bytes of every sparse layer for one token, this
+            worker's KV heads.
+        cap: ``cap_rows`` of the flag (None: unset).
+        budget: Bytes the platform gives the pool (None: a row per slot, or
+            the flag's cap).
+        sized_by: The setting that granted them, for the log and the errors.
+        free: Free host memory now, in bytes.
+
+    Raises:
+        ValueError: When a budget cannot hold one step's tokens, or the pool
+            would not fit in free host memory, naming the flags that change it.
+    """
+    num_slots = num_blocks * block_size
+    if budget is None:
+        rows = num_slots if cap is None else min(cap, num_slots)
+    else:
+        rows = min(num_slots, budget // bytes_per_token)
+        if rows < min(step_tokens, num_slots):
+            raise ValueError(
+                f"InfiniGen's pool gets {budget / 2**30:.3f} GiB from {sized_by}: {rows} "
+                f"tokens, fewer than one step writes ({step_tokens}, "
+                "--max-num-batched-tokens). Raise --gpu-memory-utilization, lower "
+                f"--kv-cache-memory-bytes, or size the pool with {CAP_FLAG}"
+            )
+    capped = rows < num_slots
+    units = -(-rows // block_size) if capped else num_blocks
+    plan = PoolPlan(rows, num_slots, block_size, units * block_size * bytes_per_token,
+                    sized_by or "the dense group's slots")
+    if plan.num_bytes > FREE_MEMORY_SHARE * free:
+        raise ValueError(
+            f"InfiniGen's pool for {rows} tokens needs {plan.num_bytes / 2**30:.2f} GiB "
+            f"of host memory, {free / 2**30:.2f} GiB is free; set {CAP_FLAG} or lower "
+            "--kv-cache-memory-bytes (uncapped, the pool holds every token the dense "
+            "layers' blocks can hold)"
+        )
+    return plan

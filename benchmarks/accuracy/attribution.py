@@ -134,7 +134,7 @@ def calibration_texts(task: Task, calibration: str) -> list[str]:
     if calibration == "in-domain":
         return task.in_domain
     if calibration == "book":
-        from vllm_infinigen.skewing import CALIBRATION_TEXT
+        from vllm_infinigen.skewing.calibration import CALIBRATION_TEXT
 
         return [CALIBRATION_TEXT.read_text(encoding="utf-8")]
     return [paths.STORY_TEXT.read_text(encoding="utf-8")]
@@ -228,7 +228,8 @@ def follow_ups(task: Task, r: float, kind: str, setting: dict | None,
 
 
 def run_task(task: Task, args, tmp: Path) -> list[dict]:
-    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+    from vllm_infinigen.skewing.calibration import compute_skew_tables
+    from vllm_infinigen.skewing.tables import save_skew_tables
 
     results = run_engine(task, args, None, None, None, [("dense", None)])
     for index, (r, calibration) in enumerate(engine_variants(args)):

@@ -120,7 +120,8 @@ def synthetic_recall_text(seed: int = 12345) -> str:
 
 def calibration_skew_file(model: Path, out_dir: Path) -> Path:
     """Skew tables calibrated on ``synthetic_recall_text`` (as ``vllm-infinigen prepare``)."""
-    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+    from vllm_infinigen.skewing.calibration import compute_skew_tables
+    from vllm_infinigen.skewing.tables import save_skew_tables
 
     text = synthetic_recall_text()
     path = Path(out_dir) / "recall-synthetic.skew.safetensors"

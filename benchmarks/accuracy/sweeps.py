@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 def selection_counts(llm) -> tuple[float, float]:
     """(selected, candidate) tokens so far, summed over the sparse layers."""
-    from vllm_infinigen.metrics import summarize
+    from vllm_infinigen.scheduler.metrics import summarize
 
     counters = summarize(llm.get_metrics())
     return (sum(counters.get("selected_tokens", {}).values()),

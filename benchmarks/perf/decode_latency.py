@@ -118,7 +118,7 @@ def ordered_policies(policies: list[str]) -> list[str]:
 
 
 def counters(llm) -> dict[str, float]:
-    from vllm_infinigen.metrics import summarize
+    from vllm_infinigen.scheduler.metrics import summarize
 
     return kv_math.counter_totals(summarize(llm.get_metrics()))
 

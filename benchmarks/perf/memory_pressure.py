@@ -154,7 +154,7 @@ def run_one(name: str, args) -> dict[str, Any]:
             / (args.prompt_tokens + args.output_tokens),
         )
         if setup["kv_manager"] == "infinigen":
-            from vllm_infinigen.metrics import summarize
+            from vllm_infinigen.scheduler.metrics import summarize
 
             totals = kv_math.counter_totals(summarize(metrics))
             if totals.get("candidate_tokens"):

@@ -11,7 +11,7 @@ Per model:
   RSS, and the compute time the tool prints (model load, forward over the
   calibration text, SVDs, write).
 - load time: what an engine started without ``--infinigen-skew-file`` adds in
-  its front-end process (``patch_arg_utils.prepare_skew_file``), in a child
+  its front-end process (``skew_setup.prepare_skew_file``), in a child
   with an empty ``VLLM_INFINIGEN_CACHE``: cold (computes and caches the
   skew) and warm (finds the cached file and validates it against the model),
   wall and CPU time, after the imports vLLM needs anyway.
@@ -107,7 +107,7 @@ def load_time_child(model: str) -> dict[str, Any]:
     import vllm_infinigen
     from vllm_infinigen.config import InfiniGenConfig
     from vllm_infinigen.layout import ModelLayout
-    from vllm_infinigen.patch.patch_arg_utils import prepare_skew_file
+    from vllm_infinigen.frontend.skew_setup import prepare_skew_file
 
     vllm_infinigen.register()  # the patches an engine's front end runs with
     imports = time.perf_counter() - start

@@ -30,7 +30,7 @@ def register() -> None:
 
 def patch_speculate(at: int) -> None:
     """Makes the ``at``-th call of ``InfiniGenRuntime.speculate`` in this process raise."""
-    from vllm_infinigen.runtime import InfiniGenRuntime
+    from vllm_infinigen.worker.runtime import InfiniGenRuntime
 
     original = InfiniGenRuntime.speculate
     if getattr(original, "fault_injected", False):

@@ -20,7 +20,7 @@ def main(model: str, out: str) -> None:
 
     from tests.e2e.engines import engine, random_prompts
     from vllm_infinigen.config import engine_setup
-    from vllm_infinigen.spec import InfiniGenSparseSpec
+    from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
 
     rng = random.Random(11)
     seen = {"steps": 0, "bound_violations": [], "pool_mismatches": [], "aborted": 0}

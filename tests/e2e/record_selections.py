@@ -24,7 +24,7 @@ MAX_TOKENS = 12
 def main(model: str, out: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm_infinigen import kernels
-    from vllm_infinigen.kernels.reference import partial_keys_of
+    from tests.reference.layouts import partial_keys_of
     from vllm_infinigen.policies import infinigen as infinigen_policy
 
     from tests.e2e.engines import engine, greedy_tokens, random_prompts

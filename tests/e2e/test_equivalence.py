@@ -8,7 +8,7 @@ import pytest
 from benchmarks.harness import paths
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
 from vllm_infinigen.layout import ModelLayout
-from vllm_infinigen.metrics import summarize
+from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from vllm.utils.cpu_resource_utils import get_memory_node_info
 
 from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from vllm_infinigen.metrics import summarize
+from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
 GIB = 2**30

@@ -8,7 +8,7 @@ import pytest
 from benchmarks.harness.engines import SELECT_ALL
 from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from vllm_infinigen.metrics import summarize
+from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
 MIN_CONTEXT = 256

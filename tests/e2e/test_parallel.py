@@ -15,7 +15,7 @@ import torch
 from benchmarks.harness.paths import BUNDLED_MODEL
 from benchmarks.harness.servers import alive, process_tree
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
-from vllm_infinigen.metrics import summarize
+from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.harness.paths import BUNDLED_MODEL
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
-from vllm_infinigen.metrics import summarize
+from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
 

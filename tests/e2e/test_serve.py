@@ -104,7 +104,8 @@ def _start_error(tmp_path, skew_file: str) -> str:
 
 
 def test_corrupt_skew_file_stops_start_up_naming_it(tmp_path):
-    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+    from vllm_infinigen.skewing.calibration import compute_skew_tables
+    from vllm_infinigen.skewing.tables import save_skew_tables
 
     good = tmp_path / "good.safetensors"
     save_skew_tables(compute_skew_tables(str(BUNDLED_MODEL), 0.2), str(good))
@@ -115,7 +116,8 @@ def test_corrupt_skew_file_stops_start_up_naming_it(tmp_path):
 
 
 def test_skew_file_of_another_model_stops_start_up(tmp_path, tiny_models):
-    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+    from vllm_infinigen.skewing.calibration import compute_skew_tables
+    from vllm_infinigen.skewing.tables import save_skew_tables
 
     other = tmp_path / "other.safetensors"
     save_skew_tables(compute_skew_tables(tiny_models["llama-gqa"], 0.2), str(other))

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.harness.paths import BUNDLED_MODEL, STORY_TEXT
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
-from vllm_infinigen.metrics import summarize
+from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
 BUDGET = 0.2

@@ -12,7 +12,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 import vllm_infinigen
 from vllm_infinigen.architectures import AttentionPlan, window_refusal
-from vllm_infinigen.patch import patch_arg_utils
+from vllm_infinigen.frontend import checks, skew_setup
 
 STORIES_DIR = Path(vllm_infinigen.__file__).parent / "assets" / "stories260k"
 vllm_infinigen.register()
@@ -33,7 +33,7 @@ def variant(tmp_path: Path, **changes) -> str:
 
 
 def check(model: str, **kwargs) -> None:
-    patch_arg_utils.check_engine_args(EngineArgs(model=model, **kwargs))
+    checks.check_engine_args(EngineArgs(model=model, **kwargs))
 
 
 @pytest.mark.parametrize("family", [MISTRAL, QWEN2, QWEN3], ids=lambda f: f["model_type"])
@@ -75,12 +75,12 @@ def test_qwen_window_on_some_layers_is_refused_as_vllm_does(tmp_path):
 
 
 def test_attention_plan_resolves_as_vllm(tmp_path):
-    plan = patch_arg_utils.attention_plan(
+    plan = checks.attention_plan(
         EngineArgs(model=variant(tmp_path, **MISTRAL, sliding_window=128)),
         {"sliding_window": 128})
     assert plan == AttentionPlan("mistral", (128,) * 5, 512)
     assert plan.window_excludes_tokens and plan.full_layers == []
-    assert patch_arg_utils.attention_plan(EngineArgs(model=str(STORIES_DIR)), {}) is None
+    assert checks.attention_plan(EngineArgs(model=str(STORIES_DIR)), {}) is None
     # A window on some layers, from layer_types (Llama reads them per layer).
     mixed = AttentionPlan("llama", (64, None, 64, None), 512)
     assert mixed.full_layers == [1, 3] and mixed.window == 64
@@ -108,7 +108,8 @@ def test_skew_file_of_another_family_is_refused_naming_the_file(tmp_path):
     from benchmarks.harness import models
     from vllm_infinigen.config import InfiniGenConfig
     from vllm_infinigen.layout import ModelLayout
-    from vllm_infinigen.skewing import compute_skew_tables, save_skew_tables
+    from vllm_infinigen.skewing.calibration import compute_skew_tables
+    from vllm_infinigen.skewing.tables import save_skew_tables
 
     families = {
         "llama": models.build_tiny_llama(tmp_path / "llama", num_kv_heads=2),
@@ -126,11 +127,11 @@ def test_skew_file_of_another_family_is_refused_naming_the_file(tmp_path):
         config = InfiniGenConfig(skew_file=skew_file)
         for family, model in families.items():
             if family == owner:
-                assert patch_arg_utils.prepare_skew_file(
+                assert skew_setup.prepare_skew_file(
                     str(model), config, layouts[family]) == skew_file
                 continue
             with pytest.raises(ValueError) as info:
-                patch_arg_utils.prepare_skew_file(str(model), config, layouts[family])
+                skew_setup.prepare_skew_file(str(model), config, layouts[family])
             assert str(info.value).startswith(
                 f"--infinigen-skew-file {skew_file}: written for another model"), (owner, family)
 
@@ -144,7 +145,7 @@ def test_kv_cache_group_size_with_windows_matches_vllm(dense, sparse, windowed):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     from vllm_infinigen.layout import kv_cache_group_size
-    from vllm_infinigen.spec import InfiniGenSparseSpec, dense_group_index
+    from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
 
     shape = dict(block_size=128, num_kv_heads=1, head_size=32, dtype=torch.float32)
     full = FullAttentionSpec(**shape)
@@ -182,7 +183,7 @@ def test_gemma3_keeps_its_windows(tmp_path):
 
     model = str(models.build_tiny_gemma3(tmp_path / "gemma3"))
     args = EngineArgs(model=model, max_model_len=512)
-    plan = patch_arg_utils.attention_plan(args, {"sliding_window": 64})
+    plan = checks.attention_plan(args, {"sliding_window": 64})
     assert plan.windows == (64, None) * 4 and plan.window_excludes_tokens
     assert plan.window_layers == (0, 2, 4, 6) and plan.full_layers == [1, 3, 5, 7]
     assert window_refusal(plan) is None and not plan.switches_window_off

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_infinigen.layer_state import LayerState
+from vllm_infinigen.memory import PoolPlan
+from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
 from vllm_infinigen.policies.h2o import h2o_select
 from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE, QuestPolicy, quest_select
 from vllm_infinigen.policies.streaming import streaming_select
+from vllm_infinigen.worker.layer_state import LayerState
+from vllm_infinigen.worker.step_plan import token_budget
 
 
 def kept(selection, b: int = 0, h: int = 0) -> list[int]:
@@ -17,8 +20,8 @@ def kept(selection, b: int = 0, h: int = 0) -> list[int]:
 
 def test_streaming_keeps_sinks_and_the_most_recent_tokens():
     lens = torch.tensor([100, 10, 3])
-    selection = streaming_select(lens, budget=0.1, num_heads=2, num_tokens=100,
-                                           width=10)
+    selection = streaming_select(lens, token_budget(lens, 0.1), num_heads=2, num_tokens=100,
+                                 width=10)
     assert kept(selection, 0) == [0, 1, 2, 3, 94, 95, 96, 97, 98, 99]
     assert kept(selection, 0, 1) == kept(selection, 0)  # same for every head
     assert kept(selection, 1) == [0]  # budget 1 token: the first sink
@@ -33,8 +36,8 @@ def test_h2o_keeps_recent_half_and_heavy_hitters_among_the_living():
     accumulated[0, 1, [1, 2]] = torch.tensor([9.0, 8.0])
     alive = torch.ones(1, 2, num_tokens, dtype=torch.bool)
     alive[0, 0, 3] = False  # evicted earlier: never comes back
-    selection = h2o_select(accumulated, alive, torch.tensor([20]), budget=0.2,
-                                     width=4)
+    lens = torch.tensor([20])
+    selection = h2o_select(accumulated, alive, lens, token_budget(lens, 0.2), width=4)
     # Budget 4 tokens: 2 recent (18, 19) + 2 heavy of each head.
     assert kept(selection, 0, 0) == [7, 11, 18, 19]
     assert kept(selection, 0, 1) == [1, 2, 18, 19]
@@ -50,8 +53,8 @@ def test_quest_scores_pages_by_their_upper_bound():
     page_min[0, :, 0, 1] = torch.tensor([0.0, -3.0, 0.0, 0.0])
     query = torch.tensor([[[1.0, -1.0]]])
     context = torch.tensor([num_pages * page - 5])  # the last page is partial
-    selection = quest_select(query, page_min, page_max, context, budget=0.5,
-                                       width=2 * page)
+    selection = quest_select(query, page_min, page_max, context, token_budget(context, 0.5),
+                             width=2 * page)
     # Bounds 1, 3, 5, 2; budget floor(59 x 0.5) = 29 tokens = 1 whole page:
     # the page with bound 5.
     assert kept(selection) == list(range(2 * page, 3 * page))
@@ -61,9 +64,9 @@ def test_quest_leaves_out_positions_past_the_context():
     page = QUEST_PAGE_SIZE
     page_min = torch.zeros(1, 2, 1, 1)
     page_max = torch.tensor([0.0, 1.0]).view(1, 2, 1, 1)
-    selection = quest_select(torch.ones(1, 1, 1), page_min, page_max,
-                                       torch.tensor([page + 3]), budget=1.0,
-                                       width=page)
+    context = torch.tensor([page + 3])
+    selection = quest_select(torch.ones(1, 1, 1), page_min, page_max, context,
+                             token_budget(context, 1.0), width=page)
     assert kept(selection) == [page, page + 1, page + 2]
 
 
@@ -83,9 +86,12 @@ def test_incremental_pages_equal_pages_rebuilt_from_the_pool():
         skew = torch.eye(dim)[None].repeat(heads, 1, 1)[:, :, :1].contiguous()
         state = LayerState(2, "l2", _Attn(), None, sparse=True, skew=skew, pool_layer=0)
         block_size = 16
-        state.allocate(num_slots // block_size, num_slots // block_size, block_size,
-                       torch.float32, torch.device("cpu"))
+        plan = PoolPlan(num_rows=num_slots, num_slots=num_slots, block_size=block_size,
+                        num_bytes=0, sized_by="")
+        data_path.allocate(state, plan, num_slots // block_size, torch.float32)
         return state
+
+    data_path = CpuDataPath("in-place")
 
     live, late = layer(), layer()
     live_policy, late_policy = QuestPolicy(), QuestPolicy()
@@ -95,7 +101,7 @@ def test_incremental_pages_equal_pages_rebuilt_from_the_pool():
     for slots in writes:
         key = torch.randn(len(slots), heads, dim)
         for state in (live, late):
-            state.write(key, key, slots, None)
+            data_path.write(state, key, key, slots, None)
         live_policy.on_write(live, key, slots)
     late_policy.allocate(late)
     (live_min, live_max), (late_min, late_max) = live_policy.bounds(live), late_policy.bounds(late)

@@ -12,10 +12,13 @@ import math
 import pytest
 import torch
 
+from tests.reference import layouts
+from tests.reference.selector import select_tokens as select_reference
+from tests.reference.sparse_attention import attend_gathered
 from vllm_infinigen import kernels
-from vllm_infinigen.kernels import reference
-from vllm_infinigen.selector import select_tokens as select_reference
-from vllm_infinigen.sparse_attention import attend_gathered
+from vllm_infinigen.kernels import build
+from vllm_infinigen.worker import block_layout
+from vllm_infinigen.worker.step_plan import token_budget
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (atol, rtol) of an attention output against the float32 reference of the same inputs.
@@ -53,7 +56,7 @@ class Case:
                                 for _ in range(num_kv_heads)]).to(torch.int32)
             rows = rows.view(num_kv_heads, self.num_blocks, BLOCK).permute(1, 0, 2)
             evicted = torch.rand(rows.shape, generator=gen) < evict_fraction
-            block_ids, offsets = reference.block_coordinates(
+            block_ids, offsets = block_layout.block_coordinates(
                 self.context_lens[:, None], self.block_table, BLOCK)
             evicted[block_ids[:, 0], :, offsets[:, 0]] = False
             rows = rows.masked_fill(evicted, -1)
@@ -63,7 +66,7 @@ class Case:
         self.scale = head_size ** -0.5
 
     def entries(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = reference.entries_of(self.kv_pool, self.block_table, positions, self.row_map)
+        rows = block_layout.entries_of(self.kv_pool, self.block_table, positions, self.row_map)
         return rows[..., : self.head_size], rows[..., self.head_size:]
 
     def current(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +94,8 @@ def test_write_places_rows_and_partial_keys(dtype, capped):
     value = torch.randn((6, 2, 32), generator=gen).to(dtype)
     skew = torch.randn((2, 32, 6), generator=gen)
     pool, partial = case.kv_pool.clone(), case.partial_keys.clone()
-    kernels.write_kv(pool, partial, key, value, skew, slots, case.row_map)
+    kernels.write_partial_keys(partial, key, skew, slots)
+    kernels.write_pool(pool, key, value, slots, case.row_map)
     want_pool, want_partial = case.kv_pool.clone(), case.partial_keys.clone()
     projected = torch.einsum("thd,hdr->thr", key.float(), skew).to(dtype)
     for t, slot in enumerate(slots.tolist()):
@@ -119,16 +123,16 @@ def _selections(case: Case, *, alpha: float, budget: float, sink: int = 0,
     query = torch.randn((len(case.context_lens), case.num_kv_heads, case.group, case.rank),
                         generator=gen)
     positions, num_selected = kernels.select_tokens(
-        query, case.partial_keys, case.block_table, case.context_lens, scale=case.scale,
-        alpha=alpha, budget=budget, sink_tokens=sink, recent_tokens=recent,
-        row_map=case.row_map)
+        query, case.partial_keys, case.block_table, case.context_lens,
+        token_budget(case.context_lens, budget), scale=case.scale, alpha=alpha,
+        sink_tokens=sink, recent_tokens=recent, row_map=case.row_map)
     width = int(case.context_lens.max())
     present = None
     if case.row_map is not None:
-        present = reference.present_of(case.row_map, case.block_table, width)
+        present = layouts.present_of(case.row_map, case.block_table, width)
     want = select_reference(
         query.reshape(len(case.context_lens), -1, case.rank),
-        reference.partial_keys_of(case.partial_keys, case.block_table, width),
+        layouts.partial_keys_of(case.partial_keys, case.block_table, width),
         case.context_lens, scale=case.scale, alpha=alpha, budget=budget, width=width,
         sink_tokens=sink, recent_tokens=recent, present=present)
     return positions, num_selected, want
@@ -172,7 +176,7 @@ def test_select_never_picks_evicted_entries(seed):
     positions, num_selected, want = _selections(case, alpha=4.0, budget=0.5, recent=4)
     assert num_selected.tolist() == want.num_selected.tolist()
     assert _kept(positions) == _kept(want.positions, want.valid)
-    present = reference.present_of(case.row_map, case.block_table, 250)
+    present = layouts.present_of(case.row_map, case.block_table, 250)
     for b, h, p in (positions >= 0).nonzero().tolist():
         assert bool(present[b, positions[b, h, p], h])
 
@@ -222,7 +226,7 @@ def test_attend_dense_matches_reference(dtype, capped):
     everything = torch.arange(width).expand(3, 2, width).clone()
     valid = everything < case.context_lens[:, None, None]
     if case.row_map is not None:
-        valid &= reference.present_of(case.row_map, case.block_table, width).permute(0, 2, 1)
+        valid &= layouts.present_of(case.row_map, case.block_table, width).permute(0, 2, 1)
     keys, values = case.entries(everything)
     want = attend_gathered(case.query.float(), keys.float(), values.float(), valid,
                            *[t.float() for t in case.current()], case.scale)
@@ -270,7 +274,7 @@ def test_prefill_matches_causal_reference(dtype, num_kv_heads, group, head_size,
     if case.row_map is not None:  # this step's rows were just written: held
         for req, (seq_len, rows) in enumerate(zip(seq_lens, new_rows)):
             positions = torch.arange(seq_len - rows, seq_len)[None]
-            blocks, offsets = reference.block_coordinates(positions, case.block_table[req:req + 1],
+            blocks, offsets = block_layout.block_coordinates(positions, case.block_table[req:req + 1],
                                                           BLOCK)
             held = case.row_map[blocks[0], :, offsets[0]]
             fresh = torch.arange(held.numel(), dtype=torch.int32).view_as(held)
@@ -287,11 +291,11 @@ def test_prefill_matches_causal_reference(dtype, num_kv_heads, group, head_size,
     for req in (0, 1):
         start, end, seq_len = int(query_start[req]), int(query_start[req + 1]), seq_lens[req]
         everything = torch.arange(seq_len).expand(1, num_kv_heads, seq_len).clone()
-        rows = reference.entries_of(case.kv_pool, case.block_table[req:req + 1], everything,
+        rows = block_layout.entries_of(case.kv_pool, case.block_table[req:req + 1], everything,
                                     case.row_map)[0].float()  # [H_kv, L, 2D]
         present = torch.ones(num_kv_heads, seq_len, dtype=torch.bool)
         if case.row_map is not None:
-            present = reference.present_of(case.row_map, case.block_table[req:req + 1],
+            present = layouts.present_of(case.row_map, case.block_table[req:req + 1],
                                            seq_len)[0].t()
         first = seq_len - (end - start)
         causal = torch.arange(seq_len)[None] <= first + torch.arange(end - start)[:, None]
@@ -306,7 +310,7 @@ def test_prefill_matches_causal_reference(dtype, num_kv_heads, group, head_size,
 
 
 def test_kernels_report_the_instruction_set():
-    assert kernels.load() in kernels.ISA_FLAGS
+    assert kernels.load() in build.ISA_FLAGS
     assert math.isfinite(kernels.attend_decode(
         torch.ones(1, 1, 32), torch.ones(1, 1, BLOCK, 64), torch.zeros(1, 1, dtype=torch.int32),
         torch.zeros(1, dtype=torch.int64), None, scale=1.0).sum().item())
@@ -320,15 +324,15 @@ def test_a_missing_compiler_is_named(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"C\+\+ compiler .*apt-get install g\+\+.* ninja"):
-        kernels._check_toolchain()
+        build._check_toolchain()
 
 
 def test_the_build_targets_atens_own_instruction_set(monkeypatch):
     for capability, isa in [("AVX512", "AVX512"), ("AVX2", "AVX2"), ("DEFAULT", "DEFAULT"),
                             ("ZVECTOR", "DEFAULT")]:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert kernels.target_isa() == isa
-    assert all("-march" not in flag for flags in kernels.ISA_FLAGS.values() for flag in flags)
+        assert build.target_isa() == isa
+    assert all("-march" not in flag for flags in build.ISA_FLAGS.values() for flag in flags)
 
 
 @pytest.mark.slow
@@ -341,7 +345,7 @@ def test_other_instruction_sets_build_and_agree(capability):
 
     from benchmarks.harness.paths import REPO
 
-    native = kernels.target_isa()
+    native = build.target_isa()
     if capability == native or (capability == "AVX2" and native != "AVX512"):
         pytest.skip(f"{capability} is this machine's own build ({native}) or does not run here")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(),
@@ -355,7 +359,7 @@ def test_other_instruction_sets_build_and_agree(capability):
 
 
 def test_record_uses_equals_the_pools_own_bookkeeping():
-    from vllm_infinigen.pool import CappedPoolIndex
+    from vllm_infinigen.worker.pool_index import CappedPoolIndex
 
     gen = torch.Generator().manual_seed(16)
     pools = [CappedPoolIndex(1, 2, num_slots=8 * BLOCK, num_rows=3 * BLOCK, policy="counter",
@@ -370,7 +374,7 @@ def test_record_uses_equals_the_pools_own_bookkeeping():
         kernel, torch_path = pools
         kernel.record_selection(0, positions.contiguous(), block_table)
         heads = torch.arange(2)[None, :, None].expand_as(positions)
-        block_ids, offsets = reference.block_coordinates(positions, block_table, BLOCK)
+        block_ids, offsets = block_layout.block_coordinates(positions, block_table, BLOCK)
         rows = torch_path.row_map[0][block_ids, heads, offsets].to(torch.int64)
         valid = (positions >= 0) & (rows >= 0)
         torch_path.record_use(0, rows.clamp(min=0), valid)
@@ -381,20 +385,22 @@ def test_record_uses_equals_the_pools_own_bookkeeping():
 
 def test_each_source_version_builds_in_its_own_directory(monkeypatch, tmp_path):
     """Two installs or checkouts sharing the cache never rebuild over each other."""
-    for name in kernels.SOURCES + ("common.h",):
+    for name in build.SOURCES + ("cpu/common.h",):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(f"// {name}\n")
-    monkeypatch.setattr(kernels, "CSRC", tmp_path)
-    key = kernels.build_key("AVX2")
-    assert kernels.build_key("AVX2") == key
-    assert kernels.build_key("DEFAULT") != key  # other flags
-    (tmp_path / "common.h").write_text("// changed\n")
-    assert kernels.build_key("AVX2") != key
-    changed = kernels.build_key("AVX2")
+    monkeypatch.setattr(build, "CSRC", tmp_path)
+    key = build.build_key("AVX2")
+    assert build.build_key("AVX2") == key
+    assert build.build_key("DEFAULT") != key  # other flags
+    (tmp_path / "cpu/common.h").write_text("// changed\n")
+    assert build.build_key("AVX2") != key
+    changed = build.build_key("AVX2")
     (tmp_path / "notes.txt").write_text("not a source")
-    assert kernels.build_key("AVX2") == changed
+    assert build.build_key("AVX2") == changed
     other = tmp_path / "checkout"  # the same sources elsewhere: ninja would rebuild them
     other.mkdir()
-    for path in tmp_path.glob("*.*"):
-        (other / path.name).write_bytes(path.read_bytes())
-    monkeypatch.setattr(kernels, "CSRC", other)
-    assert kernels.build_key("AVX2") != changed
+    for path in [*tmp_path.glob("*.*"), *tmp_path.glob("cpu/*.*")]:
+        (other / path.relative_to(tmp_path)).parent.mkdir(exist_ok=True)
+        (other / path.relative_to(tmp_path)).write_bytes(path.read_bytes())
+    monkeypatch.setattr(build, "CSRC", other)
+    assert build.build_key("AVX2") != changed

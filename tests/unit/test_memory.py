@@ -1,14 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How the worker splits the user's memory grant (``vllm_infinigen/memory.py``)."""
+"""How a worker splits the user's memory grant (CPU: ``platforms/cpu/memory.py``) and
+plans its pool (``vllm_infinigen/memory.py``)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-import torch
 
-from vllm_infinigen.memory import BlockCosts, plan_memory, rows_within
+from vllm_infinigen.memory import plan_pool
+from vllm_infinigen.platforms.cpu.memory import BlockCosts, split_grant
 
 GIB = 2**30
 # stories260K, block 128, float32: 2 dense layers (2 pages per block id),
@@ -20,7 +19,16 @@ COSTS = BlockCosts(pages=2 * 128 * 4 * 2 * 32 * 4, partial=128 * 3 * 4 * 6 * 4,
 def plan(granted, **overrides):
     kwargs = dict(explicit_kv=False, explicit_pool=False, requested=int(3.4 * GIB),
                   resident=int(0.6 * GIB), free=20 * GIB, fraction=0.4)
-    return plan_memory(granted, COSTS, **{**kwargs, **overrides})
+    return split_grant(granted, COSTS, **{**kwargs, **overrides})
+
+
+def rows_within(budget: int, bytes_per_token: int, num_slots: int, step_tokens: int = 1,
+                block_size: int = 128, free: int = 2**50) -> int:
+    """Tokens per (layer, KV head) the planned pool holds in ``budget`` bytes."""
+    return plan_pool(num_blocks=num_slots // block_size, block_size=block_size,
+                     bytes_per_token=bytes_per_token, step_tokens=step_tokens, cap=None,
+                     budget=budget, sized_by="--gpu-memory-utilization 0.3",
+                     free=free).num_rows
 
 
 @pytest.mark.parametrize("granted", [32 << 20, int(2.74 * GIB), 10**9 + 7])
@@ -59,27 +67,17 @@ def test_an_explicit_pool_is_not_sized_here():
     assert plan(GIB, explicit_pool=True, explicit_kv=True).pool_budget is None
 
 
-def _worker(budget: int, step_tokens: int):
-    from vllm_infinigen.config import EngineSetup, InfiniGenConfig
-    from vllm_infinigen.layout import ModelLayout
-    from vllm_infinigen.memory import MemoryPlan
-
-    # Two sparse layers of 4 KV heads x 32 float32 channels: 1024 bytes of
-    # K/V per token and layer.
-    layout = ModelLayout("llama", num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32)
-    layer = SimpleNamespace(sparse=True, num_kv_heads=4)
-    return SimpleNamespace(
-        _memory_plan=MemoryPlan(0, 0, budget, "--gpu-memory-utilization 0.3"),
-        infinigen=EngineSetup(InfiniGenConfig(), layout, torch.float32.itemsize, step_tokens),
-        infinigen_runtime=SimpleNamespace(layers=[layer, layer]))
-
-
 def test_worker_pool_rows_cap_and_refuse_below_one_step():
-    from vllm_infinigen.worker import InfiniGenCPUWorker
+    # Two sparse layers of 4 KV heads x 32 float32 channels: 2048 bytes of K/V
+    # per token over both layers; 5000 slots of the dense group.
+    def pool(budget: int, step_tokens: int):
+        return plan_pool(num_blocks=625, block_size=8, bytes_per_token=2048,
+                         step_tokens=step_tokens, cap=None, budget=budget,
+                         sized_by="--gpu-memory-utilization 0.3", free=2**50)
 
-    rows, source = InfiniGenCPUWorker._pool_rows(_worker(2048 * 1000, 256), 5000)
-    assert (rows, source) == (1000, "--gpu-memory-utilization 0.3")
-    assert InfiniGenCPUWorker._pool_rows(_worker(2048 * 10**6, 256), 5000)[0] == 5000
+    plan = pool(2048 * 1000, 256)
+    assert (plan.num_rows, plan.sized_by) == (1000, "--gpu-memory-utilization 0.3")
+    assert pool(2048 * 10**6, 256).num_rows == 5000
     with pytest.raises(ValueError, match="--max-num-batched-tokens.*--gpu-memory-utilization"
                        ".*--kv-cache-memory-bytes.*--infinigen-cpu-pool-gib"):
-        InfiniGenCPUWorker._pool_rows(_worker(2048 * 100, 256), 5000)
+        pool(2048 * 100, 256)

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from vllm.config import VllmConfig
 from vllm.v1.metrics import reader
 
-from vllm_infinigen.metrics import (
+from vllm_infinigen.scheduler.metrics import (
     COUNTERS,
     GAUGES,
     InfiniGenPromMetrics,

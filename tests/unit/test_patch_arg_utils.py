@@ -13,7 +13,10 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 import vllm_infinigen
 from vllm_infinigen import patch
+from vllm_infinigen.config import FLAG_OF_FIELD
+from vllm_infinigen.frontend import checks
 from vllm_infinigen.patch import patch_arg_utils
+from vllm_infinigen.platforms import WORKERS
 
 STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
 vllm_infinigen.register()  # what vLLM's plugin loader does in every process
@@ -148,7 +151,7 @@ def test_cli_without_infinigen_flags_behaves_as_stock(extra):
     # Only the InfiniGen flags are new, and they default to "not given".
     added = set(vars(namespace)) - set(vars(stock_ns))
     assert added == {"kv_manager"} | {f"infinigen_{name}" for name in
-                                      patch_arg_utils.FLAG_OF_FIELD}
+                                      FLAG_OF_FIELD}
     assert all(getattr(namespace, name) is None for name in added)
     assert {k: v for k, v in vars(namespace).items() if k not in added} == vars(stock_ns)
 
@@ -158,15 +161,15 @@ def test_cli_without_infinigen_flags_behaves_as_stock(extra):
 
 
 def test_check_engine_args_accepts_plain_args():
-    assert patch_arg_utils.check_engine_args(EngineArgs(model=STORIES_DIR)) is None
+    assert checks.check_engine_args(EngineArgs(model=STORIES_DIR)) is None
     # Ray workers run on the CPU backend since patch_ray (tests/unit/test_patch_ray.py).
     ray_tp = EngineArgs(model=STORIES_DIR, tensor_parallel_size=2,
                         distributed_executor_backend="ray")
-    assert patch_arg_utils.check_engine_args(ray_tp) is None
-    own = KVTransferConfig(kv_connector=patch_arg_utils.CONNECTOR_NAME, kv_role="kv_both")
+    assert checks.check_engine_args(ray_tp) is None
+    own = KVTransferConfig(kv_connector=checks.CONNECTOR_NAME, kv_role="kv_both")
     args = EngineArgs(model=STORIES_DIR, kv_transfer_config=own,
-                      worker_cls=patch_arg_utils.WORKER_CLS, enable_prefix_caching=False)
-    assert patch_arg_utils.check_engine_args(args) is None
+                      worker_cls=WORKERS["cpu"], enable_prefix_caching=False)
+    assert checks.check_engine_args(args) is None
 
 
 @pytest.mark.parametrize(
@@ -187,7 +190,7 @@ def test_check_engine_args_accepts_plain_args():
 )
 def test_check_engine_args_refuses(kwargs, flag):
     with pytest.raises(ValueError) as info:
-        patch_arg_utils.check_engine_args(EngineArgs(model=STORIES_DIR, **kwargs))
+        checks.check_engine_args(EngineArgs(model=STORIES_DIR, **kwargs))
     assert str(info.value).startswith("--kv-manager infinigen: ")
     assert flag in str(info.value)
 
@@ -201,16 +204,16 @@ def fake_model_dir(path, config):
 def test_check_engine_args_refuses_unsupported_models(tmp_path):
     gpt2 = fake_model_dir(tmp_path / "gpt2", {"model_type": "gpt2"})
     with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
-        patch_arg_utils.check_engine_args(EngineArgs(model=gpt2))
+        checks.check_engine_args(EngineArgs(model=gpt2))
     gemma2 = fake_model_dir(tmp_path / "gemma2", {"model_type": "gemma2"})
     with pytest.raises(ValueError, match="model type 'gemma2' is not supported: attention "
                                          "logit soft-capping"):
-        patch_arg_utils.check_engine_args(EngineArgs(model=gemma2))
+        checks.check_engine_args(EngineArgs(model=gemma2))
 
 
 def test_check_engine_args_needs_local_files(tmp_path):
     with pytest.raises(ValueError, match="needs the model files on disk"):
-        patch_arg_utils.check_engine_args(EngineArgs(model=str(tmp_path / "absent")))
+        checks.check_engine_args(EngineArgs(model=str(tmp_path / "absent")))
 
 
 def _shapes(model_dir) -> dict[str, int]:
@@ -301,13 +304,13 @@ def test_explicit_vllm_manager_keeps_config_stock(cls):
 def test_check_engine_args_refuses_no_sparse_layer():
     args = EngineArgs(model=STORIES_DIR, kv_manager="infinigen", infinigen_dense_layers=5)
     with pytest.raises(ValueError, match="--infinigen-dense-layers"):
-        patch_arg_utils.check_engine_args(args)
+        checks.check_engine_args(args)
 
 
 def test_check_engine_args_refuses_disabled_hybrid_manager():
     args = EngineArgs(model=STORIES_DIR, disable_hybrid_kv_cache_manager=True)
     with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
-        patch_arg_utils.check_engine_args(args)
+        checks.check_engine_args(args)
 
 
 def test_non_dict_additional_config_is_stock():
@@ -319,10 +322,10 @@ def test_non_dict_additional_config_is_stock():
 def test_check_engine_args_refuses_split_dense_groups_and_block_override():
     args = EngineArgs(model=STORIES_DIR, kv_manager="infinigen", infinigen_dense_layers=4)
     with pytest.raises(ValueError, match="--infinigen-dense-layers 4"):
-        patch_arg_utils.check_engine_args(args)
+        checks.check_engine_args(args)
     args = EngineArgs(model=STORIES_DIR, num_gpu_blocks_override=100)
     with pytest.raises(ValueError, match="--num-gpu-blocks-override"):
-        patch_arg_utils.check_engine_args(args)
+        checks.check_engine_args(args)
 
 
 @pytest.mark.parametrize("dense,sparse", [
@@ -335,7 +338,7 @@ def test_kv_cache_group_size_matches_vllm(dense, sparse):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_infinigen.layout import kv_cache_group_size
-    from vllm_infinigen.spec import InfiniGenSparseSpec
+    from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=32,
                              dtype=torch.float32)
@@ -376,7 +379,7 @@ for module in pkgutil.walk_packages(vllm_infinigen.__path__, "vllm_infinigen."):
 after = (EngineArgs.__init__, EngineArgs.add_cli_args, EngineArgs.create_engine_config)
 assert before == after, "an import patched EngineArgs"
 from vllm.v1 import kv_cache_spec_registry as registry
-from vllm_infinigen.spec import InfiniGenSparseSpec
+from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
 assert InfiniGenSparseSpec not in registry._REGISTRY_KVCACHESPEC_LIST
 vllm_infinigen.register()
 assert EngineArgs.create_engine_config is not before[2], "register() did not patch"
@@ -389,8 +392,8 @@ print("ok")
 
 
 def test_start_up_calibration_that_would_not_fit_is_refused_naming_prepare():
-    from vllm_infinigen.patch.patch_arg_utils import check_calibration_fits
-    from vllm_infinigen.skewing import calibration_memory_bytes
+    from vllm_infinigen.frontend.skew_setup import check_calibration_fits
+    from vllm_infinigen.skewing.calibration import calibration_memory_bytes
 
     model = STORIES_DIR
     needed = calibration_memory_bytes(model)

@@ -62,7 +62,7 @@ def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    from vllm_infinigen import ray_cpu
+    from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
 
     ray_config = two_rank_args("ray").create_engine_config()
     patch_ray.enable()  # a second time: no wrapper of a wrapper
@@ -81,7 +81,7 @@ def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
 
 def test_omp_cpu_list_follows_vllm_cpu_omp_threads_bind(monkeypatch):
     pytest.importorskip("ray")
-    from vllm_infinigen.ray_cpu import omp_cpu_list
+    from vllm_infinigen.platforms.cpu.ray_executor import omp_cpu_list
 
     config = two_rank_args("mp").create_engine_config()
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -92,7 +92,7 @@ def test_omp_cpu_list_follows_vllm_cpu_omp_threads_bind(monkeypatch):
 
 def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
     pytest.importorskip("ray")
-    from vllm_infinigen.ray_cpu import bind_threads
+    from vllm_infinigen.platforms.cpu.ray_executor import bind_threads
 
     first_core = min(os.sched_getaffinity(0))
     before = (os.sched_getaffinity(0), torch.get_num_threads())
@@ -115,7 +115,7 @@ def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
 
 def test_cpu_slots_env_merges_and_restores(monkeypatch):
     pytest.importorskip("ray")
-    from vllm_infinigen.ray_cpu import RAY_RESOURCES_ENV, _cpu_slots_for_new_nodes
+    from vllm_infinigen.platforms.cpu.ray_executor import RAY_RESOURCES_ENV, _cpu_slots_for_new_nodes
 
     monkeypatch.delenv(RAY_RESOURCES_ENV, raising=False)
     with _cpu_slots_for_new_nodes(4):

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from vllm_infinigen.pool import CappedPoolIndex, IdentityPoolIndex, make_pool_index
+from vllm_infinigen.worker.pool_index import CappedPoolIndex, IdentityPoolIndex, make_pool_index
 
 HEADS = torch.arange(2)
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.layer_state import LayerSource
 from vllm_infinigen.layout import ModelLayout
-from vllm_infinigen.runtime import InfiniGenRuntime
+from vllm_infinigen.memory import PoolPlan
+from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
+from vllm_infinigen.worker.layer_state import LayerSource
+from vllm_infinigen.worker.runtime import InfiniGenRuntime
 
 DIM, BLOCK, CONTEXT = 4, 16, 32
 IMPORTANT = [5, 17, 30]  # the context tokens whose keys match the query
@@ -44,9 +46,9 @@ def step():
     layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
                          dense_layers=1, partial_ratio=1.0)
     runtime = InfiniGenRuntime(config, [_source(i) for i in range(3)], torch.device("cpu"),
-                               layout=layout)
-    runtime.allocate_pool(num_blocks=4, block_size=BLOCK, dtype=torch.float32,
-                          num_rows=4 * BLOCK)
+                               CpuDataPath(config.transfer), layout=layout)
+    runtime.allocate_pool(PoolPlan(num_rows=4 * BLOCK, num_slots=4 * BLOCK, block_size=BLOCK,
+                                   num_bytes=0, sized_by=""), num_blocks=4, dtype=torch.float32)
     keys = torch.zeros(CONTEXT, 1, DIM)
     keys[IMPORTANT, 0, 0] = 1.0
     values = torch.arange(CONTEXT, dtype=torch.float32).view(CONTEXT, 1, 1).repeat(1, 1, DIM)
@@ -133,10 +135,10 @@ def test_shutdown_stops_the_copy_worker():
     layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
                          dense_layers=1, partial_ratio=1.0)
     runtime = InfiniGenRuntime(config, [_source(i) for i in range(3)], torch.device("cpu"),
-                               layout=layout)
+                               CpuDataPath(config.transfer), layout=layout)
     runtime.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
-        runtime.transfer._executor.submit(lambda: None)
+        runtime.data_path.transfer._executor.submit(lambda: None)
 
 
 def test_sliding_window_layers_take_no_part():
@@ -147,7 +149,7 @@ def test_sliding_window_layers_take_no_part():
                          head_dim=DIM, dense_layers=2, partial_ratio=1.0,
                          window_layers=(0, 2, 4, 6))
     runtime = InfiniGenRuntime(config, [_source(i) for i in range(8)], torch.device("cpu"),
-                               layout=layout)
+                               CpuDataPath(config.transfer), layout=layout)
     layers = runtime.layers
     assert [s.layer_idx for s in runtime.sparse_layers] == [5, 7]
     assert [s.layer_idx for s in layers if s.windowed] == [0, 2, 4, 6]

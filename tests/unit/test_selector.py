@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vllm_infinigen.selector import max_selected, select_tokens, token_caps
+from tests.reference.selector import max_selected, select_tokens, token_caps
 
 # Scores of the reference and of the implementation (float32) differ by ~1e-6;
 # no score may sit closer than this to a decision boundary of the rule.
@@ -244,7 +244,7 @@ def test_absent_entries_are_never_selected():
 
 
 def test_evaluation_mode_rows():
-    from vllm_infinigen.step_plan import _with_prompt_rows
+    from vllm_infinigen.worker.step_plan import _with_prompt_rows
 
     # Request 0 decodes (context 9); request 1 prefills positions 3..7 of its
     # prompt (a second chunk); request 2 prefills positions 0..3; prefix 5.

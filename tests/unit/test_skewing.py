@@ -12,19 +12,21 @@ import torch
 from safetensors.torch import save_file
 
 from vllm_infinigen.layout import partial_rank
-from vllm_infinigen.skewing import (
+from vllm_infinigen.skewing.calibration import (
     CALIBRATION_TEXT,
-    SKEW_FLAG,
-    SkewTables,
     calibration_chunks,
     calibration_memory_bytes,
     compute_skew_tables,
     load_dtype,
     read_calibration_files,
+    skew_from_activations,
+)
+from vllm_infinigen.skewing.tables import (
+    SKEW_FLAG,
+    SkewTables,
     load_skew_tables,
     model_fingerprint,
     save_skew_tables,
-    skew_from_activations,
 )
 
 STORIES_DIR = "/work/shared/models/stories260k-vllm-cpu"
@@ -388,7 +390,7 @@ def test_calibration_memory_counts_the_weights_from_the_headers(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir(STORIES_DIR), reason=f"{STORIES_DIR} not present")
 def test_prepare_takes_several_files_and_reports_time_and_memory(tmp_path, capsys):
-    from vllm_infinigen.cli import main
+    from vllm_infinigen.frontend.cli import main
 
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "one.txt").write_text("Once upon a time there was a cat. " * 20)

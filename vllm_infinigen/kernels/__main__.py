@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from vllm_infinigen import kernels
+from vllm_infinigen.kernels.build import cache_dir, load
 
 if __name__ == "__main__":
     start = time.monotonic()
-    isa = kernels.load()
+    isa = load()
     print(f"InfiniGen CPU kernels ready for {isa} in {time.monotonic() - start:.1f} s "
-          f"({kernels.cache_dir()})")
+          f"({cache_dir()})")

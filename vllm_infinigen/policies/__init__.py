@@ -4,7 +4,8 @@
 A policy decides which context tokens a sparse layer's selecting rows attend
 to; the pool, the attention kernels and the step plan are shared by all of
 them. Each lives in one file of this package as a ``SelectionPolicy``
-subclass (``base.py``), registered here by name::
+subclass (``base.py``), registered here by name with the traits the settings
+check before any engine starts::
 
     infinigen   infinigen.py  layer i speculates for layer i+1 (the paper)
     h2o         h2o.py        heavy hitters + recent tokens, evicting for good
@@ -12,21 +13,40 @@ subclass (``base.py``), registered here by name::
     quest       quest.py      query-aware pages from per-page key bounds
 
 A new policy is one new file plus its line in ``_REGISTRY``. This module
-imports no policy (nor torch) until one is asked for, so the front end can
-validate names cheaply.
+imports no policy (nor torch) until a class is asked for, so every process
+can validate names and traits cheaply.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicyTraits:
+    """What the settings need to know of a policy, without importing it."""
+
+    path: str  # "module:class" of its ``SelectionPolicy``
+    # Runs on a pool capped by --infinigen-cpu-pool-gib (tokens may be evicted).
+    supports_capped_pool: bool = False
+    # Why --infinigen-eval-dense-prefix cannot measure it (None: it can).
+    eval_mode_refusal: str | None = None
+
 
 _REGISTRY = {
-    "infinigen": "vllm_infinigen.policies.infinigen:InfiniGenPolicy",
-    "h2o": "vllm_infinigen.policies.h2o:H2OPolicy",
-    "streaming": "vllm_infinigen.policies.streaming:StreamingPolicy",
-    "quest": "vllm_infinigen.policies.quest:QuestPolicy",
+    "infinigen": PolicyTraits("vllm_infinigen.policies.infinigen:InfiniGenPolicy",
+                              supports_capped_pool=True),
+    "h2o": PolicyTraits(
+        "vllm_infinigen.policies.h2o:H2OPolicy",
+        eval_mode_refusal="H2O's scores accumulate over decode steps one token at a time, "
+        "which a single prefill cannot reproduce; measure H2O by teacher-forced decoding "
+        "(benchmarks/accuracy/teacher_forcing.py)"),
+    "streaming": PolicyTraits("vllm_infinigen.policies.streaming:StreamingPolicy"),
+    "quest": PolicyTraits("vllm_infinigen.policies.quest:QuestPolicy"),
 }
 POLICY_NAMES = tuple(_REGISTRY)
+POLICY_TRAITS = _REGISTRY
 
 
 def policy_class(name: str) -> type:
@@ -39,5 +59,5 @@ def policy_class(name: str) -> type:
         raise ValueError(
             f"--infinigen-policy must be one of {list(POLICY_NAMES)}, got {name!r}"
         )
-    module, _, cls = _REGISTRY[name].partition(":")
+    module, _, cls = _REGISTRY[name].path.partition(":")
     return getattr(importlib.import_module(module), cls)

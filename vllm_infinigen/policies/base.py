@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The interface every selection policy implements, and helpers they share.
 
-The runtime (``runtime.py``) calls a policy at fixed points of a step::
+The runtime (``worker/runtime.py``) calls a policy at fixed points of a step::
 
     allocate(layer)             once a sparse layer's pool exists (and when the
                                 policy is switched on in a running engine)
@@ -21,32 +21,40 @@ each sparse row, -1 padded (W: the step's widest selection, host side).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from vllm_infinigen.selector import Selection
-
 if TYPE_CHECKING:
     from vllm_infinigen.config import InfiniGenConfig
-    from vllm_infinigen.layer_state import LayerState
-    from vllm_infinigen.step_plan import StepPlan
+    from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.step_plan import StepPlan
+
+
+@dataclass
+class Selection:
+    """Tokens that a sparse layer attends to, for the selecting rows of a step.
+
+    ``positions[b, h, j]`` is a token position in row b's context, valid where
+    ``valid[b, h, j]``; the valid entries come first.
+    """
+
+    positions: torch.Tensor  # [B, H_kv, K] int64
+    valid: torch.Tensor  # [B, H_kv, K] bool
+    num_selected: torch.Tensor  # [B] int64
 
 
 class SelectionPolicy:
     """One selection rule with the per-slot state it keeps (per sparse layer).
 
-    Args:
-        settings: The engine's settings; ``alpha`` already resolved.
+    Its traits that the settings check (capped pool, evaluation mode) are in
+    the registry's table (``policies/__init__.py``).
     """
 
     name: ClassVar[str]
     # Wants the attention each selected token received (``on_attend``).
     records_attention: ClassVar[bool] = False
-    # Why --infinigen-eval-dense-prefix cannot measure this policy (None: it can).
-    eval_mode_refusal: ClassVar[str | None] = None
-    # Runs on a pool capped by --infinigen-cpu-pool-gib (tokens may be evicted).
-    supports_capped_pool: ClassVar[bool] = False
 
     def selects_ahead(self, settings: InfiniGenConfig) -> bool:
         """Selects for the next layer from this layer's attention input (prefetch)."""
@@ -105,13 +113,21 @@ def as_positions(selection: Selection) -> torch.Tensor:
     return positions.gather(-1, order.argsort(dim=-1)).to(torch.int32).contiguous()
 
 
-def context_slots(plan: StepPlan, with_slots: bool = True
-                  ) -> tuple[torch.Tensor | None, torch.Tensor, list[int]]:
-    """The step's sparse rows: (slot ids [S, N] of every context position, N
-    the step's longest context; context lengths [S]; their host copy).
+@dataclass(frozen=True)
+class SparseRows:
+    """The step's rows that attend over a selection, as a policy reads them."""
 
-    The slot ids address a policy's per-slot state (None unless ``with_slots``).
-    """
-    rows = plan.sparse
-    slots = plan.context_slots[rows] if with_slots else None
-    return slots, plan.context_lens[rows], [plan.context_host[i] for i in rows.tolist()]
+    slots: torch.Tensor | None  # [S, N] slot id of every context position (N: the longest)
+    context_lens: torch.Tensor  # [S] int64
+    context_host: list[int]
+    token_caps: torch.Tensor  # [S] int64 the budget in tokens (``step_plan.token_budget``)
+    caps_host: list[int]
+
+
+def sparse_rows_of(plan: StepPlan, with_slots: bool = True) -> SparseRows:
+    """The step's sparse rows; their slot ids (None unless ``with_slots``) address
+    a policy's per-slot state."""
+    rows = plan.sparse_rows
+    slots = plan.context_slots[plan.sparse] if with_slots else None
+    return SparseRows(slots, rows.context_lens, rows.context_host, rows.token_caps,
+                      rows.caps_host)

@@ -14,37 +14,42 @@ token left out once is evicted for good. State per sparse layer, by slot id
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.kernels.reference import block_coordinates, entries_of
-from vllm_infinigen.layer_state import LayerState
 from vllm_infinigen.policies.base import (
+    Selection,
     SelectionPolicy,
     as_positions,
-    context_slots,
     from_position_mask,
+    sparse_rows_of,
 )
-from vllm_infinigen.selector import Selection, max_selected, token_caps
-from vllm_infinigen.step_plan import StepPlan
+from vllm_infinigen.worker.block_layout import block_coordinates, entries_of
+from vllm_infinigen.worker.step_plan import widest
+
+if TYPE_CHECKING:
+    from vllm_infinigen.config import InfiniGenConfig
+    from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.step_plan import StepPlan
 
 
 def h2o_select(accumulated: torch.Tensor, alive: torch.Tensor, context_lens: torch.Tensor,
-               budget: float, width: int) -> Selection:
+               token_caps: torch.Tensor, width: int) -> Selection:
     """Heavy hitters and recent tokens among those not evicted yet.
 
     Args:
         accumulated: [B, H_kv, N] attention each token has received so far.
         alive: [B, H_kv, N] tokens not evicted (and within the context).
         context_lens: [B].
+        token_caps: [B] the budget in tokens (``step_plan.token_budget``).
 
     Returns:
         The kept tokens; everything else alive in the context is evicted by
         the caller.
     """
     num_tokens = accumulated.shape[-1]
-    caps = token_caps(context_lens, budget)[:, None, None]  # [B, 1, 1]
+    caps = token_caps[:, None, None]  # [B, 1, 1]
     lens = context_lens.to(torch.int64)[:, None, None]
     positions = torch.arange(num_tokens, device=accumulated.device)[None, None]
     alive = alive & (positions < lens)
@@ -65,10 +70,6 @@ class _Scores:
 class H2OPolicy(SelectionPolicy):
     name = "h2o"
     records_attention = True
-    eval_mode_refusal = (
-        "H2O's scores accumulate over decode steps one token at a time, which a "
-        "single prefill cannot reproduce; measure H2O by teacher-forced decoding "
-        "(benchmarks/accuracy/teacher_forcing.py)")
 
     def __init__(self) -> None:
         self._scores: dict[int, _Scores] = {}  # by layer index
@@ -90,16 +91,19 @@ class H2OPolicy(SelectionPolicy):
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
         scores = self._scores[layer.layer_idx]
-        slots, context_lens, context_host = context_slots(plan)  # slots: [S, N]
+        rows = sparse_rows_of(plan)
+        slots, context_lens = rows.slots, rows.context_lens  # slots: [S, N]
         selection = h2o_select(
             scores.accumulated[slots].permute(0, 2, 1), scores.alive[slots].permute(0, 2, 1),
-            context_lens, settings.budget, max_selected(context_host, settings.budget, 0))
+            context_lens, rows.token_caps, widest(rows.context_host, rows.caps_host))
         # Permanent eviction: whatever was not kept is gone for this request.
         num_tokens = slots.shape[1]
-        kept = torch.zeros((slots.shape[0], layer.num_kv_heads, num_tokens), dtype=torch.bool)
+        device = slots.device
+        kept = torch.zeros((slots.shape[0], layer.num_kv_heads, num_tokens), dtype=torch.bool,
+                           device=device)
         kept.scatter_(-1, selection.positions, selection.valid)
-        in_context = torch.arange(num_tokens)[None] < context_lens[:, None]
-        heads = torch.arange(layer.num_kv_heads)[None, None, :]
+        in_context = torch.arange(num_tokens, device=device)[None] < context_lens[:, None]
+        heads = torch.arange(layer.num_kv_heads, device=device)[None, None, :]
         drop = (~kept.permute(0, 2, 1)) & in_context[..., None]
         scores.alive[slots[..., None].expand_as(drop)[drop], heads.expand_as(drop)[drop]] = False
         return as_positions(selection)
@@ -110,7 +114,8 @@ class H2OPolicy(SelectionPolicy):
         valid = positions >= 0
         slots = torch.gather(plan.context_slots[plan.sparse], 1,
                              positions.clamp(min=0).flatten(1)).view_as(positions)
-        heads = torch.arange(layer.num_kv_heads)[None, :, None].expand_as(positions)
+        heads = torch.arange(layer.num_kv_heads, device=positions.device)[None, :, None].expand_as(
+            positions)
         self._scores[layer.layer_idx].accumulated.index_put_(
             (slots[valid], heads[valid]), probs[valid], accumulate=True)
 
@@ -123,24 +128,27 @@ class H2OPolicy(SelectionPolicy):
         """
         accumulated = self._scores[layer.layer_idx].accumulated
         group = layer.num_heads // layer.num_kv_heads
+        pool_device, device = layer.kv_pool.device, query.device
         for request in plan.prompt_requests.tolist():
             start, end = int(plan.query_start[request]), int(plan.query_start[request + 1])
             seq_len = int(plan.seq_lens[request])
             table = plan.all_block_table[request : request + 1]
-            everything = torch.arange(seq_len).expand(1, layer.num_kv_heads, seq_len).contiguous()
-            entries = entries_of(layer.kv_pool, table, everything, row_map)[0].float()
+            everything = torch.arange(seq_len, device=pool_device).expand(
+                1, layer.num_kv_heads, seq_len).contiguous()
+            entries = entries_of(layer.kv_pool, table.to(pool_device), everything,
+                                 row_map)[0].to(device=device, dtype=torch.float32)
             keys = entries[..., : layer.head_size].repeat_interleave(group, 0)  # [H_q, L, D]
             values = entries[..., layer.head_size :].repeat_interleave(group, 0)
             first = seq_len - (end - start)  # position of the first query row
-            causal = (torch.arange(seq_len)[None, :]
-                      <= first + torch.arange(end - start)[:, None])  # [rows, L]
+            causal = (torch.arange(seq_len, device=device)[None, :]
+                      <= first + torch.arange(end - start, device=device)[:, None])  # [rows, L]
             queries = query[start:end].transpose(0, 1).float()  # [H_q, rows, D]
             logits = torch.einsum("hqd,hkd->hqk", queries, keys) * layer.scale
             probs = torch.softmax(logits.masked_fill(~causal[None], float("-inf")), dim=-1)
             output[start:end] = torch.einsum("hqk,hkd->hqd", probs, values).transpose(0, 1).to(
                 output.dtype)
             received = probs.sum(dim=1).view(layer.num_kv_heads, group, -1).sum(dim=1)
-            block_ids, offsets = block_coordinates(torch.arange(seq_len)[None], table,
-                                                   plan.block_size)
+            block_ids, offsets = block_coordinates(torch.arange(seq_len, device=device)[None],
+                                                   table, plan.block_size)
             accumulated[(block_ids * plan.block_size + offsets)[0]] += received.t()
         return True

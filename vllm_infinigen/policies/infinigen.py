@@ -4,25 +4,29 @@ skewed partial query scored against its partial keys.
 
 ``--infinigen-speculation previous-layer`` (default, the paper): in layer i,
 before its attention, layer i+1's query, computed from layer i's attention
-input (captured by the ``qkv_proj`` pre-hook, ``ops.py``) through layer i+1's
+input (captured by the ``qkv_proj`` pre-hook, ``worker/capture.py``) through layer i+1's
 query projection and rotary embedding, selects for layer i+1, so the entries
 can be on their way before layer i+1 runs. ``same-layer``: each sparse layer
 selects with its own query, in its own attention (no prefetch; where host and
 device memory are one, as on the CPU build, nothing is lost by waiting).
 Either way the compiled ``select_tokens`` kernel scores (alpha count capped by
 the budget, per-head top-k, sink/recent window). No per-slot state besides the
-partial keys, which every sparse layer keeps (``layer_state.py``).
+partial keys, which every sparse layer keeps (``worker/layer_state.py``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vllm_infinigen import kernels
-from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.layer_state import LayerState
 from vllm_infinigen.policies.base import SelectionPolicy
-from vllm_infinigen.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from vllm_infinigen.config import InfiniGenConfig
+    from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.step_plan import StepPlan
 
 
 def partial_query(target: LayerState, hidden: torch.Tensor,
@@ -38,7 +42,7 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
     num_heads, head_size = target.num_heads, target.head_size
     projection = target.query_proj
     if projection is not None:  # only the query rows, prepacked as vLLM's own
-        query = projection.cpu_linear(hidden, projection.weight, projection.bias)
+        query = projection(hidden)
     else:
         qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
         query = qkv[:, :num_heads * head_size]
@@ -60,7 +64,6 @@ def skewed(layer: LayerState, query: torch.Tensor) -> torch.Tensor:
 
 class InfiniGenPolicy(SelectionPolicy):
     name = "infinigen"
-    supports_capped_pool = True
 
     def selects_ahead(self, settings: InfiniGenConfig) -> bool:
         return settings.speculation == "previous-layer"
@@ -89,8 +92,7 @@ def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
     """The selection of ``layer``'s sparse rows for a partial query [S, H_kv, G, R]."""
     rows = plan.sparse_rows
     selection, _ = kernels.select_tokens(
-        query, layer.partial_keys, rows.block_table, rows.context_lens,
-        scale=layer.scale, alpha=settings.alpha, budget=settings.budget,
-        sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens,
-        row_map=row_map)
+        query, layer.partial_keys, rows.block_table, rows.context_lens, rows.token_caps,
+        scale=layer.scale, alpha=settings.alpha, sink_tokens=settings.sink_tokens,
+        recent_tokens=settings.recent_tokens, row_map=row_map)
     return selection

@@ -14,32 +14,36 @@ page of slot ids (the last row takes padding)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.layer_state import LayerState
 from vllm_infinigen.policies.base import (
+    Selection,
     SelectionPolicy,
     as_positions,
-    context_slots,
     from_position_mask,
+    sparse_rows_of,
 )
-from vllm_infinigen.selector import Selection, token_caps
-from vllm_infinigen.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from vllm_infinigen.config import InfiniGenConfig
+    from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.step_plan import StepPlan
 
 QUEST_PAGE_SIZE = 16
 
 
 def quest_select(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
-                 context_lens: torch.Tensor, budget: float, width: int) -> Selection:
+                 context_lens: torch.Tensor, token_caps: torch.Tensor, width: int) -> Selection:
     """Query-aware page selection.
 
     Args:
         query: [B, H_q, D] the layer's own queries.
         page_min, page_max: [B, P, H_kv, D] key bounds of each context page.
         context_lens: [B].
-        width: Bound of the selection (a multiple of the page size).
+        token_caps: [B] the budget in tokens (``step_plan.token_budget``).
+        width: Bound of the selection (``quest_width``).
 
     Returns:
         Every context token of the chosen pages, per KV head.
@@ -57,7 +61,7 @@ def quest_select(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Te
     page_ids = torch.arange(num_pages, device=query.device)
     scores = scores.masked_fill(page_ids[None, None] >= pages_in_context[:, None, None],
                                 float("-inf"))
-    wanted = torch.clamp(token_caps(context_lens, budget) // QUEST_PAGE_SIZE, min=1)
+    wanted = torch.clamp(token_caps // QUEST_PAGE_SIZE, min=1)
     rank = torch.argsort(torch.argsort(scores, dim=-1, descending=True), dim=-1)
     chosen_pages = (rank < wanted[:, None, None]) & (scores > float("-inf"))
     chosen = chosen_pages.repeat_interleave(QUEST_PAGE_SIZE, dim=-1)  # [B, H_kv, P * page]
@@ -66,10 +70,10 @@ def quest_select(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Te
     return from_position_mask(chosen, width)
 
 
-def quest_width(context_lens: list[int], budget: float) -> int:
-    """Host-side bound of the width of ``quest_select`` in one step."""
-    pages = max((max(1, max(1, int(n * budget)) // QUEST_PAGE_SIZE) for n in context_lens),
-                default=1)
+def quest_width(caps_host: list[int]) -> int:
+    """Host-side bound of the width of ``quest_select`` in one step, from the
+    rows' budgets in tokens."""
+    pages = max((max(1, cap // QUEST_PAGE_SIZE) for cap in caps_host), default=1)
     return pages * QUEST_PAGE_SIZE
 
 
@@ -91,7 +95,8 @@ class QuestPolicy(SelectionPolicy):
         if layer.layer_idx in self._pages:
             return
         device = layer.partial_keys.device
-        keys = layer.keys_at(torch.arange(layer.num_slots)).to(device)
+        keys = layer.keys_at(torch.arange(layer.num_slots, device=layer.kv_pool.device)).to(
+            device)
         pages = keys.view(-1, QUEST_PAGE_SIZE, layer.num_kv_heads, layer.head_size)
         pad = torch.zeros((1, layer.num_kv_heads, layer.head_size), dtype=keys.dtype,
                           device=device)
@@ -118,15 +123,15 @@ class QuestPolicy(SelectionPolicy):
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
         bounds = self._pages[layer.layer_idx]
-        slots, context_lens, context_host = context_slots(plan)  # slots: [S, N]
-        starts = torch.arange(0, slots.shape[1], QUEST_PAGE_SIZE)
+        rows = sparse_rows_of(plan)
+        slots = rows.slots  # [S, N]
+        starts = torch.arange(0, slots.shape[1], QUEST_PAGE_SIZE, device=slots.device)
         page_ids = slots[:, starts] // QUEST_PAGE_SIZE  # [S, P]
         page_min, page_max = bounds.low[page_ids], bounds.high[page_ids]
         if settings.eval_dense_prefix is not None and plan.has_other_rows:
             _bounds_as_in_decode(layer, plan, page_min, page_max)
         selection = quest_select(query[plan.tokens[plan.sparse]], page_min, page_max,
-                                 context_lens, settings.budget,
-                                 quest_width(context_host, settings.budget))
+                                 rows.context_lens, rows.token_caps, quest_width(rows.caps_host))
         return as_positions(selection)
 
 
@@ -140,13 +145,15 @@ def _bounds_as_in_decode(layer: LayerState, plan: StepPlan, page_min: torch.Tens
     """
     context_lens = plan.context_lens[plan.sparse]
     last = context_lens // QUEST_PAGE_SIZE  # [S] page of each row's own position
-    positions = last[:, None] * QUEST_PAGE_SIZE + torch.arange(QUEST_PAGE_SIZE)
+    positions = last[:, None] * QUEST_PAGE_SIZE + torch.arange(QUEST_PAGE_SIZE,
+                                                               device=last.device)
     upto = positions <= context_lens[:, None]  # [S, page]
     clamped = torch.minimum(positions, context_lens[:, None])
     block_ids = torch.gather(plan.block_table[plan.sparse].to(torch.int64), 1,
                              clamped // plan.block_size)
     slots = block_ids * plan.block_size + clamped % plan.block_size
-    keys = layer.keys_at(slots).to(page_min.dtype)  # [S, page, H_kv, D]
+    # keys: [S, page, H_kv, D]
+    keys = layer.keys_at(slots).to(device=page_min.device, dtype=page_min.dtype)
     hidden = ~upto[..., None, None]
     low = keys.masked_fill(hidden, float("inf")).amin(dim=1)  # [S, H_kv, D]
     high = keys.masked_fill(hidden, float("-inf")).amax(dim=1)

@@ -7,26 +7,32 @@ current token is attended on top), the same for every KV head. No state.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.layer_state import LayerState
 from vllm_infinigen.policies.base import (
+    Selection,
     SelectionPolicy,
     as_positions,
-    context_slots,
     from_position_mask,
+    sparse_rows_of,
 )
-from vllm_infinigen.selector import Selection, max_selected, token_caps
-from vllm_infinigen.step_plan import StepPlan
+from vllm_infinigen.worker.step_plan import widest
+
+if TYPE_CHECKING:
+    from vllm_infinigen.config import InfiniGenConfig
+    from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.step_plan import StepPlan
 
 STREAMING_SINK_TOKENS = 4
 
 
-def streaming_select(context_lens: torch.Tensor, budget: float, num_heads: int,
+def streaming_select(context_lens: torch.Tensor, token_caps: torch.Tensor, num_heads: int,
                      num_tokens: int, width: int) -> Selection:
-    """Sinks and the most recent tokens: [B] context lengths -> [B, H_kv, width]."""
-    caps = token_caps(context_lens, budget)[:, None]  # [B, 1]
+    """Sinks and the most recent tokens: [B] context lengths and budgets in
+    tokens (``step_plan.token_budget``) -> [B, H_kv, width]."""
+    caps = token_caps[:, None]  # [B, 1]
     lens = context_lens.to(torch.int64)[:, None]
     sinks = torch.clamp(caps, max=STREAMING_SINK_TOKENS)
     positions = torch.arange(num_tokens, device=context_lens.device)[None]
@@ -40,8 +46,8 @@ class StreamingPolicy(SelectionPolicy):
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
-        _, context_lens, context_host = context_slots(plan, with_slots=False)
+        rows = sparse_rows_of(plan, with_slots=False)
         selection = streaming_select(
-            context_lens, settings.budget, layer.num_kv_heads,
-            max(plan.context_host, default=1), max_selected(context_host, settings.budget, 0))
+            rows.context_lens, rows.token_caps, layer.num_kv_heads,
+            max(plan.context_host, default=1), widest(rows.context_host, rows.caps_host))
         return as_positions(selection)

@@ -1,16 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
-// Registers InfiniGen's CPU kernels as torch ops: torch.ops.vllm_infinigen_C.*
+// The schemas of InfiniGen's ops, declared once for every platform:
+// torch.ops.vllm_infinigen_C.*. Each platform registers its implementations
+// under its own dispatch key (the CPU ones: cpu/register.cpp).
 #include <torch/library.h>
 
-#include "ops.h"
-
 TORCH_LIBRARY(vllm_infinigen_C, m) {
+  // The host write-through: new K|V rows of a sparse layer into its pool.
   m.def(
-      "write_kv(Tensor(a!) kv_pool, Tensor(b!) partial_keys, Tensor key, Tensor value, "
-      "Tensor skew, Tensor slot_mapping, Tensor? row_map) -> ()");
+      "write_pool(Tensor(a!) kv_pool, Tensor key, Tensor value, Tensor slot_mapping, "
+      "Tensor? row_map) -> ()");
+  // The device write: the new keys' skewed partial keys.
+  m.def(
+      "write_partial_keys(Tensor(a!) partial_keys, Tensor key, Tensor skew, "
+      "Tensor slot_mapping) -> ()");
   m.def(
       "select_tokens(Tensor partial_query, Tensor partial_keys, Tensor block_table, "
-      "Tensor context_lens, float scale, float alpha, float budget, int sink_tokens, "
+      "Tensor context_lens, Tensor token_caps, float scale, float alpha, int sink_tokens, "
       "int recent_tokens, Tensor? row_map) -> (Tensor, Tensor)");
   m.def(
       "attend_decode(Tensor query, Tensor kv_pool, Tensor block_table, Tensor context_lens, "
@@ -23,12 +28,4 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
   m.def(
       "record_uses(Tensor positions, Tensor block_table, Tensor row_map, Tensor(a!) count, "
       "Tensor(b!) last_used, int tick) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(vllm_infinigen_C, CPU, m) {
-  m.impl("write_kv", &infinigen::write_kv);
-  m.impl("select_tokens", &infinigen::select_tokens);
-  m.impl("attend_decode", &infinigen::attend_decode);
-  m.impl("attend_prefill", &infinigen::attend_prefill);
-  m.impl("record_uses", &infinigen::record_uses);
 }

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Skewing matrices: computed offline from calibration text, stored as safetensors.
+"""Skewing matrices computed from calibration text (front end: ``prepare`` and start-up).
 
 For each layer and KV head, the post-RoPE queries of the head's query group on a
 calibration text are stacked, Q = U S V^T, and the skewed query q V puts most
@@ -15,27 +15,26 @@ the bias as the paper does.
 from __future__ import annotations
 
 import glob
-import hashlib
 import inspect
 import json
 import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vllm_infinigen.layout import ModelLayout, partial_rank, read_hf_config
+from vllm_infinigen.skewing.tables import SkewTables, model_fingerprint
 
-FORMAT_VERSION = "1"
-SKEW_FLAG = "--infinigen-skew-file"
 # Chapters I-III of Jane Austen's Pride and Prejudice (1813, public domain;
 # Project Gutenberg #1342, without its header and illustrations): ~3,400
 # words, over 2,048 tokens with any tokenizer, as the artifact calibrates on
 # 2,048 tokens of a PG-19 book.
-CALIBRATION_TEXT = Path(__file__).parent / "assets" / "calibration.txt"
+CALIBRATION_TEXT = Path(__file__).parent.parent / "assets" / "calibration.txt"
+
+
 # Logged whenever an engine uses a skew computed from CALIBRATION_TEXT; the
 # numbers are from benchmarks/results/attribution.md (budget 0.1, defaults).
 BUNDLED_CALIBRATION_NOTE = (
@@ -46,76 +45,9 @@ BUNDLED_CALIBRATION_NOTE = (
     "retrieval model whose tokenizer reads no English; perplexity within 1% on a model "
     "trained on books)"
 )
+
+
 CALIBRATION_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-_FINGERPRINT_CONFIG_KEYS = (
-    "architectures",
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-)
-
-
-@dataclass(frozen=True)
-class SkewTables:
-    """Per-layer skew slices of one model.
-
-    ``skew[layer_idx]``: [num_kv_heads, head_dim, rank] float32, orthonormal
-    columns, applied as ``partial = x @ skew[kv_head]`` to post-RoPE queries
-    and keys.
-    """
-
-    skew: list[torch.Tensor]
-    fingerprint: str
-    partial_ratio: float
-    calibration_tokens: int | None = None  # tokens it was calibrated on (None: loaded)
-
-    @property
-    def rank(self) -> int:
-        return self.skew[0].shape[-1]
-
-
-def local_model_dir(model: str) -> str:
-    """A local directory for ``model`` (a path, or a snapshot in the HF cache)."""
-    if os.path.isdir(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, local_files_only=True)
-    except Exception as e:
-        raise ValueError(
-            f"--kv-manager infinigen needs the model files on disk; {model!r} is "
-            f"neither a directory nor in the local Hugging Face cache ({e})"
-        ) from e
-
-
-def model_fingerprint(model_dir: str) -> str:
-    """Identifies a checkpoint: its shape-defining config and weight bytes.
-
-    Hashes the config fields that define shapes, then for every safetensors
-    file its header (names, shapes, offsets) and first MiB of tensor data.
-    """
-    digest = hashlib.sha256()
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    subset = {key: config.get(key) for key in _FINGERPRINT_CONFIG_KEYS}
-    digest.update(json.dumps(subset, sort_keys=True).encode())
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
-    for path in files:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            digest.update(f.read(header_len))
-            digest.update(f.read(1 << 20))
-    return digest.hexdigest()[:32]
 
 
 def skew_from_activations(
@@ -336,82 +268,3 @@ def compute_skew_tables(
         del parts
         skew.append(skew_from_activations(queries, keys, rank))
     return SkewTables(skew, model_fingerprint(model_dir), partial_ratio, num_tokens)
-
-
-def save_skew_tables(tables: SkewTables, path: str) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {f"layers.{idx}.skew": s.contiguous() for idx, s in enumerate(tables.skew)}
-    metadata = {
-        "format": "vllm-infinigen-skew",
-        "format_version": FORMAT_VERSION,
-        "fingerprint": tables.fingerprint,
-        "partial_ratio": repr(tables.partial_ratio),
-        "num_layers": str(len(tables.skew)),
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file(tensors, tmp, metadata=metadata)
-    os.replace(tmp, path)
-
-
-def load_skew_tables(
-    path: str,
-    fingerprint: str,
-    partial_ratio: float,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> SkewTables:
-    """Loads and checks a skew file against the model being served.
-
-    Raises:
-        ValueError: Naming the file, when it is unreadable, truncated, for
-            another model, another partial ratio, or has wrong shapes.
-    """
-    from safetensors import safe_open
-
-    def fail(reason: str) -> ValueError:
-        return ValueError(f"{SKEW_FLAG} {path}: {reason}")
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:  # safetensors raises several types for bad files
-        raise fail(f"not a readable safetensors file ({e})") from e
-    if metadata.get("format") != "vllm-infinigen-skew":
-        raise fail("not a skew file written by `vllm-infinigen prepare`")
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise fail(f"format version {metadata.get('format_version')}, expected {FORMAT_VERSION}")
-    if metadata.get("fingerprint") != fingerprint:
-        raise fail(
-            f"written for another model (fingerprint {metadata.get('fingerprint')}, "
-            f"this model {fingerprint}); run `vllm-infinigen prepare` for this model"
-        )
-    file_ratio = float(metadata.get("partial_ratio", "nan"))
-    if file_ratio != partial_ratio:
-        raise fail(
-            f"written for --infinigen-partial-ratio {file_ratio}, "
-            f"the engine uses {partial_ratio}"
-        )
-    rank = partial_rank(head_dim, partial_ratio)
-    skew = []
-    for idx in range(num_layers):
-        tensor = tensors.get(f"layers.{idx}.skew")
-        if tensor is None:
-            raise fail(f"has no tensor for layer {idx}")
-        if tuple(tensor.shape) != (num_kv_heads, head_dim, rank):
-            raise fail(
-                f"layer {idx} has shape {tuple(tensor.shape)}, expected "
-                f"{(num_kv_heads, head_dim, rank)}"
-            )
-        skew.append(tensor.float())
-    return SkewTables(skew, fingerprint, partial_ratio)
-
-
-def cached_skew_path(fingerprint: str, partial_ratio: float) -> Path:
-    root = os.environ.get(
-        "VLLM_INFINIGEN_CACHE", os.path.join(Path.home(), ".cache", "vllm_infinigen")
-    )
-    return Path(root) / f"skew-{fingerprint}-r{partial_ratio}.safetensors"

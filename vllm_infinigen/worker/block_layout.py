@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pure-torch views of the kernels' block layouts (tests, recordings, H2O's prefill).
+"""Worker side: the block layouts of the pool and the partial keys, and pure-torch reads of them.
 
 Layouts (one sparse layer; ``block_id`` from the dense group's block table)::
 
@@ -26,25 +26,6 @@ def block_coordinates(positions: torch.Tensor, block_table: torch.Tensor,
     return block_ids.view_as(positions), (flat % block_size).view_as(positions)
 
 
-def partial_keys_of(partial_keys: torch.Tensor, block_table: torch.Tensor,
-                    num_tokens: int) -> torch.Tensor:
-    """[B, N, H_kv, R] partial keys of positions 0..N-1 of each row's request."""
-    block_size = partial_keys.shape[-1]
-    positions = torch.arange(num_tokens).expand(block_table.shape[0], num_tokens)
-    block_ids, offsets = block_coordinates(positions, block_table, block_size)
-    # partial_keys[block, :, :, offset] -> [B, N, H_kv, R]
-    return partial_keys.permute(0, 3, 1, 2)[block_ids, offsets]
-
-
-def present_of(row_map: torch.Tensor, block_table: torch.Tensor,
-               num_tokens: int) -> torch.Tensor:
-    """[B, N, H_kv] whether a capped pool still holds each entry."""
-    block_size = row_map.shape[-1]
-    positions = torch.arange(num_tokens).expand(block_table.shape[0], num_tokens)
-    block_ids, offsets = block_coordinates(positions, block_table, block_size)
-    return row_map.permute(0, 2, 1)[block_ids, offsets] >= 0
-
-
 def entries_of(kv_pool: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
                row_map: torch.Tensor | None = None) -> torch.Tensor:
     """[B, H_kv, K, 2 * D] K|V rows of ``positions`` [B, H_kv, K] (per KV head).
@@ -53,7 +34,7 @@ def entries_of(kv_pool: torch.Tensor, block_table: torch.Tensor, positions: torc
     """
     num_heads, block_size = kv_pool.shape[1], kv_pool.shape[2]
     block_ids, offsets = block_coordinates(positions, block_table, block_size)
-    heads = torch.arange(num_heads)[None, :, None].expand_as(block_ids)
+    heads = torch.arange(num_heads, device=kv_pool.device)[None, :, None].expand_as(block_ids)
     units = block_ids
     missing = positions < 0
     if row_map is not None:

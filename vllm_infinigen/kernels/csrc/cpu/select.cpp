@@ -85,8 +85,8 @@ void score_block(const float* query, const T* page, int64_t num_heads, int64_t g
 
 std::tuple<at::Tensor, at::Tensor> select_tokens(
     const at::Tensor& partial_query, const at::Tensor& partial_keys,
-    const at::Tensor& block_table, const at::Tensor& context_lens, double scale, double alpha,
-    double budget, int64_t sink_tokens, int64_t recent_tokens,
+    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& token_caps,
+    double scale, double alpha, int64_t sink_tokens, int64_t recent_tokens,
     const std::optional<at::Tensor>& row_map) {
   TORCH_CHECK(partial_query.scalar_type() == at::kFloat && partial_query.is_contiguous() &&
                   partial_query.dim() == 4,
@@ -98,6 +98,9 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
               "block_table: int32 [B, max_blocks]");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
               "context_lens: contiguous int64 [B]");
+  TORCH_CHECK(token_caps.scalar_type() == at::kLong && token_caps.is_contiguous() &&
+                  token_caps.numel() == context_lens.numel(),
+              "token_caps: contiguous int64 [B]");
   const int64_t num_rows = partial_query.size(0), num_heads = partial_query.size(1);
   const int64_t group = partial_query.size(2), rank = partial_query.size(3);
   const int64_t block_size = partial_keys.size(3);
@@ -112,6 +115,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
     map = row_map->data_ptr<int32_t>();
   }
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* caps = token_caps.data_ptr<int64_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t table_stride = block_table.stride(0);
   int64_t max_len = 0;
@@ -161,8 +165,9 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
     }
   });
 
-  // Per request: k = min(floor(mean count over heads), floor(budget x context)),
-  // plus the sink/recent window, at most the context.
+  // Per request: k = min(floor(mean count over heads), the budget in tokens
+  // (token_caps, step_plan.token_budget)), plus the sink/recent window, at
+  // most the context.
   auto num_selected = at::empty({num_rows}, at::kLong);
   int64_t* selected = num_selected.data_ptr<int64_t>();
   int64_t width = 0;
@@ -172,8 +177,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
     for (int64_t h = 0; h < num_heads; ++h) total += counts[b * num_heads + h];
     const int64_t mean = static_cast<int64_t>(
         std::floor(static_cast<double>(total) / static_cast<double>(num_heads)));
-    const int64_t cap = std::max<int64_t>(
-        1, static_cast<int64_t>(std::floor(static_cast<double>(n) * budget)));
+    const int64_t cap = caps[b];
     int64_t window = 0;
     for (int64_t t = 0; t < n; ++t) window += (t < sink_tokens || t >= n - recent_tokens);
     selected[b] = std::min(std::min(mean, cap) + window, n);

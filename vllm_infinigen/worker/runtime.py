@@ -10,15 +10,16 @@ Data path of one decode step, for a model with L layers and ``dense_layers=2``::
     ...
     layer L-1 attends over what layer L-2 selected
 
-Sparse layers hold no blocks in vLLM's cache (``spec.py``); their K/V and
+Sparse layers hold no blocks in vLLM's cache (``scheduler/spec.py``); their K/V and
 partial keys live in ``LayerState`` buffers addressed by the dense group's
 block ids. In models with sliding-window layers beside full-attention ones
 (Gemma 3, ``layout.window_layers``) the windowed layers are left to vLLM and
 the split above runs over the full-attention layers alone: layer i is then the
 i-th full-attention layer, and it speculates for the next full-attention
 layer from its own attention input. Rows with a context shorter than ``min_context`` attend densely
-over the pool; prompt rows attend causally over it. The compiled kernels
-(``kernels/``) do the writing, selecting and attending.
+over the pool; prompt rows attend causally over it. Where the bytes live and
+how they move is the platform's ``DataPath`` (``data_path.py``); the compiled
+kernels (``kernels/``) do the selecting.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ from collections.abc import Callable, Sequence
 import torch
 from vllm.logger import init_logger
 
-from vllm_infinigen import kernels
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.kernels.reference import entries_of
-from vllm_infinigen.layer_state import LayerSource, LayerState
 from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.policies import policy_class
 from vllm_infinigen.policies.base import SelectionPolicy
 from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE
-from vllm_infinigen.pool import IdentityPoolIndex, PoolIndex, make_pool_index
-from vllm_infinigen.step_plan import StepPlan, build_plan
-from vllm_infinigen.transfer import make_transfer
+from vllm_infinigen.worker.data_path import DataPath
+from vllm_infinigen.worker.layer_state import LayerSource, LayerState
+from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex, make_pool_index
+from vllm_infinigen.worker.step_plan import StepPlan, build_plan
 
 logger = init_logger(__name__)
 
@@ -55,7 +55,8 @@ class InfiniGenRuntime:
         config: The engine's settings with ``alpha`` resolved for the model.
         sources: Every attention layer of the model, in order (the first
             full-attention layer is dense: its metadata indexes the pool).
-        device: Where the partial keys live.
+        device: Where the partial keys live (the platform's device).
+        data_path: The platform's storage and movement of K/V (``data_path.py``).
         layout: The model's layout (all ranks: the counters are per model KV
             head), which names the sparse and the windowed layers.
         rank: Tensor-parallel rank of this worker (for the per-rank gauges).
@@ -64,8 +65,8 @@ class InfiniGenRuntime:
     """
 
     def __init__(self, config: InfiniGenConfig, sources: Sequence[LayerSource],
-                 device: torch.device, *, layout: ModelLayout, rank: int = 0,
-                 prompt_lens_of: PromptLengths | None = None):
+                 device: torch.device, data_path: DataPath, *, layout: ModelLayout,
+                 rank: int = 0, prompt_lens_of: PromptLengths | None = None):
         if config.alpha is None:
             raise ValueError("the runtime needs a resolved alpha (InfiniGenConfig.resolved_alpha)")
         self.config = config
@@ -82,11 +83,12 @@ class InfiniGenRuntime:
         # kernels add to its row (``state.stats`` is a view). Tokens are
         # counted as the mean over all KV heads of the model: a tensor-parallel
         # rank adds its heads' share, and vLLM sums the ranks.
-        self.stats = torch.zeros((len(sources), 2), dtype=torch.float64)
+        self.stats = torch.zeros((len(sources), 2), dtype=torch.float64, device=device)
         self.layers = self._layer_states(sources)
         self.pool_index: PoolIndex = IdentityPoolIndex(0)
         self.pool_entry_bytes = 0  # one (layer, head) entry: K and V
-        self.transfer = make_transfer(config.transfer, device)
+        self.block_size = 0  # tokens per block of the dense group, once allocated
+        self.data_path = data_path
         self.swap_wait_us = [0] * len(sources)
         # Every policy used so far keeps its state up to date (a switch back
         # finds it current); ``policy`` selects.
@@ -137,61 +139,46 @@ class InfiniGenRuntime:
         """[num_blocks, H_kv, block_size] rows of ``state``'s entries in a capped pool."""
         return self.pool_index.row_map_of(state.pool_layer)
 
-    def allocate_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      num_rows: int, sized_by: str = "") -> None:
-        """Allocates every sparse layer's pool and partial keys.
+    def allocate_pool(self, plan: PoolPlan, num_blocks: int, dtype: torch.dtype) -> None:
+        """Allocates every sparse layer's pool and partial keys, as planned.
 
         Args:
+            plan: The worker's pool (``memory.plan_pool``).
             num_blocks: Blocks of the dense group (its block ids address the pool).
-            num_rows: Tokens the pool holds per layer and head (``pool_rows``).
-            sized_by: The setting that sized the pool, for the log line.
         """
-        import psutil
-
         sparse = self.sparse_layers
-        num_slots = num_blocks * block_size
+        block_size = plan.block_size
         if block_size % QUEST_PAGE_SIZE:
             raise ValueError(f"InfiniGen needs a block size that is a multiple of "
                              f"{QUEST_PAGE_SIZE}; got --block-size {block_size}")
-        capped = num_rows < num_slots
-        num_units = -(-num_rows // block_size) if capped else num_blocks
         kv_heads = sparse[0].num_kv_heads  # of this rank
+        self.block_size = block_size
         self.pool_entry_bytes = self.layout.kv_bytes_per_token_layer(dtype.itemsize, 1)
-        pool_bytes = (num_units * block_size
-                      * self.layout.pool_bytes_per_token(dtype.itemsize, kv_heads))
-        free_bytes = psutil.virtual_memory().available
-        if pool_bytes > 0.9 * free_bytes:
-            raise ValueError(
-                f"InfiniGen's pool for {num_rows} tokens needs {pool_bytes / 2**30:.2f} GiB "
-                f"of host memory, {free_bytes / 2**30:.2f} GiB is free; set "
-                "--infinigen-cpu-pool-gib or lower --kv-cache-memory-bytes (uncapped, "
-                "the pool holds every token the dense layers' blocks can hold)"
-            )
         for state in sparse:
-            state.allocate(num_units, num_blocks, block_size, dtype, self.device)
+            self.data_path.allocate(state, plan, num_blocks, dtype)
         self.pool_index = make_pool_index(
-            len(sparse), sparse[0].num_kv_heads, num_slots, num_rows,
+            len(sparse), kv_heads, plan.num_slots, plan.num_rows,
             self.config.eviction, self.device, block_size=block_size,
         )
         for policy in self._policies.values():
             for state in sparse:
                 policy.allocate(state)
-        partial_bytes = num_slots * self.layout.partial_bytes_per_token(dtype.itemsize, kv_heads)
+        partial_bytes = (plan.num_slots
+                         * self.layout.partial_bytes_per_token(dtype.itemsize, kv_heads))
         logger.info(
             "InfiniGen: pool of %d tokens per sparse layer and KV head (%d layers x %d "
             "KV heads), %s: %.3f GiB host memory, sized by %s; partial keys for %d "
-            "tokens: %.3f GiB device memory; transfer %s; CPU kernels for %s",
-            num_rows, len(sparse), sparse[0].num_kv_heads,
-            f"capped below the dense group's {num_slots} slots, {self.config.eviction} "
-            f"eviction" if capped else "a row per dense slot (uncapped)",
-            pool_bytes / 2**30, sized_by or "the dense group's slots",
-            num_slots, partial_bytes / 2**30,
-            self.transfer.name, kernels.load(),
+            "tokens: %.3f GiB device memory; %s",
+            plan.num_rows, len(sparse), kv_heads,
+            f"capped below the dense group's {plan.num_slots} slots, {self.config.eviction} "
+            f"eviction" if plan.capped else "a row per dense slot (uncapped)",
+            plan.num_bytes / 2**30, plan.sized_by, plan.num_slots, partial_bytes / 2**30,
+            self.data_path.describe(),
         )
 
     def shutdown(self) -> None:
-        """Stops the copy worker (``--infinigen-transfer copy``), if any."""
-        self.transfer.shutdown()
+        """Stops whatever the data path runs beside the model (a copy worker)."""
+        self.data_path.shutdown()
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Frees the pool rows of a finished or preempted request's dense blocks."""
@@ -244,7 +231,7 @@ class InfiniGenRuntime:
             out[f"pool_capacity_bytes.{self.rank}"] = capacity * self.pool_entry_bytes
         return out
 
-    # -- one step, layer by layer (called by the attention impls, ``install.py``)
+    # -- one step, layer by layer (called by the attention impls, ``attention.py``)
 
     def begin_layer(self, state: LayerState, dense_metadata, slot_mapping: torch.Tensor,
                     block_size: int) -> StepPlan:
@@ -296,7 +283,7 @@ class InfiniGenRuntime:
               slot_mapping: torch.Tensor) -> None:
         """New K/V [T, H_kv, D] of a sparse layer into the pool; slot_mapping [T]."""
         slots = slot_mapping.to(torch.int64)
-        state.write(key, value, slots, self.row_map(state))
+        self.data_path.write(state, key, value, slots, self.row_map(state))
         for policy in self._policies.values():
             policy.on_write(state, key, slots)
 
@@ -317,10 +304,9 @@ class InfiniGenRuntime:
     def _start_transfer(self, target: LayerState, plan: StepPlan,
                         positions: torch.Tensor) -> None:
         """Counts the selection's uses (capped pool) and sends ``target`` its entries."""
-        block_table = plan.sparse_rows.block_table
-        self.pool_index.record_selection(target.pool_layer, positions, block_table)
-        self.transfer.start(target.layer_idx, target.kv_pool, block_table, positions,
-                            self.row_map(target))
+        rows = plan.sparse_rows
+        self.pool_index.record_selection(target.pool_layer, positions, rows.block_table)
+        self.data_path.start_fetch(target, rows, positions, self.row_map(target))
 
     def attend_decode(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor) -> None:
@@ -328,9 +314,8 @@ class InfiniGenRuntime:
         row_map = self.row_map(state)
         if plan.dense_rows.size:
             rows = plan.dense_rows
-            output[rows.tokens] = kernels.attend_decode(
-                query[rows.tokens], state.kv_pool, rows.block_table, rows.context_lens, None,
-                scale=state.scale, row_map=row_map, stats=state.stats)
+            output[rows.tokens] = self.data_path.attend_dense(state, rows, query[rows.tokens],
+                                                              row_map)
         rows = plan.sparse_rows
         if not rows.size:
             return
@@ -340,49 +325,18 @@ class InfiniGenRuntime:
             state.offer_selection(positions)
             self._start_transfer(state, plan, positions)
         positions = state.take_selection()
-        tokens = rows.tokens
-        probs = (torch.empty(positions.shape, dtype=torch.float32)
+        probs = (torch.empty(positions.shape, dtype=torch.float32, device=positions.device)
                  if policy.records_attention else None)
-        staged, waited = self.transfer.wait(state.layer_idx)
+        out, waited = self.data_path.attend_selected(state, rows, query[rows.tokens], positions,
+                                                     row_map, probs)
         self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
-        if staged is None:
-            out = kernels.attend_decode(
-                query[tokens], state.kv_pool, rows.block_table, rows.context_lens, positions,
-                scale=state.scale, row_map=row_map, probs=probs, stats=state.stats)
-        else:
-            out = self._attend_staged(state, plan, query[tokens], staged, positions, probs)
-        output[tokens] = out
+        output[rows.tokens] = out
         if probs is not None:
             policy.on_attend(state, plan, positions, probs)
-
-    def _attend_staged(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
-                       staged: torch.Tensor, positions: torch.Tensor,
-                       probs: torch.Tensor | None) -> torch.Tensor:
-        """Attention over staged entries [S, H_kv, K, 2D] (``--infinigen-transfer copy``).
-
-        The staging buffer serves as a pool with one block per row: the
-        selected entries at offsets 0..K-1, the row's own entry at K.
-        """
-        rows = plan.sparse_rows
-        num_rows, width = positions.shape[0], positions.shape[-1]
-        own = rows.context_lens[:, None, None].expand(-1, state.num_kv_heads, 1)
-        current = entries_of(state.kv_pool, rows.block_table, own.contiguous(),
-                             self.row_map(state))
-        staged_pool = torch.cat([staged.to(current.dtype), current], dim=2).contiguous()
-        offsets = torch.arange(width, dtype=torch.int32).expand_as(positions)
-        staged_positions = torch.where(positions >= 0, offsets, -1).contiguous()
-        state.stats += torch.tensor([float((positions >= 0).sum()),
-                                     float(rows.context_lens.sum())], dtype=torch.float64)
-        return kernels.attend_decode(
-            query, staged_pool, torch.arange(num_rows, dtype=torch.int32)[:, None],
-            torch.full((num_rows,), width, dtype=torch.int64), staged_positions,
-            scale=state.scale, probs=probs)
 
     def attend_prompt(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor) -> None:
         """Causal attention of the prompt rows over the pool; query, output: [T, H_q, D]."""
         if self.policy.attend_prompt(state, plan, query, output, self.row_map(state)):
             return
-        kernels.attend_prefill(query, output, state.kv_pool, plan.all_block_table,
-                               plan.query_start, plan.seq_lens, plan.prompt_requests,
-                               scale=state.scale, row_map=self.row_map(state))
+        self.data_path.attend_prompt(state, plan, query, output, self.row_map(state))

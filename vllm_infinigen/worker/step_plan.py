@@ -21,7 +21,27 @@ from dataclasses import dataclass
 import torch
 
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.kernels.reference import block_coordinates
+from vllm_infinigen.worker.block_layout import block_coordinates
+
+
+def token_budget(context_lens: torch.Tensor, budget: float) -> torch.Tensor:
+    """The budget in tokens of each row: floor(budget x context), at least 1.
+
+    The one definition of ``--infinigen-budget`` in tokens: the selection
+    kernel and every policy take its result.
+
+    Args:
+        context_lens: [B] tokens in each row's context (its own token excluded).
+    """
+    caps = torch.floor(context_lens.to(torch.float64) * budget).to(torch.int64)
+    return torch.clamp(caps, min=1)
+
+
+def widest(context_host: list[int], caps_host: list[int], num_window: int = 0) -> int:
+    """Host-side bound of a step's selection width: the most any row keeps,
+    min(context, budget in tokens + window), at least 1."""
+    return max((min(n, cap + num_window) for n, cap in zip(context_host, caps_host)),
+               default=1)
 
 
 @dataclass(frozen=True)
@@ -31,6 +51,9 @@ class RowSet:
     tokens: torch.Tensor  # [n] rows in the step's query tensor
     context_lens: torch.Tensor  # [n] int64
     block_table: torch.Tensor  # [n, max_blocks] int32, contiguous
+    token_caps: torch.Tensor  # [n] int64 the budget in tokens (``token_budget``)
+    caps_host: list[int]  # host copy of token_caps
+    context_host: list[int]  # host copy of context_lens
 
     @property
     def size(self) -> int:
@@ -45,6 +68,8 @@ class StepPlan:
     tokens: torch.Tensor  # [B] row in the step's query tensor
     context_lens: torch.Tensor  # [B] int64 tokens before each row
     context_host: list[int]  # host copy of context_lens
+    token_caps: torch.Tensor  # [B] int64 the budget in tokens (``token_budget``)
+    caps_host: list[int]  # host copy of token_caps
     block_table: torch.Tensor  # [B, max_blocks] int32 dense-group block ids
     sparse: torch.Tensor  # [S] indices into the B rows that attend over a selection
     dense: torch.Tensor  # [B - S] indices of the rows that attend densely (short context)
@@ -74,15 +99,20 @@ class StepPlan:
         return self._subset(self.dense)
 
     def _subset(self, index: torch.Tensor) -> RowSet:
+        rows = index.tolist()
         return RowSet(tokens=self.tokens[index],
                       context_lens=self.context_lens[index].contiguous(),
-                      block_table=self.block_table[index].contiguous())
+                      block_table=self.block_table[index].contiguous(),
+                      token_caps=self.token_caps[index].contiguous(),
+                      caps_host=[self.caps_host[i] for i in rows],
+                      context_host=[self.context_host[i] for i in rows])
 
     @functools.cached_property
     def context_slots(self) -> torch.Tensor:
         """[B, N] slot id of every context position (for the policies' per-slot state)."""
         width = max(self.context_host, default=1)
-        positions = torch.arange(width).expand(self.num_decodes, width)
+        positions = torch.arange(width, device=self.block_table.device).expand(
+            self.num_decodes, width)
         block_ids, offsets = block_coordinates(positions, self.block_table, self.block_size)
         return block_ids * self.block_size + offsets
 
@@ -115,11 +145,14 @@ def build_plan(attn_metadata, config: InfiniGenConfig, block_size: int,
             ~is_decode, query_start, seq_lens, max(prefix, 1))
     all_block_table = attn_metadata.block_table[:num_reqs]
     short = context_lens < config.min_context
+    token_caps = token_budget(context_lens, config.budget)
     return StepPlan(
         rows=rows,
         tokens=tokens,
         context_lens=context_lens.contiguous(),
         context_host=context_lens.tolist(),
+        token_caps=token_caps,
+        caps_host=token_caps.tolist(),
         block_table=all_block_table[rows].contiguous(),
         sparse=torch.nonzero(~short).flatten(),
         dense=torch.nonzero(short).flatten(),
@@ -147,7 +180,7 @@ def _with_prompt_rows(is_prompt: torch.Tensor, query_start: torch.Tensor,
             first_selected = seq_len - 1
         else:
             first_selected = max(first, prefix)
-        positions = torch.arange(min(first_selected, seq_len), seq_len)
+        positions = torch.arange(min(first_selected, seq_len), seq_len, device=seq_lens.device)
         rows.append(torch.full_like(positions, request))
         tokens.append(start + positions - first)
         contexts.append(positions)

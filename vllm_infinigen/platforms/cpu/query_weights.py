@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: the query slice of each sparse layer's ``qkv_proj``, kept for speculation.
+"""CPU worker: the query slice of each sparse layer's ``qkv_proj``, kept for speculation.
 
 Layer i speculates with layer i+1's query projection; only its query rows are
 needed (the key and value rows are 2/3 of an MHA layer's projection). On CPU
@@ -32,10 +32,14 @@ class QueryProjection(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, q_size], through vLLM's CPU GEMM (set by its dispatch)."""
+        return self.cpu_linear(hidden, self.weight, self.bias)
+
 
 @contextlib.contextmanager
 def capture_query_weights(layers: Collection[int]) -> Iterator[dict[int, torch.nn.Module]]:
-    """Yields {layer_idx: module} whose ``cpu_linear(x, weight, bias)`` is x W_q^T + b_q.
+    """Yields {layer_idx: module} computing x W_q^T + b_q.
 
     Filled while the model loads, for the ``qkv_proj`` of ``layers`` (the sparse ones).
     """

@@ -1,16 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: one attention layer's InfiniGen state and its pool storage.
+"""Worker side: one attention layer's InfiniGen state.
 
 A sparse layer keeps, addressed by the dense KV-cache group's block ids
-(block-granular, so a request's context is read in runs)::
+(block-granular, so a request's context is read in runs), two buffers that
+the platform's data path allocates and writes (``data_path.py``)::
 
     kv_pool       [units, H_kv, block_size, 2 * D]   host pool; a token's K | V
                                                      side by side in one row
-    partial_keys  [num_blocks, H_kv, R, block_size]  skewed partial keys,
-                                                     channel-major per block
+    partial_keys  [num_blocks, H_kv, R, block_size]  skewed partial keys, on the
+                                                     device, channel-major per block
 
 Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
-(layer, KV head) maps its entries to rows of fewer units (``pool.py``).
+(layer, KV head) maps its entries to rows of fewer units (``pool_index.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from vllm_infinigen import kernels
-
-
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Pool memory: pinned host memory where a CUDA device copies from it."""
-    return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
 @dataclass(frozen=True)
@@ -36,7 +30,7 @@ class LayerSource:
     attention: torch.nn.Module  # vLLM's ``Attention``
     self_attn: torch.nn.Module | None  # holds ``qkv_proj``, ``rotary_emb``, ``q_norm``
     skew: torch.Tensor  # [H_kv of this rank, D, R] float32
-    query_proj: torch.nn.Module | None  # ``query_weights.py``; None: use qkv_proj
+    query_proj: torch.nn.Module | None  # a platform's (CPU: ``query_weights.py``); None: qkv_proj
 
 
 class LayerState:
@@ -52,7 +46,7 @@ class LayerState:
         sparse: Whether the layer attends over a selection.
         skew: [H_kv, D, R] float32 skew slice of this rank's KV heads.
         query_proj: The query rows of ``qkv_proj``, prepacked
-            (``query_weights.py``); None: speculate through ``qkv_proj``.
+            (a platform's; CPU: ``query_weights.py``); None: through ``qkv_proj``.
         next: The sparse layer this layer speculates for, if any.
         windowed: A sliding-window layer, left to vLLM (neither dense nor sparse).
         pool_layer: Index among the sparse layers (the pool index's layer).
@@ -83,11 +77,12 @@ class LayerState:
         self.query_proj = query_proj
         self.next = next
         # Entries attended besides the rows' own (over KV heads), context tokens.
-        self.stats = torch.zeros(2, dtype=torch.float64) if stats is None else stats
+        self.stats = (torch.zeros(2, dtype=torch.float64, device=skew.device)
+                      if stats is None else stats)
         self.captured_input: torch.Tensor | None = None  # [T, hidden], this step
         # [S, H_kv, W] int32 positions selected for this layer's sparse rows (-1: none).
         self.selection: torch.Tensor | None = None
-        self.kv_pool: torch.Tensor | None = None
+        self.kv_pool: torch.Tensor | None = None  # set by the data path's ``allocate``
         self.partial_keys: torch.Tensor | None = None
 
     def capture(self, hidden: torch.Tensor | None) -> None:
@@ -121,27 +116,13 @@ class LayerState:
     def block_size(self) -> int:
         return self.kv_pool.shape[2]
 
-    def allocate(self, num_units: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        """The pool (host) and partial key cache (device) of one sparse layer."""
-        self.kv_pool = host_zeros((num_units, self.num_kv_heads, block_size,
-                                   2 * self.head_size), dtype)
-        self.partial_keys = torch.zeros((num_blocks, self.num_kv_heads, self.rank, block_size),
-                                        dtype=dtype, device=device)
-
-    def write(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-              row_map: torch.Tensor | None) -> None:
-        """Stores new K/V in the pool and their partial keys.
-
-        key, value: [T, H_kv, D]; slots: [T] int64 (< 0: padding).
-        """
-        kernels.write_kv(self.kv_pool, self.partial_keys, key, value, self.skew, slots, row_map)
-
     @property
     def num_slots(self) -> int:
         return self.partial_keys.shape[0] * self.partial_keys.shape[-1]
 
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
-        """[..., H_kv, D] keys of ``slots`` (uncapped pool: unit = block id)."""
+        """[..., H_kv, D] keys of ``slots`` (uncapped pool: unit = block id), read
+        from the pool, on the pool's device."""
         block_size = self.block_size
+        slots = slots.to(self.kv_pool.device)
         return self.kv_pool[slots // block_size, :, slots % block_size, : self.head_size]

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Where each KV entry of the sparse layers lives in a capped host pool.
+"""Worker side: where each KV entry of the sparse layers lives in a capped host pool.
 
 Uncapped, the pool has a row for every slot of the dense layers' KV-cache
 group and a token's row is its slot id (``IdentityPoolIndex``): vLLM's
@@ -39,37 +39,12 @@ from typing import Protocol
 
 import torch
 
-from vllm_infinigen.config import EVICTION_POLICIES, FLAG_OF_FIELD, InfiniGenConfig
+from vllm_infinigen.config import EVICTION_POLICIES
 
 _COUNT_SHIFT = 40  # key = newer_half << 62 | count << 40 | insertion tick
 _NEWER_HALF = 1 << 62
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of a free row
 _RESERVE_FRACTION = 16  # a batch eviction leaves num_rows // 16 rows spare
-
-
-def pool_rows(config: InfiniGenConfig, pool_bytes_per_token: int, step_tokens: int,
-              num_slots: int) -> int:
-    """Tokens the pool holds per (layer, KV head): ``--infinigen-cpu-pool-gib``'s
-    worth, or every slot when the flag is unset.
-
-    Args:
-        pool_bytes_per_token: K/V bytes of every sparse layer, all ranks
-            (``ModelLayout.pool_bytes_per_token``).
-        step_tokens: Tokens one step writes (``--max-num-batched-tokens``).
-
-    Raises:
-        ValueError: When the cap cannot hold one step's tokens, naming the flags.
-    """
-    if config.cpu_pool_gib is None:
-        return num_slots
-    rows = int(config.cpu_pool_gib * 2**30) // pool_bytes_per_token
-    if rows < step_tokens:
-        raise ValueError(
-            f"{FLAG_OF_FIELD['cpu_pool_gib']} {config.cpu_pool_gib} holds {rows} tokens, "
-            f"fewer than one step writes ({step_tokens}, --max-num-batched-tokens); "
-            f"raise it to at least {step_tokens * pool_bytes_per_token / 2**30:.4g}"
-        )
-    return min(rows, num_slots)
 
 
 class PoolIndex(Protocol):

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The KV connector that carries InfiniGen's stats out of the workers.
+"""Scheduler side: the KV connector that carries InfiniGen's stats out of the workers.
 
 vLLM runs one instance in the scheduler (role SCHEDULER) and one per worker
 (role WORKER). The worker-side instance is bound to the worker's
@@ -17,13 +17,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_infinigen.metrics import InfiniGenPromMetrics, InfiniGenStats
 from vllm_infinigen.config import engine_setup
-from vllm_infinigen.pool import pool_rows
-from vllm_infinigen.spec import dense_group_index
+from vllm_infinigen.memory import cap_rows
+from vllm_infinigen.scheduler.metrics import InfiniGenPromMetrics, InfiniGenStats
+from vllm_infinigen.scheduler.spec import dense_group_index
 
 if TYPE_CHECKING:
-    from vllm_infinigen.runtime import InfiniGenRuntime
+    from vllm_infinigen.worker.runtime import InfiniGenRuntime
 
 
 class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
@@ -32,7 +32,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         self._runtime: InfiniGenRuntime | None = None
         self._setup = engine_setup(vllm_config)
         # Set once a worker reports a capped pool's capacity: the workers size
-        # the pool (memory.plan_memory), the scheduler cannot tell on its own.
+        # the pool (memory.plan_pool), the scheduler cannot tell on its own.
         self._workers_report_pool = False
 
     @property
@@ -102,8 +102,8 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         num_slots = block_pool.num_gpu_blocks * block_size
         gauges = {"device_blocks": sum(held)}
         setup = self._setup
-        capped = self._workers_report_pool or pool_rows(
-            setup.config, setup.pool_bytes_per_token, setup.step_tokens, num_slots) < num_slots
+        cap = cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token, setup.step_tokens)
+        capped = self._workers_report_pool or (cap is not None and cap < num_slots)
         if not capped:
             block_bytes = block_size * setup.pool_bytes_per_token
             gauges["pool_used_bytes"] = used * block_bytes

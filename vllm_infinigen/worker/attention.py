@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: installs InfiniGen into a loaded vLLM model (attention impls, hooks, specs)."""
+"""Worker side: installs InfiniGen into a loaded vLLM model (attention impls, hooks, specs).
+
+The wrapped impl is platform-neutral: it hands a sparse layer's new K/V and its
+attention to the runtime, and leaves dense layers to the platform's own kernel."""
 
 from __future__ import annotations
 
@@ -8,10 +11,10 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 
-from vllm_infinigen.layer_state import LayerSource, LayerState
-from vllm_infinigen.ops import capture_pre_hook
-from vllm_infinigen.runtime import InfiniGenRuntime
-from vllm_infinigen.spec import InfiniGenSparseSpec
+from vllm_infinigen.worker.layer_state import LayerSource, LayerState
+from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
+from vllm_infinigen.worker.capture import capture_pre_hook
+from vllm_infinigen.worker.runtime import InfiniGenRuntime
 
 logger = init_logger(__name__)
 
@@ -59,7 +62,7 @@ class InfiniGenImplMixin:
         context = get_forward_context()
         plan = runtime.begin_layer(state, context.attn_metadata[runtime.reference_layer],
                                    context.slot_mapping[runtime.reference_layer],
-                                   block_size=kv_cache.shape[2])
+                                   block_size=runtime.block_size)
         if not state.sparse:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
@@ -75,7 +78,8 @@ def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor],
 
     Args:
         skew: Per layer [H_kv of this rank, D, R] skew slices.
-        query_weights: {layer_idx: query projection} (``query_weights.py``).
+        query_weights: {layer_idx: query projection} (a platform's, e.g.
+            ``platforms/cpu/query_weights.py``).
 
     Raises:
         ValueError: Unless there is one attention layer per decoder layer.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command line: ``vllm-infinigen prepare|demo`` and the ``vllm`` launcher shim."""
+"""Front end: ``vllm-infinigen prepare|demo`` and the ``vllm`` launcher shim."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "stories260k"
+DEFAULT_MODEL = Path(__file__).parent.parent / "assets" / "stories260k"
 DEFAULT_PROMPT = "Once upon a time, there was a little girl named Lily. She"
 
 
@@ -41,13 +41,12 @@ def prepare(args: argparse.Namespace) -> int:
     """Writes a skew file; prints what it calibrated on, the time and the peak memory."""
     import resource
 
-    from vllm_infinigen.skewing import (
+    from vllm_infinigen.skewing.calibration import (
         CALIBRATION_TEXT,
         compute_skew_tables,
-        local_model_dir,
         read_calibration_files,
-        save_skew_tables,
     )
+    from vllm_infinigen.skewing.tables import local_model_dir, save_skew_tables
 
     texts = read_calibration_files(args.calibration_text) if args.calibration_text else None
     source = (f"{len(texts)} calibration file(s)" if texts
@@ -73,7 +72,7 @@ def demo(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_infinigen import register
-    from vllm_infinigen.metrics import summarize
+    from vllm_infinigen.scheduler.metrics import summarize
 
     register()  # the kv_manager / infinigen_* keywords of LLM(...)
 

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Declarations of InfiniGen's CPU ops (registered in ops.cpp).
+// Declarations of InfiniGen's CPU ops (registered in register.cpp).
 #pragma once
 
 #include <tuple>
@@ -8,14 +8,16 @@
 
 namespace infinigen {
 
-void write_kv(at::Tensor& kv_pool, at::Tensor& partial_keys, const at::Tensor& key,
-              const at::Tensor& value, const at::Tensor& skew, const at::Tensor& slot_mapping,
-              const std::optional<at::Tensor>& row_map);
+void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& value,
+                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map);
+
+void write_partial_keys(at::Tensor& partial_keys, const at::Tensor& key, const at::Tensor& skew,
+                        const at::Tensor& slot_mapping);
 
 std::tuple<at::Tensor, at::Tensor> select_tokens(
     const at::Tensor& partial_query, const at::Tensor& partial_keys,
-    const at::Tensor& block_table, const at::Tensor& context_lens, double scale, double alpha,
-    double budget, int64_t sink_tokens, int64_t recent_tokens,
+    const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& token_caps,
+    double scale, double alpha, int64_t sink_tokens, int64_t recent_tokens,
     const std::optional<at::Tensor>& row_map);
 
 at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,

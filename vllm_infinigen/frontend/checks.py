@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Front end: what ``--kv-manager infinigen`` cannot run, refused before any engine starts.
+
+Every refusal is a ``ValueError`` that starts with ``--kv-manager infinigen:``
+and names the flag to change (or the model type and the reason).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_infinigen.architectures import (
+    AttentionPlan,
+    model_type_refusal,
+    names_a_window,
+    window_refusal,
+)
+from vllm_infinigen.config import InfiniGenConfig, infinigen_config_of
+from vllm_infinigen.layout import ModelLayout, read_hf_config
+from vllm_infinigen.platforms import WORKERS, worker_cls_for
+from vllm_infinigen.skewing.tables import local_model_dir
+
+CONNECTOR_NAME = "InfiniGenConnector"
+CONNECTOR_MODULE = "vllm_infinigen.scheduler.connector"
+
+
+def layout_of(hf_config: dict[str, Any], config: InfiniGenConfig,
+              attention: AttentionPlan | None) -> ModelLayout:
+    """The model's layout with these settings, from its ``config.json``."""
+    return ModelLayout.from_hf_config(
+        hf_config, config.dense_layers, config.partial_ratio,
+        window_layers=attention.window_layers if attention is not None else ())
+
+
+def attention_plan(args: EngineArgs, hf_config: dict[str, Any]) -> AttentionPlan | None:
+    """The attention vLLM would run, when ``config.json`` names a sliding window
+    (None otherwise: every layer is full attention).
+
+    Resolved through vLLM's own ``ModelConfig`` (what ``create_engine_config``
+    builds first), so that transformers' defaults (Qwen's ``use_sliding_window``),
+    ``--disable-sliding-window`` and the resolved ``--max-model-len`` count.
+    """
+    if not names_a_window(hf_config):
+        return None
+    return AttentionPlan.of(args.create_model_config())
+
+
+def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
+                      hf_config: dict[str, Any] | None = None,
+                      attention: AttentionPlan | None = None,
+                      layout: ModelLayout | None = None) -> None:
+    """Refuses what InfiniGen cannot run yet, naming the flag to change.
+
+    Args:
+        config: The settings parsed from ``args.additional_config`` (None:
+            parsed here).
+        hf_config: The model's ``config.json`` (None: read here).
+        attention: ``attention_plan(args, hf_config)`` (None: computed here).
+        layout: The model's layout with these settings (None: built here).
+    """
+    if config is None:
+        config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
+    if hf_config is None:
+        hf_config = read_hf_config(local_model_dir(args.model))
+    from vllm.platforms import current_platform
+
+    def refuse(reason: str) -> None:
+        raise ValueError(f"--kv-manager infinigen: {reason}")
+
+    worker_cls_for(current_platform.device_type)  # a platform without a worker is refused
+    if args.speculative_config:
+        refuse("speculative decoding is not supported; remove --speculative-config")
+    if args.pipeline_parallel_size > 1:
+        refuse("--pipeline-parallel-size must be 1: layer i speculates for layer "
+               "i + 1 with that layer's query weights, which a stage boundary "
+               "would put on another rank; use --tensor-parallel-size")
+    if args.enable_prefix_caching:
+        refuse("prefix caching is not supported (the pool and the device would "
+               "diverge); use --no-enable-prefix-caching")
+    if getattr(args, "kv_offloading_size", None):
+        refuse("--kv-offloading-size replaces the KV connector InfiniGen needs; "
+               "remove it")
+    kv_transfer = args.kv_transfer_config
+    if kv_transfer is not None and getattr(kv_transfer, "kv_connector", None) != CONNECTOR_NAME:
+        refuse("--kv-transfer-config is taken by InfiniGen's own connector; remove it")
+    if args.worker_cls not in ("auto", *WORKERS.values()):
+        refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
+    if args.kv_cache_dtype not in ("auto", None):
+        refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
+    reason = model_type_refusal(hf_config)
+    if reason is None:
+        if attention is None:
+            attention = attention_plan(args, hf_config)
+        reason = None if attention is None else window_refusal(attention)
+    if reason is not None:
+        refuse(reason)
+    if layout is None:
+        layout = layout_of(hf_config, config, attention)
+    if not layout.num_sparse:
+        refuse(f"--infinigen-dense-layers {config.dense_layers} leaves no sparse layer "
+               f"in a {layout.num_layers}-layer model with {len(layout.full_layers)} "
+               "full-attention layers")
+    if config.dense_layers > layout.group_size:
+        # vLLM would split the dense layers over several KV-cache groups; the
+        # pool follows the slots of the first one only.
+        refuse(f"--infinigen-dense-layers {config.dense_layers} would split the dense "
+               f"layers over several KV-cache groups; use at most "
+               f"{layout.max_dense_layers()}")
+    if getattr(args, "num_gpu_blocks_override", None):
+        refuse("--num-gpu-blocks-override would size the cache past the KV space "
+               "that InfiniGen shares with its partial keys; remove it")
+    if getattr(args, "disable_hybrid_kv_cache_manager", None):
+        refuse("InfiniGen's sparse layers need vLLM's hybrid KV-cache manager; "
+               "remove --disable-hybrid-kv-cache-manager")

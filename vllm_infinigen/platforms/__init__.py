@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The platforms InfiniGen runs on: one folder each, beside the neutral parts.
+
+A platform supplies what depends on where memory lives and which kernels
+run, and nothing else::
+
+    worker.py     vLLM's worker of the platform with ``InfiniGenWorkerMixin``
+                  (``worker/base.py``): device, memory split, query weights
+    data_path.py  the ``DataPath`` (``worker/data_path.py``): pool and partial
+                  key storage, the writes, fetching, the attention kernels
+    memory.py     how the platform's memory grant is split (the pool itself
+                  is planned by ``memory.plan_pool``)
+
+    cpu/          vLLM's CPU build: host and device memory are one, C++
+                  kernels (``kernels/csrc/cpu/``)
+
+A new platform is a folder beside ``cpu/`` and its line in ``WORKERS``; the
+runtime, the policies, the pool index, the step plan, the scheduler side and
+the front end do not change (docs/design.md, "Where CUDA goes").
+"""
+
+from __future__ import annotations
+
+# vLLM's device type -> the InfiniGen worker class of that platform.
+WORKERS = {
+    "cpu": "vllm_infinigen.platforms.cpu.worker.InfiniGenCPUWorker",
+}
+
+
+def worker_cls_for(device_type: str) -> str:
+    """The InfiniGen worker class (dotted path) for vLLM's ``device_type``.
+
+    Raises:
+        ValueError: On a platform InfiniGen does not run on, naming the flag.
+    """
+    if device_type not in WORKERS:
+        raise ValueError(
+            f"--kv-manager infinigen: vLLM's {device_type!r} platform is not supported in "
+            f"this release (supported: {', '.join(WORKERS)}); use --kv-manager vllm"
+        )
+    return WORKERS[device_type]

@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU worker: the data path where host and device memory are one.
+
+The pool and the partial keys are host tensors; the compiled CPU kernels
+(``kernels/csrc/cpu/``) write them and attend over the selected rows where
+they lie in the pool (``--infinigen-transfer in-place``, the default), or
+over rows staged by a copy worker (``copy``, to measure what staging costs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_infinigen import kernels
+from vllm_infinigen.memory import PoolPlan
+from vllm_infinigen.platforms.cpu.transfer import make_transfer
+from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.worker.layer_state import LayerState
+from vllm_infinigen.worker.step_plan import RowSet, StepPlan
+
+CPU = torch.device("cpu")
+
+
+class CpuDataPath:
+    """``DataPath`` (``worker/data_path.py``) of the CPU platform.
+
+    Args:
+        transfer: ``--infinigen-transfer`` (``auto`` is in place).
+    """
+
+    def __init__(self, transfer: str) -> None:
+        self.transfer = make_transfer(transfer, CPU)
+
+    def describe(self) -> str:
+        return f"transfer {self.transfer.name}; CPU kernels for {kernels.load()}"
+
+    def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
+                 dtype: torch.dtype) -> None:
+        block_size = plan.block_size
+        layer.kv_pool = torch.zeros(
+            (plan.num_units, layer.num_kv_heads, block_size, 2 * layer.head_size),
+            dtype=dtype, device=CPU)
+        layer.partial_keys = torch.zeros(
+            (num_blocks, layer.num_kv_heads, layer.rank, block_size), dtype=dtype, device=CPU)
+
+    def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor, row_map: torch.Tensor | None) -> None:
+        kernels.write_partial_keys(layer.partial_keys, key, layer.skew, slots)
+        kernels.write_pool(layer.kv_pool, key, value, slots, row_map)
+
+    def start_fetch(self, layer: LayerState, rows: RowSet, positions: torch.Tensor,
+                    row_map: torch.Tensor | None) -> None:
+        self.transfer.start(layer.layer_idx, layer.kv_pool, rows.block_table, positions,
+                            row_map)
+
+    def attend_selected(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+                        positions: torch.Tensor, row_map: torch.Tensor | None,
+                        probs: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+        staged, waited = self.transfer.wait(layer.layer_idx)
+        if staged is None:
+            out = kernels.attend_decode(
+                query, layer.kv_pool, rows.block_table, rows.context_lens, positions,
+                scale=layer.scale, row_map=row_map, probs=probs, stats=layer.stats)
+        else:
+            out = self._attend_staged(layer, rows, query, staged, positions, row_map, probs)
+        return out, waited
+
+    def attend_dense(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+                     row_map: torch.Tensor | None) -> torch.Tensor:
+        return kernels.attend_decode(query, layer.kv_pool, rows.block_table, rows.context_lens,
+                                     None, scale=layer.scale, row_map=row_map,
+                                     stats=layer.stats)
+
+    def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
+                      output: torch.Tensor, row_map: torch.Tensor | None) -> None:
+        kernels.attend_prefill(query, output, layer.kv_pool, plan.all_block_table,
+                               plan.query_start, plan.seq_lens, plan.prompt_requests,
+                               scale=layer.scale, row_map=row_map)
+
+    def shutdown(self) -> None:
+        self.transfer.shutdown()
+
+    def _attend_staged(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+                       staged: torch.Tensor, positions: torch.Tensor,
+                       row_map: torch.Tensor | None,
+                       probs: torch.Tensor | None) -> torch.Tensor:
+        """Attention over staged entries [S, H_kv, K, 2D] (``--infinigen-transfer copy``).
+
+        The staging buffer serves as a pool with one block per row: the
+        selected entries at offsets 0..K-1, the row's own entry at K.
+        """
+        num_rows, width = positions.shape[0], positions.shape[-1]
+        own = rows.context_lens[:, None, None].expand(-1, layer.num_kv_heads, 1)
+        current = entries_of(layer.kv_pool, rows.block_table, own.contiguous(), row_map)
+        staged_pool = torch.cat([staged.to(current.dtype), current], dim=2).contiguous()
+        offsets = torch.arange(width, dtype=torch.int32, device=CPU).expand_as(positions)
+        staged_positions = torch.where(positions >= 0, offsets, -1).contiguous()
+        layer.stats += torch.tensor([float((positions >= 0).sum()),
+                                     float(rows.context_lens.sum())],
+                                    dtype=torch.float64, device=CPU)
+        return kernels.attend_decode(
+            query, staged_pool, torch.arange(num_rows, dtype=torch.int32, device=CPU)[:, None],
+            torch.full((num_rows,), width, dtype=torch.int64, device=CPU), staged_positions,
+            scale=layer.scale, probs=probs)

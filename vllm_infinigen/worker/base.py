@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side, platform-neutral: what InfiniGen adds to vLLM's worker.
+
+A platform's worker class mixes ``InfiniGenWorkerMixin`` in before vLLM's own
+worker of that platform (CPU: ``platforms/cpu/worker.py``) and supplies::
+
+    infinigen_device()          where the partial keys live
+    infinigen_data_path(config) its ``DataPath`` (``data_path.py``)
+    capture_query_weights(ids)  a context in which the model loads, yielding
+                                {layer_idx: query projection} (or nothing)
+    split_memory(available)     vLLM's KV space, the pool's byte budget (None:
+                                a row per slot, or --infinigen-cpu-pool-gib)
+                                and the setting that decided it
+
+The mixin loads the skew, builds the runtime on the loaded model, plans the
+pool once vLLM has made its blocks (``memory.plan_pool``), frees a finished
+request's pool rows, and answers ``set_infinigen_selection``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Collection
+from typing import ContextManager
+
+import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+from vllm_infinigen.config import EngineSetup, InfiniGenConfig, engine_setup
+from vllm_infinigen.memory import cap_rows, plan_pool
+from vllm_infinigen.scheduler.spec import dense_group_index
+from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, model_fingerprint
+from vllm_infinigen.worker.attention import install, layer_sources
+from vllm_infinigen.worker.data_path import DataPath
+from vllm_infinigen.worker.runtime import InfiniGenRuntime, PromptLengths
+
+
+def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """The KV heads of one tensor-parallel rank. skew: [H_kv_total, D, R]."""
+    total = skew.shape[0]
+    if total >= world_size:
+        per_rank = total // world_size
+        return skew[rank * per_rank : (rank + 1) * per_rank]
+    # Fewer KV heads than ranks: vLLM replicates each KV head.
+    return skew[rank * total // world_size][None]
+
+
+def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
+                  data_path: DataPath,
+                  query_weights: dict[int, torch.nn.Module] | None = None,
+                  prompt_lens_of: PromptLengths | None = None) -> InfiniGenRuntime:
+    """Loads the skew file named in the config and installs InfiniGen on ``model``.
+
+    Args:
+        query_weights: {layer_idx: query projection} of the sparse layers
+            (None: speculate with the whole qkv_proj).
+        prompt_lens_of: The step's prompt lengths (``InfiniGenRuntime``).
+    """
+    setup = engine_setup(vllm_config)
+    config, layout = setup.config, setup.layout
+    tables = load_skew_tables(
+        config.skew_file,
+        fingerprint=model_fingerprint(local_model_dir(vllm_config.model_config.model)),
+        partial_ratio=config.partial_ratio,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+    )
+    rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
+    uses_rope = any(hasattr(m, "rotary_emb") for m in model.modules())
+    sources = layer_sources(model, vllm_config, skew, device, query_weights)
+    runtime = InfiniGenRuntime(
+        dataclasses.replace(config, alpha=config.resolved_alpha(uses_rope)), sources, device,
+        data_path, layout=layout, rank=rank, prompt_lens_of=prompt_lens_of)
+    install(runtime, sources)
+    return runtime
+
+
+class InfiniGenWorkerMixin:
+    """Mixed in before a platform's vLLM worker; see the module docstring."""
+
+    infinigen: EngineSetup
+    infinigen_runtime: InfiniGenRuntime
+
+    # -- what a platform supplies
+
+    def infinigen_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def infinigen_data_path(self, config: InfiniGenConfig) -> DataPath:
+        raise NotImplementedError
+
+    def capture_query_weights(self, layers: Collection[int]) -> ContextManager[dict]:
+        """Default: no separate query projection (speculate through qkv_proj)."""
+        return contextlib.nullcontext({})
+
+    def split_memory(self, available: int) -> tuple[int, int | None, str]:
+        """(vLLM's KV space, the pool's byte budget or None, what sized it)."""
+        raise NotImplementedError
+
+    # -- vLLM's worker interface
+
+    def load_model(self, *args, **kwargs) -> None:
+        self.infinigen = engine_setup(self.vllm_config)
+        self._pool_budget: tuple[int | None, str] = (None, "")
+        sparse = set(self.infinigen.layout.sparse_layers)
+        with self.capture_query_weights(sparse) as query_weights:
+            super().load_model(*args, **kwargs)
+        device = self.infinigen_device()
+        self.infinigen_runtime = build_runtime(
+            self.model_runner.model, self.vllm_config, device,
+            self.infinigen_data_path(self.infinigen.config), query_weights or None,
+            prompt_lens_of=self._prompt_lens)
+
+    def _prompt_lens(self, num_reqs: int) -> torch.Tensor:
+        """[num_reqs] prompt lengths of the step's requests (the input batch's
+        rows are the attention metadata's rows in a step)."""
+        return torch.from_numpy(self.model_runner.input_batch.num_prompt_tokens[:num_reqs])
+
+    def shutdown(self) -> None:
+        runtime = getattr(self, "infinigen_runtime", None)
+        if runtime is not None:
+            runtime.shutdown()
+        super().shutdown()
+
+    def set_infinigen_selection(self, **changes) -> None:
+        """``LLM.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.1})``.
+
+        Changes the selection settings of the running engine, so that a sweep
+        needs one engine start (``InfiniGenRuntime.update_selection``).
+        """
+        self.infinigen_runtime.update_selection(**changes)
+
+    def determine_available_memory(self) -> int:
+        """vLLM's KV space, less what the platform keeps beside it (the
+        partial keys, and on the CPU build the pool's share of the grant)."""
+        available = super().determine_available_memory()
+        if not self.infinigen.layout.num_sparse:
+            return available
+        kv_space, budget, sized_by = self.split_memory(available)
+        self._pool_budget = (budget, sized_by)
+        return int(kv_space)
+
+    def initialize_from_config(self, kv_cache_config, *args, **kwargs) -> None:
+        import psutil
+
+        super().initialize_from_config(kv_cache_config, *args, **kwargs)
+        runtime, setup = self.infinigen_runtime, self.infinigen
+        budget, sized_by = self._pool_budget
+        kv_heads = runtime.sparse_layers[0].num_kv_heads  # of this rank
+        plan = plan_pool(
+            num_blocks=kv_cache_config.num_blocks, block_size=self.cache_config.block_size,
+            bytes_per_token=setup.layout.pool_bytes_per_token(setup.dtype_bytes, kv_heads),
+            step_tokens=setup.step_tokens,
+            cap=cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token,
+                         setup.step_tokens),
+            budget=budget, sized_by=sized_by, free=psutil.virtual_memory().available)
+        runtime.allocate_pool(plan, kv_cache_config.num_blocks, self.model_config.dtype)
+        self._dense_group = dense_group_index(kv_cache_config.kv_cache_groups)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            raise RuntimeError("InfiniGen worker started without its KV connector")
+        get_kv_transfer_group().bind_runtime(runtime)
+
+    def execute_model(self, scheduler_output):
+        """Frees the pool rows of requests that finished or were preempted
+        since the last step, before this step's tokens take rows."""
+        gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+        for req_id in gone:
+            request = self.model_runner.requests.get(req_id)
+            if request is not None:
+                self.infinigen_runtime.release_blocks(request.block_ids[self._dense_group])
+        return super().execute_model(scheduler_output)

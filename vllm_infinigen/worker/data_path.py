@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side: the seam between the neutral runtime and a platform's data path.
+
+The runtime (``runtime.py``) decides what a step does: which rows select,
+which policy selects, when the next layer's selection is made. A platform's
+``DataPath`` decides where the bytes live and how they move::
+
+    allocate        a sparse layer's host pool and device partial keys
+    write           new tokens: the device write (partial keys, and whatever
+                    the platform keeps on the device), then the host
+                    write-through of K|V to the pool
+    start_fetch     layer i, for layer i+1: the selected entries start towards
+                    the attention (CPU: nothing to move)
+    attend_selected layer i+1: waits for its own fetch, attends over it
+    attend_dense    rows with a short context, over their whole context
+    attend_prompt   prompt rows, causally over the pool and the step's tokens
+                    (the pool need not be addressable by the attention kernel)
+
+The CPU platform's implementation is ``platforms/cpu/data_path.py``; a
+second platform adds its own beside it, and the runtime does not change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_infinigen.memory import PoolPlan
+    from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.step_plan import RowSet, StepPlan
+
+
+class DataPath(Protocol):
+    """Where one worker's sparse layers keep their K/V, and how it reaches attention."""
+
+    def describe(self) -> str:
+        """A few words for the start-up log (transfer, kernels)."""
+
+    def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
+                 dtype: torch.dtype) -> None:
+        """Sets ``layer.kv_pool`` [units, H_kv, block_size, 2 * D] (host) and
+        ``layer.partial_keys`` [num_blocks, H_kv, R, block_size] (device)."""
+
+    def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor, row_map: torch.Tensor | None) -> None:
+        """New K/V [T, H_kv, D] of ``slots`` [T] int64 (< 0: padding)."""
+
+    def start_fetch(self, layer: LayerState, rows: RowSet, positions: torch.Tensor,
+                    row_map: torch.Tensor | None) -> None:
+        """Starts moving ``positions`` [S, H_kv, W] of ``layer`` towards its attention."""
+
+    def attend_selected(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+                        positions: torch.Tensor, row_map: torch.Tensor | None,
+                        probs: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+        """Attention of ``rows`` over their selection and their own entry.
+
+        Args:
+            query: [S, H_q, D] the rows' queries.
+            positions: [S, H_kv, W] int32 selected positions, -1 padded.
+            probs: [S, H_kv, W] float32 to fill with the attention each
+                selected entry received (None: not wanted).
+
+        Returns:
+            ([S, H_q, D] output, seconds waited for the fetch).
+        """
+
+    def attend_dense(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+                     row_map: torch.Tensor | None) -> torch.Tensor:
+        """[S, H_q, D] attention of ``rows`` over their whole context."""
+
+    def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
+                      output: torch.Tensor, row_map: torch.Tensor | None) -> None:
+        """Causal attention of the step's prompt rows; query, output: [T, H_q, D]."""
+
+    def shutdown(self) -> None:
+        """Stops whatever the data path runs beside the model."""
