@@ -50,7 +50,7 @@ def register() -> None:
             f"found vLLM {vllm.__version__}"
         )
     _route_logging()
-    from vllm_infinigen.patch import apply_all
+    from vllm_infinigen.patch.apply import apply_all
     from vllm_infinigen.scheduler.spec import register_spec
 
     apply_all()

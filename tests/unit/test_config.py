@@ -193,3 +193,41 @@ def test_eval_dense_prefix_values(value):
 def test_eval_mode_refused_for_h2o_naming_both_flags():
     with pytest.raises(ValueError, match="--infinigen-eval-dense-prefix.*--infinigen-policy h2o"):
         InfiniGenConfig(eval_dense_prefix=16, policy="h2o")
+
+
+def test_a_setting_declared_once_is_a_flag_a_keyword_and_a_key(monkeypatch):
+    """One field added to InfiniGenConfig appears in --help, as an LLM(...)
+    keyword, as a CLI flag, as an additional_config key, validated naming its
+    flag, and as a setting a running engine may change."""
+    import vllm_infinigen
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_infinigen import config
+
+    vllm_infinigen.register()
+
+    @dataclasses.dataclass(frozen=True)
+    class WithProbe(config.InfiniGenConfig):
+        probe_tokens: int = config.setting(3, "Tokens the test's probe keeps.",
+                                           check=config._count(0), runtime=True)
+
+    monkeypatch.setattr(config, "InfiniGenConfig", WithProbe)
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if "--infinigen-probe-tokens" in a.option_strings]
+    assert action.help == "Tokens the test's probe keeps. (default 3)"
+    assert action.type is int and action.default is None
+
+    cli = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", "x", "--kv-manager", "infinigen", "--infinigen-probe-tokens", "5"]))
+    assert cli.additional_config == {"kv_manager": "infinigen", "infinigen": {"probe_tokens": 5}}
+    keyword = EngineArgs(model="x", kv_manager="infinigen", infinigen_probe_tokens=7)
+    assert keyword.additional_config["infinigen"] == {"probe_tokens": 7}
+    parsed = infinigen_config_of({"kv_manager": "infinigen", "infinigen": {"probe_tokens": 9}})
+    assert isinstance(parsed, WithProbe) and parsed.probe_tokens == 9
+    assert WithProbe().to_dict()["probe_tokens"] == 3
+    with pytest.raises(ValueError, match="--infinigen-probe-tokens must be an integer >= 0"):
+        EngineArgs(model="x", kv_manager="infinigen", infinigen_probe_tokens=-1)
+    assert "probe_tokens" in config.runtime_settings()
+    assert "partial_ratio" not in config.runtime_settings()

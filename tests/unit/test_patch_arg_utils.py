@@ -12,10 +12,9 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 import vllm_infinigen
-from vllm_infinigen import patch
 from vllm_infinigen.config import FLAG_OF_FIELD
 from vllm_infinigen.frontend import checks
-from vllm_infinigen.patch import patch_arg_utils
+from vllm_infinigen.patch import apply, patch_arg_utils
 from vllm_infinigen.platforms import WORKERS
 
 STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
@@ -255,8 +254,8 @@ def _patched_methods() -> dict:
 
 def test_apply_all_twice_is_idempotent(monkeypatch):
     before = _patched_methods()
-    patch.apply_all()
-    patch.apply_all()
+    apply.apply_all()
+    apply.apply_all()
     vllm_infinigen.register()
     after = _patched_methods()
     assert after == before

@@ -2,7 +2,8 @@
 """Every change made to vLLM (and transformers) objects at run time.
 
 The patches of this package are applied by ``register()`` (the
-``vllm.general_plugins`` entry point); the others where the index says.
+``vllm.general_plugins`` entry point, through ``apply.apply_all``); the
+others where the index says. This module holds the index only.
 
 Patch index
 ===========
@@ -138,17 +139,3 @@ the ``vllm_infinigen`` logger to vLLM's; ``create_engine_config`` (above)
 sets ``worker_cls`` and ``kv_transfer_config`` through their public fields;
 ``worker/capture.py`` and ``kernels/`` register ops in their own torch namespaces.
 """
-
-_applied = False
-
-
-def apply_all() -> None:
-    """Applies every patch once per process."""
-    global _applied
-    if _applied:
-        return
-    from vllm_infinigen.patch import patch_arg_utils, patch_ray
-
-    patch_arg_utils.apply()
-    patch_ray.apply()  # after patch_arg_utils: its wrapper runs first
-    _applied = True

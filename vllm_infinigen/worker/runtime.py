@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 from vllm.logger import init_logger
 
-from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.config import InfiniGenConfig, runtime_settings
 from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.policies import policy_class
@@ -189,15 +189,14 @@ class InfiniGenRuntime:
 
         Args:
             alpha: New alpha, if given.
-            changes: New ``budget``, ``sink_tokens``, ``recent_tokens``,
-                ``eviction``, ``policy``, ``speculation``, ``eval_dense_prefix``
-                or ``min_context``.
+            changes: New values of the other settings declared with
+                ``runtime=True`` (``config.py``: budget, sink/recent tokens,
+                eviction, policy, speculation, evaluation mode, min context).
 
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
-        allowed = {"budget", "sink_tokens", "recent_tokens", "eviction", "policy",
-                   "speculation", "eval_dense_prefix", "min_context"}
+        allowed = runtime_settings() - {"alpha"}
         if set(changes) - allowed:
             raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
         if alpha is not None:

@@ -17,11 +17,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.worker.block_layout import block_coordinates
+
+if TYPE_CHECKING:
+    from vllm_infinigen.config import InfiniGenConfig
 
 
 def token_budget(context_lens: torch.Tensor, budget: float) -> torch.Tensor:

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The package's shape: sides in folders, small files, no import circle, and
+settings that cost nothing to build."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_infinigen"
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Package modules ``path`` imports at run time: import statements outside
+    ``if TYPE_CHECKING:``, and "module:attr", "module.attr" or "module" strings
+    naming a package module (what ``importlib`` or vLLM loads by name: the
+    policy registry, the platforms' worker classes, the connector)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            target = node.value.partition(":")[0]
+            found.update((target, target.rpartition(".")[0]))  # "module.Class" too
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {name for name in found if name in modules}
+
+
+def test_no_package_file_is_over_400_lines():
+    long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*")
+            if path.suffix in (".py", ".cpp", ".h")
+            and (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_no_import_circle_including_importlib_strings():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    # A package's __init__ runs before its modules: importing a module imports
+    # its parents, so a module importing its own parent package is no circle.
+    for name in graph:
+        graph[name] = {dep for dep in graph[name] if not name.startswith(dep + ".")}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        path.append(name)
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                circle = path[path.index(dep):] + [dep]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_the_graph_sees_registry_strings():
+    """The circle check reads importlib's targets: the registry's policy modules."""
+    modules = _modules()
+    registry = _imports(PACKAGE / "policies" / "__init__.py", modules)
+    assert "vllm_infinigen.policies.infinigen" in registry
+    assert "vllm_infinigen.platforms.cpu.worker" in _imports(
+        PACKAGE / "platforms" / "__init__.py", modules)
+
+
+def test_building_the_settings_imports_no_worker_module():
+    """``InfiniGenConfig()`` (also what ``--help`` builds) imports no kernel,
+    layer state, step plan, runtime or policy module, in a fresh interpreter."""
+    code = (
+        "import sys\n"
+        "from vllm_infinigen.config import InfiniGenConfig\n"
+        "InfiniGenConfig(policy='h2o'); InfiniGenConfig(cpu_pool_gib=1.0)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vllm_infinigen')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=PACKAGE.parent).stdout
+    loaded = ast.literal_eval(out.strip().splitlines()[-1])
+    assert "vllm_infinigen.config" in loaded
+    forbidden = ("vllm_infinigen.kernels", "vllm_infinigen.worker", "vllm_infinigen.platforms",
+                 "vllm_infinigen.policies.")
+    assert [m for m in loaded if m.startswith(forbidden)] == []
