@@ -9,8 +9,7 @@ attention. Per request the device holds::
 
     dense layers   ceil(tokens / block_size) blocks (vLLM's cache, stock)
     sparse layers  0 blocks; partial keys of every token (InfiniGen, by the
-                   dense group's slot ids); the selected entries of one layer
-                   at a time in shared staging buffers
+                   dense group's slot ids); their K/V in the host pool
 """
 
 from __future__ import annotations
