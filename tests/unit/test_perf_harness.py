@@ -442,3 +442,21 @@ def test_render_of_an_old_result_file_adds_the_new_tables(tmp_path, capsys):
     line = next(li for li in achieved.splitlines() if li.startswith("| 16384 | 1 | "))
     assert line.split("|")[3].strip() == f"{expected:.2f}" == "12.41"  # context, batch, dense
     assert "Decode latency" in capsys.readouterr().out
+
+
+def test_vllm_bench_files_get_the_provenance_of_their_txt(tmp_path):
+    from benchmarks.perf import vllm_bench_report
+
+    (tmp_path / "vllm_bench_latency_vllm.json").write_text(json.dumps({"avg_latency": 0.5}))
+    (tmp_path / "vllm_bench_latency_vllm.txt").write_text(
+        "# date (UTC): 2026-11-24T03:00:00+00:00\n# repository commit: abc123\n"
+        "# machine: Linux 6.18 x86_64, 2 CPUs\n$ vllm bench latency --model m\n"
+        "exit code: 0\nAvg latency: 0.5 seconds\n")
+    meta = vllm_bench_report.stamp(tmp_path, "latency", "vllm")
+    assert meta == {"date_utc": "2026-11-24T03:00:00+00:00", "repo_commit": "abc123",
+                    "machine": "Linux 6.18 x86_64, 2 CPUs",
+                    "command": "vllm bench latency --model m"}
+    data = json.loads((tmp_path / "vllm_bench_latency_vllm.json").read_text())
+    assert data["avg_latency"] == 0.5 and data["meta"]["repo_commit"] == "abc123"
+    assert vllm_bench_report.stamp(tmp_path, "serve", "vllm") is None  # nothing written
+    assert vllm_bench_report.exit_line(tmp_path, "vllm_bench_latency_vllm") == "exit code: 0"
