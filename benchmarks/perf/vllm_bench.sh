@@ -15,9 +15,9 @@
 # Full logs go to benchmarks/results/tmp/ (not committed).
 #
 # `vllm bench latency` draws prompt ids below 10,000 (vllm/benchmarks/latency.py),
-# which the bundled model's 512-token vocabulary refuses; the script records
-# that error once and runs latency on a random Llama with a 10,240-token
-# vocabulary (benchmarks/harness/models.build_wide_vocab_llama) instead.
+# which the bundled model's 512-token vocabulary refuses; the script runs
+# latency on a random Llama with a 10,240-token vocabulary
+# (benchmarks/harness/models.build_wide_vocab_llama) instead.
 #
 # Every engine start takes the lock $LOCK (default /tmp/engine.lock) so that
 # engines of other jobs on this machine do not run at the same time; do not
@@ -139,7 +139,7 @@ done
 # -- latency ---------------------------------------------------------------------
 # `vllm bench latency` draws prompt ids below 10,000: a model with a smaller
 # vocabulary fails ("Token id ... is out of vocabulary"); latency runs on a
-# random tiny Llama with a 32K vocabulary instead.
+# random tiny Llama with a 10,240-token vocabulary instead.
 WIDE="$LOGS/wide-vocab-llama"
 if [ ! -f "$WIDE/config.json" ]; then
   (cd "$REPO" && "$PYTHON" -c "import sys; from pathlib import Path; from benchmarks.harness.models import build_wide_vocab_llama as b; b(Path(sys.argv[1]))" "$WIDE")
