@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Result files of the benchmarks: JSON + Markdown (+ PNG) under benchmarks/results/.
 
-Every result records how it was made (command, machine, versions, where the
-``vllm_infinigen`` runtime was imported from and the repository's commit)::
+Every result records how it was made (command, date, machine, versions, where the
+``vllm_infinigen`` runtime was imported from, the repository's commit and whether
+tracked files differed from it)::
 
     meta = run_metadata(model=args.model)
     write_results(out, meta, title, settings, results, sections)  # out.json, out.md
@@ -72,19 +73,24 @@ def run_metadata(**extra: Any) -> dict[str, Any]:
     import transformers
     import vllm
 
-    return {
+    return source_metadata(torch=torch.__version__, vllm=vllm.__version__,
+                           transformers=transformers.__version__, **extra)
+
+
+def source_metadata(**extra: Any) -> dict[str, Any]:
+    """``run_metadata`` without the library versions, for scripts that import no torch."""
+    meta = {
         "command": shlex.join(command_line()),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": vllm.__version__,
-        "transformers": transformers.__version__,
-        "repo_commit": _git("rev-parse", "HEAD", cwd=REPO),
-        "runtime": runtime_source(),
-        **extra,
     }
+    versions = {key: extra.pop(key) for key in ("torch", "vllm", "transformers") if key in extra}
+    changes = _git("status", "--porcelain", "--untracked-files=no", cwd=REPO)
+    return {**meta, **versions, "repo_commit": _git("rev-parse", "HEAD", cwd=REPO),
+            "repo_uncommitted_changes": None if changes is None else bool(changes),
+            "runtime": runtime_source(), **extra}
 
 
 def cell(value: Any, spec: str = "") -> str:
@@ -111,12 +117,15 @@ def metadata_markdown(meta: Mapping[str, Any]) -> str:
     if runtime.get("commit"):
         dirty = " + uncommitted changes" if runtime.get("uncommitted_changes") else ""
         source = f"{source} (commit {runtime['commit'][:10]}{dirty})"
+    versions = [f"python {meta.get('python')}"] + [
+        f"{label} {meta[key]}" for key, label in
+        (("torch", "torch"), ("vllm", "vLLM"), ("transformers", "transformers")) if key in meta]
     lines = [
         f"- command: `{meta.get('command')}`",
-        f"- machine: {meta.get('machine')}, {meta.get('cpus')} CPUs; "
-        f"python {meta.get('python')}, torch {meta.get('torch')}, vLLM {meta.get('vllm')}, "
-        f"transformers {meta.get('transformers')}",
-        f"- repository commit: {meta.get('repo_commit')}; vllm_infinigen from {source}",
+        f"- machine: {meta.get('machine')}, {meta.get('cpus')} CPUs; " + ", ".join(versions),
+        f"- repository commit: {meta.get('repo_commit')}"
+        f"{' + uncommitted changes' if meta.get('repo_uncommitted_changes') else ''}; "
+        f"vllm_infinigen from {source}",
         f"- date (UTC): {meta.get('date_utc')}",
     ]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ python -m benchmarks.perf.decode_latency [--preset long|short|gqa128|gutenberg] 
     [--contexts 1024 ... 16384] [--batch-sizes 1 4] [--policies infinigen h2o streaming quest]
     [--engines dense in-place copy] [--budget 0.2] [--min-context N] [--decode-steps 16]
     [--max-batch-tokens 65536] [--retries 2] [--bandwidth-mib 256] [--out PATH]
-python -m benchmarks.perf.decode_latency --render benchmarks/results/decode_latency_long.json
+python -m benchmarks.perf.decode_latency --render RESULT.json   (rewrites RESULT.md and .png)
 
 Presets (explicit flags override them):
 

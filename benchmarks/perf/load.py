@@ -28,14 +28,12 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.harness.paths import BUNDLED_MODEL
-from benchmarks.harness.report import command_line
+from benchmarks.harness.report import metadata_markdown, run_metadata
 from benchmarks.harness.request_mix import (
     IDLE_GAUGES,
     Request,
@@ -110,11 +108,11 @@ def write_table(out_dir: Path) -> None:
             f"| {res['wrong_length']} | {res['requests_per_s']:.2f} "
             f"| {res['output_tokens_per_s']:.0f} | {res['latency_p50_s']:.2f} "
             f"| {res['latency_p95_s']:.2f} | {'yes' if idle else 'NO'} |")
-    lines += ["", "Commands:", ""]
-    lines += [f"    {row['meta']['command']}" for row in rows]
-    lines += ["", f"Machine: {rows[0]['meta']['machine']}, {rows[0]['meta']['cpus']} CPUs, "
-              f"vLLM {rows[0]['meta']['vllm']}. \"idle after\": running/waiting requests, "
-              "InfiniGen pool bytes and device blocks back to 0 on /metrics."] if rows else []
+    lines += ["", "\"idle after\": running/waiting requests, InfiniGen pool bytes and device "
+              "blocks back to 0 on /metrics."]
+    for row in rows:
+        lines += ["", f"`load_{row['meta']['kv_manager']}.json`:", "",
+                  metadata_markdown(row["meta"])]
     (out_dir / "load.md").write_text("\n".join(lines) + "\n")
 
 
@@ -128,8 +126,6 @@ def main() -> int:
     add_mix_options(parser)
     parser.add_argument("--out", type=Path, help="directory for load_<kv_manager>.json")
     args = parser.parse_args()
-    import vllm
-
     server = None
     base_url = args.url
     if base_url is None:
@@ -145,11 +141,9 @@ def main() -> int:
                                        report_every=max(1, len(requests) // 10)))
         wall = time.monotonic() - start
         report = {
-            "meta": {"command": shlex.join(command_line()), "machine": platform.platform(),
-                     "cpus": os.cpu_count(), "vllm": vllm.__version__,
-                     "model": str(args.model), "url": args.url,
-                     **{key: value for key, value in vars(args).items()
-                        if key not in ("out", "url", "model")}},
+            "meta": run_metadata(model=str(args.model), url=args.url,
+                                 **{key: value for key, value in vars(args).items()
+                                    if key not in ("out", "url", "model")}),
             "results": summarize(requests, results, wall),
             "idle_after": idle_metrics(base_url),
         }

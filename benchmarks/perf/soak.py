@@ -28,14 +28,12 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.harness.paths import BUNDLED_MODEL, RESULTS
-from benchmarks.harness.report import command_line
+from benchmarks.harness.report import metadata_markdown, run_metadata
 from benchmarks.harness.request_mix import BAD_REQUESTS, IDLE_GAUGES, random_mix, send_all
 from benchmarks.harness.servers import (
     metric_total,
@@ -123,13 +121,9 @@ def run(args) -> dict:
                   f"RSS {entry['rss_bytes'] / 2**20:.0f} MiB; idle {entry['idle']}", flush=True)
     finally:
         code = stop_server(server)
-    import vllm
-
-    return {"meta": {"command": shlex.join(command_line()),
-                     "machine": platform.platform(), "cpus": os.cpu_count(),
-                     "vllm": vllm.__version__, "serve_flags": flags,
-                     "bad_requests": sorted(BAD_REQUESTS),
-                     **{k: v for k, v in vars(args).items() if k not in ("out", "seed")}},
+    return {"meta": run_metadata(serve_flags=flags, bad_requests=sorted(BAD_REQUESTS),
+                                 **{k: v for k, v in vars(args).items()
+                                    if k not in ("out", "seed")}),
             "rss_start_bytes": rss_start, "bursts": bursts, "server_exit_code": code}
 
 
@@ -146,10 +140,9 @@ def write_markdown(report: dict, path: Path, growth_limit: float) -> None:
     ok, growth = verdict(report, growth_limit)
     meta = report["meta"]
     lines = ["# Soak: repeated bursts under preemption, eviction and split prefills", "",
-             f"- command: `{meta['command']}`",
+             metadata_markdown(meta),
              f"- server: `vllm serve stories260k {' '.join(meta['serve_flags'])}` "
              "(plus the tests' flags: float32, --max-model-len 512, --enforce-eager)",
-             f"- machine: {meta['machine']}, {meta['cpus']} CPUs, vLLM {meta['vllm']}",
              f"- per burst: {meta['requests']} requests, {meta['concurrency']} in flight; "
              "streaming and not, token-id and text prompts, greedy and sampled (n 1-3, half "
              f"seeded), ~10% cancelled by the client, ~5% refused on purpose "

@@ -9,14 +9,15 @@
 #   benchmarks/perf/vllm_bench.sh [MODEL]       (default: the bundled stories260K)
 #
 # Writes benchmarks/results/vllm_bench_<bench>_<kv manager>.json (vLLM's own
-# result files), .txt (the command and the result lines of its output), and
+# result files, to which the summary adds a "meta" entry), .txt (date, commit,
+# machine, the command and the result lines of its output), and
 # vllm_bench.{json,md} (a summary, python -m benchmarks.perf.vllm_bench_report).
 # Full logs go to benchmarks/results/tmp/ (not committed).
 #
 # `vllm bench latency` draws prompt ids below 10,000 (vllm/benchmarks/latency.py),
-# which the bundled model's 512-token vocabulary refuses; the script records
-# that error once and runs latency on a random Llama with a 10,240-token
-# vocabulary (benchmarks/harness/models.build_wide_vocab_llama) instead.
+# which the bundled model's 512-token vocabulary refuses; the script runs
+# latency on a random Llama with a 10,240-token vocabulary
+# (benchmarks/harness/models.build_wide_vocab_llama) instead.
 #
 # Every engine start takes the lock $LOCK (default /tmp/engine.lock) so that
 # engines of other jobs on this machine do not run at the same time; do not
@@ -45,6 +46,11 @@ INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-128}"
 KV_BYTES="${KV_BYTES:-33554432}"
 RESULTS="$REPO/benchmarks/results"
+# How this run was started, for the summary's provenance.
+COMMAND="bash benchmarks/perf/vllm_bench.sh${1:+ $1}"
+for name in NUM_PROMPTS INPUT_LEN OUTPUT_LEN KV_BYTES; do
+  if [ -n "${!name:-}" ]; then COMMAND="$name=${!name} $COMMAND"; fi
+done
 LOGS="$RESULTS/tmp/vllm_bench"
 mkdir -p "$LOGS"
 # Prompt ids within the bundled model's vocabulary have no effect on timing.
@@ -62,9 +68,18 @@ with_lock() {  # run "$@" holding the engine lock
 keep_results() {  # keep_results NAME COMMAND...: runs it, keeps the result lines
   local name="$1"; shift
   local full="$LOGS/$name.log" status=0
+  local started commit
+  started="$(date -u +%Y-%m-%dT%H:%M:%S+00:00)"
+  commit="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
+  if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    commit="$commit + uncommitted changes"
+  fi
   log "$name: $*"
   with_lock "$@" >"$full" 2>&1 || status=$?
   {
+    echo "# date (UTC): $started"
+    echo "# repository commit: $commit"
+    echo "# machine: $(uname -srm), $(nproc) CPUs"
     echo "\$ $*"
     echo "exit code: $status"
     grep -E 'InfiniGen: |Maximum concurrency' "$full" | head -n 4 || true
@@ -124,7 +139,7 @@ done
 # -- latency ---------------------------------------------------------------------
 # `vllm bench latency` draws prompt ids below 10,000: a model with a smaller
 # vocabulary fails ("Token id ... is out of vocabulary"); latency runs on a
-# random tiny Llama with a 32K vocabulary instead.
+# random tiny Llama with a 10,240-token vocabulary instead.
 WIDE="$LOGS/wide-vocab-llama"
 if [ ! -f "$WIDE/config.json" ]; then
   (cd "$REPO" && "$PYTHON" -c "import sys; from pathlib import Path; from benchmarks.harness.models import build_wide_vocab_llama as b; b(Path(sys.argv[1]))" "$WIDE")
@@ -146,4 +161,5 @@ for manager in vllm infinigen; do
     "$manager" "$port" "${extra[@]}"
 done
 
-(cd "$REPO" && "$PYTHON" -m benchmarks.perf.vllm_bench_report --model "$MODEL" --wide-model "$WIDE")
+(cd "$REPO" && "$PYTHON" -m benchmarks.perf.vllm_bench_report --model "$MODEL" --wide-model "$WIDE" \
+  --command "$COMMAND")

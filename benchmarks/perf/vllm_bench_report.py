@@ -4,8 +4,9 @@
 python -m benchmarks.perf.vllm_bench_report [--model DIR] [--wide-model DIR]
 
 Reads ``benchmarks/results/vllm_bench_{throughput,latency,serve}_{vllm,infinigen}.json``
-(written by ``vllm bench``) and the ``.txt`` next to them, and writes
-``benchmarks/results/vllm_bench.{json,md}``.
+(written by ``vllm bench``) and the ``.txt`` next to them, adds to each of vLLM's
+files a ``meta`` entry (the date, commit, machine and command its ``.txt`` header
+records), and writes ``benchmarks/results/vllm_bench.{json,md}``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,31 @@ def lookup(data: dict[str, Any], key: str | tuple[str, ...]) -> Any:
 def load(results: Path, bench: str, manager: str) -> dict[str, Any] | None:
     path = results / f"vllm_bench_{bench}_{manager}.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def txt_provenance(text: str) -> dict[str, str]:
+    """The header ``vllm_bench.sh`` writes atop a ``.txt``: date, commit, machine, command."""
+    keys = {"# date (UTC): ": "date_utc", "# repository commit: ": "repo_commit",
+            "# machine: ": "machine", "$ ": "command"}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        for prefix, key in keys.items():
+            if line.startswith(prefix) and key not in out:
+                out[key] = line[len(prefix):]
+    return out
+
+
+def stamp(results: Path, bench: str, manager: str) -> dict[str, str] | None:
+    """Adds the ``.txt`` header to vLLM's JSON as ``meta``; returns it (None: no files)."""
+    path = results / f"vllm_bench_{bench}_{manager}.json"
+    txt = path.with_suffix(".txt")
+    if not (path.is_file() and txt.is_file()):
+        return None
+    meta = txt_provenance(txt.read_text(errors="replace"))
+    data = json.loads(path.read_text())
+    data["meta"] = {**meta, "written_by": f"vllm bench {bench}; meta from {txt.name}"}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return meta
 
 
 def exit_line(results: Path, name: str) -> str | None:
@@ -108,11 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wide-model", default="wide-vocab-llama")
     parser.add_argument("--results", type=Path, default=paths.RESULTS)
     parser.add_argument("--out", type=Path, default=paths.RESULTS / "vllm_bench")
+    parser.add_argument("--command", default="bash benchmarks/perf/vllm_bench.sh",
+                        help="how vllm_bench.sh was started (it passes its own)")
     args = parser.parse_args(argv)
     data = summary(args.results)
+    runs = {f"vllm_bench_{bench}_{manager}": stamp(args.results, bench, manager)
+            for bench in FIELDS for manager in MANAGERS}
     meta = report.run_metadata(model=args.model, wide_model=args.wide_model,
-                               load_average=machine.load_average())
-    meta["command"] = "benchmarks/perf/vllm_bench.sh"
+                               load_average=machine.load_average(), runs=runs)
+    meta["command"] = args.command
     report.write_results(args.out, meta, "vLLM's own benchmarks, with and without InfiniGen",
                          {"model": args.model, "wide_model": args.wide_model}, data,
                          sections(data, args.results, args))

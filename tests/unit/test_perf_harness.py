@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -183,10 +182,64 @@ def test_gpu_projection_bytes_and_times():
     assert parts["pcie"] == pytest.approx(0.2 * sparse_full)
     # Partial keys: r of K = r/2 of K+V of every sparse layer, read from HBM.
     assert parts["hbm_partial"] == pytest.approx(0.1 * sparse_full)
-    # 2 dense layers: full K/V over PCIe as well (in the pool like the rest).
-    assert parts["pcie_dense_layers"] == pytest.approx(full * 2 / 40)
+    # 2 dense layers: full K/V (in vLLM's device KV cache, not over PCIe).
+    assert parts["dense_layers"] == pytest.approx(full * 2 / 40)
     time_s = gpu_projection.transfer_seconds(12e9, 12e9)
     assert time_s == pytest.approx(1.0)
+
+
+def test_gpu_projection_reproduces_the_measured_pcie_bound():
+    # Llama-3.1-8B attention: 8 KV heads x 128 in bf16 = 4 KiB of K+V per token and layer.
+    assert gpu_projection.H100_SHAPE.kv_bytes_per_token_layer == 4096
+    rows = gpu_projection.measured_rows()
+    assert [(r["batch"], r["context"]) for r in rows] == [
+        (1, 32768), (1, 131072), (8, 32768), (8, 131072)]
+    for row in rows:
+        kept = 0.2 * row["batch"] * row["context"] * 32 * 4096
+        assert row["kept_gb"] == pytest.approx(kept / 1e9)
+        assert row["pcie_bound_ms"] == pytest.approx(kept / 55.1e9 * 1000)
+        # The external document's bound column, from the same bytes and rate.
+        assert row["pcie_bound_ms"] == pytest.approx(row["doc_pcie_bound_ms"], rel=1e-3)
+        assert row["token_over_bound"] > 1  # no measured step beats the bus
+    first = rows[0]
+    assert first["token_speedup_vs_full_offload"] == pytest.approx(78.1 / 17.8)
+    assert first["token_speed_vs_dense"] == pytest.approx(7.8 / 17.8)
+    assert rows[-1]["token_speed_vs_dense"] is None and not rows[-1]["dense_fits"]
+
+
+def test_gpu_projection_plugin_layout_on_the_measured_gpu():
+    rows = gpu_projection.plugin_rows({"f": 0.2})
+    row = next(r for r in rows if (r["batch"], r["context"]) == (1, 32768))
+    sparse_full = 32768 * 30 * 4096  # 2 of 32 layers dense, on the device
+    assert row["pcie_gb"] == pytest.approx(0.2 * sparse_full / 1e9)
+    rate = 0.2 * 32768 * 32 * 4096 / 17.8e-3  # end to end, the measured token step
+    assert row["transfer_ms"] == pytest.approx(0.2 * sparse_full / rate * 1000)
+    # GEMMs (dense step - 32 dense layers) + 2 dense layers + 30 x (score, top-k, attend).
+    assert row["compute_ms"] == pytest.approx(7.8 - 30 * 0.064 + 30 * (0.031 + 0.076 + 0.034))
+    assert row["step_ms"] == max(row["transfer_ms"], row["compute_ms"])
+    assert row["break_even_fraction"] == pytest.approx(7.8e-3 * rate / sparse_full)
+    assert row["speed_vs_dense"] < 1  # slower than dense where dense fits
+    largest = next(r for r in rows if (r["batch"], r["context"]) == (8, 131072))
+    assert largest["dense_ms"] is None and largest["speed_vs_dense"] is None
+    assert largest["dense_device_gb"] > 80 > largest["device_gb"]  # only sparse fits
+
+
+def test_gpu_projection_writes_its_provenance_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu_projection"
+    code = ("import sys; from benchmarks.perf import gpu_projection as g; "
+            f"g.main(['--out', {str(out)!r}]); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=paths.REPO, check=True,
+                   capture_output=True, timeout=120)
+    data = json.loads(out.with_suffix(".json").read_text())
+    for key in ("command", "date_utc", "machine", "repo_commit"):
+        assert data["meta"][key]
+    assert "external measurements" in data["meta"]["inputs"]
+    markdown = out.with_suffix(".md").read_text()
+    assert "shared/prototypes/gpu-data-path" in markdown
+    assert "- repository commit: " in markdown and "- date (UTC): " in markdown
 
 
 def test_cpu_meter_counts_our_time_and_never_negative_others():
@@ -328,15 +381,50 @@ def test_measure_bandwidth_returns_positive_rates():
         bandwidth.measure_bandwidth(mib=0)
 
 
+def _old_decode_result(path):
+    """A decode-latency result as the scripts wrote them before the kernels: no
+    bandwidth measurement, no min_context setting, no achieved_gb_s in the rows."""
+    def row(config, policy, context, ms, kv_bytes, dense_bytes, ideal):
+        return {"config": config, "engine": "dense" if policy is None else "in-place",
+                "policy": policy, "context": context, "batch": 1,
+                "mean_context": context + 9.5, "decode_ms_per_step": ms,
+                "decode_ms_per_step_mean": ms * 1.05, "decode_ms_per_step_min": ms * 0.95,
+                "decode_ms_per_token": ms, "tokens_per_s": 1000 / ms, "steps": 16,
+                "all_steps_full_batch": True, "step_ms": [ms] * 16, "prefill_s": 1.0,
+                "dense_kv_bytes_per_step": dense_bytes, "kv_bytes_per_step": kv_bytes,
+                "kv_read_vs_dense": kv_bytes / dense_bytes, "ideal_kv_read_vs_dense": ideal,
+                "pool_bytes_per_step": 0.0 if policy is None else kv_bytes / 2,
+                "other_cores_busy": 0.036, "attempts": 1}
+
+    dense_16k = 201443328.0  # 6 layers x 8 KV heads x 32 x 2 x 4 B x 16393.5 tokens
+    rows = [row("dense", None, 1024, 4.5, dense_16k / 16, dense_16k / 16, 1.0),
+            row("dense", None, 16384, 16.237167499639327, dense_16k, dense_16k, 1.0),
+            row("infinigen", "infinigen", 1024, 11.0, 0.5 * dense_16k / 16, dense_16k / 16,
+                0.533),
+            row("infinigen", "infinigen", 16384, 56.5, 0.455 * dense_16k, dense_16k, 0.533)]
+    settings = {"preset": "long", "model": "/models/llama-l6-h256-q8-kv8-p17408-s0",
+                "contexts": [1024, 16384], "batch_sizes": [1], "policies": ["infinigen"],
+                "engines": ["dense", "in-place"], "budget": 0.2, "partial_ratio": 0.2,
+                "dense_layers": 2, "decode_steps": 16, "warmup_steps": 2, "retries": 3,
+                "contention_cores": 0.25, "quiet_wait": 20, "max_num_batched_tokens": 2048,
+                "max_batch_tokens": 65536, "enforce_eager": False, "render": None,
+                "out": "benchmarks/results/decode_latency_long", "model_default": True,
+                "model_shape": {"layers": 6, "kv_heads": 8, "head_dim": 32, "dtype_bytes": 4}}
+    meta = {"command": "python benchmarks/perf/decode_latency.py",
+            "date_utc": "2026-11-22T10:15:35+00:00", "machine": "Linux", "cpus": 2,
+            "repo_commit": "7778908e3d8fc09149a9d5b56499a87ab9068f6f", "wall_s": 900.0}
+    path.write_text(json.dumps({"meta": meta, "settings": settings, "results": rows}))
+    return path
+
+
 def test_render_of_an_old_result_file_adds_the_new_tables(tmp_path, capsys):
-    committed = paths.RESULTS / "decode_latency_long.json"
-    if not committed.is_file():
-        pytest.skip("no committed decode_latency_long.json")
-    before = committed.read_bytes()
-    path = tmp_path / "decode_latency_long.json"
-    shutil.copy(committed, path)
+    # Rendering a file elsewhere writes nothing under benchmarks/results/.
+    guarded = [paths.RESULTS / f"decode_latency_long{suffix}" for suffix in (".json", ".md",
+                                                                             ".png")]
+    before = {p: p.read_bytes() if p.is_file() else None for p in guarded}
+    path = _old_decode_result(tmp_path / "decode_latency_long.json")
     assert decode_latency.main(["--render", str(path)]) == 0
-    assert committed.read_bytes() == before
+    assert {p: p.read_bytes() if p.is_file() else None for p in guarded} == before
     markdown = (tmp_path / "decode_latency_long.md").read_text()
     for heading in ("## Decode ms per step (batch TPOT)", "fastest step of each window",
                     "## Achieved GB/s (KV bytes read / step time)",
@@ -352,5 +440,23 @@ def test_render_of_an_old_result_file_adds_the_new_tables(tmp_path, capsys):
     expected = row["kv_bytes_per_step"] / row["decode_ms_per_step"] * 1000 / 1e9
     achieved = markdown.split("## Achieved GB/s")[1].split("\n## ")[0]
     line = next(li for li in achieved.splitlines() if li.startswith("| 16384 | 1 | "))
-    assert line.split("|")[3].strip() == f"{expected:.2f}"  # context, batch, dense
+    assert line.split("|")[3].strip() == f"{expected:.2f}" == "12.41"  # context, batch, dense
     assert "Decode latency" in capsys.readouterr().out
+
+
+def test_vllm_bench_files_get_the_provenance_of_their_txt(tmp_path):
+    from benchmarks.perf import vllm_bench_report
+
+    (tmp_path / "vllm_bench_latency_vllm.json").write_text(json.dumps({"avg_latency": 0.5}))
+    (tmp_path / "vllm_bench_latency_vllm.txt").write_text(
+        "# date (UTC): 2026-11-24T03:00:00+00:00\n# repository commit: abc123\n"
+        "# machine: Linux 6.18 x86_64, 2 CPUs\n$ vllm bench latency --model m\n"
+        "exit code: 0\nAvg latency: 0.5 seconds\n")
+    meta = vllm_bench_report.stamp(tmp_path, "latency", "vllm")
+    assert meta == {"date_utc": "2026-11-24T03:00:00+00:00", "repo_commit": "abc123",
+                    "machine": "Linux 6.18 x86_64, 2 CPUs",
+                    "command": "vllm bench latency --model m"}
+    data = json.loads((tmp_path / "vllm_bench_latency_vllm.json").read_text())
+    assert data["avg_latency"] == 0.5 and data["meta"]["repo_commit"] == "abc123"
+    assert vllm_bench_report.stamp(tmp_path, "serve", "vllm") is None  # nothing written
+    assert vllm_bench_report.exit_line(tmp_path, "vllm_bench_latency_vllm") == "exit code: 0"
