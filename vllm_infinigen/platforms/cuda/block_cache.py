@@ -91,7 +91,9 @@ class DeviceBlockCache:
                                   dtype=torch.int32, device=self.device)
         self.hits = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
         self.misses = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
-        self._tick = 0
+        # The step count lives on the device: no host state changes per lookup, so a
+        # step can be captured in a CUDA graph.
+        self._tick = torch.zeros((), dtype=torch.int64, device=self.device)
         self._heads = torch.arange(num_kv_heads, device=self.device)[:, None]  # [H, 1]
 
     @property
@@ -124,8 +126,8 @@ class DeviceBlockCache:
                 f"a step selects up to {per_head} blocks per KV head ({num_rows} rows x "
                 f"{width}) but the device block cache has {self.slots_per_head} slots per "
                 "head; give the cache more memory or lower --infinigen-budget")
-        tick = self._tick
         self._tick += 1
+        tick = self._tick.expand(num_heads, per_head)
         heads, capacity = self._heads, self.slots_per_head
         slot_of, block_of = self.slot_of[layer], self.block_of[layer]
         scratch_entry = slot_of.shape[0] - 1
