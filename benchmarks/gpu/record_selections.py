@@ -224,7 +224,7 @@ def simulate_cache(masks: np.ndarray, factor: float, eviction: str) -> float:
     blocks per head, replaying ``masks`` (first step, cold, left out)."""
     steps, layers, heads, max_blocks = masks.shape
     width = int(masks.sum(axis=-1).max())
-    cache = DeviceBlockCache(layers, heads, int(math.ceil(factor * width)), max_blocks, "cpu",
+    cache = DeviceBlockCache(layers, heads, math.ceil(factor * width), max_blocks, "cpu",
                              eviction=eviction)
     hits = misses = 0
     for step in range(steps):
@@ -275,7 +275,8 @@ def _markdown(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
         + " |"]
     by_layer.append("|" + "---|" * (1 + len(next(iter(results.values()))["reuse_by_layer"])))
     for budget, r in results.items():
-        by_layer.append(f"| {budget} | " + " | ".join(f"{v:.3f}" for v in r["reuse_by_layer"]) + " |")
+        values = " | ".join(f"{v:.3f}" for v in r["reuse_by_layer"])
+        by_layer.append(f"| {budget} | {values} |")
     return ["\n".join(rows), "Reuse by layer:", "\n".join(by_layer)]
 
 
@@ -323,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trace: {path} ({path.stat().st_size} bytes)")
         settings[name] = provenance
         results[name] = summarize(masks, model_args, provenance)
-        sections += [f"## {name}", f"Context {provenance['context_tokens']} tokens, "
-                     f"{provenance['decode_steps']} decode steps ({provenance['decode']}); "
-                     f"input {provenance['input']}; skew from {provenance['skew_calibration']}.",
+        about = (f"Context {provenance['context_tokens']} tokens, "
+                 f"{provenance['decode_steps']} decode steps ({provenance['decode']}); "
+                 f"input {provenance['input']}; skew from {provenance['skew_calibration']}.")
+        sections += [f"## {name}", about,
                      *_markdown(results[name], model_args)]
     write_gpu_results(args.out, meta, "Step-to-step reuse of InfiniGen's block selections",
                       settings, results, [_INTRO, *sections])

@@ -41,7 +41,7 @@ def gpu_run_metadata(**extra: Any) -> dict[str, Any]:
 
     return {
         "command": shlex.join(report.command_line()),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
@@ -57,8 +57,8 @@ def metadata_markdown(meta: Mapping[str, Any]) -> str:
     dirty = " + uncommitted changes" if meta.get("uncommitted_changes") else ""
     return "\n".join([
         f"- command: `{meta.get('command')}`",
-        f"- device: {meta.get('device')}; machine: {meta.get('machine')}, "
-        f"{meta.get('cpus')} CPUs; python {meta.get('python')}, torch {meta.get('torch')}",
+        (f"- device: {meta.get('device')}; machine: {meta.get('machine')}, "
+         f"{meta.get('cpus')} CPUs; python {meta.get('python')}, torch {meta.get('torch')}"),
         f"- repository commit: {meta.get('repo_commit')}{dirty}",
         f"- date (UTC): {meta.get('date_utc')}",
     ])

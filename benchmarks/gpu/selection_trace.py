@@ -88,7 +88,7 @@ def replay_order(num_steps: int, length: int, start: int) -> list[int]:
 
 def replay_blocks(masks: np.ndarray, *, num_layers: int, num_kv_heads: int, num_rows: int,
                   context_blocks: int, num_steps: int, first_step: int = 0) -> torch.Tensor:
-    """[num_steps, num_layers, num_rows, num_kv_heads, W] int32 logical blocks, ascending, -1 padded.
+    """[num_steps, num_layers, num_rows, num_kv_heads, W] int32 logical blocks (-1 padded).
 
     Args:
         masks: A trace's masks [steps, layers, heads, max_blocks].

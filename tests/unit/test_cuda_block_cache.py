@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from vllm_infinigen.platforms.cuda import kernels
-from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache, substitute_block_table
+from vllm_infinigen.platforms.cuda.block_cache import (
+    CACHE_COUNTERS,
+    DeviceBlockCache,
+    substitute_block_table,
+)
 
 
 def _ids(*heads):
@@ -55,6 +59,12 @@ def test_a_block_hit_in_the_step_is_never_the_victim():
     got = cache.lookup(0, _ids([1, 7]))  # 1 hits: 7 must take slot 1 or 2, not 0
     assert got.slots.tolist() == [[[0, 1]]]
     assert cache.block_of[0, 0, :3].tolist() == [1, 7, 3]
+    # counter: after this step's hit, block 1 ties block 2 on uses and is older; it stays
+    counter = DeviceBlockCache(1, 1, 3, 20, "cpu", eviction="counter")
+    for blocks in ([1], [2], [2, 3], [1, 7]):
+        got = counter.lookup(0, _ids(blocks))
+    assert got.slots.tolist() == [[[0, 1]]]
+    assert counter.block_of[0, 0, :3].tolist() == [1, 7, 3]
 
 
 def test_counter_evicts_the_least_selected_among_the_older_half():
@@ -90,6 +100,16 @@ def test_release_frees_the_slots_and_a_reused_block_id_is_fetched_again():
     got = cache.lookup(0, _ids([5, 6]))  # block 5 now belongs to a new request
     assert got.fetch_units.tolist()[:1] == [5] and got.fetch_slots.tolist()[:1] == [1]
     assert cache.take_counters() == ([1, 0], [1, 0])
+
+
+def test_stats_per_model_layer_for_the_metrics():
+    cache = DeviceBlockCache(2, 1, 4, 10, "cpu")
+    cache.lookup(1, _ids([2, 3]))
+    cache.lookup(1, _ids([3]))
+    assert cache.take_stats([5, 6], unit_bytes=8192) == {
+        "cache_hits.6": 1, "cache_misses.6": 2, "pcie_bytes.6": 2 * 8192}
+    assert cache.take_stats([5, 6], unit_bytes=8192) == {}
+    assert set(CACHE_COUNTERS) == {"cache_hits", "cache_misses", "pcie_bytes"}
 
 
 def test_a_step_wider_than_the_cache_is_refused():
@@ -131,7 +151,8 @@ def test_new_tokens_reach_the_cached_copy_of_their_block():
     assert flat.tolist() == [[0, 4], [-1, -1], [-1, -1]]
     key, value = torch.ones(3, 2, 3), torch.full((3, 2, 3), 2.0)
     kernels.write_cached_tokens(units, flat, slot_mapping, key, value)
-    assert units[0, 2].tolist() == [1, 1, 1, 2, 2, 2] and units[4, 2].tolist() == units[0, 2].tolist()
+    assert units[0, 2].tolist() == [1, 1, 1, 2, 2, 2]
+    assert units[4, 2].tolist() == [1, 1, 1, 2, 2, 2]
     assert units[:-1].sum() == 2 * 9  # nothing else written but the scratch unit
 
 
@@ -163,7 +184,7 @@ def test_attention_over_cached_blocks_equals_attention_over_the_selected_tokens(
                 blocks = [b for b in logical[row, head].tolist() if b >= 0]
                 positions = [p for b in blocks for p in range(b * block, b * block + block)
                              if p < context]
-                rows = pool.view(-1, heads, block, 2 * dim)[table[row]][:, head].reshape(-1, 2 * dim)
+                rows = pool[table[row]][:, head].reshape(-1, 2 * dim)
                 keys = torch.cat([rows[positions, :dim], key[row * heads + head][None]])
                 values = torch.cat([rows[positions, dim:], value[row * heads + head][None]])
                 q = query[row * heads + head]

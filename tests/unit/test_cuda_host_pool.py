@@ -17,7 +17,7 @@ def test_one_kv_heads_block_is_one_contiguous_unit():
 
 
 def test_huge_page_buffer_is_aligned_writable_and_sized():
-    mapping, buffer = host_pool.huge_page_buffer(3 * host_pool.HUGE_PAGE + 5)
+    _mapping, buffer = host_pool.huge_page_buffer(3 * host_pool.HUGE_PAGE + 5)
     assert buffer.data_ptr() % host_pool.HUGE_PAGE == 0
     assert buffer.numel() == 3 * host_pool.HUGE_PAGE + 5
     buffer[-1] = 7

@@ -100,7 +100,8 @@ def test_launch_parameters():
 def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_triton():
     code = (
         "import sys, torch\n"
-        "from vllm_infinigen.platforms.cuda import block_cache, block_selection, host_pool, kernels\n"
+        "from vllm_infinigen.platforms.cuda import block_cache, block_selection, host_pool\n"
+        "from vllm_infinigen.platforms.cuda import kernels\n"
         "u = torch.zeros(3, 4, 8); t = torch.zeros(1, 1, dtype=torch.int32)\n"
         "kernels.gather_units(torch.ones(2, 1, 4, 8), u, torch.tensor([1]), torch.tensor([0]),"
         " torch.tensor([1]))\n"
@@ -111,7 +112,7 @@ def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_tr
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=CUDA_DIR.parents[2])
+                         cwd=CUDA_DIR.parents[2], check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -123,6 +124,7 @@ def test_triton_kernels_equal_the_references_in_the_interpreter():
     test_file = Path(__file__).with_name("test_cuda_triton_interpreter.py")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           str(test_file)], capture_output=True, text=True,
-                         cwd=CUDA_DIR.parents[2], env={**os.environ, "TRITON_INTERPRET": "1"})
+                         cwd=CUDA_DIR.parents[2], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         check=False)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout

@@ -39,6 +39,13 @@ from dataclasses import dataclass
 import torch
 
 EVICTION_RULES = ("lru", "counter")
+# The cache's counters, for ``scheduler/metrics.COUNTERS`` (``vllm:infinigen_<name>``,
+# labelled by layer), in the form of ``take_stats``' keys.
+CACHE_COUNTERS = {
+    "cache_hits": "Selected K/V blocks (one layer, one KV head) found in the device block cache.",
+    "cache_misses": "Selected K/V blocks (one layer, one KV head) fetched from the host pool.",
+    "pcie_bytes": "Bytes of K/V blocks fetched from the host pool over PCIe.",
+}
 _BIG = 1 << 62  # sorts after every block id and unit
 _NEWER_HALF = 1 << 61
 _COUNT_SHIFT = 36
@@ -232,6 +239,19 @@ class DeviceBlockCache:
                              (self.num_uses, 0)):
             table.index_put_(where, torch.tensor(value, device=self.device))
         self.slot_of[:, entries] = -1
+
+    def take_stats(self, layer_indices: list[int], unit_bytes: int) -> dict[str, int]:
+        """``CACHE_COUNTERS`` since the last call, keyed ``"<counter>.<layer_idx>"``
+        (``layer_indices``: the model layer of each sparse layer) as the runtime's
+        ``take_counters``; ``unit_bytes``: one KV head's block, K and V."""
+        hits, misses = self.take_counters()
+        stats: dict[str, int] = {}
+        for layer_idx, hit, miss in zip(layer_indices, hits, misses):
+            if hit or miss:
+                stats[f"cache_hits.{layer_idx}"] = hit
+                stats[f"cache_misses.{layer_idx}"] = miss
+                stats[f"pcie_bytes.{layer_idx}"] = miss * unit_bytes
+        return stats
 
     def take_counters(self) -> tuple[list[int], list[int]]:
         """(hits, misses) per sparse layer since the last call: (block, KV head)

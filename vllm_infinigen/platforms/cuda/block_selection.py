@@ -168,7 +168,7 @@ def select_blocks(scores: torch.Tensor, context_lens: torch.Tensor, token_caps: 
     """
     if recent_blocks < 1:
         raise ValueError(f"recent_blocks must be >= 1 (the row's own block), got {recent_blocks}")
-    num_rows, num_heads, max_blocks = scores.shape
+    max_blocks = scores.shape[-1]
     blocks = num_row_blocks(context_lens, block_size)[:, None]  # [S, 1]
     index = torch.arange(max_blocks, device=scores.device)[None, :]  # [1, MB]
     in_row = index < blocks
