@@ -73,14 +73,13 @@ def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget
                                 shape.partial_channels, shape.block_size, device=setup.device,
                                 dtype=dtype, generator=generator)
                     for _ in range(shape.num_layers - shape.dense_layers)]
-    variant = InfiniGen(setup, streams, layers, partial_keys, budget=budget, replay=replay,
-                        slots_per_head=None, compute_dtype=dtype)
+    slots = None
     if name == "infinigen_cache":
-        width = replay.shape[-1] if replay is not None else variant.width
-        variant = InfiniGen(setup, streams, layers, partial_keys, budget=budget, replay=replay,
-                            slots_per_head=int(cache_factor * setup.batch * width),
-                            compute_dtype=dtype)
-    return variant
+        width = replay.shape[-1] if replay is not None else InfiniGen.selection_width(
+            setup, budget)
+        slots = int(cache_factor * setup.batch * width)
+    return InfiniGen(setup, streams, layers, partial_keys, budget=budget, replay=replay,
+                     slots_per_head=slots, compute_dtype=dtype)
 
 
 def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width: int,

@@ -47,7 +47,8 @@ def gpu_run_metadata(**extra: Any) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "repo_commit": report._git("rev-parse", "HEAD", cwd=REPO),
-        "uncommitted_changes": bool(report._git("status", "--porcelain", cwd=REPO)),
+        "uncommitted_changes": bool(report._git("status", "--porcelain",
+                                                "--untracked-files=no", cwd=REPO)),
         **device_description(),
         **extra,
     }

@@ -226,8 +226,7 @@ class InfiniGen(Variant):
         self.dense = [setup.region(layer).to(setup.device) for layer in range(shape.dense_layers)]
         caps = [max(1, int(budget * setup.context))] * setup.batch
         self.token_caps = torch.tensor(caps, dtype=torch.int64, device=setup.device)
-        self.width = rule.selection_width([setup.context] * setup.batch, caps, shape.block_size,
-                                          sink_blocks=1, recent_blocks=1)
+        self.width = self.selection_width(setup, budget)
         fetch_width = replay.shape[-1] if replay is not None else self.width
         num_sparse = shape.num_layers - shape.dense_layers
         self.cache = None
@@ -244,6 +243,13 @@ class InfiniGen(Variant):
         self.fetched_units = torch.zeros((), dtype=torch.int64, device=setup.device)
         self.step_index = -1
         self.pending: dict[int, tuple[object, torch.Tensor]] = {}
+
+    @staticmethod
+    def selection_width(setup: KVSetup, budget: float) -> int:
+        """Blocks per KV head of the computed selection (1 sink + the own block)."""
+        caps = [max(1, int(budget * setup.context))] * setup.batch
+        return rule.selection_width([setup.context] * setup.batch, caps,
+                                    setup.shape.block_size, sink_blocks=1, recent_blocks=1)
 
     def begin_step(self):
         self.step_index += 1

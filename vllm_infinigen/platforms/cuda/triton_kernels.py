@@ -25,7 +25,7 @@ def _gather_units(pool, cache, fetch_units, fetch_slots, num_fetch,
     """
     program = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    count = tl.load(num_fetch)
+    count = tl.load(num_fetch).to(tl.int32)
     lanes = tl.arange(0, PER_STEP)
     words = tl.arange(0, CHUNK)
     for start in range(program * PER_STEP, count, num_programs * PER_STEP):
