@@ -11,13 +11,17 @@ HEADERS = ["context", "batch", "variant", "ms / step", "host enqueue ms", "MB ov
            "GB/s", "PCIe bound ms", "hit rate", "cache slots / head (x widest step)", "note"]
 
 
+def _context(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
 def _row(config: dict[str, Any], name: str, result: dict[str, Any]) -> list[str]:
     note = result.get("skipped") or result.get("error", "")
     slots = result.get("cache_slots_per_head")
-    return [f"{config['context'] // 1024}K", str(config["batch"]), name,
+    return [_context(config["context"]), str(config["batch"]), name,
             cell(result.get("ms_per_step"), ".2f"), cell(result.get("host_enqueue_ms"), ".2f"),
-            cell(result.get("pcie_bytes_per_step", None) and result["pcie_bytes_per_step"] / 1e6,
-                 ".1f"),
+            cell(result["pcie_bytes_per_step"] / 1e6 if "pcie_bytes_per_step" in result else None,
+                 ".4g"),
             cell(result.get("GBps"), ".1f"), cell(result.get("pcie_bound_ms"), ".2f"),
             cell(result.get("hit_rate"), ".3f"),
             f"{slots} (x{result['cache_factor']})" if slots else "", note[:120]]
@@ -26,7 +30,7 @@ def _row(config: dict[str, Any], name: str, result: dict[str, Any]) -> list[str]
 def markdown_sections(results: dict[str, Any], *, self_test: bool) -> list[str]:
     rows = [_row(config, name, result) for config in results["configs"]
             for name, result in config["variants"].items()]
-    replay = [f"{c['context'] // 1024}K x {c['batch']}: kept {c['replay']['kept_fraction']:.3f} "
+    replay = [f"{_context(c['context'])} x {c['batch']}: kept {c['replay']['kept_fraction']:.3f} "
               f"of the blocks ({c['replay']['trace']})" for c in results["configs"]]
     sections = []
     if self_test:
