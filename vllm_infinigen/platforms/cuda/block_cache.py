@@ -19,10 +19,11 @@ the selected blocks found in the cache are hits; the missing ones, each
 slot hit in the same step, and come back as a fetch list sorted by pool unit
 (``block_id * H_kv + head``) for one gather kernel. Eviction keys::
 
-    lru      the step that last selected the slot's block (default: at the
-             step-to-step reuse measured on the trained models, see
-             benchmarks/results/selection_reuse.md, it keeps more hits than
-             counter at every cache size tried)
+    lru      the step that last selected the slot's block (default: replaying
+             selections recorded on two trained models, it hits as often as
+             counter with 1x or 3x the widest step's blocks as slots and
+             0.4-1.6 points more often with 1.5x-2x;
+             benchmarks/results/selection_reuse.md)
     counter  the artifact's pool rule: among the older half (by insertion),
              the fewest selections
 
