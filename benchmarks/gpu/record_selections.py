@@ -1,0 +1,340 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Records InfiniGen's block selections on a trained model, and how much consecutive steps reuse.
+
+python -m benchmarks.gpu.record_selections [--model gutenberg-llama-2k] [--budgets 0.1 0.2]
+
+HF transformers + torch on the CPU, no vLLM. One request: ``--context``
+tokens of prefill, then ``--steps`` decode steps teacher-forced with the
+text that follows (book text for gutenberg-llama-2k: Frankenstein, held out
+from its training; a recall prompt's own tokens for recall-llama-12l). At
+every step, for every sparse layer (``--dense-layers`` first layers dense),
+the selection is the one InfiniGen on a GPU would make
+(``vllm_infinigen.platforms.cuda.block_selection``): the partial query of
+layer l from layer l-1's attention input (layer l's q_proj, RoPE, the skew
+columns), scored against layer l's partial keys, best over the query heads of
+each KV head and over each block's tokens; the alpha count (alpha 5, the
+default for RoPE models) capped by the budget, rounded up to blocks, plus the
+sink block and the own block. The skew comes from ``compute_skew_tables``
+(r = 0.2) on the bundled calibration text (gutenberg) or on other recall
+prompts (recall).
+
+Writes the trace of ``--trace-budget`` under benchmarks/gpu/traces/ (a few
+KiB, with provenance), and benchmarks/results/selection_reuse.{json,md}:
+step-to-step reuse and the device block cache's hit rate on the recorded
+selections for each eviction rule and cache size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.gpu import selection_trace
+from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+from benchmarks.harness import paths
+from vllm_infinigen.platforms.cuda import block_selection as rule
+from vllm_infinigen.platforms.cuda.block_cache import EVICTION_RULES, DeviceBlockCache
+
+MODELS = {
+    "gutenberg-llama-2k": ("text", "data/text/gutenberg-frankenstein.txt"),
+    "recall-llama-12l": ("recall", "data/recall/recall-1k.jsonl"),
+}
+ALPHA_ROPE = 5.0
+CACHE_FACTORS = (1.0, 1.5, 2.0, 3.0)
+DEFAULT_OUT = paths.RESULTS / "selection_reuse"
+
+
+def _inputs(kind: str, source: Path, tokenizer, count: int) -> tuple[list[int], list[str]]:
+    """(token ids of the request, calibration texts)."""
+    if kind == "text":
+        text = source.read_text(encoding="utf-8")
+        return tokenizer(text[: 16 * count], verbose=False).input_ids[:count], []
+    prompts = [json.loads(line)["prompt_token_ids"] for line in source.open()]
+    calibration = [" ".join(tokenizer.convert_ids_to_tokens(p[1:])) for p in prompts[1:3]]
+    return prompts[0][:count], calibration
+
+
+class _Capture:
+    """Each layer's attention input and rotary tables (pre-hook) and its keys
+    after RoPE, cache included (attention function), for the latest forward."""
+
+    name = "infinigen_trace"  # the attention implementation to load the model with
+
+    def __init__(self) -> None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.modeling_utils import AttentionInterface
+
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+
+        def attend(module, query, key, value, attention_mask, **kwargs):
+            self.keys[module.layer_idx] = key[0].detach()  # [H_kv, T, D]
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(self.name, attend)
+        AttentionMaskInterface.register(self.name, sdpa_mask)
+
+    def attach(self, model) -> None:
+        for idx, layer in enumerate(model.model.layers):
+            layer.self_attn.register_forward_pre_hook(self._hook(idx), with_kwargs=True)
+
+    def _hook(self, idx: int):
+        def hook(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            self.inputs[idx] = (hidden[0, -1].detach(), cos[0, -1], sin[0, -1])
+        return hook
+
+
+def _partial_query(model, target: int, captured, skew: torch.Tensor) -> torch.Tensor:
+    """[1, H_kv, G, R] layer ``target``'s skewed partial query from layer target-1's input."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    hidden, cos, sin = captured
+    attention = model.model.layers[target].self_attn
+    num_kv_heads, head_dim, _ = skew.shape
+    query = attention.q_proj(hidden).view(-1, head_dim)  # [H_q, D]
+    query = query * cos + rotate_half(query) * sin
+    grouped = query.view(num_kv_heads, -1, head_dim)
+    return torch.einsum("hgd,hdr->hgr", grouped.float(), skew)[None]
+
+
+def _block_scores(model, target: int, capture: _Capture, skew: torch.Tensor, context: int,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token scores [1, H_kv, NB * bs], block scores [1, H_kv, NB]) of ``target`` at this step."""
+    query = _partial_query(model, target, capture.inputs[target - 1], skew)
+    keys = capture.keys[target][:, :context].float()  # [H_kv, ctx, D]
+    partial = torch.einsum("htd,hdr->htr", keys, skew)  # [H_kv, ctx, R]
+    num_blocks = context // block_size + 1
+    padded = torch.zeros(partial.shape[0], num_blocks * block_size, partial.shape[2])
+    padded[:, :context] = partial
+    # today's layout: [num_blocks, H_kv, R, block_size]
+    partial_keys = padded.view(partial.shape[0], num_blocks, block_size, -1).permute(1, 0, 3, 2)
+    table = torch.arange(num_blocks)[None]
+    scale = 1.0 / math.sqrt(skew.shape[1])
+    tokens = rule.partial_token_scores(query, partial_keys.contiguous(), table, scale=scale)
+    lens = torch.tensor([context])
+    return tokens, rule.block_scores(tokens, lens, block_size)
+
+
+def _attention_mass(model, target: int, capture: _Capture, context: int,
+                    block_size: int) -> torch.Tensor:
+    """[H_kv, NB] the layer's own dense attention (softmax over the context,
+    the own token left out) summed over each block and over the group's query
+    heads, divided by the group size: how much each block matters."""
+    attention = model.model.layers[target].self_attn
+    hidden, cos, sin = capture.inputs[target]
+    keys = capture.keys[target][:, :context].float()  # [H_kv, ctx, D]
+    num_kv_heads, _, head_dim = keys.shape
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    query = attention.q_proj(hidden).view(-1, head_dim)
+    query = (query * cos + rotate_half(query) * sin).view(num_kv_heads, -1, head_dim)
+    probs = torch.softmax(torch.einsum("hgd,htd->hgt", query, keys) / math.sqrt(head_dim), -1)
+    num_blocks = context // block_size + 1
+    mass = torch.zeros(num_kv_heads, num_blocks * block_size)
+    mass[:, :context] = probs.mean(dim=1)
+    return mass.view(num_kv_heads, num_blocks, block_size).sum(-1)
+
+
+def record(model_name: str,
+           args: argparse.Namespace) -> tuple[dict[float, np.ndarray], dict[str, Any]]:
+    """{budget: masks [steps, sparse layers, H_kv, max_blocks]} and provenance
+    (with the layers' own attention mass the selections cover)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_infinigen.skewing.calibration import compute_skew_tables
+
+    model_dir = paths.shared_path(f"models/{model_name}")
+    kind, source = MODELS[model_name]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids, calibration = _inputs(kind, paths.shared_path(source), tokenizer,
+                               args.context + args.steps)
+    tables = compute_skew_tables(str(model_dir), 0.2, calibration or None)
+    torch.manual_seed(0)
+    capture = _Capture()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=capture.name).eval()
+    capture.attach(model)
+    num_layers = model.config.num_hidden_layers
+    sparse = list(range(args.dense_layers, num_layers))
+    bs = args.block_size
+    max_blocks = (args.context + args.steps - 1) // bs + 1
+    heads = model.config.num_key_value_heads
+    masks = {b: np.zeros((args.steps, len(sparse), heads, max_blocks), bool) for b in args.budgets}
+    covered = {b: [] for b in args.budgets}
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids[: args.context]]), use_cache=True)
+        cache = out.past_key_values
+        for step in range(args.steps):
+            position = args.context + step
+            token = torch.tensor([[ids[position]]])
+            cache = model(input_ids=token, past_key_values=cache, use_cache=True).past_key_values
+            lens = torch.tensor([position])  # context tokens before the row's own
+            for index, target in enumerate(sparse):
+                tokens, scores = _block_scores(model, target, capture, tables.skew[target],
+                                               position, bs)
+                mass = _attention_mass(model, target, capture, position, bs)
+                for budget in args.budgets:
+                    caps = torch.tensor([max(1, math.floor(position * budget))])
+                    caps = rule.alpha_token_caps(tokens, lens, ALPHA_ROPE, caps)
+                    chosen = rule.select_blocks(scores, lens, caps, block_size=bs,
+                                                width=scores.shape[-1]).logical[0]
+                    for head in range(heads):
+                        picked = chosen[head][chosen[head] >= 0]
+                        masks[budget][step, index, head, picked.numpy()] = True
+                        covered[budget].append(float(mass[head, picked].sum()))
+    weights = sorted(model_dir.glob("*.safetensors"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in weights)).hexdigest()[:16]
+    provenance = {
+        "model": model_name, "weights_sha256_prefix": digest,
+        "input": f"{source} ({'first prompt' if kind == 'recall' else 'from the start'})",
+        "context_tokens": args.context, "decode_steps": args.steps,
+        "decode": "teacher-forced with the tokens that follow the context",
+        "block_size": bs, "dense_layers": args.dense_layers, "sparse_layers": sparse,
+        "kv_heads": heads, "partial_ratio": 0.2, "alpha": ALPHA_ROPE,
+        "skew_calibration": "bundled calibration text" if not calibration
+        else "recall prompts 2-3", "sink_blocks": 1, "recent_blocks": 1,
+        "rule": "vllm_infinigen.platforms.cuda.block_selection (speculated from layer l-1)",
+        "attention_mass_covered": {str(b): float(np.mean(v)) for b, v in covered.items()},
+    }
+    return masks, provenance
+
+
+def forced_blocks(num_steps: int, context: int, block_size: int, max_blocks: int) -> np.ndarray:
+    """[steps, max_blocks] the sink block and each step's own block."""
+    forced = np.zeros((num_steps, max_blocks), bool)
+    forced[:, 0] = True
+    for step in range(num_steps):
+        forced[step, (context + step) // block_size] = True
+    return forced
+
+
+def simulate_cache(masks: np.ndarray, factor: float, eviction: str) -> float:
+    """Hit rate of a device block cache with ``factor`` x the widest step's
+    blocks per head, replaying ``masks`` (first step, cold, left out)."""
+    steps, layers, heads, max_blocks = masks.shape
+    width = int(masks.sum(axis=-1).max())
+    cache = DeviceBlockCache(layers, heads, math.ceil(factor * width), max_blocks, "cpu",
+                             eviction=eviction)
+    hits = misses = 0
+    for step in range(steps):
+        for layer in range(layers):
+            ids = torch.full((1, heads, width), -1, dtype=torch.int64)
+            for head in range(heads):
+                chosen = torch.from_numpy(np.flatnonzero(masks[step, layer, head]))
+                ids[0, head, : chosen.numel()] = chosen
+            cache.lookup(layer, ids)
+        step_hits, step_misses = cache.take_counters()
+        if step:
+            hits, misses = hits + sum(step_hits), misses + sum(step_misses)
+    return hits / max(hits + misses, 1)
+
+
+def summarize(masks: dict[float, np.ndarray], args: argparse.Namespace,
+              provenance: dict[str, Any]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for budget, mask in masks.items():
+        forced = forced_blocks(args.steps, args.context, args.block_size, mask.shape[-1])
+        reuse = selection_trace.step_reuse(mask)
+        free = selection_trace.step_reuse(mask, skip=forced)
+        results[str(budget)] = {
+            "blocks_per_head_mean": float(mask.sum(axis=-1).mean()),
+            "kept_fraction_mean": float(mask.sum(axis=-1).mean() / mask.shape[-1]),
+            "attention_mass_covered": provenance["attention_mass_covered"][str(budget)],
+            "reuse_mean": float(reuse.mean()),
+            "reuse_without_sink_and_own_mean": float(free.mean()),
+            "reuse_by_layer": [float(v) for v in reuse.mean(axis=(0, 2))],
+            "hit_rate": {rule_name: {str(f): simulate_cache(mask, f, rule_name)
+                                     for f in CACHE_FACTORS} for rule_name in EVICTION_RULES},
+        }
+    return results
+
+
+def _markdown(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    rows = ["| budget | blocks per head | attention covered | reuse | reuse w/o sink & own | "
+            + " | ".join(f"{r} hit rate x{f}" for r in EVICTION_RULES for f in CACHE_FACTORS)
+            + " |", "|" + "---|" * (5 + len(EVICTION_RULES) * len(CACHE_FACTORS))]
+    for budget, r in results.items():
+        cells = [budget, f"{r['blocks_per_head_mean']:.1f}",
+                 f"{r['attention_mass_covered']:.3f}", f"{r['reuse_mean']:.3f}",
+                 f"{r['reuse_without_sink_and_own_mean']:.3f}"]
+        cells += [f"{r['hit_rate'][n][str(f)]:.3f}" for n in EVICTION_RULES for f in CACHE_FACTORS]
+        rows.append("| " + " | ".join(cells) + " |")
+    by_layer = ["| budget | " + " | ".join(f"layer {i}" for i in range(
+        args.dense_layers, args.dense_layers + len(next(iter(results.values()))["reuse_by_layer"])))
+        + " |"]
+    by_layer.append("|" + "---|" * (1 + len(next(iter(results.values()))["reuse_by_layer"])))
+    for budget, r in results.items():
+        values = " | ".join(f"{v:.3f}" for v in r["reuse_by_layer"])
+        by_layer.append(f"| {budget} | {values} |")
+    return ["\n".join(rows), "Reuse by layer:", "\n".join(by_layer)]
+
+
+_INTRO = (
+    "Reuse: the fraction of a step's selected blocks (per sparse layer and KV head) that "
+    "the previous step selected too, mean over layers, heads and steps; without sink & own: "
+    "the same with the always-kept sink block and own block left out of both steps. "
+    "Attention covered: the share of the layer's own dense attention (mean over query "
+    "heads) that falls in the selected blocks (the kept fraction is what a uniform choice "
+    "would cover). Hit rate: the device block cache (`platforms/cuda/block_cache.py`) "
+    "replaying the selections, with slots per KV head = factor x the widest step's blocks "
+    "per head; the cold first step left out. Block size 16, r = 0.2, alpha 5, "
+    "1 sink block + the own block; `python -m benchmarks.gpu.record_selections` "
+    "(HF transformers on the CPU; the trace of gutenberg-llama-2k at budget 0.2 is "
+    "`benchmarks/gpu/traces/`, replayed by the GPU benchmark).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                        default=["gutenberg-llama-2k", "recall-llama-12l"])
+    parser.add_argument("--context", type=int, default=1024,
+                        help="prefill tokens (recall prompts hold 1024: at most 960 there)")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
+    parser.add_argument("--trace-model", default="gutenberg-llama-2k",
+                        help="the model whose selections are written as the GPU benchmark's trace")
+    parser.add_argument("--trace-budget", type=float, default=0.2)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    meta = gpu_run_metadata()
+    settings, results, sections = {}, {}, []
+    for name in args.models:
+        model_args = argparse.Namespace(**{**vars(args), "context": min(
+            args.context, 1024 - args.steps) if MODELS[name][0] == "recall" else args.context})
+        masks, provenance = record(name, model_args)
+        if name == args.trace_model and args.trace_budget in masks:
+            path = selection_trace.TRACES / f"{name}_budget{args.trace_budget}.json"
+            selection_trace.save_trace(path, masks[args.trace_budget], {
+                **provenance, "budget": args.trace_budget, "command": meta["command"],
+                "repo_commit": meta["repo_commit"], "date_utc": meta["date_utc"]})
+            print(f"trace: {path} ({path.stat().st_size} bytes)")
+        settings[name] = provenance
+        results[name] = summarize(masks, model_args, provenance)
+        about = (f"Context {provenance['context_tokens']} tokens, "
+                 f"{provenance['decode_steps']} decode steps ({provenance['decode']}); "
+                 f"input {provenance['input']}; skew from {provenance['skew_calibration']}.")
+        sections += [f"## {name}", about,
+                     *_markdown(results[name], model_args)]
+    write_gpu_results(args.out, meta, "Step-to-step reuse of InfiniGen's block selections",
+                      settings, results, [_INTRO, *sections])
+    print(json.dumps({m: {b: {k: v for k, v in r.items() if k != "reuse_by_layer"}
+                          for b, r in per.items()} for m, per in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Markdown of the GPU decode-step benchmark's results (``decode_step.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.harness.report import cell, markdown_table
+
+HEADERS = ["context", "batch", "variant", "ms / step", "host enqueue ms", "MB over PCIe / step",
+           "GB/s", "PCIe bound ms", "hit rate", "cache slots / head (x widest step)", "note"]
+
+
+def _context(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def _row(config: dict[str, Any], name: str, result: dict[str, Any]) -> list[str]:
+    note = result.get("skipped") or result.get("error", "")
+    slots = result.get("cache_slots_per_head")
+    return [_context(config["context"]), str(config["batch"]), name,
+            cell(result.get("ms_per_step"), ".2f"), cell(result.get("host_enqueue_ms"), ".2f"),
+            cell(result["pcie_bytes_per_step"] / 1e6 if "pcie_bytes_per_step" in result else None,
+                 ".4g"),
+            cell(result.get("GBps"), ".1f"), cell(result.get("pcie_bound_ms"), ".2f"),
+            cell(result.get("hit_rate"), ".3f"),
+            f"{slots} (x{result['cache_factor']})" if slots else "", note[:120]]
+
+
+def markdown_sections(results: dict[str, Any], *, self_test: bool) -> list[str]:
+    rows = [_row(config, name, result) for config in results["configs"]
+            for name, result in config["variants"].items()]
+    replay = [f"{_context(c['context'])} x {c['batch']}: kept {c['replay']['kept_fraction']:.3f} "
+              f"of the blocks ({c['replay']['trace']})" for c in results["configs"]]
+    sections = []
+    if self_test:
+        checks = results["checks"]
+        sections.append(
+            "CPU self-test: tiny shapes (4 layers, 2 dense), float32, the kernels' torch "
+            "references, no streams. Timings here say nothing about a GPU. "
+            f"**Checks passed: {checks['passed']}** -- select-all (budget 1) against dense, "
+            f"relative L2 of the logits: {checks['select_all']['relative_l2_vs_dense']}; "
+            "trace replayed: the cache's logits equal the no-cache logits (max abs "
+            f"{checks['replay']['cache_equals_nocache_max_abs']:.2e}) and differ from dense "
+            f"({checks['replay']['sparse_differs_from_dense_max_abs']:.2e}), with fewer bytes "
+            "fetched. GPU numbers: still to be measured (`python -m benchmarks.gpu.decode_step` "
+            "on a CUDA machine).")
+    else:
+        limits, check = results["h2d_limits"], results["select_all"]
+        sections.append(
+            f"H2D limits measured in this run: one 1 GiB pinned copy {limits['copy_GBps']:.1f} "
+            f"GB/s; the gather kernel ({limits['gather_ctas']} CTAs, 8192 random units) "
+            f"{limits['gather_GBps']:.1f} GB/s. Select-all (budget 1) against dense at "
+            f"{check['context']} x {check['batch']}: relative L2 of the logits "
+            f"{check['relative_l2_vs_dense']} (passed: {check['passed']}). "
+            "InfiniGen's selections: computed (their cost is in the time), then replaced by "
+            "the recorded trace scaled to the context (benchmarks/gpu/selection_trace.py). "
+            "PCIe bound: bytes over PCIe / the copy limit.")
+    sections.append(markdown_table(HEADERS, rows))
+    sections.append("Replayed selections: " + "; ".join(replay) + ".")
+    return sections

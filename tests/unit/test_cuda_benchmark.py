@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU benchmark on the CPU: its self-test, the trace file and its replay, no vLLM needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.gpu import selection_trace
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_self_test_select_all_equals_dense_and_the_cache_changes_no_output():
+    from benchmarks.gpu import decode_step
+
+    checks = decode_step.self_test(out=None)
+    assert checks["select_all"]["passed"], checks["select_all"]
+    assert checks["replay"]["passed"], checks["replay"]
+    assert 0 < checks["replay"]["hit_rate"] < 1
+
+
+def test_the_recorded_trace_loads_with_its_provenance():
+    masks, provenance = selection_trace.load_trace()
+    steps, layers, heads, _ = masks.shape
+    assert (steps, layers, heads) == (64, 6, 4)  # gutenberg-llama-2k: 8 layers, 2 dense, 4 KV heads
+    assert provenance["model"] == "gutenberg-llama-2k" and provenance["budget"] == 0.2
+    assert provenance["command"] and provenance["repo_commit"] and provenance["date_utc"]
+    assert masks[:, :, :, 0].all()  # the sink block, always kept
+    for step in range(steps):  # and the own block
+        assert masks[step, :, :, (1024 + step) // 16].all()
+    assert selection_trace.DEFAULT_TRACE.stat().st_size < 16 * 1024
+
+
+def test_packing_round_trips():
+    masks = np.random.default_rng(0).random((3, 2, 2, 13)) < 0.3
+    packed = selection_trace.pack_masks(masks)
+    assert (selection_trace.unpack_masks(packed, list(masks.shape)) == masks).all()
+
+
+def test_step_reuse_counts_blocks_selected_in_the_previous_step():
+    masks = np.zeros((3, 1, 1, 6), bool)
+    masks[0, 0, 0, [0, 1, 2]] = True
+    masks[1, 0, 0, [0, 1, 4, 5]] = True  # 2 of 4 reused
+    masks[2, 0, 0, [0, 4]] = True  # 2 of 2
+    assert selection_trace.step_reuse(masks)[:, 0, 0].tolist() == [0.5, 1.0]
+    skip = np.zeros((3, 6), bool)
+    skip[:, 0] = True
+    assert selection_trace.step_reuse(masks, skip)[:, 0, 0].tolist() == [1 / 3, 1.0]
+
+
+def test_replay_scales_blocks_into_groups_and_adds_the_own_block():
+    masks = np.zeros((3, 1, 1, 4), bool)
+    masks[0, 0, 0, [0, 2]] = True
+    masks[1, 0, 0, [0, 3]] = True
+    masks[2, 0, 0, [1]] = True
+    replay = selection_trace.replay_blocks(masks, num_layers=1, num_kv_heads=1, num_rows=1,
+                                           context_blocks=13, num_steps=4)
+    # group = 13 // 4 = 3; own block 13; steps 0, 1, 2, 1 (back and forth)
+    assert replay[0, 0, 0, 0].tolist() == [0, 1, 2, 6, 7, 8, 13]
+    assert replay[1, 0, 0, 0].tolist() == [0, 1, 2, 9, 10, 11, 13]
+    assert replay[2, 0, 0, 0].tolist() == [3, 4, 5, 13, -1, -1, -1]
+    assert replay[3, 0, 0, 0].tolist() == replay[1, 0, 0, 0].tolist()
+    with pytest.raises(ValueError, match="shorter"):
+        selection_trace.replay_blocks(masks, num_layers=1, num_kv_heads=1, num_rows=1,
+                                      context_blocks=3, num_steps=1)
+
+
+def test_replay_order_runs_back_and_forth():
+    assert selection_trace.replay_order(3, 7, 0) == [0, 1, 2, 1, 0, 1, 2]
+    assert selection_trace.replay_order(3, 3, 8) == [0, 1, 2]
+
+
+def test_the_benchmark_imports_without_vllm():
+    code = ("import sys\nsys.modules['vllm'] = None\n"
+            "import benchmarks.gpu.decode_step, benchmarks.gpu.record_selections\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, check=False)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA platform's kernels: the torch references against independent computations,
+the launch parameters, and that the CPU build imports them without touching CUDA. The
+Triton kernels against these references: test_cuda_triton_interpreter.py, run here in a
+subprocess with TRITON_INTERPRET=1 (Triton reads it when it is first imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_infinigen.platforms.cuda import kernels
+
+CUDA_DIR = Path(kernels.__file__).parent
+
+
+def _fetch_case(dtype, head_size=8):
+    torch.manual_seed(0)
+    pool = torch.randn(6, 2, 4, 2 * head_size).to(dtype)  # [units, H, block, 2D]: 12 pool units
+    cache = torch.zeros(9, 4, 2 * head_size, dtype=dtype)
+    units = torch.tensor([1, 4, 7, 10, 11, -1, -1])
+    slots = torch.tensor([3, 0, 5, 2, 8, -1, -1])
+    return pool, cache, units, slots, torch.tensor([4])  # the 5th listed is not fetched
+
+
+def test_gather_reference_copies_the_listed_units_only():
+    pool, cache, units, slots, count = _fetch_case(torch.float32)
+    kernels.gather_units_reference(pool, cache, units, slots, count)
+    flat = pool.view(12, 4, 16)
+    for unit, slot in [(1, 3), (4, 0), (7, 5), (10, 2)]:
+        assert torch.equal(cache[slot], flat[unit])
+    untouched = [s for s in range(9) if s not in (3, 0, 5, 2)]
+    assert cache[untouched].abs().sum() == 0  # slot 8 (past num_fetch) not written
+
+
+def _attention_case(group=3, head_size=8, block=4):
+    torch.manual_seed(1)
+    query = torch.randn(3, group, head_size)
+    units = torch.randn(10, block, 2 * head_size)
+    table = torch.tensor([[4, 0, 9, 2], [7, 7, 1, 0], [3, 0, 0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([4 * block, block + 1, 1], dtype=torch.int32)
+    return query, units, table, seq_lens
+
+
+def test_attention_reference_is_softmax_over_the_tables_tokens():
+    query, units, table, seq_lens = _attention_case()
+    got = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
+    for seq in range(3):
+        tokens = torch.cat([units[int(u)] for u in table[seq]])[: int(seq_lens[seq])]
+        keys, values = tokens[:, :8], tokens[:, 8:]
+        expected = torch.softmax(query[seq] @ keys.T * 0.3, dim=-1) @ values
+        assert torch.allclose(got[seq], expected, atol=1e-6)
+
+
+def test_merging_splits_equals_one_softmax():
+    query, units, table, seq_lens = _attention_case()
+    whole = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
+    parts = []
+    for first in (0, 2):  # two splits of two blocks each, by hand
+        tokens = units[table[:, first:first + 2].long()].reshape(3, 8, 16)
+        live = (torch.arange(8) + first * 4)[None, :] < seq_lens[:, None]
+        scores = torch.einsum("ngd,ntd->ngt", query, tokens[..., :8]) * 0.3
+        scores = scores.masked_fill(~live[:, None, :], float("-inf"))
+        best = scores.amax(-1)
+        weights = torch.exp(scores - best[..., None]).nan_to_num(0.0)
+        parts.append((weights @ tokens[..., 8:], best, weights.sum(-1)))
+    partial, maxima, sums = (torch.stack(t, dim=1) for t in zip(*parts))
+    assert torch.allclose(kernels.merge_splits(partial, maxima, sums), whole, atol=1e-6)
+
+
+def test_own_tokens_land_at_each_sequences_last_position():
+    units = torch.zeros(6, 4, 4)
+    table = torch.tensor([[5, 2, 0], [1, 3, 0]])
+    kernels.write_own_tokens(units, table, torch.tensor([7, 1]), torch.ones(2, 2),
+                             torch.full((2, 2), 3.0))
+    assert units[2, 2].tolist() == [1, 1, 3, 3]  # position 6: second block, offset 2
+    assert units[1, 0].tolist() == [1, 1, 3, 3]
+    assert units.sum() == 16
+
+
+def test_launch_parameters():
+    assert kernels.gather_ctas(None) == 32
+    assert kernels.gather_ctas(132) == 64  # H100: 132 SMs
+    assert kernels.gather_ctas(40) == 32
+    assert kernels.unit_words(16, 128, torch.bfloat16) == (2048, 2048)  # 8 KiB units
+    assert kernels.unit_words(16, 80, torch.bfloat16) == (1280, 256)
+    with pytest.raises(ValueError, match="32-bit"):
+        kernels.unit_words(1, 1, torch.int8)
+    assert kernels.attention_splits(64, 1000, None) == (1, 1000)
+    splits, per_split = kernels.attention_splits(8, 1000, 132)  # 33 wanted
+    assert splits * per_split >= 1000 and (splits - 1) * per_split < 1000 and splits >= 30
+    assert kernels.attention_splits(8, 3, 132) == (3, 1)  # never more splits than blocks
+
+
+def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_triton():
+    code = (
+        "import sys, torch\n"
+        "from vllm_infinigen.platforms.cuda import block_cache, block_selection, host_pool\n"
+        "from vllm_infinigen.platforms.cuda import kernels\n"
+        "u = torch.zeros(3, 4, 8); t = torch.zeros(1, 1, dtype=torch.int32)\n"
+        "kernels.gather_units(torch.ones(2, 1, 4, 8), u, torch.tensor([1]), torch.tensor([0]),"
+        " torch.tensor([1]))\n"
+        "kernels.attend_units(torch.ones(1, 2, 4), u, t, torch.tensor([1], dtype=torch.int32),"
+        " scale=1.0)\n"
+        "assert 'vllm_infinigen.platforms.cuda.triton_kernels' not in sys.modules\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=CUDA_DIR.parents[2], check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_triton_kernels_equal_the_references_in_the_interpreter():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs the interpreter tests itself")
+    test_file = Path(__file__).with_name("test_cuda_triton_interpreter.py")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(test_file)], capture_output=True, text=True,
+                         cwd=CUDA_DIR.parents[2], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         check=False)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout

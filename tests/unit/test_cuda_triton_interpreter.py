@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Triton kernels of the CUDA platform against their torch references, on CPU tensors.
+
+Runs only in a process started with TRITON_INTERPRET=1 (Triton decides when it is
+first imported whether ``@triton.jit`` compiles or interprets);
+``test_cuda_kernels.py`` starts one. The kernels see the same arguments as on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.unit.test_cuda_kernels import _attention_case, _fetch_case
+from vllm_infinigen.platforms.cuda import kernels
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 from the start of the process")
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    pytest.importorskip("triton")
+    from vllm_infinigen.platforms.cuda import triton_kernels
+
+    return triton_kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ctas", [1, 3])
+def test_gather_equals_the_reference(triton_kernels, dtype, ctas):
+    pool, cache, units, slots, count = _fetch_case(dtype)
+    expected = cache.clone()
+    kernels.gather_units_reference(pool, expected, units, slots, count)
+    words, chunk = kernels.unit_words(4, 8, dtype)
+    triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
+                                count, num_ctas=ctas, unit_words=words, chunk_words=chunk,
+                                per_step=2)
+    assert torch.equal(cache, expected)
+
+
+def test_gather_copies_units_in_chunks(triton_kernels):
+    """A unit of 40 words copied 8 at a time (``unit_words``' chunk for D = 10)."""
+    pool, cache, units, slots, count = _fetch_case(torch.bfloat16, head_size=10)
+    expected = cache.clone()
+    kernels.gather_units_reference(pool, expected, units, slots, count)
+    words, chunk = kernels.unit_words(4, 10, torch.bfloat16)
+    assert (words, chunk) == (40, 8)
+    triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
+                                count, num_ctas=2, unit_words=words, chunk_words=chunk,
+                                per_step=2)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
+@pytest.mark.parametrize("group,head_size", [(3, 8), (4, 16), (2, 12)])
+def test_attention_equals_the_reference(triton_kernels, splits, group, head_size):
+    query, units, table, seq_lens = _attention_case(group, head_size)
+    per_split = -(-table.shape[1] // splits)
+    partial = torch.empty(3, splits, group, head_size)
+    maxima, sums = torch.empty(3, splits, group), torch.empty(3, splits, group)
+    triton_kernels.attend_units(query, units, table, seq_lens, partial, maxima, sums, scale=0.3,
+                                blocks_per_split=per_split, num_splits=splits)
+    got = kernels.merge_splits(partial, maxima, sums)
+    expected = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_attention_reads_bfloat16_units(triton_kernels):
+    query, units, table, seq_lens = _attention_case()
+    units = units.to(torch.bfloat16)
+    partial = torch.empty(3, 2, 3, 8)
+    maxima, sums = torch.empty(3, 2, 3), torch.empty(3, 2, 3)
+    triton_kernels.attend_units(query, units, table, seq_lens, partial, maxima, sums, scale=0.3,
+                                blocks_per_split=2, num_splits=2)
+    expected = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
+    assert torch.allclose(kernels.merge_splits(partial, maxima, sums), expected, atol=1e-5)

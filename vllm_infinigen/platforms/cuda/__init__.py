@@ -1,0 +1,32 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's CUDA build (not yet in ``platforms.WORKERS``): block selection, the
+device block cache, the gather and attention kernels, and the pinned host pool.
+
+Every module here imports on the CPU build; what needs CUDA refuses with a
+clear error without it, and each kernel has a pure-torch reference that runs
+anywhere (the CPU tests hold the kernels to them)::
+
+    block_selection.py  block scores from the partial keys, the block rule
+    block_cache.py      device block cache bookkeeping (admission, eviction,
+                        release), the per-KV-head block table substitution
+    kernels.py          gather of missing blocks, attention over cached
+                        blocks: dispatch (CUDA: Triton) and the references
+    triton_kernels.py   the Triton kernels (imported only when launched)
+    host_pool.py        the pinned host pool (cudaHostRegister on huge pages)
+
+What a CUDA ``DataPath`` built on them must order, per sparse layer (events
+between the compute stream and the lower-priority transfer stream):
+
+1. a step's host write-through of new K/V lands before a later gather can
+   read those blocks from the pool;
+2. the layer's gather (issued in the layer before) completes before the
+   layer writes the step's tokens into cached blocks (``write_cached_tokens``,
+   which keeps a cached partial block current) and before it attends;
+3. the next step's gather into the layer's cache starts after this step's
+   attention of that layer (an event recorded before the gather is issued).
+
+The cache names blocks by the dense group's block ids and fetches pool unit
+``block_id * H_kv + head``: the uncapped pool. With ``--infinigen-cpu-pool-gib``
+a block's tokens may sit in different pool units (``worker/pool_index.py``),
+which a block gather cannot read in one unit.
+"""

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side, CUDA platform (pure torch, any device): InfiniGen's selection in blocks.
+
+On a GPU the unit that crosses PCIe is one KV head's block (16 tokens x K|V:
+8 KiB in bf16 at D = 128; smaller units lose bandwidth, see
+shared/docs/GPU_DATA_PATH.md), so the rule keeps whole blocks::
+
+    partial_token_scores  speculated score of every context token (the paper's
+                          partial query x partial keys), best over the query
+                          heads of each KV head; reads today's partial-key
+                          layout and is the one function to swap when it changes
+    block_scores          the best token score of each block
+    select_blocks         per row: the budget in tokens rounded up to blocks,
+                          plus the sink blocks and the recent blocks (the row's
+                          own block always among them); each KV head keeps its
+                          own top blocks
+
+Blocks are numbered per row (logical: block j holds positions j*block_size ..
+(j+1)*block_size - 1); ``physical_block_ids`` maps them through the row's
+block table. A row with ``context_len`` tokens before its own has
+``context_len // block_size + 1`` blocks, the last one holding its own token.
+No ``.item()``: every bound a shape needs comes from the host side
+(``selection_width``), once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """The blocks one sparse layer attends to, for a step's selecting rows.
+
+    ``logical[s, h]`` lists row s's selected blocks for KV head h, ascending,
+    then -1; the row's own block (its highest) is always the last valid one.
+    """
+
+    logical: torch.Tensor  # [S, H_kv, W] int64 block index within the row, -1 padded
+    num_selected: torch.Tensor  # [S] int64 blocks kept per KV head
+
+
+def num_row_blocks(context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[S] blocks of each row, its own token's block included."""
+    return context_lens.to(torch.int64) // block_size + 1
+
+
+def partial_token_scores(partial_query: torch.Tensor, partial_keys: torch.Tensor,
+                         block_table: torch.Tensor, *, scale: float,
+                         compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Speculated scores of the tokens of every block in the rows' tables.
+
+    Today's layout: ``partial_keys [num_blocks, H_kv, R, block_size]``
+    (channel-major per block, ``worker/block_layout.py``). Swap this function
+    (or ``row_token_scores``'s input) when the layout changes.
+
+    Args:
+        partial_query: [S, H_kv, G, R] skewed partial queries (G query heads
+            per KV head).
+        partial_keys: [num_blocks, H_kv, R, block_size] the target layer's.
+        block_table: [S, MB] block ids of each row (entries past a row's
+            blocks may hold any valid id: ``block_scores`` masks them).
+        scale: The attention scale, so that scores are logits.
+        compute_dtype: Dtype of the product (float32: exact enough to compare
+            with the CPU kernels; bfloat16 halves the bytes on a GPU).
+
+    Returns:
+        [S, H_kv, MB * block_size] float32, token t of row s at index t.
+    """
+    # row_keys: [S, MB, H_kv, R, block_size]
+    row_keys = partial_keys[block_table.to(torch.int64)]
+    return row_token_scores(partial_query, row_keys, scale=scale, compute_dtype=compute_dtype)
+
+
+def row_token_scores(partial_query: torch.Tensor, row_keys: torch.Tensor, *, scale: float,
+                     compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``partial_token_scores`` over partial keys already laid out per row.
+
+    Args:
+        partial_query: [S, H_kv, G, R].
+        row_keys: [S, MB, H_kv, R, block_size] (a view where a row's blocks
+            are consecutive, as in the GPU benchmark; no gather).
+    """
+    query = partial_query.to(compute_dtype)
+    # scores: [S, H_kv, G, MB, block_size] -> best query head of the group
+    scores = torch.einsum("shgr,smhrb->shgmb", query, row_keys.to(compute_dtype))
+    return scores.amax(dim=2).flatten(2).float() * scale
+
+
+def block_scores(token_scores: torch.Tensor, context_lens: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """[S, H_kv, MB] the best score of each block's context tokens.
+
+    Tokens at or past ``context_lens`` (the row's own and later) do not count;
+    a block without context tokens scores -inf.
+
+    Args:
+        token_scores: [S, H_kv, MB * block_size] from ``partial_token_scores``.
+        context_lens: [S] tokens before each row's own.
+    """
+    num_rows, num_heads, num_tokens = token_scores.shape
+    positions = torch.arange(num_tokens, device=token_scores.device)
+    in_context = positions[None, :] < context_lens.to(torch.int64)[:, None]  # [S, T]
+    masked = token_scores.masked_fill(~in_context[:, None, :], _NEG_INF)
+    return masked.view(num_rows, num_heads, -1, block_size).amax(dim=-1)
+
+
+def alpha_token_caps(token_scores: torch.Tensor, context_lens: torch.Tensor, alpha: float,
+                     token_caps: torch.Tensor) -> torch.Tensor:
+    """[S] the paper's k capped by the budget: min(floor(mean over KV heads of
+    the tokens scoring above best - alpha), ``token_caps``), at least 1.
+
+    Pass the result as ``select_blocks``' ``token_caps`` to apply alpha
+    (the count needs token scores; the blocks then round it up).
+    """
+    num_tokens = token_scores.shape[-1]
+    positions = torch.arange(num_tokens, device=token_scores.device)
+    in_context = positions[None, :] < context_lens.to(torch.int64)[:, None]
+    scores = token_scores.masked_fill(~in_context[:, None, :], _NEG_INF)
+    best = scores.amax(dim=-1, keepdim=True)
+    counts = (scores > best - alpha).sum(dim=-1)  # [S, H_kv]
+    mean = torch.floor(counts.to(torch.float64).mean(dim=-1)).to(torch.int64)
+    return torch.clamp(torch.minimum(mean, token_caps.to(torch.int64)), min=1)
+
+
+def _budget_blocks(token_caps: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[S] the budget in tokens, rounded up to whole blocks."""
+    return (token_caps.to(torch.int64) + block_size - 1) // block_size
+
+
+def selection_width(context_host: list[int], caps_host: list[int], block_size: int, *,
+                    sink_blocks: int, recent_blocks: int) -> int:
+    """Host-side bound of a step's blocks per KV head (``BlockSelection``'s W), >= 1."""
+    width = 1
+    for context, cap in zip(context_host, caps_host):
+        blocks = context // block_size + 1
+        forced = min(blocks, sink_blocks + recent_blocks)
+        width = max(width, min(blocks, -(-cap // block_size) + forced))
+    return width
+
+
+def select_blocks(scores: torch.Tensor, context_lens: torch.Tensor, token_caps: torch.Tensor,
+                  *, block_size: int, width: int, sink_blocks: int = 1,
+                  recent_blocks: int = 1) -> BlockSelection:
+    """InfiniGen's rule in blocks.
+
+    Per row: ``ceil(token_caps / block_size)`` blocks by score, on top of the
+    first ``sink_blocks`` and the last ``recent_blocks`` blocks (the row's own
+    block is the last one: its own token is attended there), at most the
+    row's blocks. Every KV head keeps the same number, chosen by its own scores.
+
+    Args:
+        scores: [S, H_kv, MB] from ``block_scores`` (MB >= the rows' blocks).
+        context_lens: [S] tokens before each row's own.
+        token_caps: [S] the budget in tokens (``worker.step_plan.token_budget``,
+            or ``alpha_token_caps`` of it).
+        width: Blocks per head in the result, from ``selection_width``.
+        sink_blocks: First blocks always kept (attention sinks).
+        recent_blocks: Last blocks always kept, >= 1.
+
+    Raises:
+        ValueError: If ``recent_blocks`` < 1 (the own block must be kept).
+    """
+    if recent_blocks < 1:
+        raise ValueError(f"recent_blocks must be >= 1 (the row's own block), got {recent_blocks}")
+    max_blocks = scores.shape[-1]
+    blocks = num_row_blocks(context_lens, block_size)[:, None]  # [S, 1]
+    index = torch.arange(max_blocks, device=scores.device)[None, :]  # [1, MB]
+    in_row = index < blocks
+    forced = in_row & ((index < sink_blocks) | (index >= blocks - recent_blocks))
+    num_selected = torch.minimum(_budget_blocks(token_caps, block_size) + forced.sum(dim=1),
+                                 blocks[:, 0])
+    ranked = scores.float().masked_fill(~in_row[:, None, :], _NEG_INF)
+    ranked = ranked.masked_fill(forced[:, None, :], _POS_INF)
+    width = min(width, max_blocks)
+    top = torch.topk(ranked, width, dim=-1, sorted=True).indices  # [S, H_kv, W]
+    keep = torch.arange(width, device=scores.device) < num_selected[:, None, None]
+    padding = torch.iinfo(torch.int64).max
+    logical = torch.where(keep, top, padding).sort(dim=-1).values
+    return BlockSelection(torch.where(logical == padding, -1, logical), num_selected)
+
+
+def physical_block_ids(logical: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[S, H_kv, W] block ids of the selected blocks (-1 kept).
+
+    Args:
+        logical: [S, H_kv, W] from ``select_blocks``.
+        block_table: [S, MB] block ids of each row.
+    """
+    num_rows = logical.shape[0]
+    ids = torch.gather(block_table.to(torch.int64), 1,
+                       logical.clamp(min=0).reshape(num_rows, -1)).view_as(logical)
+    return torch.where(logical >= 0, ids, -1)

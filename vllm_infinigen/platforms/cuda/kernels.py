@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side, CUDA platform: the data path's kernels, each with its pure-torch reference.
+
+    gather_units      the missing blocks of a layer, host pool -> device cache
+                      slots: one Triton kernel reading the pinned pool through
+                      its UVA pointer, on a grid of 32-64 CTAs (with a full grid
+                      the gather stalls the compute beside it; confined, it
+                      still reaches 49-50 GB/s on an H100, GPU_DATA_PATH.md)
+    attend_units      decode attention of each (row, KV head) over its blocks,
+                      through a substituted block table (``block_cache``)
+    write_own_tokens  each row's new K|V into its own (last) block
+
+A call on CUDA tensors launches the Triton kernel (``triton_kernels.py``,
+imported then); on any other device it runs the reference, so the CPU build
+never touches CUDA or Triton. Nothing here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The gather's grid: 32-64 CTAs on a lower-priority stream (GPU_DATA_PATH.md).
+MIN_GATHER_CTAS, MAX_GATHER_CTAS = 32, 64
+_MAX_CHUNK_WORDS = 2048  # 8 KiB per row of the copy tile
+_GATHER_UNITS_PER_STEP = 2  # units in flight per CTA and loop step
+_SPLITS_PER_SM = 2  # attention: (sequences x splits) >= 2 x SMs when the blocks allow
+
+
+def gather_ctas(num_sms: int | None) -> int:
+    """CTAs of the gather grid: half the SMs, within 32..64."""
+    if num_sms is None:
+        return MIN_GATHER_CTAS
+    return max(MIN_GATHER_CTAS, min(MAX_GATHER_CTAS, num_sms // 2))
+
+
+def unit_words(block_size: int, head_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(32-bit words per unit, words per copy chunk: the largest power of two
+    dividing the unit, at most 2048).
+
+    Raises:
+        ValueError: If a unit is not a whole number of 32-bit words.
+    """
+    unit_bytes = block_size * 2 * head_size * dtype.itemsize
+    if unit_bytes % 4:
+        raise ValueError(f"a block of {unit_bytes} bytes is not a whole number of 32-bit words")
+    words = unit_bytes // 4
+    return words, min(words & -words, _MAX_CHUNK_WORDS)
+
+
+def attention_splits(num_sequences: int, width: int, num_sms: int | None) -> tuple[int, int]:
+    """(splits per sequence, blocks per split) for ``attend_units``' grid."""
+    wanted = 1 if num_sms is None else -(-_SPLITS_PER_SM * num_sms // max(num_sequences, 1))
+    splits = max(1, min(wanted, width))
+    per_split = -(-width // splits)
+    return -(-width // per_split), per_split
+
+
+def _num_sms(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# -- gather
+
+
+def gather_units(pool: torch.Tensor, cache: torch.Tensor, fetch_units: torch.Tensor,
+                 fetch_slots: torch.Tensor, num_fetch: torch.Tensor, *,
+                 num_ctas: int | None = None) -> None:
+    """Copies the listed pool units into cache slots, on the current stream.
+
+    Args:
+        pool: [units, H_kv, block_size, 2 * D] one layer's host pool (pinned,
+            for the kernel) or any tensor of that shape; unit u is
+            ``pool.view(-1, block_size, 2 * D)[u]``, i.e. block u // H_kv, head u % H_kv.
+        cache: [N, block_size, 2 * D] device units (a cache, a staging buffer).
+        fetch_units, fetch_slots: [M] int64 from ``CacheLookup``: the first
+            ``num_fetch`` are copied, pool unit -> cache slot.
+        num_fetch: [1] int64 on the cache's device.
+        num_ctas: Grid size (default ``gather_ctas`` of the device).
+    """
+    if cache.is_cuda:
+        from vllm_infinigen.platforms.cuda import triton_kernels
+
+        block_size, width = cache.shape[1], cache.shape[2]
+        words, chunk = unit_words(block_size, width // 2, cache.dtype)
+        triton_kernels.gather_units(
+            pool.view(torch.int32), cache.view(torch.int32), fetch_units, fetch_slots, num_fetch,
+            num_ctas=num_ctas or gather_ctas(_num_sms(cache.device)), unit_words=words,
+            chunk_words=chunk, per_step=_GATHER_UNITS_PER_STEP)
+        return
+    gather_units_reference(pool, cache, fetch_units, fetch_slots, num_fetch)
+
+
+def gather_units_reference(pool: torch.Tensor, cache: torch.Tensor, fetch_units: torch.Tensor,
+                           fetch_slots: torch.Tensor, num_fetch: torch.Tensor) -> None:
+    """``gather_units`` in torch (reads ``num_fetch``: a host sync on a GPU)."""
+    count = int(num_fetch[0])
+    units = pool.reshape(-1, cache.shape[1], cache.shape[2])
+    source = fetch_units[:count].to(pool.device)
+    cache[fetch_slots[:count].to(cache.device)] = units[source].to(cache.device)
+
+
+# -- attention over units
+
+
+def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
+                 seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Decode attention of each sequence over the units of its table.
+
+    Sequence i attends over its first ``seq_lens[i]`` tokens, token t lying
+    in unit ``table[i, t // block_size]`` at offset ``t % block_size``.
+
+    Args:
+        query: [N, G, D] the G query heads of each sequence (N = rows x KV heads).
+        units: [num_units, block_size, 2 * D] K | V per token.
+        table: [N, W] int32 units of each sequence (``substitute_block_table``).
+        seq_lens: [N] int32 tokens of each sequence, each >= 1.
+
+    Returns:
+        [N, G, D] in the query's dtype.
+    """
+    if not query.is_cuda:
+        return attend_units_reference(query, units, table, seq_lens, scale=scale)
+    from vllm_infinigen.platforms.cuda import triton_kernels
+
+    num_sequences, group, head_size = query.shape
+    block_size = units.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"the attention kernel needs a power-of-two block size, got {block_size}")
+    num_splits, per_split = attention_splits(num_sequences, table.shape[1],
+                                             _num_sms(query.device))
+    partial = torch.empty((num_sequences, num_splits, group, head_size), dtype=torch.float32,
+                          device=query.device)
+    maxima = torch.empty((num_sequences, num_splits, group), dtype=torch.float32,
+                         device=query.device)
+    sums = torch.empty_like(maxima)
+    triton_kernels.attend_units(query.contiguous(), units, table.contiguous(),
+                                seq_lens.contiguous(), partial, maxima, sums, scale=scale,
+                                blocks_per_split=per_split, num_splits=num_splits)
+    return merge_splits(partial, maxima, sums).to(query.dtype)
+
+
+def merge_splits(partial: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """[N, G, D] softmax-weighted output from per-split partials.
+
+    Args:
+        partial: [N, splits, G, D] unnormalised outputs; maxima, sums: [N, splits, G]
+            (an empty split: max -inf, sum 0).
+    """
+    best = maxima.amax(dim=1, keepdim=True)  # [N, 1, G]
+    weight = torch.exp(maxima - best).nan_to_num(0.0)  # empty splits: 0
+    total = (sums * weight).sum(dim=1)  # [N, G]
+    return (partial * weight[..., None]).sum(dim=1) / total[..., None]
+
+
+def attend_units_reference(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
+                           seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """``attend_units`` in torch, float32 softmax."""
+    num_sequences, width = table.shape
+    block_size, head_size = units.shape[1], units.shape[2] // 2
+    tokens = units[table.to(torch.int64)].reshape(num_sequences, width * block_size, -1).float()
+    keys, values = tokens[..., :head_size], tokens[..., head_size:]
+    scores = torch.einsum("ngd,ntd->ngt", query.float(), keys) * scale
+    positions = torch.arange(width * block_size, device=query.device)
+    live = positions[None, :] < seq_lens.to(torch.int64)[:, None].to(query.device)
+    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
+    return torch.einsum("ngt,ntd->ngd", torch.softmax(scores, dim=-1), values).to(query.dtype)
+
+
+def write_own_tokens(units: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
+                     key: torch.Tensor, value: torch.Tensor) -> None:
+    """Writes each sequence's new K|V as its last token (position seq_len - 1).
+
+    Args:
+        units: [num_units, block_size, 2 * D].
+        table, seq_lens: as for ``attend_units``.
+        key, value: [N, D] the new token of each sequence (row-major over
+            (row, KV head), as the table).
+    """
+    block_size = units.shape[1]
+    last = seq_lens.to(torch.int64) - 1
+    unit = table.to(torch.int64).gather(1, (last // block_size)[:, None])[:, 0]
+    units[unit, last % block_size] = torch.cat([key, value], dim=-1).to(units.dtype)
+
+
+def write_cached_tokens(units: torch.Tensor, flat_slots: torch.Tensor,
+                        slot_mapping: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor) -> None:
+    """The device write of new tokens into the cached copies of their blocks.
+
+    Args:
+        units: [H_kv * slots_per_head + 1, block_size, 2 * D] a layer's cache
+            (the last unit is scratch).
+        flat_slots: [T, H_kv] from ``DeviceBlockCache.cached_token_slots`` (-1: not cached).
+        slot_mapping: [T] int64 slot ids of the dense group.
+        key, value: [T, H_kv, D].
+    """
+    block_size = units.shape[1]
+    scratch = units.shape[0] - 1
+    target = torch.where(flat_slots >= 0, flat_slots, scratch)  # [T, H]
+    offset = (slot_mapping.clamp(min=0) % block_size)[:, None].expand_as(target)
+    units[target, offset] = torch.cat([key, value], dim=-1).to(units.dtype)
