@@ -33,7 +33,9 @@ def test_allocation_refuses_without_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU, the optional device this machine lacks "
+                    "(run `pytest -m gpu` where one is)")
 def test_registered_pool_is_pinned_and_readable_by_the_gather():
     from vllm_infinigen.platforms.cuda import kernels
 

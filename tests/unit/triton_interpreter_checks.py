@@ -2,8 +2,9 @@
 """The Triton kernels of the CUDA platform against their torch references, on CPU tensors.
 
 Runs only in a process started with TRITON_INTERPRET=1 (Triton decides when it is
-first imported whether ``@triton.jit`` compiles or interprets);
-``test_cuda_kernels.py`` starts one. The kernels see the same arguments as on a GPU.
+first imported whether ``@triton.jit`` compiles or interprets), so pytest does
+not collect this file by name: ``test_cuda_kernels.py`` starts such a process on
+it. The kernels see the same arguments as on a GPU.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import torch
 from tests.unit.test_cuda_kernels import _attention_case, _fetch_case
 from vllm_infinigen.platforms.cuda import kernels
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="needs TRITON_INTERPRET=1 from the start of the process")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("run with TRITON_INTERPRET=1 from the start of the process "
+                       "(tests/unit/test_cuda_kernels.py does)")
 
 
 @pytest.fixture(scope="module")
 def triton_kernels():
-    pytest.importorskip("triton")
     from vllm_infinigen.platforms.cuda import triton_kernels
 
     return triton_kernels
