@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_infinigen.architectures import AttentionPlan
-from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.layout import SPECULATION_KEYS, ModelLayout
 from vllm_infinigen.policies import POLICY_NAMES, POLICY_TRAITS
 
 KV_MANAGERS = ("vllm", "infinigen")
@@ -109,16 +109,25 @@ class InfiniGenConfig:
         None, "Score margin (logits) under the best token within which tokens are "
         "counted as important (default: 4 without RoPE, 5 with RoPE).",
         check=_positive, runtime=True)
+    # What the speculation scores: every key channel in a few bits (int), or
+    # the paper's partial keys, r of the skewed channels (partial).
+    speculation_keys: str = setting(
+        "int", "Keys the speculation scores: int (every key channel, 4 bits per token in "
+        "a float32 cache, 2 in a 16-bit one, one scale per channel and 16 tokens; needs no "
+        "skew) or partial (the paper's partial keys: --infinigen-partial-ratio of the "
+        "skewed channels, calibrated by a skew file).", choices=SPECULATION_KEYS)
     # The paper's r: channels kept in the partial query weight and partial keys.
     partial_ratio: float = setting(
-        0.2, "Fraction of head channels in the partial query/key.", check=_fraction)
+        0.2, "Fraction of head channels in the partial query/key (--infinigen-speculation-keys "
+        "partial).", check=_fraction)
     # Cap on a request's selected tokens, a fraction of its context (max_num_kv).
     budget: float = setting(
         0.2, "Cap on selected tokens, as a fraction of the context.", check=_fraction,
         runtime=True)
     skew_file: str | None = setting(
-        None, "Skew file from `vllm-infinigen prepare` (default: computed at start-up "
-        "on bundled calibration text, then cached).", check=_existing_file)
+        None, "Skew file from `vllm-infinigen prepare` for --infinigen-speculation-keys "
+        "partial (default: computed at start-up on bundled calibration text, then cached).",
+        check=_existing_file)
     # The first full-attention layers attend densely; the last speculates for
     # the first sparse one.
     dense_layers: int = setting(
@@ -168,6 +177,11 @@ class InfiniGenConfig:
             problem = check(value)
             if problem is not None:
                 raise ValueError(f"{flag(field.name)} {problem}, got {value!r}")
+        if self.skew_file is not None and self.speculation_keys != "partial":
+            raise ValueError(
+                f"{flag('skew_file')} applies to {flag('speculation_keys')} partial; "
+                f"add {flag('speculation_keys')} partial or remove {flag('skew_file')}"
+            )
         traits = POLICY_TRAITS[self.policy]
         if self.eval_dense_prefix is not None and traits.eval_mode_refusal:
             raise ValueError(
@@ -300,7 +314,8 @@ def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None,
     if layout is None:
         layout = ModelLayout.from_hf_config(
             model.hf_text_config, config.dense_layers, config.partial_ratio,
-            window_layers=AttentionPlan.of(model).window_layers)
+            window_layers=AttentionPlan.of(model).window_layers,
+            speculation_keys=config.speculation_keys)
     layout = dataclasses.replace(layout, head_dim=model.get_head_size())
     setup = EngineSetup(config, layout, model.dtype.itemsize,
                         vllm_config.scheduler_config.max_num_batched_tokens)

@@ -27,6 +27,19 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# Speculation keys: "int" (every key channel, a few bits per token, a scale per
+# channel and 16-token group) or "partial" (the paper's partial keys: r of the
+# skewed channels in the cache's dtype).
+SPECULATION_KEYS = ("int", "partial")
+KEY_GROUP = 16  # tokens sharing one scale per channel in the int form
+
+
+def int_key_bits(dtype_bytes: int) -> int:
+    """Bits per channel of the int form: 4 in a float32 cache, 2 in a 16-bit one
+    (then it costs the bytes of the partial form at r = 0.2, or fewer)."""
+    return 4 if dtype_bytes >= 4 else 2
+
+
 def partial_rank(head_dim: int, partial_ratio: float) -> int:
     """Channels of the partial keys: the paper's r x d, at least one."""
     return max(1, int(head_dim * partial_ratio))
@@ -65,16 +78,18 @@ class ModelLayout:
     dense_layers: int = 2
     partial_ratio: float = 0.2
     window_layers: tuple[int, ...] = ()  # layers vLLM runs with a sliding window
+    speculation_keys: str = "int"  # one of SPECULATION_KEYS
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any] | Any, dense_layers: int = 2,
-                       partial_ratio: float = 0.2,
-                       window_layers: tuple[int, ...] = ()) -> ModelLayout:
+                       partial_ratio: float = 0.2, window_layers: tuple[int, ...] = (),
+                       speculation_keys: str = "int") -> ModelLayout:
         """From a ``config.json`` dict or a transformers config object.
 
         Args:
             window_layers: The sliding-window layers InfiniGen leaves to vLLM
                 (``architectures.AttentionPlan.window_layers``).
+            speculation_keys: ``--infinigen-speculation-keys``.
         """
         get = hf.get if isinstance(hf, Mapping) else (lambda key: getattr(hf, key, None))
         num_heads = get("num_attention_heads")
@@ -87,6 +102,7 @@ class ModelLayout:
             dense_layers=dense_layers,
             partial_ratio=partial_ratio,
             window_layers=tuple(window_layers),
+            speculation_keys=speculation_keys,
         )
 
     @classmethod
@@ -136,7 +152,15 @@ class ModelLayout:
         """K + V of every sparse layer for one token: the host pool's row."""
         return self.num_sparse * self.kv_bytes_per_token_layer(dtype_bytes, kv_heads)
 
+    def key_bytes_per_group(self, dtype_bytes: int) -> int:
+        """Speculation keys of one KV head for ``KEY_GROUP`` tokens: int codes and
+        float16 scales, or partial channels in the cache's dtype."""
+        if self.speculation_keys == "int":
+            bits = int_key_bits(dtype_bytes)
+            return self.head_dim * (2 * bits + 2)
+        return KEY_GROUP * self.rank * dtype_bytes
+
     def partial_bytes_per_token(self, dtype_bytes: int, kv_heads: int | None = None) -> int:
-        """Partial keys of every sparse layer for one token."""
+        """Speculation keys of every sparse layer for one token (rounded up)."""
         heads = self.num_kv_heads if kv_heads is None else kv_heads
-        return self.num_sparse * heads * self.rank * dtype_bytes
+        return -(-self.num_sparse * heads * self.key_bytes_per_group(dtype_bytes) // KEY_GROUP)

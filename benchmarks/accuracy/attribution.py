@@ -176,8 +176,8 @@ def run_engine(task: Task, args, r: float, calibration: str, skew_file: str | No
     """Scores ``settings`` ((kind, setting) pairs) on one engine; dense when r is None."""
     infinigen = None
     if skew_file is not None:
-        infinigen = {"partial_ratio": r, "skew_file": skew_file,
-                     "dense_layers": args.dense_layers}
+        infinigen = {"speculation_keys": "partial", "partial_ratio": r,
+                     "skew_file": skew_file, "dense_layers": args.dense_layers}
     results = []
     with sweeps.start_engine(str(task.model), "infinigen" if infinigen else "vllm",
                              max_model_len=task.max_model_len, infinigen=infinigen,

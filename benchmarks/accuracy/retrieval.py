@@ -230,8 +230,9 @@ def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None
         settings += sweeps.selection_grid([], args.policy, select_all_control=True)
     infinigen = None
     if kv_manager == "infinigen":
-        infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"],
-                     "skew_file": str(skew_file) if skew_file else None}
+        infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"]}
+        if skew_file:  # a calibrated skew: the partial keys it is made for
+            infinigen.update(speculation_keys="partial", skew_file=str(skew_file))
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
                              infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
         return [evaluate(llm, rows, args, kv_manager, setting, variant)

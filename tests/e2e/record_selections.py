@@ -66,7 +66,10 @@ def main(model: str, out: str) -> None:
 
     kernels.select_tokens = recording
     infinigen_policy.partial_query = recording_partial_query
-    with engine(model, kv_manager="infinigen", infinigen_budget=BUDGET,
+    # The partial keys: the reference scores them from the recorded skew (the int
+    # keys are held to their reference in tests/unit/test_int_keys.py).
+    with engine(model, kv_manager="infinigen", infinigen_speculation_keys="partial",
+                infinigen_budget=BUDGET,
                 infinigen_recent_tokens=2) as llm:
         prompts = random_prompts(PROMPT_LENGTHS, seed=7)
         outputs = greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)

@@ -96,7 +96,8 @@ def test_bad_requests_get_400_and_serving_goes_on(server, client, body):
 def _start_error(tmp_path, skew_file: str) -> str:
     proc = subprocess.run(
         [VLLM, "serve", str(BUNDLED_MODEL), "--kv-manager", "infinigen",
-         "--infinigen-skew-file", skew_file, *SERVE_FLAGS],
+         "--infinigen-speculation-keys", "partial", "--infinigen-skew-file", skew_file,
+         *SERVE_FLAGS],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert proc.returncode != 0

@@ -124,7 +124,7 @@ def test_skew_file_of_another_family_is_refused_naming_the_file(tmp_path):
         save_skew_tables(compute_skew_tables(str(model), 0.2), skew_files[family])
     layouts = {family: ModelLayout.of_model_dir(model) for family, model in families.items()}
     for owner, skew_file in skew_files.items():
-        config = InfiniGenConfig(skew_file=skew_file)
+        config = InfiniGenConfig(speculation_keys="partial", skew_file=skew_file)
         for family, model in families.items():
             if family == owner:
                 assert skew_setup.prepare_skew_file(

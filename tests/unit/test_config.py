@@ -24,7 +24,7 @@ def test_defaults():
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
         "eval_dense_prefix": None, "min_context": DEFAULT_MIN_CONTEXT,
-        "speculation": "previous-layer",
+        "speculation": "previous-layer", "speculation_keys": "int",
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 
@@ -59,17 +59,26 @@ def test_bad_value_names_flag(field, value):
 def test_missing_skew_file_names_flag_and_path(tmp_path):
     path = str(tmp_path / "absent.safetensors")
     with pytest.raises(ValueError) as info:
-        InfiniGenConfig(skew_file=path)
+        InfiniGenConfig(speculation_keys="partial", skew_file=path)
     assert "--infinigen-skew-file" in str(info.value)
     assert path in str(info.value)
     with pytest.raises(ValueError, match="--infinigen-skew-file"):
-        InfiniGenConfig(skew_file=str(tmp_path))  # a directory is not a file
+        InfiniGenConfig(speculation_keys="partial", skew_file=str(tmp_path))  # a directory
 
 
 def test_existing_skew_file_accepted(tmp_path):
     path = tmp_path / "skew.safetensors"
     path.write_bytes(b"x")
-    assert InfiniGenConfig(skew_file=str(path)).skew_file == str(path)
+    assert InfiniGenConfig(speculation_keys="partial",
+                           skew_file=str(path)).skew_file == str(path)
+
+
+def test_a_skew_file_is_for_the_partial_keys(tmp_path):
+    path = tmp_path / "skew.safetensors"
+    path.write_bytes(b"x")
+    with pytest.raises(ValueError, match="--infinigen-skew-file applies to "
+                       "--infinigen-speculation-keys partial"):
+        InfiniGenConfig(skew_file=str(path))  # the int keys (default) need no skew
 
 
 @pytest.mark.parametrize(

@@ -28,25 +28,30 @@ class _QKV(torch.nn.Module):
         return torch.cat([hidden, hidden, hidden], dim=-1), None
 
 
-def _source(index: int) -> LayerSource:
+def _source(index: int, keys: str = "partial") -> LayerSource:
+    """Layer ``index``; ``keys``: partial keys over an identity skew, or the int keys."""
     impl = SimpleNamespace(num_heads=1, num_kv_heads=1, head_size=DIM,
                            scale=1 / math.sqrt(DIM))
     self_attn = torch.nn.Module()
     self_attn.qkv_proj = _QKV()
     return LayerSource(index, f"model.layers.{index}.self_attn.attn",
                        SimpleNamespace(impl=impl), self_attn,
-                       skew=torch.eye(DIM)[None].contiguous(), query_proj=None)
+                       skew=torch.eye(DIM)[None].contiguous() if keys == "partial" else None,
+                       query_proj=None)
 
 
-@pytest.fixture
-def step():
+@pytest.fixture(params=["partial", "int"])
+def step(request):
     """A runtime (layer 0 dense, 1 and 2 sparse) holding one request's 32
-    context tokens in layer 2, and the dense metadata of its next decode step."""
-    config = InfiniGenConfig(alpha=1.0, budget=1.0, dense_layers=1, min_context=0)
+    context tokens in layer 2, and the dense metadata of its next decode step;
+    with either form of speculation keys."""
+    config = InfiniGenConfig(alpha=1.0, budget=1.0, dense_layers=1, min_context=0,
+                             speculation_keys=request.param)
     layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
                          dense_layers=1, partial_ratio=1.0)
-    runtime = InfiniGenRuntime(config, [_source(i) for i in range(3)], torch.device("cpu"),
-                               CpuDataPath(config.transfer), layout=layout)
+    runtime = InfiniGenRuntime(config, [_source(i, request.param) for i in range(3)],
+                               torch.device("cpu"), CpuDataPath(config.transfer), layout=layout)
+    assert runtime.layers[2].int_keys == (request.param == "int")
     runtime.allocate_pool(PoolPlan(num_rows=4 * BLOCK, num_slots=4 * BLOCK, block_size=BLOCK,
                                    num_bytes=0, sized_by=""), num_blocks=4, dtype=torch.float32)
     keys = torch.zeros(CONTEXT, 1, DIM)

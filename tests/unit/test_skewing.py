@@ -409,3 +409,28 @@ def test_prepare_takes_several_files_and_reports_time_and_memory(tmp_path, capsy
                                 max_tokens=300)
     assert alone.calibration_tokens < 300
     assert not all(torch.equal(a, b) for a, b in zip(alone.skew, tables.skew))
+
+
+def test_calibration_text_the_tokenizer_cannot_read_is_refused_naming_the_flag(tmp_path):
+    """The recall models' word-level tokenizer turns English into <unk>: a skew
+    from it finds nothing, so prepare (and a start-up calibration) refuses it."""
+    from benchmarks.harness.paths import SHARED
+    from vllm_infinigen.frontend import cli
+    from vllm_infinigen.skewing.calibration import CALIBRATION_TEXT
+
+    recall = SHARED / "models" / "recall-llama-1k"
+    assert recall.is_dir(), f"the shared recall model is needed: {recall}"
+    english = tmp_path / "english.txt"
+    english.write_text(CALIBRATION_TEXT.read_text()[:4000])
+    with pytest.raises(ValueError, match=r"--calibration-text: \d+ of its \d+ tokens are "
+                       r"unknown .*'<unk>'.*vllm-infinigen prepare.*--infinigen-skew-file"):
+        compute_skew_tables(str(recall), 0.2, english.read_text())
+    with pytest.raises(ValueError, match="--calibration-text"):
+        cli.main(["prepare", str(recall), "--calibration-text", str(english),
+                  "--out", str(tmp_path / "skew.safetensors")])
+    assert not (tmp_path / "skew.safetensors").exists()
+    # The model's own vocabulary is accepted.
+    words = " ".join(f"t{3 + i % 500}" for i in range(600))
+    assert compute_skew_tables(str(recall), 0.2, words).calibration_tokens >= 600
+    with pytest.raises(ValueError, match="fewer than 16"):
+        compute_skew_tables(str(recall), 0.2, "t5 t6 t7")

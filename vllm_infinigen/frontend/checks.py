@@ -31,7 +31,8 @@ def layout_of(hf_config: dict[str, Any], config: InfiniGenConfig,
     """The model's layout with these settings, from its ``config.json``."""
     return ModelLayout.from_hf_config(
         hf_config, config.dense_layers, config.partial_ratio,
-        window_layers=attention.window_layers if attention is not None else ())
+        window_layers=attention.window_layers if attention is not None else (),
+        speculation_keys=config.speculation_keys)
 
 
 def attention_plan(args: EngineArgs, hf_config: dict[str, Any]) -> AttentionPlan | None:

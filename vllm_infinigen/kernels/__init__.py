@@ -14,7 +14,8 @@ import torch
 from vllm_infinigen.kernels.build import cache_dir, load
 
 __all__ = ["attend_decode", "attend_prefill", "cache_dir", "load", "record_uses",
-           "select_tokens", "write_partial_keys", "write_pool"]
+           "select_tokens", "select_tokens_int", "write_int_keys", "write_partial_keys",
+           "write_pool"]
 
 
 def _ops():
@@ -76,6 +77,47 @@ def select_tokens(partial_query: torch.Tensor, partial_keys: torch.Tensor,
     return _ops().select_tokens(partial_query, partial_keys, block_table, context_lens,
                                 token_caps, float(scale), float(alpha), int(sink_tokens),
                                 int(recent_tokens), row_map)
+
+
+def write_int_keys(codes: torch.Tensor, scales: torch.Tensor, kv_pool: torch.Tensor,
+                   slot_mapping: torch.Tensor, row_map: torch.Tensor | None = None) -> None:
+    """Encodes each 16-token group whose last token ``slot_mapping`` writes, in place.
+
+    Runs after the pool write of the same tokens (it reads the group's keys
+    from the pool).
+
+    Args:
+        codes: [num_blocks, H_kv, G, D, 2 * bits] uint8, G = block_size / 16:
+            row c of a group holds channel c of its 16 tokens, ``bits`` bits each.
+        scales: [num_blocks, H_kv, G, D] float16, max |k| / ((2^bits - 1) / 2)
+            per channel and group.
+        kv_pool: [units, H_kv, block_size, 2 * D] the layer's pool.
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+        row_map: A capped pool's rows (evicted keys encode as zeros).
+    """
+    _ops().write_int_keys(codes, scales, kv_pool, slot_mapping, row_map)
+
+
+def select_tokens_int(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      kv_pool: torch.Tensor, block_table: torch.Tensor,
+                      context_lens: torch.Tensor, token_caps: torch.Tensor, *, scale: float,
+                      alpha: float, sink_tokens: int = 0, recent_tokens: int = 0,
+                      row_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """InfiniGen's rule over integer speculation keys (``select_tokens``'s rule).
+
+    Complete 16-token groups are scored from ``codes``/``scales``; the group a
+    row's context ends in, from the full keys in ``kv_pool``.
+
+    Args:
+        query: [B, H_kv, G_q, D] float32 queries (post-RoPE, not skewed).
+        codes, scales: The layer's integer keys (``write_int_keys``).
+
+    Returns:
+        positions [B, H_kv, K] int32, ascending, -1 padded, and num_selected [B] int64.
+    """
+    return _ops().select_tokens_int(query, codes, scales, kv_pool, block_table, context_lens,
+                                    token_caps, float(scale), float(alpha), int(sink_tokens),
+                                    int(recent_tokens), row_map)
 
 
 def attend_decode(query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,

@@ -33,8 +33,8 @@ logger = init_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # The schemas, then the CPU implementations and their registration.
-SOURCES = ("ops.cpp", "cpu/register.cpp", "cpu/write.cpp", "cpu/select.cpp", "cpu/attend.cpp",
-           "cpu/prefill.cpp", "cpu/uses.cpp")
+SOURCES = ("ops.cpp", "cpu/register.cpp", "cpu/write.cpp", "cpu/select.cpp", "cpu/int_keys.cpp",
+           "cpu/attend.cpp", "cpu/prefill.cpp", "cpu/uses.cpp")
 # ATen's CPU capability -> compiler flags and the vector implementation macros.
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",

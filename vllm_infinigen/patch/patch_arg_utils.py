@@ -90,7 +90,9 @@ def _create_engine_config(self, *args, **kwargs):
             "so it never excludes a token: running its layers as full attention "
             "(--disable-sliding-window)", attention.window, attention.max_model_len)
         self.disable_sliding_window = True
-    config = dataclasses.replace(config, skew_file=prepare_skew_file(model_dir, config, layout))
+    if config.speculation_keys == "partial":  # the int keys need no skew
+        config = dataclasses.replace(config,
+                                     skew_file=prepare_skew_file(model_dir, config, layout))
     self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}
     from vllm.config import KVTransferConfig
 

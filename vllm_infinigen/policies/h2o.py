@@ -77,7 +77,7 @@ class H2OPolicy(SelectionPolicy):
     def allocate(self, layer: LayerState) -> None:
         if layer.layer_idx in self._scores:
             return
-        shape, device = (layer.num_slots + 1, layer.num_kv_heads), layer.partial_keys.device
+        shape, device = (layer.num_slots + 1, layer.num_kv_heads), layer.kv_pool.device
         self._scores[layer.layer_idx] = _Scores(
             accumulated=torch.zeros(shape, dtype=torch.float32, device=device),
             alive=torch.ones(shape, dtype=torch.bool, device=device))

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """InfiniGen's own policy: which tokens a sparse layer attends to, from its
-skewed partial query scored against its partial keys.
+query scored against its speculation keys (``--infinigen-speculation-keys``:
+every key channel in a few bits, or the paper's skewed partial keys).
 
 ``--infinigen-speculation previous-layer`` (default, the paper): in layer i,
 before its attention, layer i+1's query, computed from layer i's attention
@@ -9,9 +10,10 @@ query projection and rotary embedding, selects for layer i+1, so the entries
 can be on their way before layer i+1 runs. ``same-layer``: each sparse layer
 selects with its own query, in its own attention (no prefetch; where host and
 device memory are one, as on the CPU build, nothing is lost by waiting).
-Either way the compiled ``select_tokens`` kernel scores (alpha count capped by
-the budget, per-head top-k, sink/recent window). No per-slot state besides the
-partial keys, which every sparse layer keeps (``worker/layer_state.py``).
+Either way a compiled kernel scores (``select_tokens_int`` or ``select_tokens``:
+alpha count capped by the budget, per-head top-k, sink/recent window). No
+per-slot state besides the speculation keys, which every sparse layer keeps
+(``worker/layer_state.py``).
 """
 
 from __future__ import annotations
@@ -56,9 +58,12 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
 
 
 def skewed(layer: LayerState, query: torch.Tensor) -> torch.Tensor:
-    """[S, H_kv, G, R] partial query from the layer's own queries [S, H_q, D]."""
+    """[S, H_kv, G, R] query the speculation scores, from queries [S, H_q, D]: the
+    partial query (skewed, R channels), or every channel for the int keys."""
     group = layer.num_heads // layer.num_kv_heads
     query = query.float().reshape(-1, layer.num_kv_heads, group, layer.head_size)
+    if layer.int_keys:
+        return query.contiguous()
     return torch.einsum("bhgd,hdr->bhgr", query, layer.skew).contiguous()
 
 
@@ -89,10 +94,17 @@ class InfiniGenPolicy(SelectionPolicy):
 
 def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
             settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
-    """The selection of ``layer``'s sparse rows for a partial query [S, H_kv, G, R]."""
+    """The selection of ``layer``'s sparse rows for a query [S, H_kv, G, R] (``skewed``)."""
     rows = plan.sparse_rows
-    selection, _ = kernels.select_tokens(
-        query, layer.partial_keys, rows.block_table, rows.context_lens, rows.token_caps,
-        scale=layer.scale, alpha=settings.alpha, sink_tokens=settings.sink_tokens,
-        recent_tokens=settings.recent_tokens, row_map=row_map)
+    window = {"scale": layer.scale, "alpha": settings.alpha,
+              "sink_tokens": settings.sink_tokens, "recent_tokens": settings.recent_tokens,
+              "row_map": row_map}
+    if layer.int_keys:
+        selection, _ = kernels.select_tokens_int(
+            query, layer.key_codes, layer.key_scales, layer.kv_pool, rows.block_table,
+            rows.context_lens, rows.token_caps, **window)
+    else:
+        selection, _ = kernels.select_tokens(
+            query, layer.partial_keys, rows.block_table, rows.context_lens, rows.token_caps,
+            **window)
     return selection

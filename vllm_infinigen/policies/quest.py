@@ -94,7 +94,7 @@ class QuestPolicy(SelectionPolicy):
         running engine bounds whatever its slots hold, stale keys included)."""
         if layer.layer_idx in self._pages:
             return
-        device = layer.partial_keys.device
+        device = layer.kv_pool.device
         keys = layer.keys_at(torch.arange(layer.num_slots, device=layer.kv_pool.device)).to(
             device)
         pages = keys.view(-1, QUEST_PAGE_SIZE, layer.num_kv_heads, layer.head_size)

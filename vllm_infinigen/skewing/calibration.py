@@ -181,6 +181,42 @@ def calibration_chunks(tokenizer, texts: Sequence[str], max_tokens: int,
     return chunks
 
 
+# Calibration is refused when fewer tokens than this are known to the tokenizer,
+# or when more than this share of them is its unknown token.
+MIN_CALIBRATION_TOKENS = 16
+MAX_UNKNOWN_SHARE = 0.5
+CALIBRATION_HINT = (
+    "give text the model's tokenizer reads with `vllm-infinigen prepare MODEL "
+    "--calibration-text FILE_OR_DIR --out SKEW` and --infinigen-skew-file SKEW, or "
+    "use --infinigen-speculation-keys int (the default), which needs no calibration")
+
+
+def check_calibration_tokens(tokenizer, chunks: Sequence[Sequence[int]], model_dir: str) -> int:
+    """Refuses calibration text the model cannot read: too short, or mostly the
+    tokenizer's unknown token (a skew from it selects nothing useful: measured
+    0.000 on recall-llama-12l, whose word-level tokenizer turns English into
+    ``<unk>``). Returns the number of tokens.
+
+    Raises:
+        ValueError: Naming --calibration-text and the way out.
+    """
+    num_tokens = sum(map(len, chunks))
+    unknown_id = tokenizer.unk_token_id
+    unknown = 0 if unknown_id is None else sum(chunk.count(unknown_id) for chunk in chunks)
+    known = num_tokens - unknown
+    if unknown > MAX_UNKNOWN_SHARE * num_tokens:
+        raise ValueError(
+            f"--calibration-text: {unknown} of its {num_tokens} tokens are unknown to "
+            f"{model_dir}'s tokenizer ({tokenizer.unk_token!r}); {CALIBRATION_HINT}"
+        )
+    if known < MIN_CALIBRATION_TOKENS:
+        raise ValueError(
+            f"--calibration-text gives {known} tokens that {model_dir}'s tokenizer knows "
+            f"({num_tokens} in all), fewer than {MIN_CALIBRATION_TOKENS}; {CALIBRATION_HINT}"
+        )
+    return num_tokens
+
+
 def compute_skew_tables(
     model_dir: str,
     partial_ratio: float,
@@ -241,11 +277,7 @@ def compute_skew_tables(
     text_config = model.config.get_text_config()
     context = getattr(text_config, "max_position_embeddings", None) or max_tokens
     chunks = calibration_chunks(tokenizer, texts, max_tokens, context)
-    num_tokens = sum(map(len, chunks))
-    if num_tokens < 16:
-        raise ValueError(
-            f"calibration text gives only {num_tokens} tokens; give a longer one"
-        )
+    num_tokens = check_calibration_tokens(tokenizer, chunks, model_dir)
     num_layers = text_config.num_hidden_layers
     bar = tqdm(total=len(chunks) * num_layers, desc=f"calibration ({num_tokens} tokens)",
                unit="layer", disable=not progress, file=sys.stderr)

@@ -70,14 +70,14 @@ class InfiniGenImplMixin:
         return output
 
 
-def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor],
+def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor | None],
                   device: torch.device,
                   query_weights: dict[int, torch.nn.Module] | None = None,
                   ) -> list[LayerSource]:
     """Every attention layer of ``model``, in order, with its skew slice.
 
     Args:
-        skew: Per layer [H_kv of this rank, D, R] skew slices.
+        skew: Per layer [H_kv of this rank, D, R] skew slices (None: int keys).
         query_weights: {layer_idx: query projection} (a platform's, e.g.
             ``platforms/cpu/query_weights.py``).
 
@@ -97,7 +97,8 @@ def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor],
     modules = dict(model.named_modules())
     return [
         LayerSource(idx, name, attention[name], modules.get(name.rsplit(".", 1)[0]),
-                    skew[idx].to(device=device, dtype=torch.float32).contiguous(),
+                    None if skew[idx] is None
+                    else skew[idx].to(device=device, dtype=torch.float32).contiguous(),
                     (query_weights or {}).get(idx))
         for idx, name in by_index
     ]
@@ -124,13 +125,14 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
     windowed = [s.layer_idx for s in layers if s.windowed]
     logger.info(
         "InfiniGen: %d layers, dense %s, sparse %s%s, "
-        "alpha %.2f, budget %.2f, partial rank %d of %d, dense below %d context tokens; "
+        "alpha %.2f, budget %.2f, speculation keys %s, dense below %d context tokens; "
         "speculation through %s%s",
         len(layers), [s.layer_idx for s in layers if not s.sparse and not s.windowed],
         [s.layer_idx for s in sparse],
         f", sliding-window (left to vLLM) {windowed}" if windowed else "",
         config.alpha, config.budget,
-        layers[0].rank, layers[0].head_size, config.min_context,
+        "int (every channel)" if layers[0].skew is None
+        else f"partial (rank {layers[0].rank} of {layers[0].head_size})", config.min_context,
         "the query slice of qkv_proj" if all(s.query_proj is not None for s in sparse)
         else "the whole qkv_proj",
         ", the per-head q_norm" if any(s.q_norm is not None for s in sparse) else "",

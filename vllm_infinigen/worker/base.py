@@ -50,7 +50,8 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
                   data_path: DataPath,
                   query_weights: dict[int, torch.nn.Module] | None = None,
                   prompt_lens_of: PromptLengths | None = None) -> InfiniGenRuntime:
-    """Loads the skew file named in the config and installs InfiniGen on ``model``.
+    """Loads the skew file named in the config (partial keys) and installs
+    InfiniGen on ``model``.
 
     Args:
         query_weights: {layer_idx: query projection} of the sparse layers
@@ -59,16 +60,18 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
     """
     setup = engine_setup(vllm_config)
     config, layout = setup.config, setup.layout
-    tables = load_skew_tables(
-        config.skew_file,
-        fingerprint=model_fingerprint(local_model_dir(vllm_config.model_config.model)),
-        partial_ratio=config.partial_ratio,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-    )
     rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
+    skew: list[torch.Tensor | None] = [None] * layout.num_layers  # int keys: no skew
+    if config.speculation_keys == "partial":
+        tables = load_skew_tables(
+            config.skew_file,
+            fingerprint=model_fingerprint(local_model_dir(vllm_config.model_config.model)),
+            partial_ratio=config.partial_ratio,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+        )
+        skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
     uses_rope = any(hasattr(m, "rotary_emb") for m in model.modules())
     sources = layer_sources(model, vllm_config, skew, device, query_weights)
     runtime = InfiniGenRuntime(

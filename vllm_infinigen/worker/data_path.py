@@ -6,8 +6,8 @@ which policy selects, when the next layer's selection is made. A platform's
 ``DataPath`` decides where the bytes live and how they move::
 
     allocate        a sparse layer's host pool and device partial keys
-    write           new tokens: the device write (partial keys, and whatever
-                    the platform keeps on the device), then the host
+    write           new tokens: the device write (speculation keys, and
+                    whatever the platform keeps on the device) and the host
                     write-through of K|V to the pool
     start_fetch     layer i, for layer i+1: the selected entries start towards
                     the attention (CPU: nothing to move)
@@ -40,8 +40,8 @@ class DataPath(Protocol):
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype) -> None:
-        """Sets ``layer.kv_pool`` [units, H_kv, block_size, 2 * D] (host) and
-        ``layer.partial_keys`` [num_blocks, H_kv, R, block_size] (device)."""
+        """Sets ``layer.num_blocks``, ``layer.kv_pool`` [units, H_kv, block_size,
+        2 * D] (host) and the layer's speculation keys (device; ``layer_state.py``)."""
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, row_map: torch.Tensor | None) -> None:

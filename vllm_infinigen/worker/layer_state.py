@@ -7,8 +7,12 @@ the platform's data path allocates and writes (``data_path.py``)::
 
     kv_pool       [units, H_kv, block_size, 2 * D]   host pool; a token's K | V
                                                      side by side in one row
-    partial_keys  [num_blocks, H_kv, R, block_size]  skewed partial keys, on the
-                                                     device, channel-major per block
+    speculation keys, on the device, scored by the layer before (or the layer):
+      int (default, no skew)
+        key_codes   [num_blocks, H_kv, G, D, 2 * bits] uint8   G = block_size / 16
+        key_scales  [num_blocks, H_kv, G, D] float16
+      partial (``skew`` set)
+        partial_keys  [num_blocks, H_kv, R, block_size]  skewed, channel-major
 
 Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
 (layer, KV head) maps its entries to rows of fewer units (``pool_index.py``).
@@ -29,7 +33,7 @@ class LayerSource:
     name: str  # vLLM's name of its attention layer
     attention: torch.nn.Module  # vLLM's ``Attention``
     self_attn: torch.nn.Module | None  # holds ``qkv_proj``, ``rotary_emb``, ``q_norm``
-    skew: torch.Tensor  # [H_kv of this rank, D, R] float32
+    skew: torch.Tensor | None  # [H_kv of this rank, D, R] float32; None: int keys
     query_proj: torch.nn.Module | None  # a platform's (CPU: ``query_weights.py``); None: qkv_proj
 
 
@@ -44,7 +48,8 @@ class LayerState:
             models that normalise each head's query before RoPE (Qwen3),
             ``q_norm``, if any.
         sparse: Whether the layer attends over a selection.
-        skew: [H_kv, D, R] float32 skew slice of this rank's KV heads.
+        skew: [H_kv, D, R] float32 skew slice of this rank's KV heads, for
+            partial keys; None: the int keys (every channel, no skew).
         query_proj: The query rows of ``qkv_proj``, prepacked
             (a platform's; CPU: ``query_weights.py``); None: through ``qkv_proj``.
         next: The sparse layer this layer speculates for, if any.
@@ -77,13 +82,16 @@ class LayerState:
         self.query_proj = query_proj
         self.next = next
         # Entries attended besides the rows' own (over KV heads), context tokens.
-        self.stats = (torch.zeros(2, dtype=torch.float64, device=skew.device)
-                      if stats is None else stats)
+        self.stats = torch.zeros(2, dtype=torch.float64) if stats is None else stats
         self.captured_input: torch.Tensor | None = None  # [T, hidden], this step
         # [S, H_kv, W] int32 positions selected for this layer's sparse rows (-1: none).
         self.selection: torch.Tensor | None = None
-        self.kv_pool: torch.Tensor | None = None  # set by the data path's ``allocate``
-        self.partial_keys: torch.Tensor | None = None
+        # Set by the data path's ``allocate``.
+        self.num_blocks = 0
+        self.kv_pool: torch.Tensor | None = None
+        self.partial_keys: torch.Tensor | None = None  # partial keys
+        self.key_codes: torch.Tensor | None = None  # int keys
+        self.key_scales: torch.Tensor | None = None
 
     def capture(self, hidden: torch.Tensor | None) -> None:
         """Keeps this step's attention input [T, hidden] (None: drops it)."""
@@ -108,9 +116,14 @@ class LayerState:
         return positions
 
     @property
+    def int_keys(self) -> bool:
+        """Speculation scores every key channel in a few bits (no skew)."""
+        return self.skew is None
+
+    @property
     def rank(self) -> int:
-        """Channels of the partial keys (the paper's r x d)."""
-        return self.skew.shape[-1]
+        """Channels the speculation scores: the paper's r x d, or every channel."""
+        return self.head_size if self.skew is None else self.skew.shape[-1]
 
     @property
     def block_size(self) -> int:
@@ -118,7 +131,8 @@ class LayerState:
 
     @property
     def num_slots(self) -> int:
-        return self.partial_keys.shape[0] * self.partial_keys.shape[-1]
+        """Slots of the dense group this layer's state covers."""
+        return self.num_blocks * self.block_size
 
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
         """[..., H_kv, D] keys of ``slots`` (uncapped pool: unit = block id), read

@@ -17,6 +17,15 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
       "select_tokens(Tensor partial_query, Tensor partial_keys, Tensor block_table, "
       "Tensor context_lens, Tensor token_caps, float scale, float alpha, int sink_tokens, "
       "int recent_tokens, Tensor? row_map) -> (Tensor, Tensor)");
+  // Integer speculation keys: a 16-token group encoded once its last token is
+  // written; selection over them (the open group from the pool's full keys).
+  m.def(
+      "write_int_keys(Tensor(a!) codes, Tensor(b!) scales, Tensor kv_pool, "
+      "Tensor slot_mapping, Tensor? row_map) -> ()");
+  m.def(
+      "select_tokens_int(Tensor query, Tensor codes, Tensor scales, Tensor kv_pool, "
+      "Tensor block_table, Tensor context_lens, Tensor token_caps, float scale, float alpha, "
+      "int sink_tokens, int recent_tokens, Tensor? row_map) -> (Tensor, Tensor)");
   m.def(
       "attend_decode(Tensor query, Tensor kv_pool, Tensor block_table, Tensor context_lens, "
       "Tensor? positions, Tensor? row_map, float scale, Tensor(a!)? probs, "

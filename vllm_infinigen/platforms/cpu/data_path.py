@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from vllm_infinigen import kernels
+from vllm_infinigen.layout import KEY_GROUP, int_key_bits
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.platforms.cpu.transfer import make_transfer
 from vllm_infinigen.worker.block_layout import entries_of
@@ -36,17 +37,30 @@ class CpuDataPath:
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype) -> None:
-        block_size = plan.block_size
-        layer.kv_pool = torch.zeros(
-            (plan.num_units, layer.num_kv_heads, block_size, 2 * layer.head_size),
-            dtype=dtype, device=CPU)
-        layer.partial_keys = torch.zeros(
-            (num_blocks, layer.num_kv_heads, layer.rank, block_size), dtype=dtype, device=CPU)
+        block_size, heads, head_size = plan.block_size, layer.num_kv_heads, layer.head_size
+        layer.num_blocks = num_blocks
+        layer.kv_pool = torch.zeros((plan.num_units, heads, block_size, 2 * head_size),
+                                    dtype=dtype, device=CPU)
+        if layer.int_keys:
+            bits, groups = int_key_bits(dtype.itemsize), block_size // KEY_GROUP
+            layer.key_codes = torch.zeros((num_blocks, heads, groups, head_size, 2 * bits),
+                                          dtype=torch.uint8, device=CPU)
+            layer.key_scales = torch.zeros((num_blocks, heads, groups, head_size),
+                                           dtype=torch.float16, device=CPU)
+        else:
+            layer.partial_keys = torch.zeros((num_blocks, heads, layer.rank, block_size),
+                                             dtype=dtype, device=CPU)
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, row_map: torch.Tensor | None) -> None:
-        kernels.write_partial_keys(layer.partial_keys, key, layer.skew, slots)
+        # Host and device memory are one: the int keys are encoded from the
+        # pool, so the write-through comes first.
         kernels.write_pool(layer.kv_pool, key, value, slots, row_map)
+        if layer.int_keys:
+            kernels.write_int_keys(layer.key_codes, layer.key_scales, layer.kv_pool, slots,
+                                   row_map)
+        else:
+            kernels.write_partial_keys(layer.partial_keys, key, layer.skew, slots)
 
     def start_fetch(self, layer: LayerState, rows: RowSet, positions: torch.Tensor,
                     row_map: torch.Tensor | None) -> None:

@@ -20,6 +20,29 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
     double scale, double alpha, int64_t sink_tokens, int64_t recent_tokens,
     const std::optional<at::Tensor>& row_map);
 
+// Integer speculation keys (int_keys.cpp): every key channel in `bits` bits per
+// 16-token group, one float16 scale per channel and group.
+void write_int_keys(at::Tensor& codes, at::Tensor& scales, const at::Tensor& kv_pool,
+                    const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map);
+
+std::tuple<at::Tensor, at::Tensor> select_tokens_int(
+    const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scales,
+    const at::Tensor& kv_pool, const at::Tensor& block_table, const at::Tensor& context_lens,
+    const at::Tensor& token_caps, double scale, double alpha, int64_t sink_tokens,
+    int64_t recent_tokens, const std::optional<at::Tensor>& row_map);
+
+// Passes 2 and 3 of every selection (select.cpp): the alpha count, the budget,
+// the window and each head's top-k from scores [B, H_kv, max_len] (-inf: absent).
+std::tuple<at::Tensor, at::Tensor> select_from_scores(float* scores, const int64_t* lens,
+                                                      const int64_t* caps, int64_t num_rows,
+                                                      int64_t num_heads, int64_t max_len,
+                                                      double alpha, int64_t sink_tokens,
+                                                      int64_t recent_tokens);
+
+// The step's rows, checked alike by every selection op.
+void check_selection_rows(const at::Tensor& block_table, const at::Tensor& context_lens,
+                          const at::Tensor& token_caps);
+
 at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
                          const at::Tensor& block_table, const at::Tensor& context_lens,
                          const std::optional<at::Tensor>& positions,

@@ -93,14 +93,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
               "partial_query: contiguous float32 [B, H_kv, G, R]");
   TORCH_CHECK(partial_keys.is_contiguous() && partial_keys.dim() == 4,
               "partial_keys: contiguous [num_blocks, H_kv, R, block_size]");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
-                  block_table.stride(1) == 1,
-              "block_table: int32 [B, max_blocks]");
-  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
-              "context_lens: contiguous int64 [B]");
-  TORCH_CHECK(token_caps.scalar_type() == at::kLong && token_caps.is_contiguous() &&
-                  token_caps.numel() == context_lens.numel(),
-              "token_caps: contiguous int64 [B]");
+  check_selection_rows(block_table, context_lens, token_caps);
   const int64_t num_rows = partial_query.size(0), num_heads = partial_query.size(1);
   const int64_t group = partial_query.size(2), rank = partial_query.size(3);
   const int64_t block_size = partial_keys.size(3);
@@ -150,7 +143,33 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
     });
   });
 
-  // Pass 2: each head's best score and alpha count.
+  return select_from_scores(scores, lens, caps, num_rows, num_heads, max_len, alpha,
+                            sink_tokens, recent_tokens);
+}
+
+void check_selection_rows(const at::Tensor& block_table, const at::Tensor& context_lens,
+                          const at::Tensor& token_caps) {
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1,
+              "block_table: int32 [B, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
+              "context_lens: contiguous int64 [B]");
+  TORCH_CHECK(token_caps.scalar_type() == at::kLong && token_caps.is_contiguous() &&
+                  token_caps.numel() == context_lens.numel(),
+              "token_caps: contiguous int64 [B]");
+}
+
+// Passes 2 and 3 of a selection, shared by every form of speculation keys:
+// each head's best score and alpha count; per request k = min(floor(mean
+// count over heads), the budget in tokens (token_caps, step_plan.token_budget))
+// plus the sink/recent window, at most the context; each head's top-k (window
+// first), ascending positions, -1 padded. scores: [B, H_kv, max_len] (-inf:
+// absent), changed in place.
+std::tuple<at::Tensor, at::Tensor> select_from_scores(float* scores, const int64_t* lens,
+                                                      const int64_t* caps, int64_t num_rows,
+                                                      int64_t num_heads, int64_t max_len,
+                                                      double alpha, int64_t sink_tokens,
+                                                      int64_t recent_tokens) {
   std::vector<int64_t> counts(num_rows * num_heads);
   at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
@@ -165,9 +184,6 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
     }
   });
 
-  // Per request: k = min(floor(mean count over heads), the budget in tokens
-  // (token_caps, step_plan.token_budget)), plus the sink/recent window, at
-  // most the context.
   auto num_selected = at::empty({num_rows}, at::kLong);
   int64_t* selected = num_selected.data_ptr<int64_t>();
   int64_t width = 0;

@@ -1,0 +1,219 @@
+// SPDX-License-Identifier: Apache-2.0
+// Integer speculation keys: every key channel, `bits` bits per token, one
+// float16 scale per channel and 16-token group (per KV head).
+//
+//   codes   [num_blocks, H_kv, G, D, 2 * bits] uint8  G = block_size / 16 groups;
+//           row c of a group holds channel c of its 16 tokens, token t in bits
+//           [bits * t, bits * t + bits) of the row read as a little-endian word
+//   scales  [num_blocks, H_kv, G, D] float16  s[c] = max_t |k[t, c]| / half,
+//           half = (2^bits - 1) / 2, and k[t, c] ~= (code - half) * s[c]
+//
+// A group is encoded when its 16th token is written (from the keys in the
+// pool); a row whose context ends inside a group scores that open group's
+// tokens from the full keys in the pool.
+#include <cstring>
+
+#include "ops.h"
+
+namespace infinigen {
+namespace {
+
+constexpr int64_t kGroupTokens = 16;
+static_assert(kGroupTokens % kVecSize == 0, "a group is whole vectors");
+
+inline float half_range(int64_t bits) { return 0.5f * static_cast<float>((1 << bits) - 1); }
+
+}  // namespace
+
+void write_int_keys(at::Tensor& codes, at::Tensor& scales, const at::Tensor& kv_pool,
+                    const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 5,
+              "codes: contiguous uint8 [num_blocks, H_kv, G, D, 2 * bits]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4,
+              "scales: contiguous float16 [num_blocks, H_kv, G, D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping: contiguous int64");
+  const int64_t num_blocks = codes.size(0), num_heads = codes.size(1);
+  const int64_t groups = codes.size(2), head_size = codes.size(3);
+  const int64_t bits = codes.size(4) / 2;
+  TORCH_CHECK(bits >= 1 && bits <= 4 && codes.size(4) == 2 * bits, "codes: 1 to 4 bits");
+  TORCH_CHECK(scales.size(0) == num_blocks && scales.size(1) == num_heads &&
+                  scales.size(2) == groups && scales.size(3) == head_size,
+              "scales do not match codes");
+  const PoolLayout layout = pool_layout(kv_pool, row_map);
+  const int64_t block_size = layout.block_size;
+  TORCH_CHECK(block_size == groups * kGroupTokens && kv_pool.size(1) == num_heads &&
+                  kv_pool.size(3) == 2 * head_size,
+              "kv_pool does not match codes: [units, H_kv, 16 * G, 2 * D]");
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float half = half_range(bits);
+  const float max_code = static_cast<float>((1 << bits) - 1);
+  uint8_t* code_data = codes.data_ptr<uint8_t>();
+  at::Half* scale_data = scales.data_ptr<at::Half>();
+
+  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "write_int_keys", [&] {
+    const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
+    at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> keys(kGroupTokens * head_size);
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t token = index / num_heads, head = index % num_heads;
+        const int64_t slot = slots[token];
+        if (slot < 0 || slot % kGroupTokens != kGroupTokens - 1) continue;
+        const int64_t block_id = slot / block_size, offset = slot % block_size;
+        TORCH_CHECK(block_id < num_blocks, "slot ", slot, " beyond the speculation keys");
+        const int64_t group = offset / kGroupTokens, first = group * kGroupTokens;
+        // keys: [16, D] of the group, zeros where a capped pool evicted an entry.
+        for (int64_t t = 0; t < kGroupTokens; ++t) {
+          const int64_t entry = layout.entry(block_id, head, first + t);
+          float* dst = keys.data() + t * head_size;
+          if (entry < 0) {
+            std::fill(dst, dst + head_size, 0.f);
+          } else {
+            for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<float>(pool[entry + d]);
+          }
+        }
+        const int64_t cell = (block_id * num_heads + head) * groups + group;
+        at::Half* scale = scale_data + cell * head_size;
+        uint8_t* rows = code_data + cell * head_size * 2 * bits;
+        for (int64_t c = 0; c < head_size; ++c) {
+          float largest = 0.f;
+          for (int64_t t = 0; t < kGroupTokens; ++t)
+            largest = std::max(largest, std::abs(keys[t * head_size + c]));
+          scale[c] = static_cast<at::Half>(largest / half);
+          const float step = static_cast<float>(scale[c]);  // what scoring will read
+          uint64_t word = 0;
+          for (int64_t t = 0; t < kGroupTokens; ++t) {
+            float code = 0.f;
+            if (step > 0.f)
+              code = std::min(max_code, std::max(0.f, std::nearbyint(
+                                                          keys[t * head_size + c] / step + half)));
+            word |= static_cast<uint64_t>(code) << (bits * t);
+          }
+          std::memcpy(rows + c * 2 * bits, &word, 2 * bits);  // little-endian
+        }
+      }
+    });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> select_tokens_int(
+    const at::Tensor& query, const at::Tensor& codes, const at::Tensor& scales,
+    const at::Tensor& kv_pool, const at::Tensor& block_table, const at::Tensor& context_lens,
+    const at::Tensor& token_caps, double scale, double alpha, int64_t sink_tokens,
+    int64_t recent_tokens, const std::optional<at::Tensor>& row_map) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.is_contiguous() && query.dim() == 4,
+              "query: contiguous float32 [B, H_kv, G_q, D]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 5,
+              "codes: contiguous uint8 [num_blocks, H_kv, G, D, 2 * bits]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "scales: contiguous float16 [num_blocks, H_kv, G, D]");
+  check_selection_rows(block_table, context_lens, token_caps);
+  const int64_t num_rows = query.size(0), num_heads = query.size(1);
+  const int64_t query_group = query.size(2), head_size = query.size(3);
+  const int64_t groups = codes.size(2), bits = codes.size(4) / 2;
+  TORCH_CHECK(codes.size(1) == num_heads && codes.size(3) == head_size,
+              "codes do not match the query");
+  const PoolLayout layout = pool_layout(kv_pool, row_map);
+  const int64_t block_size = layout.block_size;
+  TORCH_CHECK(block_size == groups * kGroupTokens, "kv_pool does not match codes");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* caps = token_caps.data_ptr<int64_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < num_rows; ++b) max_len = std::max(max_len, lens[b]);
+  const int64_t num_blocks_max = (max_len + block_size - 1) / block_size;
+  static thread_local std::vector<float> score_buffer;  // [B, H_kv, max_len]
+  score_buffer.resize(std::max<int64_t>(1, num_rows * num_heads * max_len));
+  float* scores = score_buffer.data();
+  const float* queries = query.data_ptr<float>();
+  const uint8_t* code_data = codes.data_ptr<uint8_t>();
+  const at::Half* scale_data = scales.data_ptr<at::Half>();
+  const float scale_f = static_cast<float>(scale), half = half_range(bits);
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+
+  // Pass 1: scores, group by group: complete groups from the codes, the open
+  // group (the row's context ends inside it) from the full keys in the pool.
+  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "select_tokens_int", [&] {
+    const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows * num_blocks_max, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> weights(query_group * head_size), offsets(query_group);
+      std::vector<float> acc(query_group * kGroupTokens);
+      alignas(64) float unpacked[kGroupTokens];
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t b = index / num_blocks_max, j = index % num_blocks_max;
+        const int64_t n = lens[b], start = j * block_size;
+        if (start >= n) continue;
+        const int64_t block_id = table[b * table_stride + j];
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* q = queries + (b * num_heads + h) * query_group * head_size;
+          float* out = scores + (b * num_heads + h) * max_len;
+          for (int64_t group = 0; group < groups; ++group) {
+            const int64_t first = start + group * kGroupTokens;
+            if (first >= n) break;
+            const int64_t count = std::min(kGroupTokens, n - first);
+            float* dst = out + first;
+            if (count < kGroupTokens) {  // open: the full keys
+              for (int64_t t = 0; t < count; ++t) {
+                const int64_t entry = layout.entry(block_id, h, group * kGroupTokens + t);
+                if (entry < 0) {
+                  dst[t] = kNegInf;
+                  continue;
+                }
+                float best = kNegInf;
+                for (int64_t g = 0; g < query_group; ++g) {
+                  float dot = 0.f;
+                  for (int64_t d = 0; d < head_size; ++d)
+                    dot += q[g * head_size + d] * static_cast<float>(pool[entry + d]);
+                  best = std::max(best, dot);
+                }
+                dst[t] = best * scale_f;
+              }
+              continue;
+            }
+            const int64_t cell = (block_id * num_heads + h) * groups + group;
+            const at::Half* s = scale_data + cell * head_size;
+            const uint8_t* rows = code_data + cell * head_size * 2 * bits;
+            for (int64_t g = 0; g < query_group; ++g) {
+              float total = 0.f;
+              for (int64_t c = 0; c < head_size; ++c) {
+                const float w = q[g * head_size + c] * static_cast<float>(s[c]);
+                weights[g * head_size + c] = w;
+                total += w;
+              }
+              offsets[g] = half * total;
+            }
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t c = 0; c < head_size; ++c) {
+              uint64_t word = 0;
+              std::memcpy(&word, rows + c * 2 * bits, 2 * bits);
+              for (int64_t t = 0; t < kGroupTokens; ++t)
+                unpacked[t] = static_cast<float>((word >> (bits * t)) & mask);
+              for (int64_t g = 0; g < query_group; ++g) {
+                const fVec w(weights[g * head_size + c]);
+                float* a = acc.data() + g * kGroupTokens;
+                for (int64_t t = 0; t < kGroupTokens; t += kVecSize)
+                  at::vec::fmadd(w, fVec::loadu(unpacked + t), fVec::loadu(a + t)).store(a + t);
+              }
+            }
+            for (int64_t t = 0; t < kGroupTokens; ++t) {
+              float best = kNegInf;
+              for (int64_t g = 0; g < query_group; ++g)
+                best = std::max(best, acc[g * kGroupTokens + t] - offsets[g]);
+              dst[t] = best * scale_f;
+            }
+            if (row_map.has_value()) {  // evicted entries are never selected
+              for (int64_t t = 0; t < kGroupTokens; ++t)
+                if (layout.entry(block_id, h, group * kGroupTokens + t) < 0) dst[t] = kNegInf;
+            }
+          }
+        }
+      }
+    });
+  });
+  return select_from_scores(scores, lens, caps, num_rows, num_heads, max_len, alpha,
+                            sink_tokens, recent_tokens);
+}
+
+}  // namespace infinigen
