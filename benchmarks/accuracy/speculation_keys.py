@@ -25,7 +25,7 @@ Skews are calibrated on task-style text: ``retrieval.synthetic_recall_text``
 Pride and Prejudice (a training book) for gutenberg. Each setting is a form x
 budget x rule: ``alpha`` (alpha 5, capped by the budget: the product's
 default) or ``cap`` (alpha 1000: k = floor(budget x context)). A control (full
-keys, select all) must equal dense. Example (about 25 minutes, 1 thread)::
+keys, select all) must equal dense. Example (about 75 minutes, 1 thread)::
 
     OMP_NUM_THREADS=1 nice -n 19 python -m benchmarks.accuracy.speculation_keys
 
@@ -60,6 +60,7 @@ RULES = {"alpha": 5.0, "cap": CAP_BINDING_ALPHA}
 RECALL_DECODE_ROWS = 3  # QUERY k ANSWER go through decode (retrieval.py)
 BOOK_PREFIX, BOOK_SCORED = 64, 960
 CALIBRATION_TOKENS = 2048
+RECALL_SEEDS = (12345, 23456)  # attribution.py's in-domain texts; retrieval.py uses the first
 
 # (cache dtype whose bytes the form matches, form). Channel fractions are of
 # head_dim D; R = int(0.2 D); 0.375 D = 2R for D = 64 and 32.
@@ -75,6 +76,8 @@ FORMS: list[tuple[str, FormSpec]] = [
     ("fp32", FormSpec("skew all int4 asym/blk", "skew-all", "block-int", 1.0, 4, True)),
     ("fp32", FormSpec("raw all int4 asym/blk", "identity", "block-int", 1.0, 4, True)),
     ("fp32", FormSpec("skew all int5 sym/blk", "skew-all", "block-int", 1.0, 5)),
+    ("fp32", FormSpec("skew all int4 sym/blk", "skew-all", "block-int", 1.0, 4)),
+    ("fp32", FormSpec("raw all int4 sym/blk", "identity", "block-int", 1.0, 4)),
     ("fp32", FormSpec("hadamard all int4 sym/token", "hadamard", "token-int", 1.0, 4)),
     ("fp32", FormSpec("hadamard all int5 sym/token", "hadamard", "token-int", 1.0, 5)),
     ("fp32", FormSpec("today fp32 + rerank 2x", "skew-today", "fp32", rerank=2)),
@@ -109,9 +112,9 @@ TASKS = {
 }
 
 
-def calibration_texts(task: Task) -> list[str]:
+def calibration_texts(task: Task, recall_seeds: int = 2) -> list[str]:
     if task.metric == "accuracy":
-        return [retrieval.synthetic_recall_text(seed) for seed in (12345, 23456)]
+        return [retrieval.synthetic_recall_text(seed) for seed in RECALL_SEEDS[:recall_seeds]]
     return [paths.shared_path("data/text/gutenberg-pride-and-prejudice.txt").read_text()]
 
 
@@ -176,10 +179,12 @@ def run_task(task: Task, args) -> tuple[list[dict], dict]:
 
     from vllm_infinigen.skewing import calibration_chunks
 
-    model = AutoModelForCausalLM.from_pretrained(str(task.model), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(task.model), dtype=getattr(torch, args.model_dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(task.model))
     sparse_model = SparseLlama(model, args.dense_layers)
-    chunks = calibration_chunks(tokenizer, calibration_texts(task), CALIBRATION_TOKENS,
+    chunks = calibration_chunks(tokenizer, calibration_texts(task, args.recall_seeds),
+                                CALIBRATION_TOKENS,
                                 model.config.max_position_embeddings)
     calibration = sparse_model.calibration_activations(chunks)
     head_dim = sparse_model.head_dim
@@ -242,6 +247,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-windows", type=int, default=4,
                         help="gutenberg: windows of 64 + 960 tokens")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's weights and activations (bfloat16: as vLLM on CPU "
+                        "runs these float32 checkpoints)")
+    parser.add_argument("--recall-seeds", type=int, choices=(1, 2), default=2,
+                        help="recall calibration texts (1: retrieval.py's single sequence)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the .md from the .json at --out")
@@ -256,12 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
+        meta = report.run_metadata()  # the source as it was when the run started
         payload = {"results": [], "tasks": {}}
         for name in args.tasks:
             results, info = run_task(TASKS[name], args)
             payload["results"] += results
             payload["tasks"][name] = info
-        meta = report.run_metadata()
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     sections = speculation_keys_report.sections(payload, settings)
     report.write_results(args.out, meta, "Speculation keys that find the needle (issue #24)",

@@ -92,7 +92,8 @@ def sections(payload: dict, settings: dict) -> list[str]:
     results, tasks = payload["results"], payload["tasks"]
     budgets, rules = settings["budget"], settings["rules"]
     out = [
-        "Torch-only harness (`benchmarks/accuracy/speculation_keys.py`), float32 models, "
+        "Torch-only harness (`benchmarks/accuracy/speculation_keys.py`), "
+        f"{settings.get('model_dtype', 'float32')} model, "
         f"{settings['dense_layers']} dense layers, {settings['speculation']} speculation. Cell: "
         "metric [fq: first-quarter needles] (d: density = selected / context entries over "
         "sparse layers, rows and KV heads; rr: entries re-scored with full keys / context, "
