@@ -112,7 +112,10 @@ TASKS = {
 }
 
 
-def calibration_texts(task: Task, recall_seeds: int = 2) -> list[str]:
+def calibration_texts(task: Task, recall_seeds: int = 2,
+                      override: Path | None = None) -> list[str]:
+    if override is not None:
+        return [override.read_text(encoding="utf-8")]
     if task.metric == "accuracy":
         return [retrieval.synthetic_recall_text(seed) for seed in RECALL_SEEDS[:recall_seeds]]
     return [paths.shared_path("data/text/gutenberg-pride-and-prejudice.txt").read_text()]
@@ -183,7 +186,8 @@ def run_task(task: Task, args) -> tuple[list[dict], dict]:
         str(task.model), dtype=getattr(torch, args.model_dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(task.model))
     sparse_model = SparseLlama(model, args.dense_layers)
-    chunks = calibration_chunks(tokenizer, calibration_texts(task, args.recall_seeds),
+    chunks = calibration_chunks(tokenizer, calibration_texts(task, args.recall_seeds,
+                                                  args.calibration_text),
                                 CALIBRATION_TOKENS,
                                 model.config.max_position_embeddings)
     calibration = sparse_model.calibration_activations(chunks)
@@ -246,6 +250,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="recall: first N prompts")
     parser.add_argument("--num-windows", type=int, default=4,
                         help="gutenberg: windows of 64 + 960 tokens")
+    parser.add_argument("--calibration-text", type=Path, default=None,
+                        help="calibrate every task on this file instead of its own kind of text "
+                        "(e.g. vllm_infinigen/assets/calibration.txt: how much a wrong text costs)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the model's weights and activations (bfloat16: as vLLM on CPU "

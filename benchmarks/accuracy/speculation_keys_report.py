@@ -101,6 +101,9 @@ def sections(payload: dict, settings: dict) -> list[str]:
         "blocks; today's budget is R = int(0.2 D) channels: 4R B in a float32 cache, 2R B "
         "in a bfloat16 one. The model stays float32 in both; only the speculation keys are "
         "rounded."]
+    if settings.get("calibration_text"):
+        out.append(f"Every skew, low-rank projection and channel choice is calibrated on "
+                   f"`{settings['calibration_text']}`, not on the task's own kind of text.")
     for task, info in tasks.items():
         dense = next(r for r in results if r["task"] == task and r["group"] == "dense")
         control = next(r for r in results if r["task"] == task and r["group"] == "control")
