@@ -133,7 +133,7 @@ def union_columns(q_energy: torch.Tensor, k_energy: torch.Tensor, count: int,
 def layer_projections(spec: FormSpec, queries: torch.Tensor, keys: torch.Tensor,
                       partial: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per KV head (query_proj, key_proj), float32 [D, C_h], for one layer."""
-    from vllm_infinigen.skewing import skew_from_activations
+    from vllm_infinigen.skewing.calibration import skew_from_activations
 
     head_dim = keys.shape[-1]
     count = spec.num_channels(head_dim, partial)

@@ -180,7 +180,7 @@ class Tally:
 def run_task(task: Task, args) -> tuple[list[dict], dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_infinigen.skewing import calibration_chunks
+    from vllm_infinigen.skewing.calibration import calibration_chunks
 
     model = AutoModelForCausalLM.from_pretrained(
         str(task.model), dtype=getattr(torch, args.model_dtype)).eval()

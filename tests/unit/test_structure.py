@@ -109,3 +109,32 @@ def test_building_the_settings_imports_no_worker_module():
     forbidden = ("vllm_infinigen.kernels", "vllm_infinigen.worker", "vllm_infinigen.platforms",
                  "vllm_infinigen.policies.")
     assert [m for m in loaded if m.startswith(forbidden)] == []
+
+
+def test_every_import_of_the_package_resolves():
+    """Benchmarks and tests import the package at function level too (lazily):
+    every ``from vllm_infinigen... import name`` anywhere in the repository
+    names a module that exists and a name it defines."""
+    import importlib
+
+    repo = PACKAGE.parent
+    missing = []
+    for path in [*repo.glob("benchmarks/**/*.py"), *repo.glob("tests/**/*.py"),
+                 *PACKAGE.rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.split(".")[0] == "vllm_infinigen"):
+                continue
+            try:
+                module = importlib.import_module(node.module)
+            except ImportError as e:
+                missing.append(f"{path.relative_to(repo)}:{node.lineno}: {e}")
+                continue
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        missing.append(f"{path.relative_to(repo)}:{node.lineno}: "
+                                       f"{node.module}.{alias.name}")
+    assert missing == []
