@@ -213,7 +213,8 @@ def run_task(task: Task, args) -> tuple[list[dict], dict]:
         for (group, spec, form, budget, rule), tally in zip(settings, tallies):
             began = time.perf_counter()
             selector = make_selector(form, scale=sparse_model.scale, alpha=RULES[rule],
-                                     budget=budget, rerank=spec.rerank, counts=tally.counts)
+                                     budget=budget, rerank=spec.rerank,
+                                     block_size=args.block_size, counts=tally.counts)
             logits = sparse_model.sparse_pass(prefix, first, selector, args.speculation)
             logits = torch.cat([prefix.logits[first - 1:first], logits])
             tally.add(seq, logits)
@@ -247,6 +248,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speculation", choices=("previous-layer", "same-layer"),
                         default="previous-layer")
     parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=0,
+                        help="select whole blocks of this many tokens (0: tokens, the "
+                        "CPU build's rule; 16: a device block cache's)")
     parser.add_argument("--limit", type=int, default=None, help="recall: first N prompts")
     parser.add_argument("--num-windows", type=int, default=4,
                         help="gutenberg: windows of 64 + 960 tokens")

@@ -7,7 +7,10 @@ group; each head counts the tokens within ``alpha`` of its best; a row keeps
 k = min(floor(mean count over KV heads), max(1, floor(budget x context)))
 tokens, each KV head its own top-k. ``rerank`` m > 0 adds a second pass: the
 form's top min(m x k, context) candidates are re-scored with the full keys and
-the best k of them kept (k from the first pass).
+the best k of them kept (k from the first pass). ``block_size`` > 0 selects
+whole blocks instead, as a device block cache would
+(``vllm_infinigen.platforms.cuda.block_selection``): a block scores its best
+token, k rounds up to blocks, and the first block and the row's own are kept.
 """
 
 from __future__ import annotations
@@ -47,8 +50,30 @@ def topk_mask(scores: torch.Tensor, num_chosen: torch.Tensor, width: int) -> tor
     return mask.scatter_(-1, top, keep.expand_as(top))
 
 
+def block_mask(scores: torch.Tensor, positions: torch.Tensor, num_chosen: torch.Tensor,
+               block_size: int) -> torch.Tensor:
+    """[H, n, T] bool: the context tokens of the blocks the block-granular rule keeps
+    (scores [H, n, T]; ``num_chosen`` [n] the rule's k in tokens)."""
+    from vllm_infinigen.platforms.cuda import block_selection
+
+    num_heads, num_rows, num_tokens = scores.shape
+    padded = -(-num_tokens // block_size) * block_size + block_size  # room for the own block
+    token_scores = torch.full((num_rows, num_heads, padded), float("-inf"))
+    token_scores[..., :num_tokens] = scores.permute(1, 0, 2)
+    blocks = block_selection.block_scores(token_scores, positions, block_size)
+    chosen = block_selection.select_blocks(blocks, positions, num_chosen,
+                                           block_size=block_size, width=blocks.shape[-1])
+    kept = torch.zeros((num_rows, num_heads, blocks.shape[-1] + 1), dtype=torch.bool)
+    kept.scatter_(-1, chosen.logical.clamp(min=-1) % (blocks.shape[-1] + 1),
+                  chosen.logical >= 0)
+    tokens = kept[..., :-1].repeat_interleave(block_size, dim=-1)[..., :num_tokens]
+    in_context = torch.arange(num_tokens)[None, :] < positions[:, None]
+    return (tokens & in_context[:, None, :]).permute(1, 0, 2)
+
+
 def make_selector(form: KeyForm, *, scale: float, alpha: float, budget: float,
-                  rerank: int = 0, counts: SelectionCounts | None = None):
+                  rerank: int = 0, block_size: int = 0,
+                  counts: SelectionCounts | None = None):
     """A ``Selector`` applying the rule with ``form``'s scores; tallies into ``counts``."""
 
     def select(layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
@@ -70,9 +95,12 @@ def make_selector(form: KeyForm, *, scale: float, alpha: float, budget: float,
             scores = exact.masked_fill(~candidates, float("-inf"))
             if counts is not None:
                 counts.reranked += float(num_candidates.sum()) * num_kv_heads
-        chosen = topk_mask(scores, num_chosen, int(num_chosen.max()))
+        if block_size:
+            chosen = block_mask(scores, positions, num_chosen, block_size)
+        else:
+            chosen = topk_mask(scores, num_chosen, int(num_chosen.max()))
         if counts is not None:
-            selected = float(num_chosen.sum()) * num_kv_heads
+            selected = float(chosen.sum())
             context = float(positions.sum()) * num_kv_heads
             counts.selected += selected
             counts.context += context
