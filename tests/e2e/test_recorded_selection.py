@@ -48,8 +48,7 @@ def _record(model: str, out) -> dict:
 def recorded(request, tmp_path_factory, tiny_models):
     """(model directory, recording) of one engine run."""
     if request.param == "llama":
-        path = paths.find_shared("models/stories260k-vllm-cpu")
-        model = str(path) if path is not None else tiny_models["llama-gqa"]
+        model = str(paths.BUNDLED_MODEL)
     else:
         model = tiny_models[request.param]
     return model, _record(model, tmp_path_factory.mktemp("records") / "records.pt")

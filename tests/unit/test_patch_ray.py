@@ -18,6 +18,7 @@ import vllm_infinigen
 from vllm_infinigen.patch import patch_ray
 
 STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
+RAY_EXTRA = "Ray is not installed (the ray and test extras)"
 vllm_infinigen.register()  # what vLLM's plugin loader does in every process
 
 
@@ -56,7 +57,7 @@ def test_without_ray_the_error_names_the_extra_and_mp(monkeypatch, enable_calls,
 
 
 def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.executor import ray_executor, ray_executor_v2
     from vllm.v1.executor.abstract import Executor
@@ -80,7 +81,7 @@ def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
 
 
 def test_omp_cpu_list_follows_vllm_cpu_omp_threads_bind(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm_infinigen.platforms.cpu.ray_executor import omp_cpu_list
 
     config = two_rank_args("mp").create_engine_config()
@@ -91,7 +92,7 @@ def test_omp_cpu_list_follows_vllm_cpu_omp_threads_bind(monkeypatch):
 
 
 def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm_infinigen.platforms.cpu.ray_executor import bind_threads
 
     first_core = min(os.sched_getaffinity(0))
@@ -114,7 +115,7 @@ def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
 
 
 def test_cpu_slots_env_merges_and_restores(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm_infinigen.platforms.cpu.ray_executor import RAY_RESOURCES_ENV, _cpu_slots_for_new_nodes
 
     monkeypatch.delenv(RAY_RESOURCES_ENV, raising=False)
