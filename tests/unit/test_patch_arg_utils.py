@@ -401,3 +401,43 @@ def test_start_up_calibration_that_would_not_fit_is_refused_naming_prepare():
     with pytest.raises(ValueError, match=r"needs about .* GiB, but .* GiB are free; run "
                        r"`vllm-infinigen prepare .* --out FILE` .* --infinigen-skew-file FILE"):
         check_calibration_fits(model, free=needed - 1)
+
+
+# ---------------------------------------------------------------------------
+# Model runner: InfiniGen's worker extends vLLM's V1 runner
+
+
+def test_model_runner_v2_chosen_by_vllm_itself_is_switched_to_v1(monkeypatch):
+    """Triton with a CPU backend makes vLLM pick Model Runner V2 unless told
+    otherwise; with InfiniGen on, the engine processes are told otherwise."""
+    import os
+
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.setenv(checks.V2_RUNNER_ENV, "unset below; restored as absent")
+    monkeypatch.delenv(checks.V2_RUNNER_ENV)
+    stock = EngineArgs(model=STORIES_DIR).create_engine_config()
+    assert stock.use_v2_model_runner and checks.V2_RUNNER_ENV not in os.environ
+    config = EngineArgs(model=STORIES_DIR, kv_manager="infinigen").create_engine_config()
+    assert os.environ[checks.V2_RUNNER_ENV] == "0"
+    assert not config.use_v2_model_runner
+
+
+def test_model_runner_v2_asked_for_is_refused_naming_the_variable(monkeypatch):
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)  # else vLLM refuses V2 itself
+    monkeypatch.setenv(checks.V2_RUNNER_ENV, "1")
+    with pytest.raises(ValueError, match="--kv-manager infinigen.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        EngineArgs(model=STORIES_DIR, kv_manager="infinigen").create_engine_config()
+    assert EngineArgs(model=STORIES_DIR).create_engine_config().use_v2_model_runner
+
+
+def test_the_worker_refuses_model_runner_v2():
+    from vllm_infinigen.platforms.cpu.worker import InfiniGenCPUWorker
+
+    worker = InfiniGenCPUWorker.__new__(InfiniGenCPUWorker)
+    worker.use_v2_model_runner = True
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        worker.init_device()

@@ -135,7 +135,9 @@ engine start without a skew file, in the front-end process)
 
 Not a change to vLLM objects, listed for completeness: ``register()`` routes
 the ``vllm_infinigen`` logger to vLLM's; ``create_engine_config`` (above)
-sets ``worker_cls`` and ``kv_transfer_config`` through their public fields;
+sets ``worker_cls`` and ``kv_transfer_config`` through their public fields, and
+``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment when vLLM would pick Model
+Runner V2 by itself (``frontend/checks.keep_v1_model_runner``);
 ``worker/capture.py`` and ``kernels/`` register ops in their own torch namespaces.
 """
 
