@@ -185,6 +185,7 @@ def test_check_engine_args_accepts_plain_args():
         ({"kv_offloading_size": 4.0}, "--kv-offloading-size"),
         ({"worker_cls": "my.Worker"}, "--worker-cls"),
         ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype"),
+        ({"enable_sleep_mode": True}, "--enable-sleep-mode"),
     ],
     ids=lambda value: value if isinstance(value, str) else None,
 )
@@ -334,9 +335,9 @@ def test_check_engine_args_refuses_split_dense_groups_and_block_override():
 def test_kv_cache_group_size_matches_vllm(dense, sparse):
     """Our mirror of the grouping equals vLLM's own grouping of the specs."""
     import torch
-    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+    from tests.vllm_api import kv_cache_groups_uniform_page_size
     from vllm_infinigen.layout import kv_cache_group_size
     from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
 
@@ -345,7 +346,7 @@ def test_kv_cache_group_size_matches_vllm(dense, sparse):
     specs = {f"model.layers.{i}.self_attn.attn": full for i in range(dense)}
     specs.update({f"model.layers.{dense + i}.self_attn.attn": InfiniGenSparseSpec.of(full)
                   for i in range(sparse)})
-    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    groups = kv_cache_groups_uniform_page_size(specs)
     # A group short of layers is padded to the size (the padding is unnamed).
     assert max(len(group.layer_names) for group in groups) == kv_cache_group_size(dense, sparse)
 
@@ -441,3 +442,11 @@ def test_the_worker_refuses_model_runner_v2():
     worker.use_v2_model_runner = True
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         worker.init_device()
+
+
+def test_the_connector_declines_sleep_mode():
+    """vLLM 0.33's connector base asks ``supports_sleep_mode`` (default True)."""
+    from vllm_infinigen.scheduler.connector import InfiniGenConnector
+
+    declared = InfiniGenConnector.__dict__["supports_sleep_mode"]
+    assert isinstance(declared, property) and declared.fget(None) is False

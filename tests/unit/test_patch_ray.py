@@ -64,18 +64,20 @@ def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
+    from vllm_infinigen.platforms.cpu import ray_executor_v1 as ray_cpu_v1
 
     ray_config = two_rank_args("ray").create_engine_config()
     patch_ray.enable()  # a second time: no wrapper of a wrapper
     assert Executor.__dict__["get_class"].__func__ is patch_ray._get_class
     assert patch_ray._original_get_class is not patch_ray._get_class
     assert CpuPlatform.ray_device_key == ray_cpu.RAY_DEVICE_KEY
-    assert ray_executor.RayWorkerWrapper is ray_cpu.CPURayWorkerWrapper
+    assert ray_cpu.v1_executor_module() is ray_cpu_v1  # vLLM 0.32 has the V1 executor
+    assert ray_executor.RayWorkerWrapper is ray_cpu_v1.CPURayWorkerWrapper
     assert ray_executor_v2.RayWorkerProc is ray_cpu.CPURayWorkerProc
     # vLLM's default Ray executor is V2; V1 on request.
     assert Executor.get_class(ray_config) is ray_cpu.CPURayExecutorV2
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
-    assert Executor.get_class(ray_config) is ray_cpu.CPURayDistributedExecutor
+    assert Executor.get_class(ray_config) is ray_cpu_v1.CPURayDistributedExecutor
     mp_config = two_rank_args("mp").create_engine_config()
     assert Executor.get_class(mp_config) is MultiprocExecutor
 
@@ -126,3 +128,30 @@ def test_cpu_slots_env_merges_and_restores(monkeypatch):
     with _cpu_slots_for_new_nodes(4):  # the user's count wins
         assert json.loads(os.environ[RAY_RESOURCES_ENV]) == {"disk": 1, "vllm_cpu": 8}
     assert os.environ[RAY_RESOURCES_ENV] == '{"disk": 1, "vllm_cpu": 8}'
+
+
+def test_without_vllms_v1_ray_executor_the_v2_executor_still_runs_on_cpu():
+    """vLLM 0.33 deletes ``vllm/v1/executor/ray_executor.py`` (and ``RayWorkerWrapper``):
+    importing ours, binding the workers and choosing the executor must not need it."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import subprocess
+
+    script = """
+import sys
+sys.modules["vllm.v1.executor.ray_executor"] = None  # as if deleted
+import vllm.v1.executor.ray_utils as ray_utils
+del ray_utils.RayWorkerWrapper
+from vllm.v1.executor import ray_executor_v2
+from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
+ray_cpu.bind_cpu_workers()
+assert ray_cpu.v1_executor_module() is None
+assert ray_executor_v2.RayWorkerProc is ray_cpu.CPURayWorkerProc
+assert ray_cpu.cpu_executor_class(RayExecutorV2) is ray_cpu.CPURayExecutorV2
+assert ray_cpu.cpu_executor_class(dict) is dict
+assert "vllm_infinigen.platforms.cpu.ray_executor_v1" not in sys.modules
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -96,6 +96,9 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         refuse("--kv-transfer-config is taken by InfiniGen's own connector; remove it")
     if args.worker_cls not in ("auto", *WORKERS.values()):
         refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
+    if getattr(args, "enable_sleep_mode", False):
+        refuse("sleep mode would not remap InfiniGen's pool and partial keys; "
+               "remove --enable-sleep-mode")
     if args.kv_cache_dtype not in ("auto", None):
         refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
     reason = model_type_refusal(hf_config)

@@ -56,9 +56,11 @@ Patch index
     Related upstream work: none found for CPU generators in 0.32.
     Future plan: drop when vLLM rewinds CPU generators by state.
 
-``patch_ray.py`` (with ``vllm_infinigen/platforms/cpu/ray_executor.py``)
+``patch_ray.py`` (with ``vllm_infinigen/platforms/cpu/ray_executor.py`` and
+``ray_executor_v1.py``)
     File: ``vllm/platforms/cpu.py`` (``CpuPlatform.ray_device_key``),
-    ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``),
+    ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``; only where
+    this vLLM has the V1 Ray executor, which vLLM 0.33 removes),
     ``vllm/v1/executor/ray_executor_v2.py`` (``RayWorkerProc``),
     ``vllm/v1/executor/abstract.py`` (``Executor.get_class``), and
     ``EngineArgs.create_engine_config`` (the trigger).

@@ -4,6 +4,9 @@
 Installed (``bind_cpu_workers``, and ``Executor.get_class`` by
 ``vllm_infinigen.patch.patch_ray``) only when the CPU platform runs
 ``--distributed-executor-backend ray``; importing this module imports Ray.
+vLLM's V1 Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, absent from
+vLLM 0.33) has its CPU classes in ``ray_executor_v1.py``, imported only where
+vLLM has it.
 
 Each Ray worker holds one ``vllm_cpu`` slot, a custom Ray resource (Ray
 rejects ``CPU`` as a custom resource name, and CPU actors ask for
@@ -14,6 +17,7 @@ rejects ``CPU`` as a custom resource name, and CPU actors ask for
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -22,9 +26,7 @@ import psutil
 import ray
 import torch
 from vllm.logger import init_logger
-from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2, RayWorkerProc
-from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
 logger = init_logger(__name__)
 
@@ -62,31 +64,6 @@ def bind_threads(cpus: list[int] | None) -> None:
         return
     os.sched_setaffinity(0, cpus)
     torch._C.set_num_threads(len(cpus))
-
-
-class CPURayWorkerWrapper(RayWorkerWrapper):
-    """Ray worker of ``RayDistributedExecutor`` (V1) on the CPU platform."""
-
-    omp_cpus: list[int] | None = None
-
-    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
-        """Called by the executor after placement: CPU workers have no device ids."""
-        return ray.get_runtime_context().get_node_id(), []
-
-    def init_worker(self, all_kwargs: list[dict]) -> None:
-        """Binds threads before the worker exists (the executor has already
-        copied the driver's environment here)."""
-        kwargs = all_kwargs[self.rpc_rank]
-        self.omp_cpus = omp_cpu_list(kwargs["vllm_config"], kwargs["local_rank"])
-        bind_threads(self.omp_cpus)
-        super().init_worker(all_kwargs)
-
-    def setup_device_if_necessary(self) -> None:
-        """Called first on the compiled graph's own thread, which has stock
-        OpenMP settings."""
-        if not self.compiled_dag_cuda_device_set:
-            bind_threads(self.omp_cpus)
-        super().setup_device_if_necessary()
 
 
 class CPURayWorkerProc(RayWorkerProc):
@@ -212,11 +189,13 @@ def bind_cpu_workers() -> None:
     actors from the module-level worker names rebound here.
     """
     from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.executor import ray_executor, ray_executor_v2
+    from vllm.v1.executor import ray_executor_v2
 
     CpuPlatform.ray_device_key = RAY_DEVICE_KEY
-    ray_executor.RayWorkerWrapper = CPURayWorkerWrapper
     ray_executor_v2.RayWorkerProc = CPURayWorkerProc
+    v1 = v1_executor_module()
+    if v1 is not None:
+        v1.bind_cpu_workers()
 
 
 class _CPURayExecutorMixin:
@@ -254,11 +233,21 @@ class CPURayExecutorV2(_CPURayExecutorMixin, RayExecutorV2):
         super()._join_monitor_thread()
 
 
-class CPURayDistributedExecutor(_CPURayExecutorMixin, RayDistributedExecutor):
-    """``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) on the CPU platform."""
+def v1_executor_module():
+    """``ray_executor_v1`` (vLLM's V1 Ray executor on CPU), or None where this
+    vLLM has no V1 Ray executor (removed in vLLM 0.33)."""
+    if importlib.util.find_spec("vllm.v1.executor.ray_executor") is None:
+        return None
+    from vllm_infinigen.platforms.cpu import ray_executor_v1
+
+    return ray_executor_v1
 
 
-CPU_EXECUTORS: dict[type, type] = {
-    RayExecutorV2: CPURayExecutorV2,
-    RayDistributedExecutor: CPURayDistributedExecutor,
-}
+def cpu_executor_class(executor_class: type) -> type:
+    """The CPU subclass of vLLM's Ray executor ``executor_class`` (others unchanged)."""
+    if executor_class is RayExecutorV2:
+        return CPURayExecutorV2
+    v1 = v1_executor_module()
+    if v1 is not None and executor_class is v1.RayDistributedExecutor:
+        return v1.CPURayDistributedExecutor
+    return executor_class
