@@ -155,3 +155,74 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_termination_is_deferred_in_the_calling_thread_only():
+    """Ray's channel waits abort on EINTR: the engine core's thread blocks
+    SIGTERM and SIGINT while it runs them, and restores its mask after."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import signal
+
+    from vllm_infinigen.platforms.cpu.ray_executor import termination_deferred
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    seen = {}
+    with termination_deferred():
+        seen["inside"] = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        thread = threading.Thread(
+            target=lambda: seen.setdefault("other", signal.pthread_sigmask(signal.SIG_BLOCK, set())))
+    assert seen["inside"] == before | {signal.SIGTERM, signal.SIGINT}
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+    thread.start()  # created outside the block: not deferred
+    thread.join()
+    assert seen["other"] == before
+
+
+def test_ray_init_keeps_the_processs_sigterm_handler(monkeypatch):
+    """``ray.init`` installs ``sys.exit`` for SIGTERM; vLLM's handler stays."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import signal
+
+    from vllm_infinigen.platforms.cpu.ray_executor import _sigterm_handler_kept
+
+    def vllm_handler(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, vllm_handler)
+    try:
+        with _sigterm_handler_kept():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init
+        assert signal.getsignal(signal.SIGTERM) is vllm_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_closing_the_ray_connection_kills_what_ray_shutdown_leaves(monkeypatch):
+    """A started process and its child (an agent) survive ``ray.shutdown``:
+    both are killed and waited for, at once."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import subprocess
+    import time
+
+    import psutil
+
+    from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
+
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
+             "'import time; time.sleep(600)']); time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        started = psutil.Process(parent.pid)
+        deadline = time.monotonic() + 30
+        while not started.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = [started, *started.children()]
+        assert len(tree) == 2
+        shutdowns = []
+        monkeypatch.setattr(ray_cpu.ray, "shutdown", lambda: shutdowns.append(1))
+        ray_cpu.RayConnection(started=[started]).close(timeout=30)
+        assert shutdowns == [1]
+        assert ray_cpu.still_running(tree) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -20,6 +20,10 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -100,6 +104,25 @@ class CPURayWorkerProc(RayWorkerProc):
 
 
 @contextlib.contextmanager
+def termination_deferred() -> Iterator[None]:
+    """Blocks SIGTERM and SIGINT in the calling thread while the block runs.
+
+    Ray's compiled-graph channels wait on semaphores with
+    ``RAY_CHECK_EQ(sem_wait(...), 0)``: a signal handled in that thread makes
+    ``sem_wait`` fail with EINTR and the process abort (``Check failed ... -1
+    vs 0`` in ``PlasmaObjectHeader::WriteAcquire``), skipping the shutdown
+    that stops Ray. Blocked here, the signal goes to another thread of the
+    process, and Python runs its handler (vLLM's shutdown request) in the
+    main thread as soon as it runs Python code again.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
 def _cpu_slots_for_new_nodes(num_slots: int):
     """Adds ``vllm_cpu`` slots to a Ray node that ``ray.init`` starts here."""
     previous = os.environ.get(RAY_RESOURCES_ENV)
@@ -115,34 +138,71 @@ def _cpu_slots_for_new_nodes(num_slots: int):
             os.environ[RAY_RESOURCES_ENV] = previous
 
 
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Restores this process's SIGTERM handler after ``ray.init``.
+
+    ``ray.init`` replaces it with ``sys.exit`` (and Ray's core worker adds a
+    handler that prints a stack trace): in an engine core, vLLM's own
+    handler, which asks the busy loop to shut down between steps (and so
+    runs the executor's shutdown, which stops Ray), would be lost.
+    """
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+
+
 @dataclass
 class RayConnection:
     """This process's connection to Ray, and the local Ray it started (if any)."""
 
     started: list[psutil.Process]  # direct children that ray.init started
 
-    def close(self, timeout: float = 1.0) -> None:
+    def close(self, timeout: float = 2.0) -> None:
         """Disconnects; stops the local Ray this process started, agents included.
 
         ``ray.shutdown`` stops the processes it started (GCS, raylet, ...) but
         not the raylet's agents (dashboard agent, runtime-env agent), which
         otherwise notice the raylet's death and exit a minute or more later.
+        What is left of the tree is killed outright: a Ray worker that gets
+        SIGTERM inside a compiled-graph channel operation aborts
+        (``PlasmaObjectHeader::WriteAcquire``), and a graceful wait would
+        spend the few seconds the engine core has before its parent kills it.
+        Returns once every process of the tree has exited (zombies count) or
+        after ``timeout`` seconds.
         """
+        tree = self.process_tree()
+        ray.shutdown()
+        leftover = still_running(tree)
+        for proc in leftover:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        deadline = time.monotonic() + timeout
+        while still_running(leftover) and time.monotonic() < deadline:
+            psutil.wait_procs(still_running(leftover), timeout=0.05)
+        logger.debug("Ray: disconnected; killed %d leftover local Ray processes, %d "
+                     "still alive", len(leftover), len(still_running(leftover)))
+
+    def process_tree(self) -> list[psutil.Process]:
+        """The processes ``ray.init`` started here and all their descendants."""
         tree = list(self.started)
         for proc in self.started:
             with contextlib.suppress(psutil.Error):
                 tree += proc.children(recursive=True)
-        ray.shutdown()
-        _, alive = psutil.wait_procs(tree, timeout=0)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        _, alive = psutil.wait_procs(alive, timeout=timeout)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        logger.debug("Ray: disconnected; stopped %d leftover local Ray processes",
-                     len(alive))
+        return tree
+
+
+def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running (a zombie has exited)."""
+    alive = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive
 
 
 def connect_ray(parallel_config) -> RayConnection | None:
@@ -163,7 +223,7 @@ def connect_ray(parallel_config) -> RayConnection | None:
         me = psutil.Process()
         children_before = {proc.pid for proc in me.children()}
         num_slots = max(len(os.sched_getaffinity(0)), parallel_config.world_size)
-        with _cpu_slots_for_new_nodes(num_slots):
+        with _cpu_slots_for_new_nodes(num_slots), _sigterm_handler_kept():
             ray.init(runtime_env=parallel_config.ray_runtime_env)
         connection = RayConnection(
             started=[proc for proc in me.children() if proc.pid not in children_before]

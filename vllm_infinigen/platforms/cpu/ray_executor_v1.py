@@ -8,14 +8,17 @@ and this file goes with it).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import ray
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
-from vllm.v1.executor.ray_utils import RayWorkerWrapper
+from vllm.v1.executor.ray_utils import FutureWrapper, RayWorkerWrapper
 
 from vllm_infinigen.platforms.cpu.ray_executor import (
     _CPURayExecutorMixin,
     bind_threads,
     omp_cpu_list,
+    termination_deferred,
 )
 
 
@@ -46,6 +49,28 @@ class CPURayWorkerWrapper(RayWorkerWrapper):
 
 class CPURayDistributedExecutor(_CPURayExecutorMixin, RayDistributedExecutor):
     """``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) on the CPU platform."""
+
+    def _execute_dag(self, scheduler_output, grammar_output, non_block: bool = False):
+        """Called by ``execute_model`` and ``sample_tokens`` in the engine core's
+        busy loop: the compiled graph's channel writes and reads run with
+        SIGTERM and SIGINT deferred (``termination_deferred``)."""
+        with termination_deferred():
+            output = super()._execute_dag(scheduler_output, grammar_output, non_block)
+        if isinstance(output, FutureWrapper):
+            return _TerminationDeferredFuture(output)
+        return output
+
+
+class _TerminationDeferredFuture(Future):
+    """A ``FutureWrapper`` whose ``result`` (a channel read) defers SIGTERM and SIGINT."""
+
+    def __init__(self, wrapped: FutureWrapper):
+        super().__init__()
+        self._wrapped = wrapped
+
+    def result(self, timeout=None):
+        with termination_deferred():
+            return self._wrapped.result(timeout)
 
 
 def bind_cpu_workers() -> None:
