@@ -74,9 +74,12 @@ Patch index
     gets ``vllm_cpu`` slots, the executors' worker classes are rebound to
     subclasses that report no device ids and pin each rank's threads to the
     cores vLLM's ``OMPProcessManager`` assigns it, and the executors are
-    swapped for subclasses that connect to Ray first and stop the local Ray
-    they started (agents included) at shutdown. Otherwise nothing changes and
-    Ray is not imported.
+    swapped for subclasses that connect to Ray first (keeping the engine
+    core's SIGTERM handler, which ``ray.init`` replaces) and stop the local
+    Ray they started (agents included) at shutdown; the V1 executor runs the
+    compiled graph's channel operations with SIGTERM and SIGINT deferred
+    (Ray aborts on EINTR there). Otherwise nothing changes and Ray is not
+    imported.
     Related upstream work: none found for Ray on the CPU platform.
     Future plan: drop when vLLM's CPU platform supports Ray.
 
