@@ -19,6 +19,7 @@ import torch
 
 PROMPT_LENGTHS = [30, 200, 420]
 MAX_TOKENS = 12
+BUDGET = 0.2
 
 
 def main(model: str, out: str) -> None:
@@ -40,9 +41,10 @@ def main(model: str, out: str) -> None:
                              "positions": positions.clone(), "skew": target.skew.clone()})
         return original_partial_query(target, hidden, positions)
 
-    def recording(partial_query, partial_keys, block_table, context_lens, **kwargs):
+    def recording(partial_query, partial_keys, block_table, context_lens, token_caps,
+                  **kwargs):
         positions, num_selected = original(partial_query, partial_keys, block_table,
-                                           context_lens, **kwargs)
+                                           context_lens, token_caps, **kwargs)
         # The reference's inputs: [B, H_q, R] queries, [B, N, H_kv, R] keys.
         width = int(context_lens.max())
         row_map = kwargs.pop("row_map", None)
@@ -51,7 +53,8 @@ def main(model: str, out: str) -> None:
             "partial_query": partial_query.flatten(1, 2).clone(),
             "partial_keys": partial_keys_of(partial_keys, block_table, width),
             "context_lens": context_lens.clone(),
-            "kwargs": dict(kwargs),
+            "token_caps": token_caps.clone(),
+            "kwargs": dict(kwargs, budget=BUDGET),  # the engine's --infinigen-budget
             "positions": positions.to(torch.int64),
             "valid": positions >= 0,
             "num_selected": num_selected.clone(),
@@ -62,7 +65,7 @@ def main(model: str, out: str) -> None:
 
     kernels.select_tokens = recording
     infinigen_policy.partial_query = recording_partial_query
-    with engine(model, kv_manager="infinigen", infinigen_budget=0.2,
+    with engine(model, kv_manager="infinigen", infinigen_budget=BUDGET,
                 infinigen_recent_tokens=2) as llm:
         prompts = random_prompts(PROMPT_LENGTHS, seed=7)
         outputs = greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)

@@ -25,6 +25,7 @@ from benchmarks.harness.paths import REPO
 from tests.e2e.record_selections import MAX_TOKENS, PROMPT_LENGTHS
 from tests.unit.test_selector import kept_sets, reference_selection
 from vllm_infinigen.layout import read_hf_config
+from vllm_infinigen.worker.step_plan import token_budget
 
 pytestmark = pytest.mark.slow
 
@@ -151,6 +152,9 @@ def test_recorded_selections_match_reference(recorded):
                 torch.testing.assert_close(record["partial_keys"][row, :prompt_len],
                                            expected, **KEY_TOLERANCE)
         kwargs = record["kwargs"]
+        # The kernel's caps are the budget in tokens of each row.
+        assert record["token_caps"].tolist() == token_budget(
+            record["context_lens"], kwargs["budget"]).tolist()
         try:
             kept, num_selected = reference_selection(
                 query, record["partial_keys"],
