@@ -48,10 +48,11 @@ def partial_rank(head_dim: int, partial_ratio: float) -> int:
 def kv_cache_group_size(num_dense: int, num_sparse: int, num_windowed: int = 0) -> int:
     """Layers per KV-cache group, as vLLM's hybrid allocator picks it.
 
-    Mirrors ``kv_cache_utils._get_kv_cache_groups_uniform_page_size`` over the
-    layer counts of each kind (dense, sparse, sliding-window): the smallest,
-    unless the largest is under 1.5 times it. Every block id then has this
-    many pages, one per layer of its group.
+    Mirrors vLLM's ``_get_kv_cache_groups_uniform_page_size`` (``kv_cache_utils``;
+    ``kv_cache_planning`` from vLLM 0.33) over the layer counts of each kind
+    (dense, sparse, sliding-window): the smallest, unless the largest is under
+    1.5 times it. Every block id then has this many pages, one per layer of
+    its group.
     """
     counts = [count for count in (num_dense, num_sparse, num_windowed) if count]
     group_size = min(counts)

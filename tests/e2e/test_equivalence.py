@@ -21,10 +21,7 @@ BUDGET = 0.2
 
 def _model_path(name: str, tiny_models: dict[str, str]) -> str:
     if name == "stories260k":
-        path = paths.find_shared("models/stories260k-vllm-cpu")
-        if path is None:
-            pytest.skip("../shared/models/stories260k-vllm-cpu is absent")
-        return str(path)
+        return str(paths.BUNDLED_MODEL)
     return tiny_models[name]
 
 

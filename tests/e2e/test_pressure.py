@@ -5,13 +5,16 @@ The burst of ``test_load.py`` (``request_mix.fixed_mix``: greedy and seeded
 n > 1 sampling, streams and not, token-id and text prompts, client
 cancellations) against a server whose
 KV space holds 768 tokens, two or three of its requests (vLLM preempts), whose capped pool
-holds 512 tokens per sparse layer and KV head (every sparse layer evicts),
+holds 256 tokens per sparse layer and KV head, fewer than the longest request
+alone (308 tokens), so every sparse layer evicts whatever the interleaving,
 and whose steps take 64 tokens (most prefills, seeded ones included, are
 split). Every request must complete or be cancelled, and the server must be
 idle and hold nothing afterwards.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import requests
@@ -21,10 +24,19 @@ from benchmarks.harness.servers import SERVED_NAME, metric_total, start_server, 
 
 pytestmark = pytest.mark.slow
 # stories260K: 3 sparse layers x 4 KV heads x K+V of 32 float32 = 3,072 B a token.
-POOL_TOKENS = 512
+POOL_TOKENS = 256
 POOL_GIB = POOL_TOKENS * 3 * 4 * 2 * 32 * 4 / 2**30
 KV_SPACE = 7 << 18  # 1.75 MiB: 6 blocks of 128 tokens (dense layers + partial keys)
 STEP_TOKENS = 64
+
+
+def per_layer(text: str, name: str) -> dict[str, float]:
+    """{layer: value} of a per-layer counter in /metrics (summed over other labels)."""
+    out: dict[str, float] = {}
+    for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        layer = re.search(r'layer="([^"]*)"', labels).group(1)
+        out[layer] = out.get(layer, 0.0) + float(value)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +58,14 @@ def run(server) -> dict:
 
 
 def test_the_burst_preempts_evicts_and_splits_seeded_prefills(run):
+    # A request that completes holds more tokens than the pool: it must evict.
+    assert max(len(job.prompt) + job.max_tokens for job in run["jobs"]
+               if isinstance(job.prompt, list) and job.cancel_after is None) > POOL_TOKENS
     text = run["metrics"]
     assert metric_total(text, "vllm:num_preemptions_total") > 0
-    assert metric_total(text, "vllm:infinigen_evictions_total") > 0
+    evictions = per_layer(text, "vllm:infinigen_evictions_total")
+    assert sorted(evictions) == ["2", "3", "4"]
+    assert all(count > 0 for count in evictions.values()), evictions
     assert any(job.seed is not None and isinstance(job.prompt, list)
                and len(job.prompt) > STEP_TOKENS for job in run["jobs"])
 

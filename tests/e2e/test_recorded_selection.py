@@ -25,6 +25,7 @@ from benchmarks.harness.paths import REPO
 from tests.e2e.record_selections import MAX_TOKENS, PROMPT_LENGTHS
 from tests.unit.test_selector import kept_sets, reference_selection
 from vllm_infinigen.layout import read_hf_config
+from vllm_infinigen.worker.step_plan import token_budget
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +49,7 @@ def _record(model: str, out) -> dict:
 def recorded(request, tmp_path_factory, tiny_models):
     """(model directory, recording) of one engine run."""
     if request.param == "llama":
-        path = paths.find_shared("models/stories260k-vllm-cpu")
-        model = str(path) if path is not None else tiny_models["llama-gqa"]
+        model = str(paths.BUNDLED_MODEL)
     else:
         model = tiny_models[request.param]
     return model, _record(model, tmp_path_factory.mktemp("records") / "records.pt")
@@ -152,6 +152,9 @@ def test_recorded_selections_match_reference(recorded):
                 torch.testing.assert_close(record["partial_keys"][row, :prompt_len],
                                            expected, **KEY_TOLERANCE)
         kwargs = record["kwargs"]
+        # The kernel's caps are the budget in tokens of each row.
+        assert record["token_caps"].tolist() == token_budget(
+            record["context_lens"], kwargs["budget"]).tolist()
         try:
             kept, num_selected = reference_selection(
                 query, record["partial_keys"],

@@ -25,8 +25,10 @@ from tests.e2e.engines import engine
 
 pytestmark = pytest.mark.slow
 
-MODEL = "models/stories260k-vllm-cpu"
-TEXT = "data/text/tinystories-sample.txt"
+# The bundled stories260K and the TinyStories-style story of the repository
+# (2,713 tokens, one story).
+MODEL = str(paths.BUNDLED_MODEL)
+TEXT = paths.STORY_TEXT
 PROMPT_TOKENS = 64
 # Windows end at different steps, so the batch shrinks and is condensed
 # (requests removed and moved) while the others are still being forced.
@@ -46,19 +48,13 @@ def _score_with_fraction(llm, windows) -> tuple[list[list[float]], float]:
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    path = paths.find_shared(MODEL)
-    if path is None:
-        pytest.skip(f"../shared/{MODEL} is absent")
-    return str(path)
+    return MODEL
 
 
 @pytest.fixture(scope="module")
 def windows(model) -> list[tuple[list[int], list[int]]]:
     """(prompt, continuation) token windows cut one after another from the text."""
-    path = paths.find_shared(TEXT)
-    if path is None:
-        pytest.skip(f"../shared/{TEXT} is absent")
-    token_ids = tokenize_text(model, path.read_text(encoding="utf-8"))
+    token_ids = tokenize_text(model, TEXT.read_text(encoding="utf-8"))
     out, start = [], 0
     for num_scored in SCORE_TOKENS:
         end = start + PROMPT_TOKENS + num_scored

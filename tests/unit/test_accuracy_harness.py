@@ -4,7 +4,8 @@
 Prompt construction per task (lm-eval's plain-text rendering), lm-eval's
 acc / acc_norm arithmetic, lm-eval's context/continuation split, needle
 buckets, the top-k KL estimate and top-1 agreement, the results files and the
-plot; lm_eval_serve.py's task YAMLs (loaded by lm-eval itself when it is
+plot; lm_eval_serve.py's task YAMLs, the requests lm-eval builds from them
+(recorded in tests/reference; rebuilt by lm-eval itself where it is
 installed) and its reading of lm-eval's output.
 """
 
@@ -27,17 +28,10 @@ from benchmarks.accuracy import (
 )
 from benchmarks.harness import report
 from benchmarks.accuracy.teacher_forcing import split_for_decode
+from tests.reference import lm_eval_requests
+from tests.reference.lm_eval_requests import COPA, OBQA, PIQA, RTE, WINO
 
-COPA = {"query": "The man turned on the faucet, therefore", "gold": 1,
-        "choices": ["the toilet filled with water.", "water flowed from the spout."]}
-OBQA = {"query": "Predators eat", "choices": ["lions", "humans", "bunnies", "grass"], "gold": 2}
-PIQA = {"query": "Question: How do I open a jar?\n", "gold": 0,
-        "choices": ["Twist the lid.", "Bake the lid."]}
-WINO = {"context_options": ["Sarah was a better surgeon than Maria so Sarah",
-                            "Sarah was a better surgeon than Maria so Maria"],
-        "continuation": "always got the harder cases.", "gold": 0}
-RTE = {"sentence1": "Bacteria mutate fast.", "sentence2": "Bacteria are winning.",
-       "label": "1", "idx": "7"}
+MATPLOTLIB_EXTRA = "matplotlib is not installed (the test and bench extras)"
 
 
 # -- prompt construction, one hand-written example per task --------------------
@@ -336,7 +330,7 @@ def test_run_metadata_names_versions_and_runtime():
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (plots are optional)")
+    pytest.importorskip("matplotlib", reason=MATPLOTLIB_EXTRA)
     panel = report.Panel("t", "acc", {"infinigen": [(0.2, 0.9), (0.05, 0.5)]}, {"dense": 1.0})
     path = report.plot_quality_vs_budget(tmp_path / "p.png", [panel, panel], "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -432,7 +426,7 @@ def test_perplexity_tables_and_plot(tmp_path):
     panels = perplexity.plot_panels(results)
     assert panels[0].references == {"dense vLLM": 10.0, "select-all control": 10.0}
     assert sorted(panels[0].series["infinigen"]) == [(0.1, 12.0), (0.2, 11.0)]
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason=MATPLOTLIB_EXTRA)
     assert report.plot_quality_vs_budget(tmp_path / "p.png", panels).stat().st_size > 0
 
 
@@ -449,26 +443,8 @@ def test_mc_scoring_for_each_setting():
 
 # -- lm_eval_serve.py: lm-eval's side ------------------------------------------
 
-def _write_task_files(data_dir, num_docs: int = 7) -> None:
-    """num_docs copies per task of the hand-written documents, each made distinct."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for name, doc in [("copa", COPA), ("openbookqa", OBQA), ("piqa", PIQA), ("winogrande", WINO)]:
-        rows = []
-        for index in range(num_docs):
-            row = json.loads(json.dumps(doc))
-            key = {"winogrande": "continuation"}.get(name, "query")
-            row[key] = row[key].replace(" ", f" {index} ", 1)
-            row["gold"] = index % 2
-            rows.append(json.dumps(row))
-        (data_dir / mc_prompts.TASKS[name].file).write_text("\n".join(rows) + "\n")
-    lines = ["sentence1\tsentence2\tlabel\tidx"] + [
-        f'He said "hi {index}.\t{RTE["sentence2"]}\t{index % 2}\t{index}'
-        for index in range(num_docs)]
-    (data_dir / "rte_dev.tsv").write_text("\n".join(lines) + "\n")
-
-
 def test_task_yamls_use_the_local_files_and_the_evaluated_split_for_shots(tmp_path):
-    yaml = pytest.importorskip("yaml")
+    import yaml  # vLLM's own dependency
     texts = lm_eval_tasks.write_task_yamls(tmp_path / "tasks", tmp_path, list(mc_prompts.TASKS))
     for name, text in texts.items():
         config = yaml.safe_load((tmp_path / "tasks" / f"local_{name}.yaml").read_text())
@@ -484,29 +460,38 @@ def test_task_yamls_use_the_local_files_and_the_evaluated_split_for_shots(tmp_pa
     assert yaml.safe_load(texts["copa"])["dataset_path"] == "json"
 
 
+def test_ours_equal_the_requests_lm_eval_built(tmp_path):
+    """Our (context, continuation) pairs equal those lm-eval's own TaskManager
+    built from our YAMLs (recorded in tests/reference, lm-eval 0.4.13 as pinned)."""
+    recorded = lm_eval_requests.load_recorded()
+    provenance = recorded["provenance"]
+    assert provenance["lm_eval"] == "0.4.13"
+    assert (provenance["limit"], provenance["num_fewshot"], provenance["fewshot_seed"]) == (
+        lm_eval_requests.LIMIT, lm_eval_requests.NUM_FEWSHOT, mc_prompts.FEWSHOT_SEED)
+    assert sorted(recorded["requests"]) == sorted(mc_prompts.TASKS)
+    lm_eval_requests.write_task_files(tmp_path / "data")
+    for name, theirs in recorded["requests"].items():
+        ours = lm_eval_serve.our_prompts(name, tmp_path / "data", limit=lm_eval_requests.LIMIT,
+                                         num_fewshot=lm_eval_requests.NUM_FEWSHOT)
+        assert len(theirs) == lm_eval_requests.LIMIT
+        assert lm_eval_requests.as_lists({name: ours})[name] == theirs, name
+
+
 def test_lm_eval_builds_the_same_requests_as_mc_tasks(tmp_path, monkeypatch):
-    """lm-eval's own TaskManager on our YAMLs: the same contexts, shots and continuations."""
+    """lm-eval's own TaskManager on our YAMLs: the same contexts, shots and
+    continuations as ours, and as the recording the test above reads."""
     pytest.importorskip("lm_eval", reason="lm-eval is not installed (the bench extra)")
     import datasets
-    from lm_eval.tasks import TaskManager
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    _write_task_files(tmp_path / "data")
-    lm_eval_tasks.write_task_yamls(tmp_path / "tasks", tmp_path / "data", list(mc_prompts.TASKS))
-    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
-    tasks = manager.load([f"local_{name}" for name in mc_prompts.TASKS])["tasks"]
-    assert sorted(tasks) == sorted(f"local_{name}" for name in mc_prompts.TASKS)
-    for task_name, task in tasks.items():
-        task.set_config(key="num_fewshot", value=2)
-        task.set_fewshot_seed(seed=mc_prompts.FEWSHOT_SEED)
-        task.build_all_requests(limit=5, rank=0, world_size=1)
-        theirs: dict[int, list[tuple]] = {}
-        for instance in task.instances:
-            theirs.setdefault(instance.doc_id, []).append(tuple(instance.arguments))
-        ours = lm_eval_serve.our_prompts(task_name.removeprefix("local_"), tmp_path / "data",
-                                         limit=5, num_fewshot=2)
-        assert [theirs[i] for i in range(5)] == [list(map(tuple, doc)) for doc in ours], task_name
+    theirs = lm_eval_requests.lm_eval_requests(tmp_path)
+    assert sorted(theirs) == sorted(mc_prompts.TASKS)
+    for name, docs in theirs.items():
+        ours = lm_eval_serve.our_prompts(name, tmp_path / "data", limit=lm_eval_requests.LIMIT,
+                                         num_fewshot=lm_eval_requests.NUM_FEWSHOT)
+        assert docs == [list(map(tuple, doc)) for doc in ours], name
+    assert lm_eval_requests.as_lists(theirs) == lm_eval_requests.load_recorded()["requests"]
 
 
 def _lm_eval_output(out_dir, lls: list[list[float]]) -> None:

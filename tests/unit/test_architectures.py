@@ -141,9 +141,9 @@ def test_skew_file_of_another_family_is_refused_naming_the_file(tmp_path):
 def test_kv_cache_group_size_with_windows_matches_vllm(dense, sparse, windowed):
     """Our mirror of the grouping equals vLLM's, sliding-window groups included."""
     import torch
-    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
+    from tests.vllm_api import kv_cache_groups_uniform_page_size
     from vllm_infinigen.layout import kv_cache_group_size
     from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
 
@@ -154,7 +154,7 @@ def test_kv_cache_group_size_with_windows_matches_vllm(dense, sparse, windowed):
     specs.update({f"model.layers.{windowed + i}.self_attn.attn": full for i in range(dense)})
     specs.update({f"model.layers.{windowed + dense + i}.self_attn.attn":
                   InfiniGenSparseSpec.of(full) for i in range(sparse)})
-    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    groups = kv_cache_groups_uniform_page_size(specs)
     size = kv_cache_group_size(dense, sparse, windowed)
     assert max(len(group.layer_names) for group in groups) == size
     dense_group = groups[dense_group_index(groups)]

@@ -7,9 +7,10 @@ import functools
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from vllm.config import VllmConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.v1.metrics import reader
 
+from benchmarks.harness.paths import BUNDLED_MODEL
 from vllm_infinigen.scheduler.metrics import (
     COUNTERS,
     GAUGES,
@@ -18,6 +19,7 @@ from vllm_infinigen.scheduler.metrics import (
     summarize,
 )
 
+STORIES_DIR = str(BUNDLED_MODEL)
 LABELNAMES = ["model_name", "engine"]
 PER_ENGINE = {0: ["tiny", "0"], 1: ["tiny", "1"]}
 
@@ -94,14 +96,19 @@ def registry():
     return CollectorRegistry()
 
 
-@pytest.fixture
-def prom(vllm_config, registry):
-    metric_types = {
+def metric_types(registry) -> dict:
+    return {
         Gauge: functools.partial(Gauge, registry=registry),
         Counter: functools.partial(Counter, registry=registry),
         Histogram: functools.partial(Histogram, registry=registry),
     }
-    return InfiniGenPromMetrics(vllm_config, metric_types, LABELNAMES, PER_ENGINE)
+
+
+@pytest.fixture
+def prom(vllm_config, registry):
+    """InfiniGen off in this config: no layer is known, no series exists before
+    an increment."""
+    return InfiniGenPromMetrics(vllm_config, metric_types(registry), LABELNAMES, PER_ENGINE)
 
 
 def sample(registry, name, layer, engine="0"):
@@ -126,6 +133,23 @@ def test_observe_counts_per_layer_and_engine(prom, registry):
     text = generate_latest(registry).decode()
     assert ('\nvllm:infinigen_selected_tokens_total{engine="0",layer="2",'
             'model_name="tiny"} 14.0\n') in text
+
+
+def test_every_counter_of_every_sparse_layer_is_exported_at_zero_from_start_up(registry):
+    """stories260K with InfiniGen on: sparse layers 2, 3 and 4 (the first two are dense)."""
+    config = VllmConfig(model_config=ModelConfig(model=STORIES_DIR),
+                        additional_config={"kv_manager": "infinigen"})
+    prom = InfiniGenPromMetrics(config, metric_types(registry), LABELNAMES, PER_ENGINE)
+    for name in COUNTERS:
+        for engine in ("0", "1"):
+            for layer in ("0", "1", "2", "3", "4"):
+                expected = 0.0 if layer in ("2", "3", "4") else None
+                assert sample(registry, name, layer, engine=engine) == expected, (name, layer)
+    text = generate_latest(registry).decode()
+    assert ('\nvllm:infinigen_evictions_total{engine="1",layer="4",'
+            'model_name="tiny"} 0.0\n') in text
+    prom.observe({"evictions.3": 5})
+    assert [sample(registry, "evictions", layer) for layer in ("2", "3", "4")] == [0.0, 5.0, 0.0]
 
 
 def test_observe_ignores_unknown_counters(prom, registry):

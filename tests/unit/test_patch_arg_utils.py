@@ -184,6 +184,7 @@ def test_check_engine_args_accepts_plain_args():
         ({"kv_offloading_size": 4.0}, "--kv-offloading-size"),
         ({"worker_cls": "my.Worker"}, "--worker-cls"),
         ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype"),
+        ({"enable_sleep_mode": True}, "--enable-sleep-mode"),
     ],
     ids=lambda value: value if isinstance(value, str) else None,
 )
@@ -333,9 +334,9 @@ def test_check_engine_args_refuses_split_dense_groups_and_block_override():
 def test_kv_cache_group_size_matches_vllm(dense, sparse):
     """Our mirror of the grouping equals vLLM's own grouping of the specs."""
     import torch
-    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+    from tests.vllm_api import kv_cache_groups_uniform_page_size
     from vllm_infinigen.layout import kv_cache_group_size
     from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
 
@@ -344,7 +345,7 @@ def test_kv_cache_group_size_matches_vllm(dense, sparse):
     specs = {f"model.layers.{i}.self_attn.attn": full for i in range(dense)}
     specs.update({f"model.layers.{dense + i}.self_attn.attn": InfiniGenSparseSpec.of(full)
                   for i in range(sparse)})
-    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    groups = kv_cache_groups_uniform_page_size(specs)
     # A group short of layers is padded to the size (the padding is unnamed).
     assert max(len(group.layer_names) for group in groups) == kv_cache_group_size(dense, sparse)
 
@@ -400,3 +401,51 @@ def test_start_up_calibration_that_would_not_fit_is_refused_naming_prepare():
     with pytest.raises(ValueError, match=r"needs about .* GiB, but .* GiB are free; run "
                        r"`vllm-infinigen prepare .* --out FILE` .* --infinigen-skew-file FILE"):
         check_calibration_fits(model, free=needed - 1)
+
+
+# ---------------------------------------------------------------------------
+# Model runner: InfiniGen's worker extends vLLM's V1 runner
+
+
+def test_model_runner_v2_chosen_by_vllm_itself_is_switched_to_v1(monkeypatch):
+    """Triton with a CPU backend makes vLLM pick Model Runner V2 unless told
+    otherwise; with InfiniGen on, the engine processes are told otherwise."""
+    import os
+
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.setenv(checks.V2_RUNNER_ENV, "unset below; restored as absent")
+    monkeypatch.delenv(checks.V2_RUNNER_ENV)
+    stock = EngineArgs(model=STORIES_DIR).create_engine_config()
+    assert stock.use_v2_model_runner and checks.V2_RUNNER_ENV not in os.environ
+    config = EngineArgs(model=STORIES_DIR, kv_manager="infinigen").create_engine_config()
+    assert os.environ[checks.V2_RUNNER_ENV] == "0"
+    assert not config.use_v2_model_runner
+
+
+def test_model_runner_v2_asked_for_is_refused_naming_the_variable(monkeypatch):
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)  # else vLLM refuses V2 itself
+    monkeypatch.setenv(checks.V2_RUNNER_ENV, "1")
+    with pytest.raises(ValueError, match="--kv-manager infinigen.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        EngineArgs(model=STORIES_DIR, kv_manager="infinigen").create_engine_config()
+    assert EngineArgs(model=STORIES_DIR).create_engine_config().use_v2_model_runner
+
+
+def test_the_worker_refuses_model_runner_v2():
+    from vllm_infinigen.platforms.cpu.worker import InfiniGenCPUWorker
+
+    worker = InfiniGenCPUWorker.__new__(InfiniGenCPUWorker)
+    worker.use_v2_model_runner = True
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        worker.init_device()
+
+
+def test_the_connector_declines_sleep_mode():
+    """vLLM 0.33's connector base asks ``supports_sleep_mode`` (default True)."""
+    from vllm_infinigen.scheduler.connector import InfiniGenConnector
+
+    declared = InfiniGenConnector.__dict__["supports_sleep_mode"]
+    assert isinstance(declared, property) and declared.fget(None) is False

@@ -18,6 +18,7 @@ import vllm_infinigen
 from vllm_infinigen.patch import patch_ray
 
 STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
+RAY_EXTRA = "Ray is not installed (the ray and test extras)"
 vllm_infinigen.register()  # what vLLM's plugin loader does in every process
 
 
@@ -56,31 +57,33 @@ def test_without_ray_the_error_names_the_extra_and_mp(monkeypatch, enable_calls,
 
 
 def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.executor import ray_executor, ray_executor_v2
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
+    from vllm_infinigen.platforms.cpu import ray_executor_v1 as ray_cpu_v1
 
     ray_config = two_rank_args("ray").create_engine_config()
     patch_ray.enable()  # a second time: no wrapper of a wrapper
     assert Executor.__dict__["get_class"].__func__ is patch_ray._get_class
     assert patch_ray._original_get_class is not patch_ray._get_class
     assert CpuPlatform.ray_device_key == ray_cpu.RAY_DEVICE_KEY
-    assert ray_executor.RayWorkerWrapper is ray_cpu.CPURayWorkerWrapper
+    assert ray_cpu.v1_executor_module() is ray_cpu_v1  # vLLM 0.32 has the V1 executor
+    assert ray_executor.RayWorkerWrapper is ray_cpu_v1.CPURayWorkerWrapper
     assert ray_executor_v2.RayWorkerProc is ray_cpu.CPURayWorkerProc
     # vLLM's default Ray executor is V2; V1 on request.
     assert Executor.get_class(ray_config) is ray_cpu.CPURayExecutorV2
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
-    assert Executor.get_class(ray_config) is ray_cpu.CPURayDistributedExecutor
+    assert Executor.get_class(ray_config) is ray_cpu_v1.CPURayDistributedExecutor
     mp_config = two_rank_args("mp").create_engine_config()
     assert Executor.get_class(mp_config) is MultiprocExecutor
 
 
 def test_omp_cpu_list_follows_vllm_cpu_omp_threads_bind(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm_infinigen.platforms.cpu.ray_executor import omp_cpu_list
 
     config = two_rank_args("mp").create_engine_config()
@@ -91,7 +94,7 @@ def test_omp_cpu_list_follows_vllm_cpu_omp_threads_bind(monkeypatch):
 
 
 def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm_infinigen.platforms.cpu.ray_executor import bind_threads
 
     first_core = min(os.sched_getaffinity(0))
@@ -114,7 +117,7 @@ def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
 
 
 def test_cpu_slots_env_merges_and_restores(monkeypatch):
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason=RAY_EXTRA)
     from vllm_infinigen.platforms.cpu.ray_executor import RAY_RESOURCES_ENV, _cpu_slots_for_new_nodes
 
     monkeypatch.delenv(RAY_RESOURCES_ENV, raising=False)
@@ -125,3 +128,101 @@ def test_cpu_slots_env_merges_and_restores(monkeypatch):
     with _cpu_slots_for_new_nodes(4):  # the user's count wins
         assert json.loads(os.environ[RAY_RESOURCES_ENV]) == {"disk": 1, "vllm_cpu": 8}
     assert os.environ[RAY_RESOURCES_ENV] == '{"disk": 1, "vllm_cpu": 8}'
+
+
+def test_without_vllms_v1_ray_executor_the_v2_executor_still_runs_on_cpu():
+    """vLLM 0.33 deletes ``vllm/v1/executor/ray_executor.py`` (and ``RayWorkerWrapper``):
+    importing ours, binding the workers and choosing the executor must not need it."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import subprocess
+
+    script = """
+import sys
+sys.modules["vllm.v1.executor.ray_executor"] = None  # as if deleted
+import vllm.v1.executor.ray_utils as ray_utils
+del ray_utils.RayWorkerWrapper
+from vllm.v1.executor import ray_executor_v2
+from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
+ray_cpu.bind_cpu_workers()
+assert ray_cpu.v1_executor_module() is None
+assert ray_executor_v2.RayWorkerProc is ray_cpu.CPURayWorkerProc
+assert ray_cpu.cpu_executor_class(RayExecutorV2) is ray_cpu.CPURayExecutorV2
+assert ray_cpu.cpu_executor_class(dict) is dict
+assert "vllm_infinigen.platforms.cpu.ray_executor_v1" not in sys.modules
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_termination_is_deferred_in_the_calling_thread_only():
+    """Ray's channel waits abort on EINTR: the engine core's thread blocks
+    SIGTERM and SIGINT while it runs them, and restores its mask after."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import signal
+
+    from vllm_infinigen.platforms.cpu.ray_executor import termination_deferred
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    seen = {}
+    with termination_deferred():
+        seen["inside"] = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        thread = threading.Thread(
+            target=lambda: seen.setdefault("other", signal.pthread_sigmask(signal.SIG_BLOCK, set())))
+    assert seen["inside"] == before | {signal.SIGTERM, signal.SIGINT}
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+    thread.start()  # created outside the block: not deferred
+    thread.join()
+    assert seen["other"] == before
+
+
+def test_ray_init_keeps_the_processs_sigterm_handler(monkeypatch):
+    """``ray.init`` installs ``sys.exit`` for SIGTERM; vLLM's handler stays."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import signal
+
+    from vllm_infinigen.platforms.cpu.ray_executor import _sigterm_handler_kept
+
+    def vllm_handler(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, vllm_handler)
+    try:
+        with _sigterm_handler_kept():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init
+        assert signal.getsignal(signal.SIGTERM) is vllm_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_closing_the_ray_connection_kills_what_ray_shutdown_leaves(monkeypatch):
+    """A started process and its child (an agent) survive ``ray.shutdown``:
+    both are killed and waited for, at once."""
+    pytest.importorskip("ray", reason=RAY_EXTRA)
+    import subprocess
+    import time
+
+    import psutil
+
+    from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
+
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
+             "'import time; time.sleep(600)']); time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        started = psutil.Process(parent.pid)
+        deadline = time.monotonic() + 30
+        while not started.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = [started, *started.children()]
+        assert len(tree) == 2
+        shutdowns = []
+        monkeypatch.setattr(ray_cpu.ray, "shutdown", lambda: shutdowns.append(1))
+        ray_cpu.RayConnection(started=[started]).close(timeout=30)
+        assert shutdowns == [1]
+        assert ray_cpu.still_running(tree) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()

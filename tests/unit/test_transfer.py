@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import types
+
 import pytest
 import torch
 
-from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.platforms.cpu import transfer as transfer_module
 from vllm_infinigen.platforms.cpu.transfer import CopyTransfer, InPlaceTransfer, make_transfer
+from vllm_infinigen.worker.block_layout import entries_of
 
 BLOCK = 16
 
@@ -47,14 +52,43 @@ def test_copy_transfer_delivers_each_layer_its_own_entries(pool):
     # Layers 2 and 3 in flight at once, then layer 4 after layer 2 was consumed.
     transfer.start(2, kv_pool, block_table, _positions(2), None)
     transfer.start(3, kv_pool, block_table, _positions(3, width=7), None)
+    before = time.perf_counter()
     got2, waited = transfer.wait(2)
+    elapsed = time.perf_counter() - before
     assert torch.equal(got2, entries_of(kv_pool, block_table, _positions(2)))
-    assert waited >= 0.0
+    assert 0.0 <= waited <= elapsed  # the wait itself, not the time since start()
     transfer.start(4, kv_pool, block_table, _positions(4), None)
     for layer, seed, width in ((3, 3, 7), (4, 4, 5)):
         got, _ = transfer.wait(layer)
         assert torch.equal(got, entries_of(kv_pool, block_table, _positions(seed, width)))
     transfer.shutdown()
+
+
+def test_copy_transfer_reports_the_time_the_layer_waited(pool, monkeypatch):
+    """The gather finishes 0.2 s after the layer began to wait: it waited that long."""
+    kv_pool, block_table = pool
+    waiting = threading.Event()
+
+    def clock() -> float:  # wait()'s first reading of the clock: it is waiting now
+        now = time.perf_counter()
+        waiting.set()
+        return now
+
+    def slow_entries_of(*args):
+        assert waiting.wait(timeout=60)
+        time.sleep(0.2)
+        return entries_of(*args)
+
+    monkeypatch.setattr(transfer_module, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(transfer_module, "entries_of", slow_entries_of)
+    transfer = CopyTransfer(torch.device("cpu"))
+    transfer.start(2, kv_pool, block_table, _positions(2), None)
+    before = time.perf_counter()
+    got, waited = transfer.wait(2)
+    elapsed = time.perf_counter() - before
+    transfer.shutdown()
+    assert torch.equal(got, entries_of(kv_pool, block_table, _positions(2)))
+    assert 0.2 <= waited <= elapsed
 
 
 def test_in_place_transfer_moves_nothing(pool):

@@ -7,9 +7,11 @@ and names the flag to change (or the model type and the reason).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
 
 from vllm_infinigen.architectures import (
     AttentionPlan,
@@ -22,8 +24,15 @@ from vllm_infinigen.layout import ModelLayout, read_hf_config
 from vllm_infinigen.platforms import WORKERS, worker_cls_for
 from vllm_infinigen.skewing.tables import local_model_dir
 
+logger = init_logger(__name__)
+
 CONNECTOR_NAME = "InfiniGenConnector"
 CONNECTOR_MODULE = "vllm_infinigen.scheduler.connector"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V1_RUNNER_REFUSAL = (
+    "--kv-manager infinigen runs on vLLM's V1 model runner (its input batch, "
+    "_sample and _bookkeeping_sync), not on Model Runner V2; set "
+    f"{V2_RUNNER_ENV}=0")
 
 
 def layout_of(hf_config: dict[str, Any], config: InfiniGenConfig,
@@ -88,6 +97,9 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         refuse("--kv-transfer-config is taken by InfiniGen's own connector; remove it")
     if args.worker_cls not in ("auto", *WORKERS.values()):
         refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
+    if getattr(args, "enable_sleep_mode", False):
+        refuse("sleep mode would not remap InfiniGen's pool and partial keys; "
+               "remove --enable-sleep-mode")
     if args.kv_cache_dtype not in ("auto", None):
         refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
     reason = model_type_refusal(hf_config)
@@ -115,3 +127,29 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
     if getattr(args, "disable_hybrid_kv_cache_manager", None):
         refuse("InfiniGen's sparse layers need vLLM's hybrid KV-cache manager; "
                "remove --disable-hybrid-kv-cache-manager")
+
+
+def keep_v1_model_runner(vllm_config) -> None:
+    """Keeps the engine on vLLM's V1 model runner, which InfiniGen's worker extends.
+
+    vLLM switches to Model Runner V2 on ``VLLM_USE_V2_MODEL_RUNNER=1``, and by
+    itself when Triton with a CPU backend is installed (as vLLM's x86 CPU
+    build expects). In that second case the variable is set to 0 here, in
+    the front-end process, before the engine core and its workers start
+    (they inherit it; Ray workers get ``VLLM_*`` from the driver).
+
+    Raises:
+        ValueError: ``VLLM_USE_V2_MODEL_RUNNER=1``, or vLLM still picks V2
+            (its environment cache is frozen in this process), naming the
+            variable to set.
+    """
+    if not vllm_config.use_v2_model_runner:
+        return
+    if os.environ.get(V2_RUNNER_ENV) is None:
+        os.environ[V2_RUNNER_ENV] = "0"
+        logger.info("InfiniGen: vLLM chose Model Runner V2 by itself (Triton with a CPU "
+                    "backend is installed); running the V1 runner InfiniGen extends (%s=0)",
+                    V2_RUNNER_ENV)
+        if not vllm_config.use_v2_model_runner:
+            return
+    raise ValueError(V1_RUNNER_REFUSAL)

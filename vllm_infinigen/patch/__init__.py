@@ -57,9 +57,11 @@ Patch index
     Related upstream work: none found for CPU generators in 0.32.
     Future plan: drop when vLLM rewinds CPU generators by state.
 
-``patch_ray.py`` (with ``vllm_infinigen/platforms/cpu/ray_executor.py``)
+``patch_ray.py`` (with ``vllm_infinigen/platforms/cpu/ray_executor.py`` and
+``ray_executor_v1.py``)
     File: ``vllm/platforms/cpu.py`` (``CpuPlatform.ray_device_key``),
-    ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``),
+    ``vllm/v1/executor/ray_executor.py`` (``RayWorkerWrapper``; only where
+    this vLLM has the V1 Ray executor, which vLLM 0.33 removes),
     ``vllm/v1/executor/ray_executor_v2.py`` (``RayWorkerProc``),
     ``vllm/v1/executor/abstract.py`` (``Executor.get_class``), and
     ``EngineArgs.create_engine_config`` (the trigger).
@@ -73,9 +75,12 @@ Patch index
     gets ``vllm_cpu`` slots, the executors' worker classes are rebound to
     subclasses that report no device ids and pin each rank's threads to the
     cores vLLM's ``OMPProcessManager`` assigns it, and the executors are
-    swapped for subclasses that connect to Ray first and stop the local Ray
-    they started (agents included) at shutdown. Otherwise nothing changes and
-    Ray is not imported.
+    swapped for subclasses that connect to Ray first (keeping the engine
+    core's SIGTERM handler, which ``ray.init`` replaces) and stop the local
+    Ray they started (agents included) at shutdown; the V1 executor runs the
+    compiled graph's channel operations with SIGTERM and SIGINT deferred
+    (Ray aborts on EINTR there). Otherwise nothing changes and Ray is not
+    imported.
     Related upstream work: none found for Ray on the CPU platform.
     Future plan: drop when vLLM's CPU platform supports Ray.
 
@@ -136,6 +141,8 @@ engine start without a skew file, in the front-end process)
 
 Not a change to vLLM objects, listed for completeness: ``register()`` routes
 the ``vllm_infinigen`` logger to vLLM's; ``create_engine_config`` (above)
-sets ``worker_cls`` and ``kv_transfer_config`` through their public fields;
+sets ``worker_cls`` and ``kv_transfer_config`` through their public fields, and
+``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment when vLLM would pick Model
+Runner V2 by itself (``frontend/checks.keep_v1_model_runner``);
 ``worker/capture.py`` and ``kernels/`` register ops in their own torch namespaces.
 """

@@ -29,6 +29,7 @@ from vllm_infinigen.frontend.checks import (
     CONNECTOR_NAME,
     attention_plan,
     check_engine_args,
+    keep_v1_model_runner,
     layout_of,
 )
 from vllm_infinigen.frontend.skew_setup import prepare_skew_file
@@ -104,6 +105,7 @@ def _create_engine_config(self, *args, **kwargs):
         kv_role="kv_both",
     )
     vllm_config = _original_create_engine_config(self, *args, **kwargs)
+    keep_v1_model_runner(vllm_config)
     if vllm_config.speculative_config is not None:
         raise ValueError(
             "--kv-manager infinigen does not support speculative decoding; "

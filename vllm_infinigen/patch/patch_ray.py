@@ -52,10 +52,9 @@ def enable() -> None:
 
 
 def _get_class(vllm_config) -> type:
-    from vllm_infinigen.platforms.cpu.ray_executor import CPU_EXECUTORS
+    from vllm_infinigen.platforms.cpu.ray_executor import cpu_executor_class
 
-    executor_class = _original_get_class(vllm_config)
-    return CPU_EXECUTORS.get(executor_class, executor_class)
+    return cpu_executor_class(_original_get_class(vllm_config))
 
 
 def _create_engine_config(self, *args: Any, **kwargs: Any):

@@ -39,6 +39,12 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False
 
+    @property
+    def supports_sleep_mode(self) -> bool:
+        """Asked by vLLM 0.33+ (the base answers True): sleep would release the
+        KV cache but not remap InfiniGen's pool and partial keys."""
+        return False
+
     # ==============================
     # Worker-side methods
     # ==============================

@@ -18,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from vllm_infinigen.config import engine_setup
+
 COUNTERS = {
     "selected_tokens": "Context tokens that InfiniGen's sparse layers attended to.",
     "candidate_tokens": "Context tokens that dense attention would have read "
@@ -110,6 +112,18 @@ class InfiniGenPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in GAUGES.items()
         }
+        self._export_counters_at_zero(vllm_config)
+
+    def _export_counters_at_zero(self, vllm_config) -> None:
+        """Every counter of every sparse layer exists from start-up, at 0: /metrics
+        shows ``vllm:infinigen_evictions_total`` before the first eviction."""
+        setup = engine_setup(vllm_config)
+        if setup is None:
+            return
+        for counter in self._counters.values():
+            for engine_labels in self.per_engine_labelvalues.values():
+                for layer_idx in setup.layout.sparse_layers:
+                    counter.labels(*engine_labels, str(layer_idx))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]

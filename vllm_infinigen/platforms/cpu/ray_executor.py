@@ -4,6 +4,9 @@
 Installed (``bind_cpu_workers``, and ``Executor.get_class`` by
 ``vllm_infinigen.patch.patch_ray``) only when the CPU platform runs
 ``--distributed-executor-backend ray``; importing this module imports Ray.
+vLLM's V1 Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, absent from
+vLLM 0.33) has its CPU classes in ``ray_executor_v1.py``, imported only where
+vLLM has it.
 
 Each Ray worker holds one ``vllm_cpu`` slot, a custom Ray resource (Ray
 rejects ``CPU`` as a custom resource name, and CPU actors ask for
@@ -14,17 +17,20 @@ rejects ``CPU`` as a custom resource name, and CPU actors ask for
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
 import ray
 import torch
 from vllm.logger import init_logger
-from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_executor_v2 import RayExecutorV2, RayWorkerProc
-from vllm.v1.executor.ray_utils import RayWorkerWrapper
 
 logger = init_logger(__name__)
 
@@ -64,31 +70,6 @@ def bind_threads(cpus: list[int] | None) -> None:
     torch._C.set_num_threads(len(cpus))
 
 
-class CPURayWorkerWrapper(RayWorkerWrapper):
-    """Ray worker of ``RayDistributedExecutor`` (V1) on the CPU platform."""
-
-    omp_cpus: list[int] | None = None
-
-    def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
-        """Called by the executor after placement: CPU workers have no device ids."""
-        return ray.get_runtime_context().get_node_id(), []
-
-    def init_worker(self, all_kwargs: list[dict]) -> None:
-        """Binds threads before the worker exists (the executor has already
-        copied the driver's environment here)."""
-        kwargs = all_kwargs[self.rpc_rank]
-        self.omp_cpus = omp_cpu_list(kwargs["vllm_config"], kwargs["local_rank"])
-        bind_threads(self.omp_cpus)
-        super().init_worker(all_kwargs)
-
-    def setup_device_if_necessary(self) -> None:
-        """Called first on the compiled graph's own thread, which has stock
-        OpenMP settings."""
-        if not self.compiled_dag_cuda_device_set:
-            bind_threads(self.omp_cpus)
-        super().setup_device_if_necessary()
-
-
 class CPURayWorkerProc(RayWorkerProc):
     """Ray worker of ``RayExecutorV2`` on the CPU platform."""
 
@@ -123,6 +104,25 @@ class CPURayWorkerProc(RayWorkerProc):
 
 
 @contextlib.contextmanager
+def termination_deferred() -> Iterator[None]:
+    """Blocks SIGTERM and SIGINT in the calling thread while the block runs.
+
+    Ray's compiled-graph channels wait on semaphores with
+    ``RAY_CHECK_EQ(sem_wait(...), 0)``: a signal handled in that thread makes
+    ``sem_wait`` fail with EINTR and the process abort (``Check failed ... -1
+    vs 0`` in ``PlasmaObjectHeader::WriteAcquire``), skipping the shutdown
+    that stops Ray. Blocked here, the signal goes to another thread of the
+    process, and Python runs its handler (vLLM's shutdown request) in the
+    main thread as soon as it runs Python code again.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
 def _cpu_slots_for_new_nodes(num_slots: int):
     """Adds ``vllm_cpu`` slots to a Ray node that ``ray.init`` starts here."""
     previous = os.environ.get(RAY_RESOURCES_ENV)
@@ -138,34 +138,71 @@ def _cpu_slots_for_new_nodes(num_slots: int):
             os.environ[RAY_RESOURCES_ENV] = previous
 
 
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Restores this process's SIGTERM handler after ``ray.init``.
+
+    ``ray.init`` replaces it with ``sys.exit`` (and Ray's core worker adds a
+    handler that prints a stack trace): in an engine core, vLLM's own
+    handler, which asks the busy loop to shut down between steps (and so
+    runs the executor's shutdown, which stops Ray), would be lost.
+    """
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+
+
 @dataclass
 class RayConnection:
     """This process's connection to Ray, and the local Ray it started (if any)."""
 
     started: list[psutil.Process]  # direct children that ray.init started
 
-    def close(self, timeout: float = 1.0) -> None:
+    def close(self, timeout: float = 2.0) -> None:
         """Disconnects; stops the local Ray this process started, agents included.
 
         ``ray.shutdown`` stops the processes it started (GCS, raylet, ...) but
         not the raylet's agents (dashboard agent, runtime-env agent), which
         otherwise notice the raylet's death and exit a minute or more later.
+        What is left of the tree is killed outright: a Ray worker that gets
+        SIGTERM inside a compiled-graph channel operation aborts
+        (``PlasmaObjectHeader::WriteAcquire``), and a graceful wait would
+        spend the few seconds the engine core has before its parent kills it.
+        Returns once every process of the tree has exited (zombies count) or
+        after ``timeout`` seconds.
         """
+        tree = self.process_tree()
+        ray.shutdown()
+        leftover = still_running(tree)
+        for proc in leftover:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        deadline = time.monotonic() + timeout
+        while still_running(leftover) and time.monotonic() < deadline:
+            psutil.wait_procs(still_running(leftover), timeout=0.05)
+        logger.debug("Ray: disconnected; killed %d leftover local Ray processes, %d "
+                     "still alive", len(leftover), len(still_running(leftover)))
+
+    def process_tree(self) -> list[psutil.Process]:
+        """The processes ``ray.init`` started here and all their descendants."""
         tree = list(self.started)
         for proc in self.started:
             with contextlib.suppress(psutil.Error):
                 tree += proc.children(recursive=True)
-        ray.shutdown()
-        _, alive = psutil.wait_procs(tree, timeout=0)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        _, alive = psutil.wait_procs(alive, timeout=timeout)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        logger.debug("Ray: disconnected; stopped %d leftover local Ray processes",
-                     len(alive))
+        return tree
+
+
+def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running (a zombie has exited)."""
+    alive = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+    return alive
 
 
 def connect_ray(parallel_config) -> RayConnection | None:
@@ -186,7 +223,7 @@ def connect_ray(parallel_config) -> RayConnection | None:
         me = psutil.Process()
         children_before = {proc.pid for proc in me.children()}
         num_slots = max(len(os.sched_getaffinity(0)), parallel_config.world_size)
-        with _cpu_slots_for_new_nodes(num_slots):
+        with _cpu_slots_for_new_nodes(num_slots), _sigterm_handler_kept():
             ray.init(runtime_env=parallel_config.ray_runtime_env)
         connection = RayConnection(
             started=[proc for proc in me.children() if proc.pid not in children_before]
@@ -212,11 +249,13 @@ def bind_cpu_workers() -> None:
     actors from the module-level worker names rebound here.
     """
     from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.executor import ray_executor, ray_executor_v2
+    from vllm.v1.executor import ray_executor_v2
 
     CpuPlatform.ray_device_key = RAY_DEVICE_KEY
-    ray_executor.RayWorkerWrapper = CPURayWorkerWrapper
     ray_executor_v2.RayWorkerProc = CPURayWorkerProc
+    v1 = v1_executor_module()
+    if v1 is not None:
+        v1.bind_cpu_workers()
 
 
 class _CPURayExecutorMixin:
@@ -254,11 +293,21 @@ class CPURayExecutorV2(_CPURayExecutorMixin, RayExecutorV2):
         super()._join_monitor_thread()
 
 
-class CPURayDistributedExecutor(_CPURayExecutorMixin, RayDistributedExecutor):
-    """``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) on the CPU platform."""
+def v1_executor_module():
+    """``ray_executor_v1`` (vLLM's V1 Ray executor on CPU), or None where this
+    vLLM has no V1 Ray executor (removed in vLLM 0.33)."""
+    if importlib.util.find_spec("vllm.v1.executor.ray_executor") is None:
+        return None
+    from vllm_infinigen.platforms.cpu import ray_executor_v1
+
+    return ray_executor_v1
 
 
-CPU_EXECUTORS: dict[type, type] = {
-    RayExecutorV2: CPURayExecutorV2,
-    RayDistributedExecutor: CPURayDistributedExecutor,
-}
+def cpu_executor_class(executor_class: type) -> type:
+    """The CPU subclass of vLLM's Ray executor ``executor_class`` (others unchanged)."""
+    if executor_class is RayExecutorV2:
+        return CPURayExecutorV2
+    v1 = v1_executor_module()
+    if v1 is not None and executor_class is v1.RayDistributedExecutor:
+        return v1.CPURayDistributedExecutor
+    return executor_class

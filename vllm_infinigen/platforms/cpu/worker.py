@@ -11,6 +11,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.frontend.checks import V1_RUNNER_REFUSAL
 from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
 from vllm_infinigen.platforms.cpu.memory import BlockCosts, split_grant
@@ -24,6 +25,8 @@ class InfiniGenCPUWorker(InfiniGenWorkerMixin, CPUWorker):
     """CPUWorker whose attention layers run InfiniGen's selection."""
 
     def init_device(self) -> None:
+        if self.use_v2_model_runner:  # the front end keeps V1 (checks.keep_v1_model_runner)
+            raise RuntimeError(V1_RUNNER_REFUSAL)
         super().init_device()
         patch_seeded_sampling.apply(self.model_runner)
 
