@@ -63,6 +63,7 @@ def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
+    from vllm_infinigen.platforms.cpu import ray_connection
     from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
     from vllm_infinigen.platforms.cpu import ray_executor_v1 as ray_cpu_v1
 
@@ -70,7 +71,7 @@ def test_ray_backend_swaps_in_the_cpu_classes_once(monkeypatch):
     patch_ray.enable()  # a second time: no wrapper of a wrapper
     assert Executor.__dict__["get_class"].__func__ is patch_ray._get_class
     assert patch_ray._original_get_class is not patch_ray._get_class
-    assert CpuPlatform.ray_device_key == ray_cpu.RAY_DEVICE_KEY
+    assert CpuPlatform.ray_device_key == ray_connection.RAY_DEVICE_KEY
     assert ray_cpu.v1_executor_module() is ray_cpu_v1  # vLLM 0.32 has the V1 executor
     assert ray_executor.RayWorkerWrapper is ray_cpu_v1.CPURayWorkerWrapper
     assert ray_executor_v2.RayWorkerProc is ray_cpu.CPURayWorkerProc
@@ -118,7 +119,7 @@ def test_bind_threads_sets_the_calling_thread_only(monkeypatch):
 
 def test_cpu_slots_env_merges_and_restores(monkeypatch):
     pytest.importorskip("ray", reason=RAY_EXTRA)
-    from vllm_infinigen.platforms.cpu.ray_executor import RAY_RESOURCES_ENV, _cpu_slots_for_new_nodes
+    from vllm_infinigen.platforms.cpu.ray_connection import RAY_RESOURCES_ENV, _cpu_slots_for_new_nodes
 
     monkeypatch.delenv(RAY_RESOURCES_ENV, raising=False)
     with _cpu_slots_for_new_nodes(4):
@@ -163,7 +164,7 @@ def test_termination_is_deferred_in_the_calling_thread_only():
     pytest.importorskip("ray", reason=RAY_EXTRA)
     import signal
 
-    from vllm_infinigen.platforms.cpu.ray_executor import termination_deferred
+    from vllm_infinigen.platforms.cpu.ray_connection import termination_deferred
 
     before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
     seen = {}
@@ -183,7 +184,7 @@ def test_ray_init_keeps_the_processs_sigterm_handler(monkeypatch):
     pytest.importorskip("ray", reason=RAY_EXTRA)
     import signal
 
-    from vllm_infinigen.platforms.cpu.ray_executor import _sigterm_handler_kept
+    from vllm_infinigen.platforms.cpu.ray_connection import _sigterm_handler_kept
 
     def vllm_handler(signum, frame):
         pass
@@ -206,7 +207,7 @@ def test_closing_the_ray_connection_kills_what_ray_shutdown_leaves(monkeypatch):
 
     import psutil
 
-    from vllm_infinigen.platforms.cpu import ray_executor as ray_cpu
+    from vllm_infinigen.platforms.cpu import ray_connection
 
     script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
              "'import time; time.sleep(600)']); time.sleep(600)"
@@ -219,10 +220,10 @@ def test_closing_the_ray_connection_kills_what_ray_shutdown_leaves(monkeypatch):
         tree = [started, *started.children()]
         assert len(tree) == 2
         shutdowns = []
-        monkeypatch.setattr(ray_cpu.ray, "shutdown", lambda: shutdowns.append(1))
-        ray_cpu.RayConnection(started=[started]).close(timeout=30)
+        monkeypatch.setattr(ray_connection.ray, "shutdown", lambda: shutdowns.append(1))
+        ray_connection.RayConnection(started=[started]).close(timeout=30)
         assert shutdowns == [1]
-        assert ray_cpu.still_running(tree) == []
+        assert ray_connection.still_running(tree) == []
     finally:
         if parent.poll() is None:
             parent.kill()

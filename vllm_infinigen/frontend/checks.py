@@ -21,18 +21,13 @@ from vllm_infinigen.architectures import (
 )
 from vllm_infinigen.config import InfiniGenConfig, infinigen_config_of
 from vllm_infinigen.layout import ModelLayout, read_hf_config
-from vllm_infinigen.platforms import WORKERS, worker_cls_for
+from vllm_infinigen.platforms import V1_RUNNER_REFUSAL, V2_RUNNER_ENV, WORKERS, worker_cls_for
 from vllm_infinigen.skewing.tables import local_model_dir
 
 logger = init_logger(__name__)
 
 CONNECTOR_NAME = "InfiniGenConnector"
 CONNECTOR_MODULE = "vllm_infinigen.scheduler.connector"
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-V1_RUNNER_REFUSAL = (
-    "--kv-manager infinigen runs on vLLM's V1 model runner (its input batch, "
-    "_sample and _bookkeeping_sync), not on Model Runner V2; set "
-    f"{V2_RUNNER_ENV}=0")
 
 
 def layout_of(hf_config: dict[str, Any], config: InfiniGenConfig,

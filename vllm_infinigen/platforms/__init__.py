@@ -21,6 +21,14 @@ the front end do not change (docs/design.md, "Where CUDA goes").
 
 from __future__ import annotations
 
+# The workers extend vLLM's V1 model runner (its input batch, requests, _sample,
+# _bookkeeping_sync): the front end keeps the engine on it (frontend/checks.py).
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V1_RUNNER_REFUSAL = (
+    "--kv-manager infinigen runs on vLLM's V1 model runner (its input batch, "
+    "_sample and _bookkeeping_sync), not on Model Runner V2; set "
+    f"{V2_RUNNER_ENV}=0")
+
 # vLLM's device type -> the InfiniGen worker class of that platform.
 WORKERS = {
     "cpu": "vllm_infinigen.platforms.cpu.worker.InfiniGenCPUWorker",

@@ -14,8 +14,9 @@ import ray
 from vllm.v1.executor.ray_executor import RayDistributedExecutor
 from vllm.v1.executor.ray_utils import FutureWrapper, RayWorkerWrapper
 
-from vllm_infinigen.platforms.cpu.ray_executor import (
+from vllm_infinigen.platforms.cpu.ray_connection import (
     _CPURayExecutorMixin,
+    bind_device_key,
     bind_threads,
     omp_cpu_list,
     termination_deferred,
@@ -49,6 +50,10 @@ class CPURayWorkerWrapper(RayWorkerWrapper):
 
 class CPURayDistributedExecutor(_CPURayExecutorMixin, RayDistributedExecutor):
     """``RayDistributedExecutor`` (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) on the CPU platform."""
+
+    def bind_workers(self) -> None:
+        bind_device_key()
+        bind_cpu_workers()
 
     def _execute_dag(self, scheduler_output, grammar_output, non_block: bool = False):
         """Called by ``execute_model`` and ``sample_tokens`` in the engine core's

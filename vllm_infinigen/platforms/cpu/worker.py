@@ -11,7 +11,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.frontend.checks import V1_RUNNER_REFUSAL
+from vllm_infinigen.platforms import V1_RUNNER_REFUSAL
 from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
 from vllm_infinigen.platforms.cpu.memory import BlockCosts, split_grant
