@@ -2,38 +2,47 @@
 """Where InfiniGen's selection loses accuracy: each approximation alone, the others exact.
 
 A sparse layer should attend to the tokens its own query scores highest.
-InfiniGen approximates that choice four ways:
+InfiniGen approximates that choice five ways:
 
 1. speculation: the query is built from the previous layer's attention input
    (``--infinigen-speculation previous-layer``), not the layer's own;
-2. partial keys: scores use r x head_dim skewed channels
-   (``--infinigen-partial-ratio``), not the full keys;
+2. speculation keys: scores use compressed keys, ``int`` (every channel in
+   4 bits in a float32 cache, the default) or ``partial`` (r x head_dim
+   skewed channels, ``--infinigen-partial-ratio``), not the full keys;
 3. alpha count: it keeps as many tokens as score within alpha of the best
    (capped by the budget), not a fixed k = budget x context;
-4. calibration text: the skew (which channels are kept) comes from a text.
+4. calibration text: the skew of the partial keys comes from a text;
+5. dense layers: the first ``--infinigen-dense-layers`` layers attend densely.
 
 The exact reference selects, per KV head, the top floor(budget x context)
-tokens by the layer's own query and full keys: ``same-layer``, r = 1 (the
-skew is then an orthogonal rotation, so the scores are exact whatever the
-calibration) and alpha 1e4 (the count is always the cap: fixed k). Each factor
-is then switched to InfiniGen's setting alone::
+tokens by the layer's own query and full keys: ``same-layer``, partial keys
+at r = 1 (the skew is then an orthogonal rotation, so the scores are exact
+whatever the calibration), alpha 1e4 (the count is always the cap: fixed k)
+and 2 dense layers. Each factor is then switched to InfiniGen's setting alone::
 
-    exact                 same-layer      r = 1    fixed k
-    (1) speculation       previous-layer  r = 1    fixed k
-    (2) partial keys      same-layer      r < 1    fixed k    in-domain skew
-    (3) alpha count       same-layer      r = 1    alpha 5
-    (4) calibration       same-layer      r = 0.2  fixed k    each text
+    exact                 same-layer      r = 1        fixed k   2 dense
+    (1) speculation       previous-layer  r = 1        fixed k   2 dense
+    (2) speculation keys  same-layer      int, r < 1   fixed k   2 dense   in-domain skew
+    (3) alpha count       same-layer      r = 1        alpha 5   2 dense
+    (4) calibration       same-layer      r = 0.2      fixed k   2 dense   each text
+    (5) dense layers      same-layer      r = 1        fixed k   each --dense-layers-factor
+    defaults              previous-layer  int          alpha 5   2 dense
 
-Tasks (``--tasks``): ``recall``, recall-llama-1k's answer accuracy (the
-answer is predicted in a decode step, ``retrieval.py``); ``book``,
-gutenberg-llama-2k's perplexity on held-out Frankenstein (evaluation mode,
-``perplexity.py``). One engine per (r, calibration), each swept over
-speculation x rule x budget with ``set_infinigen_selection``; dense vLLM and a
-select-all control (must equal dense) per task. Calibration texts: the task's
-own kind of text (``in-domain``: synthetic recall sequences from a seeded
-generator, not the evaluation file; Frankenstein past the scored windows),
-the bundled book excerpt (``book``) and the children's story bundled before it
-(``story``). Example (about an hour on 2 cores)::
+Tasks (``--tasks``): ``recall`` and ``recall-12l``, the answer accuracy of
+recall-llama-1k and recall-llama-12l on the same 1,024-token prompts (the
+answer is predicted in a decode step, ``retrieval.py``; per needle bucket
+too); ``book``, gutenberg-llama-2k's perplexity on held-out Frankenstein
+(evaluation mode, ``perplexity.py``). One engine per (keys, r, calibration,
+dense layers), swept over speculation x rule x budget with
+``set_infinigen_selection`` (``Variant.combos``: the full 2 x 2 where a row
+or the previous-layer comparison reads it, only what the factor's rows read
+elsewhere); dense vLLM and a select-all control (must equal dense) per task.
+Calibration texts (partial keys only): the task's own kind of text
+(``in-domain``: synthetic recall sequences from a seeded generator, not the
+evaluation file; Frankenstein past the scored windows), the bundled book
+excerpt (``book``) and the children's story bundled before it (``story``);
+a text the product refuses (English for the recall models' word-level
+tokenizer) is recorded as refused. Example (about two hours on 2 cores)::
 
     flock /tmp/engine.lock python -m benchmarks.accuracy.attribution
 
@@ -59,10 +68,13 @@ from vllm_infinigen.config import DEFAULT_ALPHA_ROPE, InfiniGenConfig
 
 FULL_KEYS = 1.0
 DEFAULT_RATIO = InfiniGenConfig.partial_ratio
+DEFAULT_KEYS = InfiniGenConfig.speculation_keys
 FIXED_K_ALPHA = SELECT_ALL["alpha"]  # every score within reach: the budget is the count
-RULES = {"fixed-k": FIXED_K_ALPHA, "alpha": DEFAULT_ALPHA_ROPE}  # both models use RoPE
+RULES = {"fixed-k": FIXED_K_ALPHA, "alpha": DEFAULT_ALPHA_ROPE}  # every model uses RoPE
 SPECULATIONS = ("same-layer", "previous-layer")
 CALIBRATIONS = ("in-domain", "book", "story")
+EVERY_COMBO = tuple((spec, rule) for spec in SPECULATIONS for rule in RULES)
+FIXED_K_COMBOS = tuple((spec, "fixed-k") for spec in SPECULATIONS)
 DEFAULT_OUT = paths.RESULTS / "attribution"
 
 
@@ -80,18 +92,34 @@ class Task:
     in_domain: list[str] | None = None  # calibration texts of the task's own kind
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One InfiniGen engine and the (speculation, rule) pairs it is swept over.
+
+    ``keys`` "int" has no r and no calibration; "partial" at r with a skew
+    calibrated on ``calibration``.
+    """
+
+    keys: str
+    r: float | None
+    calibration: str | None
+    dense_layers: int
+    combos: tuple[tuple[str, str], ...] = EVERY_COMBO
+
+
 # What the report needs of each task (``--render`` builds tasks from this alone).
 TASK_INFO = {"recall": (retrieval.DEFAULT_MODEL, "accuracy", True, 1088),
-             "book": (perplexity.GUTENBERG, "perplexity", False, 1025)}
+             "book": (perplexity.GUTENBERG, "perplexity", False, 1025),
+             "recall-12l": (paths.shared_path("models/recall-llama-12l"), "accuracy", True, 1088)}
 
 
-def recall_task(args: argparse.Namespace) -> Task:
+def recall_task(args: argparse.Namespace, name: str = "recall") -> Task:
     rows = retrieval.load_examples(retrieval.DEFAULT_DATA, args.limit)
 
     def score(llm, data, setting):
         with sweeps.SelectionMeter(llm) as meter:
             predictions, logprobs = retrieval.answer(
-                llm, data, 3, args.batch_size, f"recall {_short(setting)}")
+                llm, data, 3, args.batch_size, f"{name} {_short(setting)}")
         correct = [p == row["answer_token_ids"][0] for p, row in zip(predictions, data)]
         accuracy = retrieval.bucket_accuracy(data, correct)
         return {"value": accuracy["all"]["acc"], "density": meter.fraction,
@@ -100,7 +128,7 @@ def recall_task(args: argparse.Namespace) -> Task:
 
     # Two 1,024-token sequences in the task's layout, seeds unlike the evaluation file's.
     in_domain = [retrieval.synthetic_recall_text(seed) for seed in (12345, 23456)]
-    return Task("recall", *TASK_INFO["recall"], rows, score, in_domain)
+    return Task(name, *TASK_INFO[name], rows, score, in_domain)
 
 
 def book_task(args: argparse.Namespace) -> Task:
@@ -120,7 +148,8 @@ def book_task(args: argparse.Namespace) -> Task:
     return Task("book", *TASK_INFO["book"], windows, score, [text[start:]])
 
 
-TASKS = {"recall": recall_task, "book": book_task}
+TASKS = {"recall": recall_task, "book": book_task,
+         "recall-12l": lambda args: recall_task(args, "recall-12l")}
 
 
 def _short(setting: dict | None) -> str:
@@ -141,7 +170,7 @@ def calibration_texts(task: Task, calibration: str) -> list[str]:
 
 
 def engine_variants(args: argparse.Namespace) -> list[tuple[float, str]]:
-    """(r, calibration) of each InfiniGen engine: full keys, the r sweep on
+    """(r, calibration) of each partial-keys engine: full keys, the r sweep on
     in-domain text, the calibration sweep at the default r."""
     variants = [(FULL_KEYS, "in-domain")]
     variants += [(r, "in-domain") for r in args.partial_ratio]
@@ -149,9 +178,34 @@ def engine_variants(args: argparse.Namespace) -> list[tuple[float, str]]:
     return list(dict.fromkeys(variants))
 
 
-def grid(budgets: Sequence[float]) -> list[dict]:
-    return [{"speculation": spec, "alpha": alpha, "budget": budget}
-            for spec in SPECULATIONS for alpha in RULES.values() for budget in budgets]
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """Every InfiniGen engine, the exact reference first (it runs the control).
+
+    Full keys, int keys and r 0.2 on in-domain text: the whole grid (the
+    factors, the defaults and the previous-layer comparison read them). The
+    other r: fixed k, both speculations (the keys factor and its prefetch
+    counterpart). Other calibrations: the calibration factor and the partial
+    keys' default. The dense-layers factor: full keys, fixed k.
+    """
+    out = []
+    for r, calibration in engine_variants(args):
+        if calibration == "in-domain" and r in (FULL_KEYS, DEFAULT_RATIO):
+            combos = EVERY_COMBO
+        elif calibration == "in-domain":
+            combos = FIXED_K_COMBOS
+        else:
+            combos = (("same-layer", "fixed-k"), ("previous-layer", "alpha"))
+        out.append(Variant("partial", r, calibration, args.dense_layers, combos))
+        if r == FULL_KEYS:
+            out.append(Variant("int", None, None, args.dense_layers))
+    out += [Variant("partial", FULL_KEYS, "in-domain", n, FIXED_K_COMBOS)
+            for n in args.dense_layers_factor if n != args.dense_layers]
+    return out
+
+
+def grid(budgets: Sequence[float], combos: Sequence[tuple[str, str]] = EVERY_COMBO) -> list[dict]:
+    return [{"speculation": spec, "alpha": RULES[rule], "budget": budget}
+            for spec, rule in combos for budget in budgets]
 
 
 def rule_of(setting: dict) -> str:
@@ -171,13 +225,22 @@ def artifact_density(budget: float, prompt_tokens: int = 64, score_tokens: int =
     return sum(min(1.0, budget * final / p) for p in contexts) / len(contexts)
 
 
-def run_engine(task: Task, args, r: float, calibration: str, skew_file: str | None,
+def infinigen_settings(variant: Variant, skew_file: str | None) -> dict:
+    """Start-up settings of a variant's engine."""
+    if variant.keys == "int":
+        return {"speculation_keys": "int", "dense_layers": variant.dense_layers}
+    return {"speculation_keys": "partial", "partial_ratio": variant.r, "skew_file": skew_file,
+            "dense_layers": variant.dense_layers}
+
+
+def run_engine(task: Task, args, variant: Variant | None, skew_file: str | None,
                settings: Sequence[tuple[str, dict]]) -> list[dict]:
-    """Scores ``settings`` ((kind, setting) pairs) on one engine; dense when r is None."""
-    infinigen = None
-    if skew_file is not None:
-        infinigen = {"speculation_keys": "partial", "partial_ratio": r,
-                     "skew_file": skew_file, "dense_layers": args.dense_layers}
+    """Scores ``settings`` ((kind, setting) pairs) on one engine; dense vLLM without variant."""
+    infinigen = None if variant is None else infinigen_settings(variant, skew_file)
+    engine_fields = {"keys": None, "r": None, "calibration": None, "dense_layers": None}
+    if variant is not None:
+        engine_fields = {"keys": variant.keys, "r": variant.r,
+                         "calibration": variant.calibration, "dense_layers": variant.dense_layers}
     results = []
     with sweeps.start_engine(str(task.model), "infinigen" if infinigen else "vllm",
                              max_model_len=task.max_model_len, infinigen=infinigen,
@@ -190,26 +253,27 @@ def run_engine(task: Task, args, r: float, calibration: str, skew_file: str | No
                     k: v for k, v in setting.items() if k != "matched_budget"})
             start = time.perf_counter()
             scored = task.score(llm, task.data, setting)
-            result = {"task": task.name, "kind": kind, "r": r if infinigen else None,
-                      "calibration": calibration if infinigen else None,
-                      **(setting or {}), "rule": rule_of(setting) if setting else None,
+            result = {"task": task.name, "kind": kind, **engine_fields, **(setting or {}),
+                      "rule": rule_of(setting) if setting else None,
                       **scored, "seconds": time.perf_counter() - start}
             results.append(result)
-            print(f"[{task.name} r={r} {calibration} {kind} {_short(setting)}] "
+            print(f"[{task.name} {engine_fields} {kind} {_short(setting)}] "
                   f"{task.metric} {scored['value']:.4f} density "
                   f"{report.cell(scored['density'], '.3f')}", file=sys.stderr, flush=True)
-            pending += follow_ups(task, r, kind, setting, scored)
+            if variant is not None and variant.dense_layers == args.dense_layers:
+                pending += follow_ups(task, variant.r, kind, setting, scored)
     return results
 
 
-def follow_ups(task: Task, r: float, kind: str, setting: dict | None,
+def follow_ups(task: Task, r: float | None, kind: str, setting: dict | None,
                scored: dict) -> list[tuple[str, dict]]:
     """Density-matched settings a result asks for (same engine, run after the grid).
 
-    Full keys, same-layer, alpha rule at density d < budget: fixed k at
-    budget d (is the alpha count worse than keeping as many of the best?).
-    Book task, InfiniGen as shipped (previous-layer, alpha) at the default r:
-    the same at the artifact's density for the nominal budget.
+    ``r`` is the partial ratio, None for the int keys. Full keys, same-layer,
+    alpha rule at density d < budget: fixed k at budget d (is the alpha count
+    worse than keeping as many of the best?). Book task, previous-layer and
+    alpha with the int keys (the defaults) or the partial keys at the default
+    r: the same at the artifact's density for the nominal budget.
     """
     if kind != "grid" or setting is None or rule_of(setting) != "alpha":
         return []
@@ -220,7 +284,8 @@ def follow_ups(task: Task, r: float, kind: str, setting: dict | None,
         out.append(("density-matched", {"speculation": "same-layer", "alpha": FIXED_K_ALPHA,
                                         "budget": round(density, 4),
                                         "matched_budget": setting["budget"]}))
-    if task.name == "book" and r == DEFAULT_RATIO and setting["speculation"] == "previous-layer":
+    if (task.name == "book" and r in (None, DEFAULT_RATIO)
+            and setting["speculation"] == "previous-layer"):
         out.append(("artifact-density", {**setting,
                                          "budget": round(artifact_density(setting["budget"]), 4),
                                          "matched_budget": setting["budget"]}))
@@ -231,30 +296,46 @@ def run_task(task: Task, args, tmp: Path) -> list[dict]:
     from vllm_infinigen.skewing.calibration import compute_skew_tables
     from vllm_infinigen.skewing.tables import save_skew_tables
 
-    results = run_engine(task, args, None, None, None, [("dense", None)])
-    for index, (r, calibration) in enumerate(engine_variants(args)):
-        path = tmp / f"{task.name}-r{r}-{calibration}.safetensors"
-        tables = compute_skew_tables(str(task.model), r, calibration_texts(task, calibration))
-        save_skew_tables(tables, str(path))
-        settings = [("grid", s) for s in grid(args.budget)]
+    results = run_engine(task, args, None, None, [("dense", None)])
+    calibration_tokens: dict[tuple[float, str], int] = {}
+    for index, variant in enumerate(variants(args)):
+        path = None
+        if variant.keys == "partial":
+            path = tmp / f"{task.name}-r{variant.r}-{variant.calibration}.safetensors"
+            if (variant.r, variant.calibration) not in calibration_tokens:
+                try:
+                    tables = compute_skew_tables(str(task.model), variant.r,
+                                                 calibration_texts(task, variant.calibration))
+                except ValueError as e:  # the product refuses text the tokenizer cannot read
+                    results.append({"task": task.name, "kind": "refused", "keys": "partial",
+                                    "r": variant.r, "calibration": variant.calibration,
+                                    "dense_layers": variant.dense_layers, "error": str(e)})
+                    print(f"[{task.name} {variant}] refused: {e}", file=sys.stderr, flush=True)
+                    continue
+                save_skew_tables(tables, str(path))
+                calibration_tokens[(variant.r, variant.calibration)] = tables.calibration_tokens
+        settings = [("grid", s) for s in grid(args.budget, variant.combos)]
         if index == 0:
             settings.append(("control", {"speculation": "previous-layer", **SELECT_ALL}))
-        engine_results = run_engine(task, args, r, calibration, str(path), settings)
+        engine_results = run_engine(task, args, variant, path and str(path), settings)
         for result in engine_results:
-            result["calibration_tokens"] = tables.calibration_tokens
+            result["calibration_tokens"] = calibration_tokens.get((variant.r, variant.calibration))
         results += engine_results
     return results
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     parser.add_argument("--partial-ratio", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5],
                         help="r values below 1 (in-domain skew); r = 1 always runs")
     parser.add_argument("--calibration", nargs="+", choices=CALIBRATIONS,
                         default=list(CALIBRATIONS), help="texts compared at the default r")
-    parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--dense-layers", type=int, default=InfiniGenConfig.dense_layers)
+    parser.add_argument("--dense-layers-factor", type=int, nargs="*", default=[1],
+                        help="dense layers compared with --dense-layers (full keys, fixed k); "
+                             "one engine each")
     parser.add_argument("--limit", type=int, default=None, help="recall: first N prompts")
     parser.add_argument("--num-windows", type=int, default=4,
                         help="book: windows of 64 + 960 tokens")
@@ -269,6 +350,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweeps.check_budgets(parser, args.budget)
     if not all(0 < r < 1 for r in args.partial_ratio):
         parser.error("--partial-ratio values must be in (0, 1); r = 1 always runs")
+    if min(args.dense_layers, *args.dense_layers_factor) < 1:
+        parser.error("--dense-layers and --dense-layers-factor values must be >= 1")
     return args
 
 
@@ -283,12 +366,17 @@ def main(argv: list[str] | None = None) -> int:
         tasks = [TASKS[name](args) for name in args.tasks
                  if not sweeps.inputs_missing(TASK_INFO[name][0])]
         results = []
+        start = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             for task in tasks:
                 results += run_task(task, args, Path(tmp))
-        meta = report.run_metadata()
+        meta = report.run_metadata(run_minutes=round((time.perf_counter() - start) / 60, 1))
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        settings["tasks"] = [task.name for task in tasks]
     sections, control_ok = attribution_report.sections(tasks, results, args)
+    if meta.get("run_minutes") is not None:
+        sections.insert(0, f"Run time: {meta['run_minutes']:g} minutes (every engine and "
+                        "calibration, under the engine lock on this machine).")
     png = report.try_plot(args.out.with_suffix(".png"),
                           attribution_report.panels(tasks, results, args), "accuracy attribution")
     if png:
