@@ -407,3 +407,42 @@ def test_each_source_version_builds_in_its_own_directory(monkeypatch, tmp_path):
         (other / path.relative_to(tmp_path)).write_bytes(path.read_bytes())
     monkeypatch.setattr(build, "CSRC", other)
     assert build.build_key("AVX2") != changed
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path):
+    """torch's ``lock`` file left by a killed build is removed once nobody builds."""
+    build_dir = tmp_path / "vllm_infinigen_C_avx2-0123456789ab"
+    build_dir.mkdir()
+    (build_dir / "lock").write_text("")
+    with build.exclusive_build(build_dir):
+        assert not (build_dir / "lock").exists()
+    assert not (build_dir / "lock").exists()
+
+
+def test_a_live_build_is_waited_for_not_broken(tmp_path):
+    """While another process builds (holds the flock, its ``lock`` file present),
+    entering waits until it finishes and leaves its file alone meanwhile."""
+    import subprocess
+    import sys
+    import time
+
+    build_dir = tmp_path / "vllm_infinigen_C_avx2-0123456789ab"
+    build_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         f"handle = open({str(build_dir) + '.flock'!r}, 'w')\n"
+         "fcntl.flock(handle, fcntl.LOCK_EX)\n"
+         f"open({str(build_dir / 'lock')!r}, 'w').close()\n"
+         "print('holding', flush=True)\n"
+         "time.sleep(1.0)\n"
+         f"os.remove({str(build_dir / 'lock')!r})\n"
+         "open(os.path.join(" + repr(str(build_dir)) + ", 'built'), 'w').close()\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with build.exclusive_build(build_dir):
+            assert (build_dir / "built").exists()  # entered only after the holder finished
+    finally:
+        holder.wait(timeout=30)
+    assert holder.returncode == 0

@@ -18,6 +18,8 @@ beside ``csrc/cpu/`` and registers under its own dispatch key.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -93,6 +95,35 @@ def build_key(isa: str) -> str:
     return digest.hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path):
+    """Holds the build of ``build_dir`` for this process, across processes.
+
+    torch's extension loader guards a build with a ``lock`` file that it
+    deletes when done; a build killed midway leaves it behind, and every later
+    load would wait on it forever. This lock is an ``flock`` that the kernel
+    drops when its holder exits, so whoever holds it knows that no build is
+    running, and removes the orphaned file (with its half-built outputs'
+    state left to ninja, which rebuilds what is stale).
+    """
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("InfiniGen: waiting for another process compiling the kernels in %s",
+                        build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        orphan = build_dir / "lock"
+        if orphan.exists():
+            logger.warning("InfiniGen: removing %s, left by a kernel build that did not finish",
+                           orphan)
+            orphan.unlink()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load() -> str:
     """Builds (once per machine and source version) and loads the kernels.
 
@@ -117,16 +148,17 @@ def load() -> str:
         from torch.utils.cpp_extension import load as load_extension
 
         start = time.monotonic()
-        load_extension(
-            name=name,
-            sources=[str(CSRC / source) for source in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC / "cpu")],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with exclusive_build(build_dir):
+            load_extension(
+                name=name,
+                sources=[str(CSRC / source) for source in SOURCES],
+                extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(CSRC / "cpu")],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
         if fresh:
             logger.info("InfiniGen: CPU kernels compiled in %.1f s", time.monotonic() - start)
         _loaded = isa
