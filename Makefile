@@ -26,4 +26,4 @@ demo: setup
 	$(VENV)/bin/vllm-infinigen demo
 
 test: setup
-	$(PY) -m pytest tests -q -rs
+	$(PY) -m pytest tests -q -rs --durations=15
