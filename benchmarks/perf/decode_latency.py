@@ -85,6 +85,9 @@ ENGINES = {
     "copy": {"kv_manager": "infinigen", "infinigen": {"transfer": "copy"}},
     # In place with a capped pool (--cpu-pool-gib): the cap's bookkeeping cost.
     "capped": {"kv_manager": "infinigen", "infinigen": {"transfer": "in-place"}},
+    # In place with the paper's partial keys instead of the default int keys.
+    "partial-keys": {"kv_manager": "infinigen",
+                     "infinigen": {"transfer": "in-place", "speculation_keys": "partial"}},
 }
 # Order of the policies inside one window (see the module docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
@@ -151,8 +154,9 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
                    ideal_kv_read_vs_dense=1.0, pool_bytes_per_step=0.0,
                    achieved_gb_s=dense_bytes / step_s / 1e9)
         return row
+    keys = speculation_keys(engine_name)
     step = kv_math.sparse_step_bytes(shape, args.dense_layers, policy, delta, len(times),
-                                    args.partial_ratio)
+                                    args.partial_ratio, keys)
     sparse_layers = shape.layers - args.dense_layers
     ideal_pool = sparse_layers * args.budget * shape.kv_bytes_per_token_layer * batch * mean_context
     candidates = delta.get("candidate_tokens", 0.0)
@@ -164,11 +168,17 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
         pool_bytes_per_step=step.pool_to_attention, ideal_pool_bytes_per_step=ideal_pool,
         ideal_kv_read_vs_dense=kv_math.ideal_kv_fraction(
             shape.layers, args.dense_layers,
-            kv_math.ideal_sparse_fraction(policy, args.budget, args.partial_ratio, shape)),
+            kv_math.ideal_sparse_fraction(policy, args.budget, args.partial_ratio, shape, keys)),
         selected_fraction=delta.get("selected_tokens", 0.0) / candidates if candidates else None,
         swap_wait_ms_per_step=delta.get("swap_wait_us", 0.0) / 1000 / len(times),
     )
     return row
+
+
+def speculation_keys(engine_name: str) -> str:
+    """The speculation-key form of an engine (the product's default unless it names one)."""
+    setup = ENGINES[engine_name]["infinigen"] or {}
+    return setup.get("speculation_keys", kv_math.DEFAULT_KEYS)
 
 
 def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
@@ -210,7 +220,7 @@ def sizing(engine_name: str, shape: kv_math.ModelShape, args) -> tuple[list, int
     kv_bytes = kv_math.kv_space_bytes(
         shape, tokens, setup["kv_manager"], dense_layers=args.dense_layers,
         group_size=kv_cache_group_size(args.dense_layers, shape.layers - args.dense_layers),
-        partial_ratio=args.partial_ratio)
+        partial_ratio=args.partial_ratio, speculation_keys=speculation_keys(engine_name))
     return policies, max_tokens, tokens, kv_bytes
 
 

@@ -166,6 +166,8 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
             ])
     sparse = shape.layers - args.dense_layers
     rank = layout.partial_rank(shape.head_dim, args.partial_ratio)
+    int_fraction = kv_math.speculation_key_bytes(shape, args.partial_ratio, "int") / (
+        2 * shape.head_dim * shape.dtype_bytes)
     min_context = getattr(args, "min_context", None)
     weights = ("" if weight_bytes is None else
                f"; weights {weight_bytes / 2**20:.0f} MiB (read every step, not in the KV "
@@ -174,9 +176,11 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         "## Notes\n\n"
         f"- Model: {shape.layers} layers ({args.dense_layers} dense, {sparse} sparse), "
         f"{shape.kv_heads} KV heads x {shape.head_dim}, float32{weights}; budget "
-        f"{args.budget}, partial ratio {args.partial_ratio} ({rank} of {shape.head_dim} key "
-        f"channels, so InfiniGen's partial keys are {rank / (2 * shape.head_dim):.4f} of K+V "
-        f"against the nominal r/2 = {args.partial_ratio / 2}); min_context "
+        f"{args.budget}; speculation keys: int (the default; every channel, "
+        f"{int_fraction:.4f} of K+V with the scales) unless the config says partial-keys "
+        f"(partial ratio {args.partial_ratio}: {rank} of {shape.head_dim} key channels, "
+        f"{rank / (2 * shape.head_dim):.4f} of K+V against the nominal r/2 = "
+        f"{args.partial_ratio / 2}); min_context "
         f"{'engine default' if min_context is None else min_context}.\n"
         f"- Streaming memory bandwidth (the physical limit): {bandwidth_text(bandwidth)}.\n"
         "- ms/step: median over the timed steps of the whole batch (each request gets a "
@@ -187,7 +191,8 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         "- KV read: dense layers' K/V + selection metadata + selected K/V moved "
         "pool -> attention (`vllm:infinigen_swap_bytes_total`), per step, over what "
         "dense attention reads in every layer; ideal = (dense layers + sparse layers x "
-        "(metadata + budget)) / layers, metadata being r/2 for InfiniGen, 1/16 (page "
+        "(metadata + budget)) / layers, metadata being the int keys' bytes or r/2 (partial "
+        "keys) for InfiniGen, 1/16 (page "
         "min/max) for Quest, one float32 score per token and KV head for H2O, 0 for "
         "StreamingLLM. InfiniGen's alpha rule may select fewer tokens than the budget "
         "(selected < budget).\n"

@@ -3,8 +3,9 @@
 
 A sparse engine reads its dense layers' K/V, the selection metadata of every
 context token and the selected K/V (``vllm:infinigen_*`` counters); the ideal
-fractions are the paper's r/2 + budget (InfiniGen) or metadata + budget
-(baselines). Plain arithmetic, unit-tested in ``tests/unit/test_perf_harness.py``.
+fractions are the speculation keys + budget (InfiniGen: the paper's nominal
+r/2 for the partial keys, the int codes and scales for the int keys) or
+metadata + budget (baselines). Plain arithmetic, unit-tested in ``tests/unit/test_perf_harness.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE
-from vllm_infinigen.layout import ModelLayout, partial_rank
+from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.layout import KEY_GROUP, ModelLayout
+
+DEFAULT_KEYS = InfiniGenConfig.speculation_keys  # --infinigen-speculation-keys
 
 # H2O keeps one float32 accumulated score per token and KV head.
 H2O_SCORE_BYTES = 4
@@ -43,16 +47,27 @@ def model_shape(model_dir: Path, dtype_bytes: int = 4) -> ModelShape:
                       head_dim=layout.head_dim, dtype_bytes=dtype_bytes)
 
 
-def metadata_bytes_per_token(policy: str, shape: ModelShape, partial_ratio: float = 0.2) -> float:
+def speculation_key_bytes(shape: ModelShape, partial_ratio: float = 0.2,
+                          speculation_keys: str = DEFAULT_KEYS) -> float:
+    """Bytes of one token's speculation keys per KV head: int codes plus their
+    scales amortized over a 16-token group, or ``rank`` partial channels."""
+    layout = ModelLayout("", num_layers=1, num_heads=shape.kv_heads, num_kv_heads=shape.kv_heads,
+                         head_dim=shape.head_dim, dense_layers=0, partial_ratio=partial_ratio,
+                         speculation_keys=speculation_keys)
+    return layout.key_bytes_per_group(shape.dtype_bytes) / KEY_GROUP
+
+
+def metadata_bytes_per_token(policy: str, shape: ModelShape, partial_ratio: float = 0.2,
+                             speculation_keys: str = DEFAULT_KEYS) -> float:
     """Bytes a policy reads per context token in one sparse layer to choose (all KV heads).
 
-    - infinigen: the partial keys, ``rank`` channels of every key (rank/2d of K+V).
+    - infinigen: the speculation keys (``speculation_key_bytes``).
     - quest: each 16-token page's key min and max (1/16 of K+V).
     - h2o: one float32 accumulated score per token and KV head.
     - streaming: nothing (positions only).
     """
     per_head = {
-        "infinigen": partial_rank(shape.head_dim, partial_ratio) * shape.dtype_bytes,
+        "infinigen": speculation_key_bytes(shape, partial_ratio, speculation_keys),
         "quest": 2 * shape.head_dim * shape.dtype_bytes / QUEST_PAGE_SIZE,
         "h2o": H2O_SCORE_BYTES,
         "streaming": 0,
@@ -76,17 +91,20 @@ def ideal_kv_fraction(num_layers: int, dense_layers: int, sparse_fraction: float
 
 
 def ideal_sparse_fraction(policy: str, budget: float, partial_ratio: float = 0.2,
-                          shape: ModelShape | None = None) -> float:
+                          shape: ModelShape | None = None,
+                          speculation_keys: str = DEFAULT_KEYS) -> float:
     """A sparse layer's ideal read as a fraction of its dense bytes: metadata + budget.
 
-    InfiniGen uses the paper's nominal r/2 (``partial_ratio / 2``); the other
-    policies their metadata per token (needs ``shape``) relative to K+V.
+    InfiniGen's partial keys use the paper's nominal r/2 (``partial_ratio / 2``);
+    its int keys and the other policies their metadata per token (needs
+    ``shape``) relative to K+V.
     """
-    if policy == "infinigen":
+    if policy == "infinigen" and speculation_keys == "partial":
         return partial_ratio / 2 + budget
     if shape is None:
         raise ValueError(f"the ideal of {policy!r} needs the model shape")
-    return metadata_bytes_per_token(policy, shape) / shape.kv_bytes_per_token_layer + budget
+    metadata = metadata_bytes_per_token(policy, shape, partial_ratio, speculation_keys)
+    return metadata / shape.kv_bytes_per_token_layer + budget
 
 
 @dataclass
@@ -114,7 +132,8 @@ def dense_step_bytes(shape: ModelShape, context_tokens: float) -> float:
 
 def sparse_step_bytes(shape: ModelShape, dense_layers: int, policy: str,
                       counters: Mapping[str, float], steps: int,
-                      partial_ratio: float = 0.2) -> StepBytes:
+                      partial_ratio: float = 0.2,
+                      speculation_keys: str = DEFAULT_KEYS) -> StepBytes:
     """Per-step KV bytes of a sparse engine from counter differences over ``steps`` steps.
 
     Args:
@@ -133,19 +152,20 @@ def sparse_step_bytes(shape: ModelShape, dense_layers: int, policy: str,
     return StepBytes(
         dense_equivalent=shape.layers * per_layer,
         dense_layers=dense_layers * per_layer,
-        metadata=sparse_layers * context * metadata_bytes_per_token(policy, shape, partial_ratio),
+        metadata=sparse_layers * context * metadata_bytes_per_token(
+            policy, shape, partial_ratio, speculation_keys),
         pool_to_attention=counters.get("swap_bytes", 0) / steps,
     )
 
 
 def kv_space_bytes(shape: ModelShape, tokens: int, kv_manager: str, *, dense_layers: int = 2,
                    group_size: int | None = None, partial_ratio: float = 0.2,
-                   margin: float = 1.15) -> int:
+                   speculation_keys: str = DEFAULT_KEYS, margin: float = 1.15) -> int:
     """``kv_cache_memory_bytes`` that holds ``tokens`` tokens (with ``margin`` for blocks).
 
     Stock vLLM keeps K/V of every layer; InfiniGen keeps ``group_size`` pages
     per block id (``vllm_infinigen.layout.kv_cache_group_size``; the dense
-    layers' count by default) plus every sparse layer's partial keys, while
+    layers' count by default) plus every sparse layer's speculation keys, while
     the sparse layers' K/V live in the host pool outside this space.
     """
     if kv_manager == "vllm":
@@ -154,7 +174,7 @@ def kv_space_bytes(shape: ModelShape, tokens: int, kv_manager: str, *, dense_lay
         pages = dense_layers if group_size is None else group_size
         sparse = shape.layers - dense_layers
         per_token = (pages * shape.kv_bytes_per_token_layer + sparse * shape.kv_heads
-                     * partial_rank(shape.head_dim, partial_ratio) * shape.dtype_bytes)
+                     * speculation_key_bytes(shape, partial_ratio, speculation_keys))
     else:
         raise ValueError(f"unknown kv_manager {kv_manager!r}")
     return int(math.ceil(tokens * per_token * margin))

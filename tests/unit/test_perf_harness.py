@@ -35,7 +35,8 @@ def test_partial_rank_matches_the_runtime_rounding():
 
 
 def test_ideal_fraction_is_the_papers_r_over_2_plus_budget_in_sparse_layers():
-    sparse = kv_math.ideal_sparse_fraction("infinigen", budget=0.2, partial_ratio=0.2)
+    sparse = kv_math.ideal_sparse_fraction("infinigen", budget=0.2, partial_ratio=0.2,
+                                           speculation_keys="partial")
     assert sparse == pytest.approx(0.3)
     # 2 dense layers read everything, 4 sparse read 0.3 of theirs.
     assert kv_math.ideal_kv_fraction(6, 2, sparse) == pytest.approx((2 + 4 * 0.3) / 6)
@@ -67,7 +68,8 @@ def test_sparse_step_bytes_from_counters():
         "candidate_tokens": context * sparse_layers * steps,
         "swap_bytes": selected_entries * 2 * 32 * 4 * sparse_layers * steps,
     }
-    step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, steps)
+    step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, steps,
+                                     speculation_keys="partial")
     per_layer = context * SHAPE.kv_bytes_per_token_layer
     assert step.dense_equivalent == pytest.approx(6 * per_layer)
     assert step.dense_equivalent == pytest.approx(kv_math.dense_step_bytes(SHAPE, context))
@@ -77,6 +79,32 @@ def test_sparse_step_bytes_from_counters():
     # (2 + 4 * (6/64 + 0.2)) / 6: the measured rank is 6 of 32 channels, not 6.4.
     assert step.fraction == pytest.approx((2 + 4 * (6 / 64 + 0.2)) / 6)
     assert step.fraction < kv_math.ideal_kv_fraction(6, 2, 0.3)
+
+
+def test_int_keys_count_their_codes_and_scales():
+    """The default int keys: head_dim x bits / 8 + 2 B per channel per 16 tokens."""
+    assert kv_math.DEFAULT_KEYS == "int"
+    assert kv_math.speculation_key_bytes(SHAPE) == pytest.approx(32 * 4 / 8 + 32 * 2 / 16)
+    bf16 = kv_math.ModelShape(layers=6, kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert kv_math.speculation_key_bytes(bf16) == pytest.approx(128 * 2 / 8 + 128 * 2 / 16)
+    assert kv_math.speculation_key_bytes(bf16, 0.2, "partial") == 25 * 2
+    # Ideal of a sparse layer: 20 B of 256 B of K+V per KV head, plus the budget.
+    assert kv_math.ideal_sparse_fraction("infinigen", 0.2, shape=SHAPE) == pytest.approx(
+        0.2 + 20 / 256)
+    with pytest.raises(ValueError):
+        kv_math.ideal_sparse_fraction("infinigen", 0.2)  # the int keys' bytes need the shape
+    counters = {"candidate_tokens": 4000.0, "swap_bytes": 0.0}
+    step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, 1)
+    assert step.metadata == pytest.approx(4000 * 8 * 20)  # every candidate's int keys
+
+
+def test_decode_benchmark_engines_name_their_keys():
+    assert decode_latency.speculation_keys("in-place") == kv_math.DEFAULT_KEYS
+    assert decode_latency.speculation_keys("partial-keys") == "partial"
+    assert decode_latency.speculation_keys("dense") == kv_math.DEFAULT_KEYS
+    args = SimpleNamespace(budget=0.2, dense_layers=2, partial_ratio=0.2)
+    assert decode_latency.infinigen_settings("partial-keys", args)["speculation_keys"] == "partial"
+    assert "speculation_keys" not in decode_latency.infinigen_settings("in-place", args)
 
 
 def test_streaming_reads_no_metadata_and_bad_inputs_fail():
@@ -99,9 +127,15 @@ def test_kv_space_holds_the_tokens_for_each_manager():
     tokens = 1000
     dense = kv_math.kv_space_bytes(SHAPE, tokens, "vllm", margin=1.0)
     assert dense == tokens * 6 * 2048
-    # InfiniGen: 2 pages per block id + 4 sparse layers x 8 heads x 6 channels x 4 B.
-    infinigen = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0)
+    # InfiniGen, partial keys: 2 pages per block id + 4 sparse layers x 8 heads x
+    # 6 channels x 4 B.
+    infinigen = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0,
+                                       speculation_keys="partial")
     assert infinigen == tokens * (2 * 2048 + 4 * 8 * 6 * 4)
+    # The int keys (the default): 32 channels x 4 bits + a float16 scale per
+    # channel and 16 tokens = 20 B per token and KV head.
+    int_keys = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0)
+    assert int_keys == tokens * (2 * 2048 + 4 * 8 * 20)
     assert kv_math.kv_space_bytes(SHAPE, tokens, "vllm") > dense  # margin
     with pytest.raises(ValueError):
         kv_math.kv_space_bytes(SHAPE, tokens, "lmcache")
