@@ -37,7 +37,7 @@ def test_write_pool_equals_the_compiled_write_and_skips_padding():
 
 
 def test_write_partial_keys_equals_the_compiled_write_and_padding_lands_in_scratch():
-    key, value, slots = _tokens(50)
+    key, _, slots = _tokens(50)
     skew = torch.randn(KV_HEADS, DIM, RANK)
     got = writes.with_scratch_block((NUM_BLOCKS, KV_HEADS, RANK, BLOCK), torch.float32,
                                     torch.device("cpu"))

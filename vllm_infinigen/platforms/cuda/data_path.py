@@ -286,11 +286,20 @@ class CudaDataPath:
     def take_stats(self) -> dict[str, int]:
         """``block_cache.CACHE_COUNTERS`` since the last call, keyed
         ``"<counter>.<layer_idx>"`` (hits, misses, bytes over PCIe): one host
-        copy per layer and step."""
+        copy per step, for every layer."""
+        if not self._layers:
+            return {}
+        caches = [entry.cache for entry in self._layers.values()]
+        counts = torch.stack([torch.cat([cache.hits, cache.misses]) for cache in caches])
         stats: dict[str, int] = {}
-        for layer_idx, entry in self._layers.items():
-            unit_bytes = entry.units[0].numel() * entry.units.element_size()
-            stats.update(entry.cache.take_stats([layer_idx], unit_bytes))
+        for (layer_idx, entry), (hits, misses) in zip(self._layers.items(), counts.tolist()):
+            entry.cache.hits.zero_()
+            entry.cache.misses.zero_()
+            if hits or misses:
+                unit_bytes = entry.units[0].numel() * entry.units.element_size()
+                stats.update({f"cache_hits.{layer_idx}": hits,
+                              f"cache_misses.{layer_idx}": misses,
+                              f"pcie_bytes.{layer_idx}": misses * unit_bytes})
         return stats
 
     # -- helpers
