@@ -5,6 +5,7 @@ one decode step, and the exact positions each policy selects."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
+from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.layer_state import LayerSource
 from vllm_infinigen.worker.runtime import InfiniGenRuntime
 
@@ -40,28 +42,33 @@ def _source(index: int, keys: str = "partial") -> LayerSource:
                        query_proj=None)
 
 
-@pytest.fixture(params=["partial", "int"])
-def step(request):
+def build_step(keys: str, make_data_path: Callable[[InfiniGenConfig], DataPath]):
     """A runtime (layer 0 dense, 1 and 2 sparse) holding one request's 32
     context tokens in layer 2, and the dense metadata of its next decode step;
-    with either form of speculation keys."""
+    ``keys``: either form of speculation keys; the platform's data path."""
     config = InfiniGenConfig(alpha=1.0, budget=1.0, dense_layers=1, min_context=0,
-                             speculation_keys=request.param)
+                             speculation_keys=keys)
     layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
                          dense_layers=1, partial_ratio=1.0)
-    runtime = InfiniGenRuntime(config, [_source(i, request.param) for i in range(3)],
-                               torch.device("cpu"), CpuDataPath(config.transfer), layout=layout)
-    assert runtime.layers[2].int_keys == (request.param == "int")
+    runtime = InfiniGenRuntime(config, [_source(i, keys) for i in range(3)],
+                               torch.device("cpu"), make_data_path(config), layout=layout)
+    assert runtime.layers[2].int_keys == (keys == "int")
     runtime.allocate_pool(PoolPlan(num_rows=4 * BLOCK, num_slots=4 * BLOCK, block_size=BLOCK,
                                    num_bytes=0, sized_by=""), num_blocks=4, dtype=torch.float32)
-    keys = torch.zeros(CONTEXT, 1, DIM)
-    keys[IMPORTANT, 0, 0] = 1.0
+    context_keys = torch.zeros(CONTEXT, 1, DIM)
+    context_keys[IMPORTANT, 0, 0] = 1.0
     values = torch.arange(CONTEXT, dtype=torch.float32).view(CONTEXT, 1, 1).repeat(1, 1, DIM)
-    runtime.write(runtime.layers[2], keys, values, torch.arange(CONTEXT))
+    runtime.write(runtime.layers[2], context_keys, values, torch.arange(CONTEXT))
     metadata = SimpleNamespace(query_start_loc=torch.tensor([0, 1]),
                                seq_lens=torch.tensor([CONTEXT + 1]),
                                block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32))
     return runtime, metadata, torch.tensor([CONTEXT])  # the new token's slot
+
+
+@pytest.fixture(params=["partial", "int"])
+def step(request):
+    """``build_step`` on the CPU platform's data path."""
+    return build_step(request.param, lambda config: CpuDataPath(config.transfer))
 
 
 def _attend_layer2(runtime, metadata, new_slot, query: torch.Tensor) -> torch.Tensor:

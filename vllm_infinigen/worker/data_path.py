@@ -15,6 +15,9 @@ which policy selects, when the next layer's selection is made. A platform's
     attend_dense    rows with a short context, over their whole context
     attend_prompt   prompt rows, causally over the pool and the step's tokens
                     (the pool need not be addressable by the attention kernel)
+    release_blocks  a finished or preempted request's block ids (a device
+                    cache drops them)
+    take_stats      the platform's own counters (CUDA: the block cache's)
 
 The CPU platform's implementation is ``platforms/cpu/data_path.py``; a
 second platform adds its own beside it, and the runtime does not change.
@@ -73,6 +76,13 @@ class DataPath(Protocol):
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
         """Causal attention of the step's prompt rows; query, output: [T, H_q, D]."""
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """A finished or preempted request's dense block ids, before vLLM reuses
+        them: whatever the platform keeps by block id lets go of them."""
+
+    def take_stats(self) -> dict[str, int]:
+        """The platform's counters since the last call, keyed ``"<counter>.<layer_idx>"``."""
 
     def shutdown(self) -> None:
         """Stops whatever the data path runs beside the model."""

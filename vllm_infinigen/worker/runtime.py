@@ -181,8 +181,10 @@ class InfiniGenRuntime:
         self.data_path.shutdown()
 
     def release_blocks(self, block_ids: list[int]) -> None:
-        """Frees the pool rows of a finished or preempted request's dense blocks."""
+        """Frees the pool rows of a finished or preempted request's dense blocks
+        (and the data path's copies of them)."""
         self.pool_index.release_blocks(block_ids)
+        self.data_path.release_blocks(block_ids)
 
     def update_selection(self, alpha: float | None = None, **changes) -> None:
         """Changes the selection settings of the running engine (for sweeps).
@@ -219,6 +221,7 @@ class InfiniGenRuntime:
                 out[f"swap_bytes.{idx}"] = entries * self.pool_entry_bytes
                 out[f"swap_wait_us.{idx}"] = self.swap_wait_us[idx]
         self.swap_wait_us = [0] * len(self.layers)
+        out.update(self.data_path.take_stats())
         sparse = self.sparse_layers
         for pool_layer, count in enumerate(self.pool_index.take_evictions()):
             if count:

@@ -91,6 +91,12 @@ class CpuDataPath:
                                plan.query_start, plan.seq_lens, plan.prompt_requests,
                                scale=layer.scale, row_map=row_map)
 
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Nothing is kept by block id beside the pool (its index frees the rows)."""
+
+    def take_stats(self) -> dict[str, int]:
+        return {}
+
     def shutdown(self) -> None:
         self.transfer.shutdown()
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's CUDA build (not yet in ``platforms.WORKERS``): block selection, the
-device block cache, the gather and attention kernels, and the pinned host pool.
+"""vLLM's CUDA build (not yet in ``platforms.WORKERS``, docs/design.md says what
+remains): the worker, the data path, block selection, the device block cache,
+the gather and attention kernels, and the pinned host pool.
 
 Every module here imports on the CPU build; what needs CUDA refuses with a
 clear error without it, and each kernel has a pure-torch reference that runs
@@ -13,8 +14,13 @@ anywhere (the CPU tests hold the kernels to them)::
                         blocks: dispatch (CUDA: Triton) and the references
     triton_kernels.py   the Triton kernels (imported only when launched)
     host_pool.py        the pinned host pool (cudaHostRegister on huge pages)
+    writes.py           the writes of new tokens in torch (speculation keys,
+                        write-through, int keys)
+    data_path.py        ``CudaDataPath``: the ``DataPath`` over all of the above
+    memory.py           the GPU grant split (speculation keys, block cache)
+    worker.py           ``InfiniGenCUDAWorker`` (vLLM's GPU ``Worker``)
 
-What a CUDA ``DataPath`` built on them must order, per sparse layer (events
+What ``CudaDataPath`` orders, per sparse layer (events
 between the compute stream and the lower-priority transfer stream):
 
 1. a step's host write-through of new K/V lands before a later gather can

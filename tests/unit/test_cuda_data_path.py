@@ -1,0 +1,259 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA platform's data path on CPU tensors: attention over cached blocks against
+the oracle over the same blocks, the cache's hits and gathers, release, and the writes
+(device speculation keys and host pool), against the CPU platform's compiled kernels."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.reference.sparse_attention import attend_gathered
+from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.memory import PoolPlan
+from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
+from vllm_infinigen.platforms.cuda import data_path as cuda_data_path
+from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.data_path import CudaDataPath, blocks_of_positions
+from vllm_infinigen.worker.layer_state import LayerState
+from vllm_infinigen.worker.step_plan import RowSet, build_plan
+
+BLOCK, HEADS, KV_HEADS, DIM, RANK, NUM_BLOCKS = 4, 4, 2, 8, 3, 12
+UNIT_BYTES = BLOCK * 2 * DIM * 4  # one KV head's block, K and V, float32
+
+
+def _layer(index: int = 2, int_keys: bool = False) -> LayerState:
+    impl = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM,
+                           scale=1 / math.sqrt(DIM))
+    skew = None if int_keys else torch.randn(KV_HEADS, DIM, RANK)
+    return LayerState(index, f"model.layers.{index}.self_attn.attn", SimpleNamespace(impl=impl),
+                      None, True, skew=skew)
+
+
+def _plan(num_blocks: int = NUM_BLOCKS) -> PoolPlan:
+    slots = num_blocks * BLOCK
+    return PoolPlan(num_rows=slots, num_slots=slots, block_size=BLOCK, num_bytes=0, sized_by="")
+
+
+class _Case:
+    """Two requests' contexts written through one layer; rows decode their next token."""
+
+    def __init__(self, slots_per_head: int = 16, int_keys: bool = False):
+        torch.manual_seed(0)
+        self.path = CudaDataPath("cpu", slots_per_head)
+        self.layer = _layer(int_keys=int_keys)
+        self.path.allocate(self.layer, _plan(), NUM_BLOCKS, torch.float32)
+        self.table = torch.tensor([[3, 7, 1, 9], [0, 5, 11, 2]], dtype=torch.int32)
+        self.keys = torch.randn(2, 4 * BLOCK, KV_HEADS, DIM)  # [row, position, H, D]
+        self.values = torch.randn(2, 4 * BLOCK, KV_HEADS, DIM)
+        self.written = [0, 0]
+
+    def slot(self, row: int, position: int) -> int:
+        return int(self.table[row, position // BLOCK]) * BLOCK + position % BLOCK
+
+    def write(self, row: int, upto: int) -> None:
+        """Writes the row's positions ``written .. upto - 1``."""
+        positions = list(range(self.written[row], upto))
+        slots = torch.tensor([self.slot(row, p) for p in positions] + [-1])  # and padding
+        pad = torch.zeros(1, KV_HEADS, DIM)
+        self.path.write(self.layer, torch.cat([self.keys[row, positions], pad]),
+                        torch.cat([self.values[row, positions], pad]), slots, None)
+        self.written[row] = upto
+
+    def rows(self, context_lens: list[int]) -> RowSet:
+        lens = torch.tensor(context_lens)
+        return RowSet(tokens=torch.arange(len(context_lens)), context_lens=lens,
+                      block_table=self.table[: len(context_lens)].contiguous(),
+                      token_caps=lens.clamp(min=1), caps_host=context_lens,
+                      context_host=context_lens)
+
+    def oracle(self, query: torch.Tensor, context_lens: list[int],
+               blocks: list[list[list[int]]], return_probs: bool = False):
+        """Dense attention of each row over every context token of the given
+        logical blocks [row][head] and its own token (tests/reference)."""
+        width = max(len(b) * BLOCK for per_row in blocks for b in per_row)
+        shape = (len(context_lens), KV_HEADS, width)
+        positions, valid = torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=bool)
+        for row, context in enumerate(context_lens):
+            for head in range(KV_HEADS):
+                tokens = [b * BLOCK + o for b in blocks[row][head] for o in range(BLOCK)
+                          if b * BLOCK + o < context]
+                positions[row, head, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+                valid[row, head, : len(tokens)] = True
+        heads = torch.arange(KV_HEADS)[None, :, None]
+        rows = torch.arange(len(context_lens))[:, None, None]
+        own = torch.tensor(context_lens)
+        current = (self.keys[torch.arange(len(context_lens)), own],
+                   self.values[torch.arange(len(context_lens)), own])
+        return attend_gathered(query, self.keys[rows, positions, heads],
+                               self.values[rows, positions, heads], valid, *current,
+                               1 / math.sqrt(DIM), return_probs=return_probs)
+
+
+def _positions(per_row_head: list[list[list[int]]]) -> torch.Tensor:
+    width = max(len(p) for per_row in per_row_head for p in per_row)
+    return torch.tensor([[p + [-1] * (width - len(p)) for p in per_row]
+                         for per_row in per_row_head], dtype=torch.int32)
+
+
+def _decode(case: _Case, positions: torch.Tensor, context_lens: list[int],
+            probs: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of the rows: the fetch (the layer before), then the
+    layer's write of its own tokens, then its attention."""
+    rows = case.rows(context_lens)
+    case.path.start_fetch(case.layer, rows, positions, None)
+    for row, context in enumerate(context_lens):
+        case.write(row, context + 1)
+    query = torch.randn(len(context_lens), HEADS, DIM)
+    out, waited = case.path.attend_selected(case.layer, rows, query, positions, None, probs)
+    assert waited == 0.0
+    return query, out
+
+
+def test_blocks_of_positions_lists_each_block_once_with_the_own_block_last():
+    positions = _positions([[[9, 1, 2, -1], [4, 5, 6, 7]]])
+    got = blocks_of_positions(positions, torch.tensor([13]), BLOCK, width=4)
+    assert got.tolist() == [[[0, 2, 3, -1], [1, 3, -1, -1]]]
+
+
+def test_attend_selected_equals_dense_attention_over_the_selected_blocks():
+    case = _Case()
+    for row, context in enumerate([13, 9]):
+        case.write(row, context)
+    positions = _positions([[[1, 9], [5]], [[2], [4, 6, 8]]])
+    probs = torch.full(positions.shape, -1.0)
+    query, out = _decode(case, positions, [13, 9], probs)
+    blocks = [[[0, 2, 3], [1, 3]], [[0, 2], [1, 2]]]  # each position's block and the own block
+    expected, expected_probs = case.oracle(query, [13, 9], blocks, return_probs=True)
+    torch.testing.assert_close(out, expected)
+    # the attention each selected position received, read off the oracle's tokens
+    # row 0, head 0 attends over positions 0-3 and 8-12: position 9 is its 6th token
+    assert probs[0, 0, :2].tolist() == pytest.approx([expected_probs[0, 0, 1].item(),
+                                                       expected_probs[0, 0, 5].item()], abs=1e-6)
+    assert probs[1, 1].tolist() == pytest.approx([expected_probs[1, 1, 0].item(),
+                                                   expected_probs[1, 1, 2].item(),
+                                                   expected_probs[1, 1, 4].item()], abs=1e-6)
+    assert probs[0, 0, 2:].tolist() == [0.0] and probs[1, 0, 1:].tolist() == [0.0, 0.0]  # padding
+    # entries attended besides the own, over (row, KV head): 0-3, 8-12 | 4-7, 12 |
+    # 0-3, 8 | 4-8; and the rows' context tokens
+    assert case.layer.stats.tolist() == [9 + 5 + 5 + 5, 13 + 9]
+
+
+def test_select_all_equals_dense_attention():
+    case = _Case()
+    for row, context in enumerate([13, 9]):
+        case.write(row, context)
+    everything = _positions([[list(range(13))] * 2, [list(range(9)) + [-1] * 4] * 2])
+    query, out = _decode(case, everything, [13, 9])
+    dense = case.path.attend_dense(case.layer, case.rows([13, 9]), query, None)
+    torch.testing.assert_close(out, dense)
+    every_block = [[list(range(4))] * 2, [list(range(3))] * 2]
+    torch.testing.assert_close(dense, case.oracle(query, [13, 9], every_block))
+
+
+def test_a_repeated_selection_hits_the_cache_and_only_missing_blocks_are_gathered(monkeypatch):
+    gathered = []
+    original = kernels.gather_units
+
+    def spy(pool, cache, units, slots, count):
+        gathered.append(sorted(units[: int(count[0])].tolist()))
+        original(pool, cache, units, slots, count)
+
+    monkeypatch.setattr(cuda_data_path.kernels, "gather_units", spy)
+    case = _Case()
+    case.write(0, 13)
+    positions = _positions([[[1, 9], [5]]])  # blocks 0, 2 | 1; own block 3
+    _decode(case, positions, [13])
+    # pool unit = block id * H_kv + head; row 0's blocks 0..3 are ids 3, 7, 1, 9
+    assert gathered == [[2, 6, 15, 18, 19]]  # head 0: ids 1, 3, 9; head 1: ids 7, 9
+    assert case.path.take_stats() == {"cache_hits.2": 0, "cache_misses.2": 5,
+                                      "pcie_bytes.2": 5 * UNIT_BYTES}
+    query, out = _decode(case, positions, [13])  # the same selection again
+    assert gathered[1:] == [[]]
+    assert case.path.take_stats() == {"cache_hits.2": 5, "cache_misses.2": 0,
+                                      "pcie_bytes.2": 0}
+    torch.testing.assert_close(out, case.oracle(query, [13], [[[0, 2, 3], [1, 3]]]))
+    query, out = _decode(case, _positions([[[1, 9], [5, 2]]]), [13])  # head 1 adds block 0
+    assert gathered[2:] == [[7]]  # id 3, head 1
+    assert case.path.take_stats()["cache_misses.2"] == 1
+    torch.testing.assert_close(out, case.oracle(query, [13], [[[0, 2, 3], [0, 1, 3]]]))
+
+
+def test_a_token_written_after_its_block_was_fetched_reaches_the_cached_copy():
+    """Layer i fetches layer i+1's blocks before layer i+1 writes the step's token:
+    a hit on the own block must still see the new token."""
+    case = _Case()
+    case.write(0, 9)
+    positions = _positions([[[1], [5]]])
+    _decode(case, positions, [9])  # own block 2 now cached, holding token 9 only
+    query, out = _decode(case, positions, [10])  # a hit: token 10 arrives after the fetch
+    assert case.path.take_stats()["cache_hits.2"] == 4
+    torch.testing.assert_close(out, case.oracle(query, [10], [[[0, 2], [1, 2]]]))
+
+
+def test_release_drops_a_finished_requests_blocks_and_they_are_fetched_again():
+    case = _Case()
+    case.write(0, 13)
+    positions = _positions([[[1, 9], [5]]])
+    _decode(case, positions, [13])
+    case.path.take_stats()
+    case.path.release_blocks(case.table[0].tolist())
+    cache = case.path._layers[2].cache
+    assert (cache.block_of == -1).all() and (cache.slot_of == -1).all()
+    _decode(case, positions, [13])
+    assert case.path.take_stats()["cache_misses.2"] == 5
+
+
+def test_a_step_wider_than_the_cache_is_refused():
+    case = _Case(slots_per_head=3)
+    case.write(0, 13)
+    with pytest.raises(ValueError, match="slots per head"):
+        case.path.start_fetch(case.layer, case.rows([13]), _positions([[[1, 5, 9], [0]]]),
+                              None)
+
+
+def test_writes_land_in_the_host_pool_and_the_device_speculation_keys():
+    """Against the CPU platform's compiled kernels, written from the same tokens
+    (the int keys need 16-token groups: test_cuda_writes.py)."""
+    case, cpu, reference = _Case(), CpuDataPath("in-place"), _layer()
+    reference.skew = case.layer.skew
+    cpu.allocate(reference, _plan(), NUM_BLOCKS, torch.float32)
+    for row, upto in ((0, 13), (1, 16)):
+        case.write(row, upto)
+        slots = torch.tensor([case.slot(row, p) for p in range(upto)])
+        cpu.write(reference, case.keys[row, :upto], case.values[row, :upto], slots, None)
+    assert torch.equal(case.layer.kv_pool, reference.kv_pool)
+    assert case.layer.kv_pool.abs().sum() > 0
+    torch.testing.assert_close(case.layer.partial_keys, reference.partial_keys)
+    assert case.layer.partial_keys.abs().sum() > 0
+
+
+def test_prompt_rows_attend_as_the_cpu_platform():
+    case, cpu, reference = _Case(), CpuDataPath("in-place"), _layer()
+    cpu.allocate(reference, _plan(), NUM_BLOCKS, torch.float32)
+    config = InfiniGenConfig(alpha=1.0, min_context=0)
+    # request 0 decodes at position 6; request 1's prompt chunk is positions 3..9
+    metadata = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 8]),
+                               seq_lens=torch.tensor([7, 10]), block_table=case.table)
+    plan = build_plan(metadata, config, BLOCK, lambda n: torch.tensor([3, 10]))
+    for row, upto in ((0, 7), (1, 10)):
+        case.write(row, upto)
+        slots = torch.tensor([case.slot(row, p) for p in range(upto)])
+        cpu.write(reference, case.keys[row, :upto], case.values[row, :upto], slots, None)
+    query = torch.randn(8, HEADS, DIM)
+    got, expected = torch.zeros_like(query), torch.zeros_like(query)
+    case.path.attend_prompt(case.layer, plan, query, got, None)
+    cpu.attend_prompt(reference, plan, query, expected, None)
+    torch.testing.assert_close(got, expected)
+    assert got[1:].abs().sum() > 0 and got[0].abs().sum() == 0  # the decode row untouched
+
+
+def test_a_capped_pool_is_refused_naming_the_flag():
+    path = CudaDataPath("cpu", 4)
+    capped = PoolPlan(num_rows=8, num_slots=NUM_BLOCKS * BLOCK, block_size=BLOCK,
+                      num_bytes=0, sized_by="")
+    with pytest.raises(ValueError, match="--infinigen-cpu-pool-gib"):
+        path.allocate(_layer(), capped, NUM_BLOCKS, torch.float32)

@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA worker imports on the CPU build, and splits vLLM's GPU grant exactly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.platforms import WORKERS
+from vllm_infinigen.platforms.cuda import memory
+
+
+def test_the_worker_imports_on_the_cpu_build_and_mixes_infinigen_in_first():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_infinigen.platforms.cuda.worker import InfiniGenCUDAWorker
+    from vllm_infinigen.worker.base import InfiniGenWorkerMixin
+
+    assert InfiniGenCUDAWorker.__mro__[1:3] == (InfiniGenWorkerMixin, Worker)
+    assert not torch.cuda.is_available()
+    assert "cuda" not in WORKERS  # docs/design.md, "Where CUDA goes": what remains
+
+
+def test_cache_slots_cover_the_widest_step_times_the_reuse_factor():
+    # 100 tokens at budget 0.1, a window of 4: 10 + 4 + 1 own = 15 blocks, but a row has 8
+    assert memory.cache_slots_per_head(max_num_seqs=3, max_model_len=100, block_size=16,
+                                       budget=0.1, window_tokens=4, reuse=2) == 3 * 8
+    # 1000 tokens at budget 0.02: 20 + 4 + 1 = 25 blocks, twice: 50 of the row's 64
+    assert memory.cache_slots_per_head(max_num_seqs=2, max_model_len=1000, block_size=16,
+                                       budget=0.02, window_tokens=4, reuse=2) == 2 * 50
+
+
+def test_the_grant_keeps_the_cache_and_splits_the_rest_by_block_costs():
+    split = memory.split_device_grant(10_000, pages=60, speculation=20, cache=2_000)
+    assert split == memory.DeviceSplit(kv_space=6_000, speculation=2_000, cache=2_000)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        memory.split_device_grant(2_050, pages=60, speculation=20, cache=2_000)
+
+
+def test_the_worker_split_counts_speculation_keys_cache_and_vllm_pages():
+    from vllm_infinigen.platforms.cuda.worker import InfiniGenCUDAWorker
+
+    layout = ModelLayout("llama", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                         dense_layers=2, partial_ratio=0.25)
+    worker = SimpleNamespace(
+        infinigen=SimpleNamespace(layout=layout, dtype_bytes=2),
+        cache_config=SimpleNamespace(block_size=16),
+        infinigen_runtime=SimpleNamespace(sparse_layers=[SimpleNamespace(num_kv_heads=2)],
+                                          data_path=SimpleNamespace(slots_per_head=5)))
+    kv_space, budget, sized_by = InfiniGenCUDAWorker.split_memory(worker, 1 << 20)
+    cache = 2 * ((2 * 5 + 1) * 16 * 2 * 8 * 2 + 2 * 6 * 24)  # 2 sparse layers
+    pages = layout.group_size * 16 * layout.kv_bytes_per_token_layer(2, 2)
+    speculation = 16 * layout.partial_bytes_per_token(2, 2) + 2 * 2 * 4
+    assert kv_space == ((1 << 20) - cache) * pages // (pages + speculation)
+    assert budget is None and "host memory" in sized_by

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA worker: how vLLM's GPU grant is split between its KV space, the
+speculation keys and the device block cache (the pool is host memory, planned
+by ``vllm_infinigen.memory.plan_pool``).
+
+    GPU grant  = vLLM's blocks (dense layers)          per block id
+               + speculation keys of the sparse layers  per block id
+               + device block cache                    fixed: layers x H_kv x slots
+    host       = the pool, a row per slot of the dense group (uncapped: the
+                 cache names blocks by id, ``platforms/cuda/__init__.py``)
+
+The cache must hold one step's widest selection (``DeviceBlockCache.lookup``
+refuses more); beyond that, slots keep blocks for reuse in later steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Slots per head as a multiple of the widest step's blocks: replaying selections
+# recorded on two trained models, lru with 1.5x-2x the widest step hit within
+# 0.4-1.6 points of the artifact's counter rule (benchmarks/results/selection_reuse.md).
+REUSE_FACTOR = 2
+# Bookkeeping bytes of the cache per (layer, KV head, slot) and per (layer, KV
+# head, block id) (``DeviceBlockCache``'s memory note).
+SLOT_BOOKKEEPING_BYTES, BLOCK_BOOKKEEPING_BYTES = 24, 4
+
+
+def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: int,
+                         budget: float, window_tokens: int,
+                         reuse: float = REUSE_FACTOR) -> int:
+    """Slots per (sparse layer, KV head) of the device block cache.
+
+    A row selecting ``budget x context + window`` tokens touches at most that
+    many blocks plus its own (each token in its own block), and never more
+    than its blocks; ``reuse`` times that per row, for every running row.
+
+    Args:
+        budget: ``--infinigen-budget`` at start-up (a later, larger budget
+            may outgrow the cache: ``lookup`` refuses it with a message).
+        window_tokens: ``--infinigen-sink-tokens`` + ``--infinigen-recent-tokens``.
+    """
+    row_blocks = -(-max_model_len // block_size) + 1
+    widest = min(row_blocks, math.ceil(budget * max_model_len) + window_tokens + 1)
+    return max_num_seqs * min(row_blocks, math.ceil(widest * reuse))
+
+
+def cache_bytes(*, num_sparse: int, kv_heads: int, slots_per_head: int, block_size: int,
+                head_size: int, dtype_bytes: int) -> int:
+    """Device bytes of every sparse layer's cache units (scratch included) and
+    per-slot bookkeeping."""
+    unit = block_size * 2 * head_size * dtype_bytes
+    per_layer = (kv_heads * slots_per_head + 1) * unit
+    return num_sparse * (per_layer + kv_heads * (slots_per_head + 1) * SLOT_BOOKKEEPING_BYTES)
+
+
+@dataclass(frozen=True)
+class DeviceSplit:
+    """What the worker tells vLLM, and what InfiniGen keeps beside it."""
+
+    kv_space: int  # bytes for vLLM's blocks (``determine_available_memory``)
+    speculation: int  # bytes of speculation keys (and cache lookup tables) beside them
+    cache: int  # bytes of the device block cache
+
+
+def split_device_grant(granted: int, *, pages: int, speculation: int,
+                       cache: int) -> DeviceSplit:
+    """Splits vLLM's GPU grant.
+
+    Args:
+        granted: vLLM's own KV size for this worker.
+        pages: Bytes of vLLM's pages per block id (every layer of a group).
+        speculation: Bytes of every sparse layer's speculation keys (and the
+            cache's per-block lookup) per block id.
+        cache: Bytes of the device block cache (``cache_bytes``).
+
+    Raises:
+        ValueError: When the cache leaves nothing for vLLM's blocks, naming
+            the flags that change it.
+    """
+    rest = granted - cache
+    if rest < pages + speculation:
+        raise ValueError(
+            f"InfiniGen's device block cache needs {cache / 2**30:.3f} GiB of the "
+            f"{granted / 2**30:.3f} GiB KV space, leaving no room for one block; raise "
+            "--gpu-memory-utilization, or lower --max-num-seqs, --max-model-len or "
+            "--infinigen-budget")
+    kv_space = rest * pages // (pages + speculation)
+    return DeviceSplit(kv_space, rest - kv_space, cache)
