@@ -85,9 +85,9 @@ ENGINES = {
     "copy": {"kv_manager": "infinigen", "infinigen": {"transfer": "copy"}},
     # In place with a capped pool (--cpu-pool-gib): the cap's bookkeeping cost.
     "capped": {"kv_manager": "infinigen", "infinigen": {"transfer": "in-place"}},
-    # In place with the paper's partial keys instead of the default int keys.
-    "partial-keys": {"kv_manager": "infinigen",
-                     "infinigen": {"transfer": "in-place", "speculation_keys": "partial"}},
+    # In place with the int speculation keys instead of the default partial keys.
+    "int-keys": {"kv_manager": "infinigen",
+                 "infinigen": {"transfer": "in-place", "speculation_keys": "int"}},
 }
 # Order of the policies inside one window (see the module docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")

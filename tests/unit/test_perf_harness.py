@@ -20,6 +20,7 @@ from benchmarks.harness import models, paths
 from benchmarks.perf import (bandwidth, decode_latency, decode_report, gpu_projection, kv_math,
                              latency_stats, machine, memory_pressure)
 from vllm_infinigen import layout
+from vllm_infinigen.config import InfiniGenConfig
 
 SHAPE = kv_math.ModelShape(layers=6, kv_heads=8, head_dim=32, dtype_bytes=4)
 
@@ -83,27 +84,29 @@ def test_sparse_step_bytes_from_counters():
 
 def test_int_keys_count_their_codes_and_scales():
     """The default int keys: head_dim x bits / 8 + 2 B per channel per 16 tokens."""
-    assert kv_math.DEFAULT_KEYS == "int"
-    assert kv_math.speculation_key_bytes(SHAPE) == pytest.approx(32 * 4 / 8 + 32 * 2 / 16)
+    assert kv_math.DEFAULT_KEYS == InfiniGenConfig.speculation_keys
+    assert kv_math.speculation_key_bytes(SHAPE, 0.2, "int") == pytest.approx(32 * 4 / 8 + 32 * 2 / 16)
     bf16 = kv_math.ModelShape(layers=6, kv_heads=8, head_dim=128, dtype_bytes=2)
-    assert kv_math.speculation_key_bytes(bf16) == pytest.approx(128 * 2 / 8 + 128 * 2 / 16)
+    assert kv_math.speculation_key_bytes(bf16, 0.2, "int") == pytest.approx(
+        128 * 2 / 8 + 128 * 2 / 16)
     assert kv_math.speculation_key_bytes(bf16, 0.2, "partial") == 25 * 2
     # Ideal of a sparse layer: 20 B of 256 B of K+V per KV head, plus the budget.
-    assert kv_math.ideal_sparse_fraction("infinigen", 0.2, shape=SHAPE) == pytest.approx(
-        0.2 + 20 / 256)
-    with pytest.raises(ValueError):
-        kv_math.ideal_sparse_fraction("infinigen", 0.2)  # the int keys' bytes need the shape
+    assert kv_math.ideal_sparse_fraction("infinigen", 0.2, shape=SHAPE,
+                                         speculation_keys="int") == pytest.approx(0.2 + 20 / 256)
+    with pytest.raises(ValueError):  # the int keys' bytes need the shape
+        kv_math.ideal_sparse_fraction("infinigen", 0.2, speculation_keys="int")
     counters = {"candidate_tokens": 4000.0, "swap_bytes": 0.0}
-    step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, 1)
+    step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, 1,
+                                     speculation_keys="int")
     assert step.metadata == pytest.approx(4000 * 8 * 20)  # every candidate's int keys
 
 
 def test_decode_benchmark_engines_name_their_keys():
     assert decode_latency.speculation_keys("in-place") == kv_math.DEFAULT_KEYS
-    assert decode_latency.speculation_keys("partial-keys") == "partial"
+    assert decode_latency.speculation_keys("int-keys") == "int"
     assert decode_latency.speculation_keys("dense") == kv_math.DEFAULT_KEYS
     args = SimpleNamespace(budget=0.2, dense_layers=2, partial_ratio=0.2)
-    assert decode_latency.infinigen_settings("partial-keys", args)["speculation_keys"] == "partial"
+    assert decode_latency.infinigen_settings("int-keys", args)["speculation_keys"] == "int"
     assert "speculation_keys" not in decode_latency.infinigen_settings("in-place", args)
 
 
@@ -132,9 +135,10 @@ def test_kv_space_holds_the_tokens_for_each_manager():
     infinigen = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0,
                                        speculation_keys="partial")
     assert infinigen == tokens * (2 * 2048 + 4 * 8 * 6 * 4)
-    # The int keys (the default): 32 channels x 4 bits + a float16 scale per
-    # channel and 16 tokens = 20 B per token and KV head.
-    int_keys = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0)
+    # The int keys: 32 channels x 4 bits + a float16 scale per channel and 16
+    # tokens = 20 B per token and KV head.
+    int_keys = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0,
+                                      speculation_keys="int")
     assert int_keys == tokens * (2 * 2048 + 4 * 8 * 20)
     assert kv_math.kv_space_bytes(SHAPE, tokens, "vllm") > dense  # margin
     with pytest.raises(ValueError):

@@ -13,6 +13,10 @@
 // tokens from the full keys in the pool.
 #include <cstring>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include "ops.h"
 
 namespace infinigen {
@@ -20,8 +24,64 @@ namespace {
 
 constexpr int64_t kGroupTokens = 16;
 static_assert(kGroupTokens % kVecSize == 0, "a group is whole vectors");
+constexpr int64_t kGroupVecs = kGroupTokens / kVecSize;
 
 inline float half_range(int64_t bits) { return 0.5f * static_cast<float>((1 << bits) - 1); }
+
+// One channel's 16 codes of a group as floats, in "phase-major" order: with
+// P = 8 / bits codes per byte and L = 2 * bits bytes, position k = p * L + i
+// holds the code of token i * P + p (byte i, bits [bits * p, bits * p + bits)).
+// Constant bits let the compiler vectorize it; ``token_of`` maps back.
+template <int kBits>
+inline void unpack_phase_major(const uint8_t* row, float* out) {
+  constexpr int kPhases = 8 / kBits, kBytes = 2 * kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+  for (int p = 0; p < kPhases; ++p)
+    for (int i = 0; i < kBytes; ++i)
+      out[p * kBytes + i] = static_cast<float>((static_cast<uint32_t>(row[i]) >> (kBits * p)) & kMask);
+}
+
+// Token of phase-major position k (``unpack_phase_major``); identity when bits
+// do not divide 8 (the generic unpack keeps token order).
+inline int64_t token_of(int64_t k, int64_t bits) {
+  if (8 % bits != 0) return k;
+  const int64_t bytes = 2 * bits, phases = 8 / bits;
+  return (k % bytes) * phases + k / bytes;
+}
+
+inline void unpack_codes(const uint8_t* row, int64_t bits, float* out) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if (bits == 4) {  // 8 bytes: low nibbles are positions 0-7, high nibbles 8-15
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+    _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))));
+    _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)));
+    return;
+  }
+  if (bits == 2) {  // 4 bytes, 4 phases of 4 positions
+    int32_t word;
+    std::memcpy(&word, row, 4);
+    const __m128i wide = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+    const __m128i mask = _mm_set1_epi32(3);
+    _mm_storeu_ps(out, _mm_cvtepi32_ps(_mm_and_si128(wide, mask)));
+    _mm_storeu_ps(out + 4, _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(wide, 2), mask)));
+    _mm_storeu_ps(out + 8, _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(wide, 4), mask)));
+    _mm_storeu_ps(out + 12, _mm_cvtepi32_ps(_mm_srli_epi32(wide, 6)));
+    return;
+  }
+#endif
+  switch (bits) {
+    case 4: return unpack_phase_major<4>(row, out);
+    case 2: return unpack_phase_major<2>(row, out);
+    case 1: return unpack_phase_major<1>(row, out);
+    default: {
+      uint64_t word = 0;
+      std::memcpy(&word, row, 2 * bits);
+      const uint64_t mask = (uint64_t{1} << bits) - 1;
+      for (int64_t t = 0; t < kGroupTokens; ++t)
+        out[t] = static_cast<float>((word >> (bits * t)) & mask);
+    }
+  }
+}
 
 }  // namespace
 
@@ -131,7 +191,6 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
   const uint8_t* code_data = codes.data_ptr<uint8_t>();
   const at::Half* scale_data = scales.data_ptr<at::Half>();
   const float scale_f = static_cast<float>(scale), half = half_range(bits);
-  const uint64_t mask = (uint64_t{1} << bits) - 1;
 
   // Pass 1: scores, group by group: complete groups from the codes, the open
   // group (the row's context ends inside it) from the full keys in the pool.
@@ -139,8 +198,8 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
     const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
     at::parallel_for(0, num_rows * num_blocks_max, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> weights(query_group * head_size), offsets(query_group);
-      std::vector<float> acc(query_group * kGroupTokens);
-      alignas(64) float unpacked[kGroupTokens];
+      std::vector<float> acc(query_group * kGroupTokens), step_scale(head_size);
+      std::vector<float> unpacked(head_size * kGroupTokens);  // [D, 16] phase-major
       for (int64_t index = begin; index < end; ++index) {
         const int64_t b = index / num_blocks_max, j = index % num_blocks_max;
         const int64_t n = lens[b], start = j * block_size;
@@ -175,33 +234,52 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
             const int64_t cell = (block_id * num_heads + h) * groups + group;
             const at::Half* s = scale_data + cell * head_size;
             const uint8_t* rows = code_data + cell * head_size * 2 * bits;
+            int64_t c = 0;  // the group's scales as floats, once for every query head
+            for (; c + kVecSize <= head_size; c += kVecSize)
+              load_float<at::Half>(s + c).store(step_scale.data() + c);
+            for (; c < head_size; ++c) step_scale[c] = static_cast<float>(s[c]);
             for (int64_t g = 0; g < query_group; ++g) {
+              const float* qg = q + g * head_size;
+              float* w = weights.data() + g * head_size;
               float total = 0.f;
-              for (int64_t c = 0; c < head_size; ++c) {
-                const float w = q[g * head_size + c] * static_cast<float>(s[c]);
-                weights[g * head_size + c] = w;
-                total += w;
+              for (int64_t d = 0; d < head_size; ++d) {
+                w[d] = qg[d] * step_scale[d];
+                total += w[d];
               }
               offsets[g] = half * total;
             }
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t c = 0; c < head_size; ++c) {
-              uint64_t word = 0;
-              std::memcpy(&word, rows + c * 2 * bits, 2 * bits);
-              for (int64_t t = 0; t < kGroupTokens; ++t)
-                unpacked[t] = static_cast<float>((word >> (bits * t)) & mask);
-              for (int64_t g = 0; g < query_group; ++g) {
-                const fVec w(weights[g * head_size + c]);
-                float* a = acc.data() + g * kGroupTokens;
-                for (int64_t t = 0; t < kGroupTokens; t += kVecSize)
-                  at::vec::fmadd(w, fVec::loadu(unpacked + t), fVec::loadu(a + t)).store(a + t);
+            // Every channel's codes once, then each query head's dot products
+            // with its accumulators in registers (two chains: even, odd channels).
+            for (int64_t d = 0; d < head_size; ++d)
+              unpack_codes(rows + d * 2 * bits, bits, unpacked.data() + d * kGroupTokens);
+            for (int64_t g = 0; g < query_group; ++g) {
+              const float* w = weights.data() + g * head_size;
+              fVec even[kGroupVecs], odd[kGroupVecs];
+              for (int64_t v = 0; v < kGroupVecs; ++v) even[v] = odd[v] = fVec(0.f);
+              int64_t d = 0;
+              for (; d + 1 < head_size; d += 2) {
+                const fVec w0(w[d]), w1(w[d + 1]);
+                const float* u0 = unpacked.data() + d * kGroupTokens;
+                const float* u1 = u0 + kGroupTokens;
+                for (int64_t v = 0; v < kGroupVecs; ++v) {
+                  even[v] = at::vec::fmadd(w0, fVec::loadu(u0 + v * kVecSize), even[v]);
+                  odd[v] = at::vec::fmadd(w1, fVec::loadu(u1 + v * kVecSize), odd[v]);
+                }
               }
+              if (d < head_size) {
+                const fVec w0(w[d]);
+                const float* u0 = unpacked.data() + d * kGroupTokens;
+                for (int64_t v = 0; v < kGroupVecs; ++v)
+                  even[v] = at::vec::fmadd(w0, fVec::loadu(u0 + v * kVecSize), even[v]);
+              }
+              for (int64_t v = 0; v < kGroupVecs; ++v)
+                (even[v] + odd[v]).store(acc.data() + g * kGroupTokens + v * kVecSize);
             }
-            for (int64_t t = 0; t < kGroupTokens; ++t) {
+            for (int64_t k = 0; k < kGroupTokens; ++k) {
               float best = kNegInf;
               for (int64_t g = 0; g < query_group; ++g)
-                best = std::max(best, acc[g * kGroupTokens + t] - offsets[g]);
-              dst[t] = best * scale_f;
+                best = std::max(best, acc[g * kGroupTokens + k] - offsets[g]);
+              dst[token_of(k, bits)] = best * scale_f;
             }
             if (row_map.has_value()) {  // evicted entries are never selected
               for (int64_t t = 0; t < kGroupTokens; ++t)
