@@ -8,10 +8,10 @@ the platform's data path allocates and writes (``data_path.py``)::
     kv_pool       [units, H_kv, block_size, 2 * D]   host pool; a token's K | V
                                                      side by side in one row
     speculation keys, on the device, scored by the layer before (or the layer):
-      int (default, no skew)
+      int (no skew)
         key_codes   [num_blocks, H_kv, G, D, 2 * bits] uint8   G = block_size / 16
         key_scales  [num_blocks, H_kv, G, D] float16
-      partial (``skew`` set)
+      partial (the default; ``skew`` set)
         partial_keys  [num_blocks, H_kv, R, block_size]  skewed, channel-major
 
 Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
