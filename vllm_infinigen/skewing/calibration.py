@@ -188,7 +188,7 @@ MAX_UNKNOWN_SHARE = 0.5
 CALIBRATION_HINT = (
     "give text the model's tokenizer reads with `vllm-infinigen prepare MODEL "
     "--calibration-text FILE_OR_DIR --out SKEW` and --infinigen-skew-file SKEW, or "
-    "use --infinigen-speculation-keys int (the default), which needs no calibration")
+    "use --infinigen-speculation-keys int, which needs no calibration")
 
 
 def check_calibration_tokens(tokenizer, chunks: Sequence[Sequence[int]], model_dir: str) -> int:
