@@ -427,7 +427,6 @@ def test_a_live_build_is_waited_for_not_broken(tmp_path):
     entering waits until it finishes and leaves its file alone meanwhile."""
     import subprocess
     import sys
-    import time
 
     build_dir = tmp_path / "vllm_infinigen_C_avx2-0123456789ab"
     build_dir.mkdir()
