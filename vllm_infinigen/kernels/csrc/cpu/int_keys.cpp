@@ -83,6 +83,45 @@ inline void unpack_codes(const uint8_t* row, int64_t bits, float* out) {
   }
 }
 
+// best[k] = max over query heads g0 .. g0 + kG of sum_d weights[g, d] *
+// code[d, k] - offsets[g], for the 16 unpacked positions k of one group:
+// each channel's codes are unpacked once and feed kG query heads'
+// accumulators in registers.
+template <int kG>
+inline void group_scores(const uint8_t* rows, int64_t bits, int64_t head_size,
+                         const float* weights, const float* offsets, int64_t g0,
+                         fVec (&best)[kGroupVecs]) {
+  fVec acc[kG][kGroupVecs];
+  for (int i = 0; i < kG; ++i)
+    for (int64_t v = 0; v < kGroupVecs; ++v) acc[i][v] = fVec(0.f);
+  alignas(64) float codes[kGroupTokens];
+  for (int64_t d = 0; d < head_size; ++d) {
+    fVec unpacked[kGroupVecs];
+#if defined(CPU_CAPABILITY_AVX2)
+    if (bits == 4) {  // in registers: low nibbles are positions 0-7, high 8-15
+      const __m256i wide = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + d * 8)));
+      unpacked[0] = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))));
+      unpacked[1] = fVec(_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)));
+    } else
+#endif
+    {
+      unpack_codes(rows + d * 2 * bits, bits, codes);
+      for (int64_t v = 0; v < kGroupVecs; ++v) unpacked[v] = fVec::loadu(codes + v * kVecSize);
+    }
+    for (int i = 0; i < kG; ++i) {
+      const fVec weight(weights[(g0 + i) * head_size + d]);
+      for (int64_t v = 0; v < kGroupVecs; ++v)
+        acc[i][v] = at::vec::fmadd(weight, unpacked[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < kG; ++i) {
+    const fVec offset(offsets[g0 + i]);
+    for (int64_t v = 0; v < kGroupVecs; ++v)
+      best[v] = at::vec::maximum(best[v], acc[i][v] - offset);
+  }
+}
+
 }  // namespace
 
 void write_int_keys(at::Tensor& codes, at::Tensor& scales, const at::Tensor& kv_pool,
@@ -191,6 +230,8 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
   const uint8_t* code_data = codes.data_ptr<uint8_t>();
   const at::Half* scale_data = scales.data_ptr<at::Half>();
   const float scale_f = static_cast<float>(scale), half = half_range(bits);
+  int64_t order[kGroupTokens];  // token of each unpacked position
+  for (int64_t k = 0; k < kGroupTokens; ++k) order[k] = token_of(k, bits);
 
   // Pass 1: scores, group by group: complete groups from the codes, the open
   // group (the row's context ends inside it) from the full keys in the pool.
@@ -198,8 +239,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
     const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
     at::parallel_for(0, num_rows * num_blocks_max, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> weights(query_group * head_size), offsets(query_group);
-      std::vector<float> acc(query_group * kGroupTokens), step_scale(head_size);
-      std::vector<float> unpacked(head_size * kGroupTokens);  // [D, 16] phase-major
+      std::vector<float> acc(kGroupTokens), step_scale(head_size);
       for (int64_t index = begin; index < end; ++index) {
         const int64_t b = index / num_blocks_max, j = index % num_blocks_max;
         const int64_t n = lens[b], start = j * block_size;
@@ -238,49 +278,38 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
             for (; c + kVecSize <= head_size; c += kVecSize)
               load_float<at::Half>(s + c).store(step_scale.data() + c);
             for (; c < head_size; ++c) step_scale[c] = static_cast<float>(s[c]);
+            // weights [G_q, D] = query * scale; the codes' offset half folds
+            // into one number per query head.
             for (int64_t g = 0; g < query_group; ++g) {
               const float* qg = q + g * head_size;
               float* w = weights.data() + g * head_size;
-              float total = 0.f;
-              for (int64_t d = 0; d < head_size; ++d) {
+              fVec sums(0.f);  // vector lanes: no serial chain of additions
+              int64_t d = 0;
+              for (; d + kVecSize <= head_size; d += kVecSize) {
+                const fVec product = fVec::loadu(qg + d) * fVec::loadu(step_scale.data() + d);
+                product.store(w + d);
+                sums = sums + product;
+              }
+              float total = at::vec::vec_reduce_all<float>(
+                  [](const fVec& x, const fVec& y) { return x + y; }, sums);
+              for (; d < head_size; ++d) {
                 w[d] = qg[d] * step_scale[d];
                 total += w[d];
               }
               offsets[g] = half * total;
             }
-            // Every channel's codes once, then each query head's dot products
-            // with its accumulators in registers (two chains: even, odd channels).
-            for (int64_t d = 0; d < head_size; ++d)
-              unpack_codes(rows + d * 2 * bits, bits, unpacked.data() + d * kGroupTokens);
-            for (int64_t g = 0; g < query_group; ++g) {
-              const float* w = weights.data() + g * head_size;
-              fVec even[kGroupVecs], odd[kGroupVecs];
-              for (int64_t v = 0; v < kGroupVecs; ++v) even[v] = odd[v] = fVec(0.f);
-              int64_t d = 0;
-              for (; d + 1 < head_size; d += 2) {
-                const fVec w0(w[d]), w1(w[d + 1]);
-                const float* u0 = unpacked.data() + d * kGroupTokens;
-                const float* u1 = u0 + kGroupTokens;
-                for (int64_t v = 0; v < kGroupVecs; ++v) {
-                  even[v] = at::vec::fmadd(w0, fVec::loadu(u0 + v * kVecSize), even[v]);
-                  odd[v] = at::vec::fmadd(w1, fVec::loadu(u1 + v * kVecSize), odd[v]);
-                }
-              }
-              if (d < head_size) {
-                const fVec w0(w[d]);
-                const float* u0 = unpacked.data() + d * kGroupTokens;
-                for (int64_t v = 0; v < kGroupVecs; ++v)
-                  even[v] = at::vec::fmadd(w0, fVec::loadu(u0 + v * kVecSize), even[v]);
-              }
-              for (int64_t v = 0; v < kGroupVecs; ++v)
-                (even[v] + odd[v]).store(acc.data() + g * kGroupTokens + v * kVecSize);
-            }
-            for (int64_t k = 0; k < kGroupTokens; ++k) {
-              float best = kNegInf;
-              for (int64_t g = 0; g < query_group; ++g)
-                best = std::max(best, acc[g * kGroupTokens + k] - offsets[g]);
-              dst[token_of(k, bits)] = best * scale_f;
-            }
+            fVec best[kGroupVecs];
+            for (int64_t v = 0; v < kGroupVecs; ++v) best[v] = fVec(kNegInf);
+            int64_t g = 0;
+            for (; g + 4 <= query_group; g += 4)
+              group_scores<4>(rows, bits, head_size, weights.data(), offsets.data(), g, best);
+            for (; g + 2 <= query_group; g += 2)
+              group_scores<2>(rows, bits, head_size, weights.data(), offsets.data(), g, best);
+            for (; g < query_group; ++g)
+              group_scores<1>(rows, bits, head_size, weights.data(), offsets.data(), g, best);
+            for (int64_t v = 0; v < kGroupVecs; ++v)
+              (best[v] * fVec(scale_f)).store(acc.data() + v * kVecSize);
+            for (int64_t k = 0; k < kGroupTokens; ++k) dst[order[k]] = acc[k];
             if (row_map.has_value()) {  // evicted entries are never selected
               for (int64_t t = 0; t < kGroupTokens; ++t)
                 if (layout.entry(block_id, h, group * kGroupTokens + t) < 0) dst[t] = kNegInf;
