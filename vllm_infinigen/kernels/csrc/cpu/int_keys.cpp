@@ -103,6 +103,15 @@ inline void group_scores(const uint8_t* rows, int64_t bits, int64_t head_size,
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + d * 8)));
       unpacked[0] = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))));
       unpacked[1] = fVec(_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)));
+    } else if (bits == 2) {  // 4 bytes, 4 phases of 4 positions
+      int32_t word;
+      std::memcpy(&word, rows + d * 4, 4);
+      const __m128i wide = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+      const __m256i mask = _mm256_set1_epi32(3);
+      unpacked[0] = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(
+          _mm256_set_m128i(_mm_srli_epi32(wide, 2), wide), mask)));
+      unpacked[1] = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(
+          _mm256_set_m128i(_mm_srli_epi32(wide, 6), _mm_srli_epi32(wide, 4)), mask)));
     } else
 #endif
     {
