@@ -109,11 +109,12 @@ class InfiniGenConfig:
         None, "Score margin (logits) under the best token within which tokens are "
         "counted as important (default: 4 without RoPE, 5 with RoPE).",
         check=_positive, runtime=True)
-    # What the speculation scores: the paper's partial keys, r of the skewed
-    # channels (partial), or every key channel in a few bits (int: more accurate
-    # on every model measured, slower to score on CPU; docs/measured.md).
+    # What the speculation scores: every key channel in a few bits (int: more
+    # accurate than the partial keys on every model and budget measured, at the
+    # same bytes per token, with no calibration; docs/measured.md), or the
+    # paper's partial keys, r of the skewed channels (partial).
     speculation_keys: str = setting(
-        "partial", "Keys the speculation scores: int (every key channel, 4 bits per token in "
+        "int", "Keys the speculation scores: int (every key channel, 4 bits per token in "
         "a float32 cache, 2 in a 16-bit one, one scale per channel and 16 tokens; needs no "
         "skew) or partial (the paper's partial keys: --infinigen-partial-ratio of the "
         "skewed channels, calibrated by a skew file).", choices=SPECULATION_KEYS)

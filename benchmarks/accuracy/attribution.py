@@ -26,7 +26,7 @@ and 2 dense layers. Each factor is then switched to InfiniGen's setting alone::
     (3) alpha count       same-layer      r = 1        alpha 5   2 dense
     (4) calibration       same-layer      r = 0.2      fixed k   2 dense   each text
     (5) dense layers      same-layer      r = 1        fixed k   each --dense-layers-factor
-    defaults              previous-layer  r 0.2        alpha 5   2 dense   (int keys beside)
+    defaults              previous-layer  int          alpha 5   2 dense   (r 0.2 beside)
 
 Tasks (``--tasks``): ``recall`` and ``recall-12l``, the answer accuracy of
 recall-llama-1k and recall-llama-12l on the same 1,024-token prompts (the
@@ -272,7 +272,7 @@ def follow_ups(task: Task, r: float | None, kind: str, setting: dict | None,
     ``r`` is the partial ratio, None for the int keys. Full keys, same-layer,
     alpha rule at density d < budget: fixed k at budget d (is the alpha count
     worse than keeping as many of the best?). Book task, previous-layer and
-    alpha with the int keys or the partial keys at the default (the defaults)
+    alpha with the int keys (the defaults) or the partial keys at the default
     r: the same at the artifact's density for the nominal budget.
     """
     if kind != "grid" or setting is None or rule_of(setting) != "alpha":

@@ -7,9 +7,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.harness import report
+from vllm_infinigen.config import InfiniGenConfig
 
 # Matches attribution.py (not imported: that module imports this one).
 FULL_KEYS, DEFAULT_RATIO = 1.0, 0.2
+# The engine's default speculation keys: its rows are labelled "defaults".
+DEFAULT_KEYS = InfiniGenConfig.speculation_keys
+INT_NAME = "defaults (int keys)" if DEFAULT_KEYS == "int" else "int keys"
+PARTIAL_NAME = (f"defaults (partial keys r {DEFAULT_RATIO:g})" if DEFAULT_KEYS == "partial"
+                else f"partial keys r {DEFAULT_RATIO:g}")
 # The select-all control must reproduce dense: same accuracy, perplexity within this.
 CONTROL_TOLERANCE = 1e-3
 TARGET = 0.95  # the issue's bar: 0.95x dense
@@ -52,10 +58,12 @@ def _rows(args) -> list[tuple[str, str, str, tuple]]:
     rows += [("(5) dense layers", f"same-layer, full keys, fixed k, {n} dense (not {dense})",
               f"(5) {n} dense", _partial(FULL_KEYS, "in-domain", n, "same-layer", "fixed-k"))
              for n in getattr(args, "dense_layers_factor", []) if n != dense]
-    rows.append(("int keys", "previous-layer, int keys, alpha 5", "int keys, alpha 5",
+    rows.append(("defaults" if DEFAULT_KEYS == "int" else "int keys",
+                 "previous-layer, int keys, alpha 5", f"{INT_NAME}, alpha 5",
                  _int(dense, "previous-layer", "alpha")))
-    rows += [("defaults", f"previous-layer, partial keys r {DEFAULT_RATIO:g}, alpha 5, {c} skew",
-              f"defaults, {c} text",
+    rows += [("defaults" if DEFAULT_KEYS == "partial" else "partial keys",
+              f"previous-layer, partial keys r {DEFAULT_RATIO:g}, alpha 5, {c} skew",
+              f"{PARTIAL_NAME}, {c} text",
               _partial(DEFAULT_RATIO, c, dense, "previous-layer", "alpha"))
              for c in args.calibration]
     return rows
@@ -161,9 +169,10 @@ def matched_table(task, results: Sequence[dict]) -> str | None:
             base_key = (*_key(r)[:4], "same-layer", "alpha", r["matched_budget"])
             what = "fixed k at the alpha rule's density (same-layer, full keys)"
         elif r.get("keys") == "int":
-            what = "int keys (previous-layer, alpha 5) at the artifact's density for this nominal budget"
+            what = (f"{INT_NAME} (previous-layer, alpha 5) at the artifact's density for "
+                    "this nominal budget")
         else:
-            what = (f"defaults ({r['calibration']} skew) at the artifact's density "
+            what = (f"{PARTIAL_NAME} ({r['calibration']} skew) at the artifact's density "
                     "for this nominal budget")
         base = grid[base_key]
         rows.append([what, f"{r['matched_budget']:g}", f"{base['value']:.3f}",
@@ -191,7 +200,7 @@ def acceptance_text(task, results: Sequence[dict], args, dense: float) -> str:
     below = []
     for factor, description, key in configurations(args):
         result = grid.get((*key, budget))
-        if result and factor not in ("defaults", "int keys"):
+        if result and factor not in ("defaults", "int keys", "partial keys"):
             q = quality(task, result["value"], dense)
             if q < TARGET:
                 below.append(f"{factor} ({description}): {q:.3f}x")
@@ -203,9 +212,15 @@ def acceptance_text(task, results: Sequence[dict], args, dense: float) -> str:
 def previous_layer_rows(args) -> list[tuple[str, tuple]]:
     """The previous-layer configurations compared at budget 0.1 (issue #24, acceptance 2)."""
     dense = args.dense_layers
-    return [(f"defaults: partial keys r {DEFAULT_RATIO:g}, in-domain skew, alpha 5",
-             _partial(DEFAULT_RATIO, "in-domain", dense, "previous-layer", "alpha")),
-            ("int keys, alpha 5", _int(dense, "previous-layer", "alpha")),
+    int_alpha = ("defaults: int keys, alpha 5" if DEFAULT_KEYS == "int" else "int keys, alpha 5",
+                 _int(dense, "previous-layer", "alpha"))
+    partial_alpha = ((f"defaults: partial keys r {DEFAULT_RATIO:g}, in-domain skew, alpha 5"
+                      if DEFAULT_KEYS == "partial"
+                      else f"partial keys r {DEFAULT_RATIO:g}, in-domain skew, alpha 5"),
+                     _partial(DEFAULT_RATIO, "in-domain", dense, "previous-layer", "alpha"))
+    first, second = (int_alpha, partial_alpha) if DEFAULT_KEYS == "int" else (partial_alpha,
+                                                                               int_alpha)
+    return [first, second,
             ("int keys, cap binding (fixed k)", _int(dense, "previous-layer", "fixed-k")),
             ("full keys (r 1), cap binding", _partial(FULL_KEYS, "in-domain", dense,
                                                       "previous-layer", "fixed-k")),
@@ -267,20 +282,19 @@ def previous_layer_section(task, results: Sequence[dict], args, dense: dict) -> 
 
 
 def perplexity_text(task, results: Sequence[dict], args, dense: float) -> str:
-    """Budget 0.2, previous-layer, alpha 5: the int keys beside the defaults (partial keys),
-    as perplexity ÷ dense (issue #24, acceptance 3)."""
+    """Budget 0.2, previous-layer, alpha 5: the int keys beside the partial keys at the
+    default r, as perplexity ÷ dense (issue #24, acceptance 3)."""
     if task.higher_is_better or PERPLEXITY_BUDGET not in args.budget:
         return ""
     grid = _grid(results, task.name)
-    default = grid.get((*_int(args.dense_layers, "previous-layer", "alpha"), PERPLEXITY_BUDGET))
+    int_keys = grid.get((*_int(args.dense_layers, "previous-layer", "alpha"), PERPLEXITY_BUDGET))
     partial = [(c, grid.get((*_partial(DEFAULT_RATIO, c, args.dense_layers, "previous-layer",
                                        "alpha"), PERPLEXITY_BUDGET))) for c in args.calibration]
-    if default is None:
+    if int_keys is None:
         return ""
     return (f"Perplexity ÷ dense at budget {PERPLEXITY_BUDGET:g} (previous-layer, alpha 5): "
-            f"int keys {default['value'] / dense:.3f}x "
-            f"(density {report.cell(default['density'], '.3f')}); defaults (partial keys r "
-            f"{DEFAULT_RATIO:g}): " + "; ".join(
+            f"{INT_NAME} {int_keys['value'] / dense:.3f}x "
+            f"(density {report.cell(int_keys['density'], '.3f')}); {PARTIAL_NAME}: " + "; ".join(
                 f"{c} skew {r['value'] / dense:.3f}x" for c, r in partial if r) + ".")
 
 

@@ -85,9 +85,11 @@ ENGINES = {
     "copy": {"kv_manager": "infinigen", "infinigen": {"transfer": "copy"}},
     # In place with a capped pool (--cpu-pool-gib): the cap's bookkeeping cost.
     "capped": {"kv_manager": "infinigen", "infinigen": {"transfer": "in-place"}},
-    # In place with the int speculation keys instead of the default partial keys.
+    # In place with the speculation keys named (the engine default is int).
     "int-keys": {"kv_manager": "infinigen",
                  "infinigen": {"transfer": "in-place", "speculation_keys": "int"}},
+    "partial-keys": {"kv_manager": "infinigen",
+                     "infinigen": {"transfer": "in-place", "speculation_keys": "partial"}},
 }
 # Order of the policies inside one window (see the module docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")

@@ -177,7 +177,7 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         f"- Model: {shape.layers} layers ({args.dense_layers} dense, {sparse} sparse), "
         f"{shape.kv_heads} KV heads x {shape.head_dim}, float32{weights}; budget "
         f"{args.budget}; speculation keys: the engine default ({kv_math.DEFAULT_KEYS}) "
-        f"unless the config names its keys (int-keys); partial: ratio {args.partial_ratio}, "
+        f"unless the config names its keys (int-keys, partial-keys); partial: ratio {args.partial_ratio}, "
         f"{rank} of {shape.head_dim} key channels, {rank / (2 * shape.head_dim):.4f} of K+V "
         f"against the nominal r/2 = {args.partial_ratio / 2}; int: every channel, "
         f"{int_fraction:.4f} of K+V with the scales; min_context "

@@ -194,18 +194,19 @@ def test_report_shows_int_keys_dense_layers_and_the_previous_layer_verdict():
     assert ("| (2) speculation keys | same-layer, int keys (every channel, 4 bits), fixed k "
             "| 1.000 | 1.000 | 1.000 | 0.100 |") in text
     assert "| (5) dense layers | same-layer, full keys, fixed k, 1 dense (not 2) | 0.990 |" in text
-    assert ("| int keys | previous-layer, int keys, alpha 5 | 0.690 | 0.690 | 0.600 "
+    assert ("| defaults | previous-layer, int keys, alpha 5 | 0.690 | 0.690 | 0.600 "
             "| 0.030 |") in text
     # Previous-layer at 0.1: accuracy, ÷ dense, first quarter, its ÷ dense, density, verdict.
-    assert "| int keys, alpha 5 | 0.690 | 0.690 | 0.600 | 0.600 | 0.030 | no |" in text
-    assert ("| defaults: partial keys r 0.2, in-domain skew, alpha 5 | 0.465 | 0.465 | 0.400 "
+    assert "| defaults: int keys, alpha 5 | 0.690 | 0.690 | 0.600 | 0.600 | 0.030 | no |" in text
+    assert ("| partial keys r 0.2, in-domain skew, alpha 5 | 0.465 | 0.465 | 0.400 "
             "| 0.400 | 0.050 | no |") in text
+    assert text.index("| defaults: int keys, alpha 5 |") < text.index("| partial keys r 0.2,")
     assert ("| int keys, cap binding (fixed k) | 1.000 | 1.000 | 1.000 | 1.000 | 0.100 "
             "| yes |") in text
     assert ("| r 0.2, in-domain skew, cap binding | 0.585 | 0.585 | 0.500 | 0.500 | 0.100 "
             "| no |") in text
     assert ("The defaults do not reach 0.95x dense overall and on first-quarter needles at "
-            "budget 0.1 (density 0.050 of the 0.1 cap). Reaching it: int keys, cap binding "
+            "budget 0.1 (density 0.030 of the 0.1 cap). Reaching it: int keys, cap binding "
             "(fixed k); full keys (r 1), cap binding.") in text
     assert ("| full keys (r 1), alpha 5 | 0.715 | 0.715 | 0.700 | 0.700 | 0.045 | no |") in text
     assert ("With alpha 5 even the full keys stay below it (0.715 at density 0.045): at the "
@@ -216,7 +217,7 @@ def test_report_shows_int_keys_dense_layers_and_the_previous_layer_verdict():
     assert "| recall-12l | refused |" not in text
 
 
-def test_book_report_puts_the_int_keys_beside_the_partial_default_at_02():
+def test_book_report_puts_the_int_keys_default_beside_the_partial_keys_at_02():
     book = Task("book", Path("gutenberg-llama-2k"), "perplexity", False, 1025)
     results = [result("dense", 100.0, task="book", keys=None, dense_layers=None),
                result("control", 100.0, 1.0, "in-domain", "previous-layer", "fixed-k", 1.0, 1.0,
@@ -229,8 +230,10 @@ def test_book_report_puts_the_int_keys_beside_the_partial_default_at_02():
     sections, control_ok = attribution_report.sections([book], results, args(budget=[0.2]))
     text = "\n".join(sections)
     assert control_ok
-    assert ("Perplexity ÷ dense at budget 0.2 (previous-layer, alpha 5): int keys "
-            "1.020x (density 0.199); defaults (partial keys r 0.2): in-domain skew 1.030x; "
+    assert ("Perplexity ÷ dense at budget 0.2 (previous-layer, alpha 5): defaults (int keys) "
+            "1.020x (density 0.199); partial keys r 0.2: in-domain skew 1.030x; "
             "book skew 1.040x.") in text
-    assert "| int keys | previous-layer, int keys, alpha 5 | 102.000 | 0.980 | 0.199 |" in text
+    assert "| defaults | previous-layer, int keys, alpha 5 | 102.000 | 0.980 | 0.199 |" in text
+    assert ("| partial keys | previous-layer, partial keys r 0.2, alpha 5, in-domain skew "
+            "| 103.000 |") in text
     assert "| factor | configuration | perplexity @ 0.2 | dense ÷ | density |" in text

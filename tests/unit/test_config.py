@@ -24,7 +24,7 @@ def test_defaults():
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
         "eval_dense_prefix": None, "min_context": DEFAULT_MIN_CONTEXT,
-        "speculation": "previous-layer", "speculation_keys": "partial",
+        "speculation": "previous-layer", "speculation_keys": "int",
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 
@@ -78,7 +78,7 @@ def test_a_skew_file_is_for_the_partial_keys(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(ValueError, match="--infinigen-skew-file applies to "
                        "--infinigen-speculation-keys partial"):
-        InfiniGenConfig(speculation_keys="int", skew_file=str(path))  # the int keys need none
+        InfiniGenConfig(skew_file=str(path))  # the int keys (default) need no skew
 
 
 @pytest.mark.parametrize(

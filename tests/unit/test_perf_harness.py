@@ -104,9 +104,11 @@ def test_int_keys_count_their_codes_and_scales():
 def test_decode_benchmark_engines_name_their_keys():
     assert decode_latency.speculation_keys("in-place") == kv_math.DEFAULT_KEYS
     assert decode_latency.speculation_keys("int-keys") == "int"
+    assert decode_latency.speculation_keys("partial-keys") == "partial"
     assert decode_latency.speculation_keys("dense") == kv_math.DEFAULT_KEYS
     args = SimpleNamespace(budget=0.2, dense_layers=2, partial_ratio=0.2)
     assert decode_latency.infinigen_settings("int-keys", args)["speculation_keys"] == "int"
+    assert decode_latency.infinigen_settings("partial-keys", args)["speculation_keys"] == "partial"
     assert "speculation_keys" not in decode_latency.infinigen_settings("in-place", args)
 
 
