@@ -147,3 +147,27 @@ def test_the_rule_needs_no_host_sync():
     tokens = rule.partial_token_scores(query, keys, table, scale=1.0)
     assert rule.block_scores(tokens, lens, BLOCK).shape == (2, 3, 8)
     assert rule.alpha_token_caps(tokens, lens, 5.0, lens).shape == (2,)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int_token_scores_equal_the_int_keys_reference(bits, dtype):
+    """The CUDA rule scores the int keys that the CPU kernels write as the
+    reference dequantizes them; the open group (not encoded yet) scores -inf."""
+    from tests.reference import int_keys as reference
+    from tests.unit.test_int_keys import BLOCK, Pool
+
+    pool = Pool(seed=3, bits=bits, dtype=dtype, num_kv_heads=2, head_size=32,
+                context_lens=[95, 16, 7, 64])
+    query = torch.randint(-3, 4, (4, 2, 3, 32), generator=torch.Generator().manual_seed(4)).float()
+    got = rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                pool.context_lens, scale=0.25)
+    assert got.shape == (4, 2, pool.block_table.shape[1] * BLOCK)
+    keys = reference.keys_for_scoring(pool.kv_pool, pool.codes, pool.scales, pool.block_table,
+                                      pool.context_lens)  # [S, N, H, D]
+    want = torch.einsum("shgd,snhd->shgn", query, keys).amax(dim=2) * 0.25
+    for row, context in enumerate(pool.context_lens.tolist()):
+        encoded = context // 16 * 16
+        assert torch.equal(got[row, :, :encoded], want[row, :, :encoded]), row
+        assert bool((got[row, :, encoded:] == float("-inf")).all()), row
+    assert (pool.context_lens % 16 != 0).any() and (pool.context_lens % 16 == 0).any()

@@ -7,7 +7,7 @@ Every module here imports on the CPU build; what needs CUDA refuses with a
 clear error without it, and each kernel has a pure-torch reference that runs
 anywhere (the CPU tests hold the kernels to them)::
 
-    block_selection.py  block scores from the partial keys, the block rule
+    block_selection.py  block scores from the int or the partial keys, the block rule
     block_cache.py      device block cache bookkeeping (admission, eviction,
                         release), the per-KV-head block table substitution
     kernels.py          gather of missing blocks, attention over cached

@@ -5,10 +5,12 @@ On a GPU the unit that crosses PCIe is one KV head's block (16 tokens x K|V:
 8 KiB in bf16 at D = 128; smaller units lose bandwidth, see
 shared/docs/GPU_DATA_PATH.md), so the rule keeps whole blocks::
 
-    partial_token_scores  speculated score of every context token (the paper's
-                          partial query x partial keys), best over the query
-                          heads of each KV head; reads today's partial-key
-                          layout and is the one function to swap when it changes
+    int_token_scores      speculated score of every context token from the int
+                          keys (the default: every channel in a few bits, one
+                          scale per channel and 16-token group), best over the
+                          query heads of each KV head
+    partial_token_scores  the same from the paper's partial query x partial keys
+                          (``--infinigen-speculation-keys partial``)
     block_scores          the best token score of each block
     select_blocks         per row: the budget in tokens rounded up to blocks,
                           plus the sink blocks and the recent blocks (the row's
@@ -28,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vllm_infinigen.layout import KEY_GROUP
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -50,14 +54,60 @@ def num_row_blocks(context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     return context_lens.to(torch.int64) // block_size + 1
 
 
+def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     block_table: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
+                     compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Speculated scores of the tokens of every block in the rows' tables, from
+    the int keys (the layout ``write_int_keys`` stores, CPU and CUDA alike).
+
+    Token t of a group's channel c holds code[c, t] in bits [bits * t, bits * t
+    + bits) of the channel's 2 * bits bytes; its key is (code - half) x
+    scale[c], half = (2^bits - 1) / 2. A row's open group (its context ends
+    inside it: not encoded yet) scores -inf: it lies in the row's own block,
+    which the block rule always keeps, so no score of it is needed there (the
+    alpha count leaves its at most 15 tokens out). This materializes the
+    dequantized keys of the rows' blocks: a reference and a fallback; a fused
+    kernel reads the codes in place.
+
+    Args:
+        query: [S, H_kv, G, D] the target layer's query (G query heads per KV head).
+        codes: [num_blocks, H_kv, block_size / 16, D, 2 * bits] uint8, bits 1, 2 or 4.
+        scales: [num_blocks, H_kv, block_size / 16, D] float16.
+        block_table: [S, MB] block ids of each row.
+        context_lens: [S] tokens before each row's own.
+        scale: The attention scale, so that scores are logits.
+        compute_dtype: Dtype of the keys and the product.
+
+    Returns:
+        [S, H_kv, MB * block_size] float32, token t of row s at index t.
+
+    Raises:
+        ValueError: If bits do not divide 8 (a code would straddle two bytes).
+    """
+    bits = codes.shape[-1] // 2
+    if bits not in (1, 2, 4):
+        raise ValueError(f"int keys of {bits} bits: 1, 2 or 4 are supported")
+    table = block_table.to(torch.int64)
+    per_byte = 8 // bits  # byte i holds tokens i * per_byte .. i * per_byte + per_byte - 1
+    shifts = bits * torch.arange(per_byte, device=codes.device, dtype=torch.uint8)
+    row_codes = codes[table]  # [S, MB, H_kv, G16, D, 2 * bits]
+    tokens = ((row_codes[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)  # [..., D, 16]
+    half = ((1 << bits) - 1) / 2
+    keys = (tokens.to(compute_dtype) - half) * scales[table].to(compute_dtype)[..., None]
+    scores = torch.einsum("shgd,smhjdt->shgmjt", query.to(compute_dtype), keys)
+    out = scores.amax(dim=2).flatten(2).float() * scale  # [S, H_kv, MB * block_size]
+    encoded = context_lens.to(torch.int64) // KEY_GROUP * KEY_GROUP
+    positions = torch.arange(out.shape[-1], device=out.device)
+    return out.masked_fill(positions[None, None, :] >= encoded[:, None, None], _NEG_INF)
+
+
 def partial_token_scores(partial_query: torch.Tensor, partial_keys: torch.Tensor,
                          block_table: torch.Tensor, *, scale: float,
                          compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Speculated scores of the tokens of every block in the rows' tables.
 
-    Today's layout: ``partial_keys [num_blocks, H_kv, R, block_size]``
-    (channel-major per block, ``worker/block_layout.py``). Swap this function
-    (or ``row_token_scores``'s input) when the layout changes.
+    Layout: ``partial_keys [num_blocks, H_kv, R, block_size]`` (channel-major
+    per block, ``worker/block_layout.py``).
 
     Args:
         partial_query: [S, H_kv, G, R] skewed partial queries (G query heads
@@ -100,7 +150,8 @@ def block_scores(token_scores: torch.Tensor, context_lens: torch.Tensor,
     a block without context tokens scores -inf.
 
     Args:
-        token_scores: [S, H_kv, MB * block_size] from ``partial_token_scores``.
+        token_scores: [S, H_kv, MB * block_size] from ``int_token_scores`` or
+            ``partial_token_scores``.
         context_lens: [S] tokens before each row's own.
     """
     num_rows, num_heads, num_tokens = token_scores.shape
