@@ -299,8 +299,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
                 product.store(w + d);
                 sums = sums + product;
               }
-              float total = at::vec::vec_reduce_all<float>(
-                  [](const fVec& x, const fVec& y) { return x + y; }, sums);
+              float total = sum_lanes(sums);
               for (; d < head_size; ++d) {
                 w[d] = qg[d] * step_scale[d];
                 total += w[d];

@@ -4,6 +4,10 @@
 // actually selected.
 #include <cstring>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include "ops.h"
 
 namespace infinigen {
@@ -16,6 +20,60 @@ inline uint32_t order_key(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The largest of s[0, n) (-inf when n is 0).
+inline float max_of(const float* s, int64_t n) {
+  float best = kNegInf;
+  int64_t t = 0;
+  if (n >= kVecSize) {
+    fVec lanes(kNegInf);
+    for (; t + kVecSize <= n; t += kVecSize) lanes = at::vec::maximum(lanes, fVec::loadu(s + t));
+    alignas(64) float values[kVecSize];
+    lanes.store(values);
+    for (int64_t i = 0; i < kVecSize; ++i) best = std::max(best, values[i]);
+  }
+  for (; t < n; ++t) best = std::max(best, s[t]);
+  return best;
+}
+
+// How many of s[0, n) are above `limit` (kAbove) or equal to it (kEqual).
+// Lanes count in floats: exact up to 2^24 per lane, far beyond any context.
+enum class Compare { kAbove, kEqual };
+template <Compare kHow>
+inline int64_t count_of(const float* s, int64_t n, float limit) {
+  const fVec bound(limit);
+  fVec lanes(0.f);
+  int64_t t = 0;
+  for (; t + kVecSize <= n; t += kVecSize) {
+    const fVec v = fVec::loadu(s + t);
+    lanes = lanes + (kHow == Compare::kAbove ? v.gt(bound) : v.eq(bound));  // 1 or 0
+  }
+  int64_t count = static_cast<int64_t>(sum_lanes(lanes));
+  for (; t < n; ++t) count += kHow == Compare::kAbove ? s[t] > limit : s[t] == limit;
+  return count;
+}
+
+// Appends to dst the positions t < n with s[t] > threshold, and the first
+// `ties` with s[t] == threshold, ascending; returns how many were written.
+inline int64_t take_top(const float* s, int64_t n, float threshold, int64_t ties,
+                        int32_t* dst) {
+  int64_t written = 0, t = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  const __m256 bound = _mm256_set1_ps(threshold);
+  for (; t + 8 <= n; t += 8) {  // most groups of 8 hold none: one compare skips them
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + t), bound, _CMP_GE_OQ));
+    while (mask) {
+      const int lane = __builtin_ctz(mask);
+      mask &= mask - 1;
+      if (s[t + lane] > threshold || ties-- > 0) dst[written++] = static_cast<int32_t>(t + lane);
+    }
+  }
+#endif
+  for (; t < n; ++t)
+    if (s[t] > threshold || (s[t] == threshold && ties-- > 0))
+      dst[written++] = static_cast<int32_t>(t);
+  return written;
 }
 
 // The k-th largest of the scores above -inf (1 <= k <= their number).
@@ -175,12 +233,8 @@ std::tuple<at::Tensor, at::Tensor> select_from_scores(float* scores, const int64
     for (int64_t index = begin; index < end; ++index) {
       const int64_t n = lens[index / num_heads];
       const float* s = scores + index * max_len;
-      float best = kNegInf;
-      for (int64_t t = 0; t < n; ++t) best = std::max(best, s[t]);
-      const float limit = best - static_cast<float>(alpha);
-      int64_t count = 0;
-      for (int64_t t = 0; t < n; ++t) count += s[t] > limit ? 1 : 0;
-      counts[index] = count;
+      const float limit = max_of(s, n) - static_cast<float>(alpha);
+      counts[index] = count_of<Compare::kAbove>(s, n, limit);
     }
   });
 
@@ -209,13 +263,12 @@ std::tuple<at::Tensor, at::Tensor> select_from_scores(float* scores, const int64
       const int64_t b = index / num_heads, n = lens[b];
       float* s = scores + index * max_len;
       int32_t* dst = pos + index * width;
-      int64_t candidates = 0;
-      for (int64_t t = 0; t < n; ++t) {
-        const bool in_window = t < sink_tokens || t >= n - recent_tokens;
-        if (s[t] == kNegInf) continue;  // absent: never selected, window or not
-        if (in_window) s[t] = kPosInf;
-        ++candidates;
-      }
+      // The window first (absent tokens, -inf, are never selected, window or not).
+      for (int64_t t = 0; t < std::min(sink_tokens, n); ++t)
+        if (s[t] != kNegInf) s[t] = kPosInf;
+      for (int64_t t = std::max<int64_t>(n - recent_tokens, 0); t < n; ++t)
+        if (s[t] != kNegInf) s[t] = kPosInf;
+      const int64_t candidates = n - count_of<Compare::kEqual>(s, n, kNegInf);
       const int64_t k = std::min(selected[b], candidates);
       if (k == 0) continue;
       int64_t written = 0;
@@ -225,13 +278,8 @@ std::tuple<at::Tensor, at::Tensor> select_from_scores(float* scores, const int64
         continue;
       }
       const float threshold = kth_largest(s, n, k, scratch);
-      int64_t above = 0;
-      for (int64_t t = 0; t < n; ++t) above += s[t] > threshold;
-      int64_t ties = k - above;  // taken at the threshold, in position order
-      for (int64_t t = 0; t < n; ++t) {
-        if (s[t] > threshold || (s[t] == threshold && ties-- > 0))
-          dst[written++] = static_cast<int32_t>(t);
-      }
+      // Ties at the threshold are taken in position order.
+      take_top(s, n, threshold, k - count_of<Compare::kAbove>(s, n, threshold), dst);
     }
   });
   return {positions, num_selected};
