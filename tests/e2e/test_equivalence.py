@@ -81,9 +81,9 @@ def test_select_all_equals_stock_through_preemption(tiny_models, shared_engine):
     prompts = random_prompts([300, 280, 260, 240, 220, 200], seed=9)
     stock = greedy_tokens(shared_engine(model), prompts, 100)
     # 4 tiny-Llama layers, 2 dense: 128 KiB per block id (2 pages of 64 KiB)
-    # plus 12 KiB of partial keys, so 1.5 MiB holds ~10 blocks; the batch
-    # needs 6 x 4 blocks by the end.
-    with engine(model, kv_cache_memory_bytes=int(1.5 * (1 << 20)), **SELECT_ALL) as llm:
+    # plus 10 KiB of int speculation keys (2 sparse layers x 2 KV heads x 128
+    # tokens x 20 B), so this holds 10 blocks; the batch needs 6 x 4 by the end.
+    with engine(model, kv_cache_memory_bytes=int(10.5 * 138 * 1024), **SELECT_ALL) as llm:
         ours = greedy_tokens(llm, prompts, 100)
         preemptions = sum(m.value for m in llm.get_metrics()
                           if m.name == "vllm:num_preemptions")

@@ -45,7 +45,7 @@ def test_the_fraction_covers_kv_space_partial_keys_and_an_uncapped_pool(capfd):
                                rf"{NUMBER} GiB memory was consumed", log)
     granted, blocks, partial, budget = _gib(
         rf"InfiniGen: KV space {NUMBER} GiB = {NUMBER} GiB vLLM blocks .* \+ {NUMBER} GiB "
-        rf"partial keys; up to {NUMBER} GiB for the pool", log)
+        rf"speculation keys; up to {NUMBER} GiB for the pool", log)
     (pool,) = _gib(rf"a row per dense slot \(uncapped\): {NUMBER} GiB host memory, sized by "
                    rf"--gpu-memory-utilization {FRACTION}, shared", log)
     assert granted <= requested - resident + 0.01

@@ -167,7 +167,7 @@ class InfiniGenRuntime:
                          * self.layout.partial_bytes_per_token(dtype.itemsize, kv_heads))
         logger.info(
             "InfiniGen: pool of %d tokens per sparse layer and KV head (%d layers x %d "
-            "KV heads), %s: %.3f GiB host memory, sized by %s; partial keys for %d "
+            "KV heads), %s: %.3f GiB host memory, sized by %s; speculation keys for %d "
             "tokens: %.3f GiB device memory; %s",
             plan.num_rows, len(sparse), kv_heads,
             f"capped below the dense group's {plan.num_slots} slots, {self.config.eviction} "

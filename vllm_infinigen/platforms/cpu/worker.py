@@ -70,7 +70,7 @@ class InfiniGenCPUWorker(InfiniGenWorkerMixin, CPUWorker):
             fraction=self.cache_config.gpu_memory_utilization)
         logger.info(
             "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per "
-            "block id) + %.3f GiB partial keys%s",
+            "block id) + %.3f GiB speculation keys%s",
             available / 2**30, split.kv_space / 2**30, layout.group_size, split.partial / 2**30,
             "" if split.pool_budget is None else
             f"; up to {split.pool_budget / 2**30:.3f} GiB for the pool ({split.source})",
