@@ -67,6 +67,7 @@ TIMED = (("vllm_infinigen.policies.infinigen", "partial_query", "query projectio
          ("vllm_infinigen.kernels", "write_int_keys", "write"),
          ("vllm_infinigen.kernels", "write_partial_keys", "write"))
 ENTRY_POINTS = ("begin_step", "begin_layer", "attend", "write")
+TITLE = "Where a decode step's time goes: InfiniGen by component beside dense vLLM"
 
 
 class Clock:
@@ -213,7 +214,7 @@ def sections(rows: list[dict], bandwidth: dict | None, args) -> list[str]:
             continue
         ms = r["components_ms"]
         base = dense.get(r["dtype"])
-        table.append([r["dtype"], str(r["alpha"]), report.cell(r["selected_fraction"], ".3f"),
+        table.append([r["dtype"], str(r["alpha"]), report.cell(r["selected_fraction"], ".4f"),
                       f"{r['ms_per_step']:.1f}",
                       report.cell(base, ".1f"),
                       report.cell(r["ms_per_step"] / base if base else None, ".2f"),
@@ -262,6 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--contention-cores", type=float, default=0.25)
     parser.add_argument("--quiet-wait", type=float, default=20)
     parser.add_argument("--out", type=Path, default=paths.RESULTS / "step_profile")
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite the Markdown from the JSON at --out (no engine)")
     args = parser.parse_args(argv)
     if "default" in args.alphas[1:]:
         parser.error("--alphas: 'default' goes first (a set alpha stays for later windows)")
@@ -270,6 +273,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        import json
+
+        saved = json.loads(args.out.with_suffix(".json").read_text())
+        settings = argparse.Namespace(**saved["settings"])
+        report.write_results(args.out, saved["meta"], TITLE, saved["settings"], saved["results"],
+                             sections(saved["results"], saved["meta"].get("bandwidth"), settings))
+        print(args.out.with_suffix(".md").read_text())
+        return 0
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     progress = machine.Progress(total=len(args.dtypes) * (1 + len(args.alphas)))
     model = models.long_context_model(**{**models.GQA128_MODEL,
@@ -283,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["bandwidth"] = bandwidth
     meta["load_average_end"] = machine.load_average()
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    title = "Where a decode step's time goes: InfiniGen by component beside dense vLLM"
-    report.write_results(args.out, meta, title, settings, rows, sections(rows, bandwidth, args))
+    report.write_results(args.out, meta, TITLE, settings, rows, sections(rows, bandwidth, args))
     print(args.out.with_suffix(".md").read_text())
     return 0
 
