@@ -52,7 +52,6 @@ Results: ``benchmarks/results/attribution.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -358,8 +357,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
-        saved = json.loads(args.out.with_suffix(".json").read_text())
-        meta, settings, results = saved["meta"], saved["settings"], saved["results"]
+        meta, settings, results = report.read_results(args.out)
         args = argparse.Namespace(**{**settings, "out": args.out})
         tasks = [Task(name, *TASK_INFO[name]) for name in args.tasks]
     else:

@@ -131,6 +131,12 @@ def metadata_markdown(meta: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def read_results(out: Path) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(meta, settings, results) of ``out.json``, as ``write_results`` wrote them."""
+    saved = json.loads(Path(out).with_suffix(".json").read_text())
+    return saved["meta"], saved["settings"], saved["results"]
+
+
 def write_results(
     out: Path,
     meta: Mapping[str, Any],

@@ -62,7 +62,6 @@ shortest, and dense's over each config's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -352,12 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def render(path: Path) -> int:
     """Rewrites ``path``'s Markdown and PNG from its JSON (settings, rows, provenance)."""
-    data = json.loads(Path(path).read_text())
-    settings = data["settings"]
+    meta, settings, rows = report.read_results(path)
     args = argparse.Namespace(**{k: v for k, v in settings.items() if k != "model_shape"})
     shape = kv_math.ModelShape(**settings["model_shape"])
-    rows = data["results"]
-    meta = data["meta"]
     out = Path(path).with_suffix("")
     title = f"Decode latency and KV bytes per step: {Path(args.model).name} ({args.preset})"
     report.write_results(out, meta, title, settings, rows, decode_report.sections(

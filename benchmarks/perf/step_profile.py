@@ -274,12 +274,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
-        import json
-
-        saved = json.loads(args.out.with_suffix(".json").read_text())
-        settings = argparse.Namespace(**saved["settings"])
-        report.write_results(args.out, saved["meta"], TITLE, saved["settings"], saved["results"],
-                             sections(saved["results"], saved["meta"].get("bandwidth"), settings))
+        meta, settings, rows = report.read_results(args.out)
+        report.write_results(args.out, meta, TITLE, settings, rows,
+                             sections(rows, meta.get("bandwidth"), argparse.Namespace(**settings)))
         print(args.out.with_suffix(".md").read_text())
         return 0
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process

@@ -49,23 +49,37 @@ inline int64_t token_of(int64_t k, int64_t bits) {
   return (k % bytes) * phases + k / bytes;
 }
 
-inline void unpack_codes(const uint8_t* row, int64_t bits, float* out) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// A 4- or 2-bit row's positions 0-7 (low) and 8-15 (high) as floats, in
+// registers; false for other bits.
+inline bool unpack_registers(const uint8_t* row, int64_t bits, __m256& low, __m256& high) {
   if (bits == 4) {  // 8 bytes: low nibbles are positions 0-7, high nibbles 8-15
     const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
-    _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))));
-    _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)));
-    return;
+    low = _mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
+    high = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+    return true;
   }
   if (bits == 2) {  // 4 bytes, 4 phases of 4 positions
     int32_t word;
     std::memcpy(&word, row, 4);
     const __m128i wide = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
-    const __m128i mask = _mm_set1_epi32(3);
-    _mm_storeu_ps(out, _mm_cvtepi32_ps(_mm_and_si128(wide, mask)));
-    _mm_storeu_ps(out + 4, _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(wide, 2), mask)));
-    _mm_storeu_ps(out + 8, _mm_cvtepi32_ps(_mm_and_si128(_mm_srli_epi32(wide, 4), mask)));
-    _mm_storeu_ps(out + 12, _mm_cvtepi32_ps(_mm_srli_epi32(wide, 6)));
+    const __m256i mask = _mm256_set1_epi32(3);
+    low = _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi32(wide, 2), wide), mask));
+    high = _mm256_cvtepi32_ps(_mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi32(wide, 6), _mm_srli_epi32(wide, 4)), mask));
+    return true;
+  }
+  return false;
+}
+#endif
+
+inline void unpack_codes(const uint8_t* row, int64_t bits, float* out) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  __m256 low, high;
+  if (unpack_registers(row, bits, low, high)) {
+    _mm256_storeu_ps(out, low);
+    _mm256_storeu_ps(out + 8, high);
     return;
   }
 #endif
@@ -97,21 +111,11 @@ inline void group_scores(const uint8_t* rows, int64_t bits, int64_t head_size,
   alignas(64) float codes[kGroupTokens];
   for (int64_t d = 0; d < head_size; ++d) {
     fVec unpacked[kGroupVecs];
-#if defined(CPU_CAPABILITY_AVX2)
-    if (bits == 4) {  // in registers: low nibbles are positions 0-7, high 8-15
-      const __m256i wide = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + d * 8)));
-      unpacked[0] = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))));
-      unpacked[1] = fVec(_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)));
-    } else if (bits == 2) {  // 4 bytes, 4 phases of 4 positions
-      int32_t word;
-      std::memcpy(&word, rows + d * 4, 4);
-      const __m128i wide = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
-      const __m256i mask = _mm256_set1_epi32(3);
-      unpacked[0] = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(
-          _mm256_set_m128i(_mm_srli_epi32(wide, 2), wide), mask)));
-      unpacked[1] = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(
-          _mm256_set_m128i(_mm_srli_epi32(wide, 6), _mm_srli_epi32(wide, 4)), mask)));
+#if defined(CPU_CAPABILITY_AVX2)  // two 8-lane vectors: the codes stay in registers
+    __m256 low, high;
+    if (unpack_registers(rows + d * 2 * bits, bits, low, high)) {
+      unpacked[0] = fVec(low);
+      unpacked[1] = fVec(high);
     } else
 #endif
     {

@@ -54,9 +54,9 @@ inline int64_t count_of(const float* s, int64_t n, float limit) {
   return count;
 }
 
-// Appends to dst the positions t < n with s[t] > threshold, and the first
-// `ties` with s[t] == threshold, ascending; returns how many were written.
-inline int64_t take_top(const float* s, int64_t n, float threshold, int64_t ties,
+// Writes to dst the positions t < n with s[t] > threshold, and the first
+// `ties` with s[t] == threshold, ascending.
+inline void take_top(const float* s, int64_t n, float threshold, int64_t ties,
                         int32_t* dst) {
   int64_t written = 0, t = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -73,7 +73,6 @@ inline int64_t take_top(const float* s, int64_t n, float threshold, int64_t ties
   for (; t < n; ++t)
     if (s[t] > threshold || (s[t] == threshold && ties-- > 0))
       dst[written++] = static_cast<int32_t>(t);
-  return written;
 }
 
 // The k-th largest of the scores above -inf (1 <= k <= their number).
