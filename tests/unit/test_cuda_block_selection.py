@@ -171,3 +171,67 @@ def test_int_token_scores_equal_the_int_keys_reference(bits, dtype):
         assert torch.equal(got[row, :, :encoded], want[row, :, :encoded]), row
         assert bool((got[row, :, encoded:] == float("-inf")).all()), row
     assert (pool.context_lens % 16 != 0).any() and (pool.context_lens % 16 == 0).any()
+
+
+def _loop_positions(token_scores, context_lens, caps, alpha, block, sink_tokens, recent_tokens):
+    """{(s, h): selected positions}: the block rule over token scores, with loops."""
+    out = {}
+    for s, (context, cap) in enumerate(zip(context_lens, caps)):
+        heads = range(token_scores.shape[1])
+        row = [[float(x) for x in token_scores[s, h, :context]] for h in heads]
+        counts = [sum(x > max(scores) - alpha for scores in [r] for x in r) for r in row]
+        k = max(1, min(math.floor(sum(counts) / len(counts)), cap))
+        blocks = context // block + 1
+        forced = {j for j in range(blocks)
+                  if j < max(1, -(-sink_tokens // block))
+                  or j >= blocks - 1 - -(-recent_tokens // block)}
+        total = min(-(-k // block) + len(forced), blocks)
+        for h in heads:
+            best = [max(row[h][j * block:(j + 1) * block], default=float("-inf"))
+                    for j in range(blocks)]
+            rest = sorted((j for j in range(blocks) if j not in forced), key=lambda j: -best[j])
+            kept = sorted(forced | set(rest[: total - len(forced)]))
+            out[s, h] = [p for j in kept for p in range(j * block, (j + 1) * block)
+                         if p < context]
+    return out
+
+
+@pytest.mark.parametrize("keys", ["int", "partial"])
+@pytest.mark.parametrize("sink,recent", [(0, 0), (40, 40)])
+def test_select_positions_is_the_block_rule_over_the_layers_keys(keys, sink, recent,
+                                                                 monkeypatch):
+    """The policy's selection on a block-granular data path: token scores from the
+    layer's keys (scored a block at a time: the chunk offset matters for the open
+    group), alpha capped by the budget, whole blocks, their context positions."""
+    from tests.unit.test_int_keys import BLOCK as POOL_BLOCK
+    from tests.unit.test_int_keys import Pool
+
+    monkeypatch.setattr(rule, "_SCORE_CHUNK_BLOCKS", 1)
+    pool = Pool(seed=5, bits=4, dtype=torch.float32, num_kv_heads=2, head_size=32,
+                context_lens=[190, 16, 7, 70])
+    gen = torch.Generator().manual_seed(6)
+    contexts = pool.context_lens.tolist()
+    if keys == "int":
+        query = torch.randn(4, 2, 3, 32, generator=gen)
+        stored = {"codes": pool.codes, "scales": pool.scales}
+        want = rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                     pool.context_lens, scale=0.25)
+    else:
+        query = torch.randn(4, 2, 3, 6, generator=gen)
+        partial = torch.randn(pool.num_blocks, 2, 6, POOL_BLOCK, generator=gen)
+        stored = {"partial_keys": partial}
+        want = rule.partial_token_scores(query, partial, pool.block_table, scale=0.25)
+    scores = rule.speculated_token_scores(query, pool.block_table, pool.context_lens, contexts,
+                                          block_size=POOL_BLOCK, scale=0.25, **stored)
+    assert torch.equal(scores, want[..., :scores.shape[-1]])
+    assert scores.shape[-1] == (max(contexts) // POOL_BLOCK + 1) * POOL_BLOCK
+    caps = [max(1, int(n * 0.1)) for n in contexts]
+    positions, num_selected = rule.select_positions(
+        scores, pool.context_lens, torch.tensor(caps), contexts, caps, block_size=POOL_BLOCK,
+        alpha=2.0, sink_tokens=sink, recent_tokens=recent)
+    expected = _loop_positions(scores, contexts, caps, 2.0, POOL_BLOCK, sink, recent)
+    assert positions.dtype == torch.int32
+    for (s, h), kept in expected.items():
+        row = positions[s, h].tolist()
+        assert row == kept + [-1] * (len(row) - len(kept)), (s, h)
+        assert int(num_selected[s]) == len(kept)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The neutral runtime over the CUDA platform's data path (device="cpu"): one decode
-step of test_runtime.py's hand-built layers, the selection's blocks attended, the
-cache's counters exported with the runtime's, release through the runtime."""
+step of test_runtime.py's hand-built layers, InfiniGen's block rule selecting
+(``LayerState.block_granular``), the selection's blocks attended, the cache's
+counters exported with the runtime's, release through the runtime."""
 
 from __future__ import annotations
 
@@ -35,8 +36,30 @@ def _decode(runtime, metadata, new_slot) -> tuple[torch.Tensor, torch.Tensor]:
     return query, _attend_layer2(runtime, metadata, new_slot, query)
 
 
+def test_the_policy_keeps_whole_blocks_on_a_block_granular_data_path(step):
+    runtime, metadata, new_slot = step
+    assert runtime.layers[2].block_granular
+    speculating = runtime.layers[1]
+    hidden = torch.tensor([[10.0, 0.0, 0.0, 0.0]])
+    speculating.capture(hidden)
+    runtime.begin_layer(speculating, metadata, new_slot, block_size=BLOCK)
+    # alpha 1 counts the 3 IMPORTANT tokens (the token rule keeps just them,
+    # test_runtime.py): k = 3 rounds up to one block beside the always-kept
+    # first block and own block 2; block 1 is the one left, and every context
+    # token of blocks 0 and 1 is selected (block 2 holds none: the context is 32)
+    kept = [p for p in runtime.layers[2].selection[0, 0].tolist() if p >= 0]
+    assert kept == list(range(CONTEXT))
+    query = hidden.view(1, 1, DIM)
+    output = _attend_layer2(runtime, metadata, new_slot, query)
+    torch.testing.assert_close(output, _attention_over(kept, query))
+    counters = runtime.take_counters()
+    assert counters["selected_tokens.2"] == CONTEXT
+    assert counters["cache_misses.2"] == 3
+
+
 def test_the_selected_tokens_blocks_are_attended_and_counted(step):
     runtime, metadata, new_slot = step
+    runtime.update_selection(alpha=1000.0)  # the budget (every token) binds: all blocks
     query, output = _decode(runtime, metadata, new_slot)
     # IMPORTANT lie in blocks 0 and 1; block 2 is the row's own: every context token
     torch.testing.assert_close(output, _attention_over(list(range(CONTEXT)), query))
@@ -48,6 +71,7 @@ def test_the_selected_tokens_blocks_are_attended_and_counted(step):
 
 def test_release_through_the_runtime_empties_the_cache(step):
     runtime, metadata, new_slot = step
+    runtime.update_selection(alpha=1000.0)
     _decode(runtime, metadata, new_slot)
     runtime.take_counters()
     runtime.release_blocks([0, 1, 2])

@@ -38,8 +38,20 @@ def test_reduce_exact():
         "swap_bytes": 2048,
         "swap_wait_us": 0,
         "evictions": 0,
+        "cache_hits": 0,
+        "cache_misses": 0,
+        "pcie_bytes": 0,
         "selected_fraction": 0.2,
     }
+
+
+def test_reduce_gives_the_block_caches_hit_rate():
+    stats = InfiniGenStats(data={"cache_hits.2": 3, "cache_misses.2": 1, "cache_hits.3": 3,
+                                 "cache_misses.3": 1, "pcie_bytes.3": 8192})
+    reduced = stats.reduce()
+    assert (reduced["cache_hits"], reduced["cache_misses"], reduced["pcie_bytes"]) == (6, 2, 8192)
+    assert reduced["cache_hit_rate"] == 0.75
+    assert "cache_hit_rate" not in InfiniGenStats().reduce()
 
 
 def test_worker_gauges_sum_over_ranks_and_keep_the_latest_step():

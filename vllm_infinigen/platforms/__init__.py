@@ -13,6 +13,10 @@ run, and nothing else::
 
     cpu/          vLLM's CPU build: host and device memory are one, C++
                   kernels (``kernels/csrc/cpu/``)
+    cuda/         vLLM's CUDA build: a pinned host pool, a device block cache
+                  filled by a gather issued one layer ahead, Triton kernels,
+                  InfiniGen's rule in blocks (eager mode; what it refuses:
+                  ``frontend/checks.platform_refusal``)
 
 A new platform is a folder beside ``cpu/`` and its line in ``WORKERS``; the
 runtime, the policies, the pool index, the step plan, the scheduler side and
@@ -32,6 +36,7 @@ V1_RUNNER_REFUSAL = (
 # vLLM's device type -> the InfiniGen worker class of that platform.
 WORKERS = {
     "cpu": "vllm_infinigen.platforms.cpu.worker.InfiniGenCPUWorker",
+    "cuda": "vllm_infinigen.platforms.cuda.worker.InfiniGenCUDAWorker",
 }
 
 

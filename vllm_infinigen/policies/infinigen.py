@@ -11,8 +11,11 @@ can be on their way before layer i+1 runs. ``same-layer``: each sparse layer
 selects with its own query, in its own attention (no prefetch; where host and
 device memory are one, as on the CPU build, nothing is lost by waiting).
 Either way a compiled kernel scores (``select_tokens_int`` or ``select_tokens``:
-alpha count capped by the budget, per-head top-k, sink/recent window). No
-per-slot state besides the speculation keys, which every sparse layer keeps
+alpha count capped by the budget, per-head top-k, sink/recent window), or,
+where the data path moves whole blocks (``LayerState.block_granular``: the
+CUDA platform's device block cache), the same rule in blocks, in torch on the
+layer's device (``platforms/cuda/block_selection.py``). No per-slot state
+besides the speculation keys, which every sparse layer keeps
 (``worker/layer_state.py``).
 """
 
@@ -96,6 +99,8 @@ def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
             settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
     """The selection of ``layer``'s sparse rows for a query [S, H_kv, G, R] (``skewed``)."""
     rows = plan.sparse_rows
+    if layer.block_granular:
+        return _select_blocks(layer, plan, query, settings)
     window = {"scale": layer.scale, "alpha": settings.alpha,
               "sink_tokens": settings.sink_tokens, "recent_tokens": settings.recent_tokens,
               "row_map": row_map}
@@ -108,3 +113,22 @@ def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
             query, layer.partial_keys, rows.block_table, rows.context_lens, rows.token_caps,
             **window)
     return selection
+
+
+def _select_blocks(layer: LayerState, plan: StepPlan, query: torch.Tensor,
+                   settings: InfiniGenConfig) -> torch.Tensor:
+    """``_select`` in whole blocks: the context positions of the kept blocks."""
+    from vllm_infinigen.platforms.cuda import block_selection
+
+    rows = plan.sparse_rows
+    keys = ({"codes": layer.key_codes, "scales": layer.key_scales} if layer.int_keys
+            else {"partial_keys": layer.partial_keys})
+    device = layer.key_codes.device if layer.int_keys else layer.partial_keys.device
+    scores = block_selection.speculated_token_scores(
+        query.to(device), rows.block_table, rows.context_lens, rows.context_host,
+        block_size=layer.block_size, scale=layer.scale, **keys)
+    positions, _ = block_selection.select_positions(
+        scores, rows.context_lens, rows.token_caps, rows.context_host, rows.caps_host,
+        block_size=layer.block_size, alpha=settings.alpha, sink_tokens=settings.sink_tokens,
+        recent_tokens=settings.recent_tokens)
+    return positions

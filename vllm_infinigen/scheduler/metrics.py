@@ -27,6 +27,13 @@ COUNTERS = {
     "swap_bytes": "Bytes of selected K/V entries moved to the attention.",
     "swap_wait_us": "Microseconds sparse layers waited for their selected K/V.",
     "evictions": "K/V entries (one layer, one KV head) a capped pool evicted.",
+    # The CUDA platform's device block cache (``platforms/cuda/block_cache.py``;
+    # 0 on the CPU build, where the pool is read in place).
+    "cache_hits": "Selected K/V blocks (one layer, one KV head) found in the device "
+    "block cache.",
+    "cache_misses": "Selected K/V blocks (one layer, one KV head) fetched from the host pool.",
+    "pcie_bytes": "Bytes of K/V blocks fetched from the host pool into the device block "
+    "cache.",
 }
 
 
@@ -61,6 +68,9 @@ class InfiniGenStats(KVConnectorStats):
             totals["selected_fraction"] = round(
                 totals["selected_tokens"] / totals["candidate_tokens"], 4
             )
+        looked_up = totals["cache_hits"] + totals["cache_misses"]
+        if looked_up:
+            totals["cache_hit_rate"] = round(totals["cache_hits"] / looked_up, 4)
         return totals
 
     def is_empty(self) -> bool:

@@ -8,10 +8,10 @@ the platform's data path allocates and writes (``data_path.py``)::
     kv_pool       [units, H_kv, block_size, 2 * D]   host pool; a token's K | V
                                                      side by side in one row
     speculation keys, on the device, scored by the layer before (or the layer):
-      int (no skew)
+      int (the default; no skew)
         key_codes   [num_blocks, H_kv, G, D, 2 * bits] uint8   G = block_size / 16
         key_scales  [num_blocks, H_kv, G, D] float16
-      partial (the default; ``skew`` set)
+      partial (``skew`` set)
         partial_keys  [num_blocks, H_kv, R, block_size]  skewed, channel-major
 
 Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
@@ -92,6 +92,9 @@ class LayerState:
         self.partial_keys: torch.Tensor | None = None  # partial keys
         self.key_codes: torch.Tensor | None = None  # int keys
         self.key_scales: torch.Tensor | None = None
+        # The data path attends whole blocks (CUDA's device block cache): the
+        # policy keeps whole blocks too, by block score (``policies/infinigen.py``).
+        self.block_granular = False
 
     def capture(self, hidden: torch.Tensor | None) -> None:
         """Keeps this step's attention input [T, hidden] (None: drops it)."""

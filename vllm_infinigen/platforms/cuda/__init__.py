@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's CUDA build (not yet in ``platforms.WORKERS``, docs/design.md says what
-remains): the worker, the data path, block selection, the device block cache,
-the gather and attention kernels, and the pinned host pool.
+"""vLLM's CUDA build (``platforms.WORKERS["cuda"]``; eager mode, and never run
+with vLLM on a GPU in this project: docs/design.md, "Where CUDA goes"): the
+worker, the data path, block selection, the device block cache, the gather and
+attention kernels, and the pinned host pool.
 
 Every module here imports on the CPU build; what needs CUDA refuses with a
 clear error without it, and each kernel has a pure-torch reference that runs

@@ -40,13 +40,9 @@ from dataclasses import dataclass
 import torch
 
 EVICTION_RULES = ("lru", "counter")
-# The cache's counters, for ``scheduler/metrics.COUNTERS`` (``vllm:infinigen_<name>``,
-# labelled by layer), in the form of ``take_stats``' keys.
-CACHE_COUNTERS = {
-    "cache_hits": "Selected K/V blocks (one layer, one KV head) found in the device block cache.",
-    "cache_misses": "Selected K/V blocks (one layer, one KV head) fetched from the host pool.",
-    "pcie_bytes": "Bytes of K/V blocks fetched from the host pool over PCIe.",
-}
+# The cache's counters, as ``take_stats`` keys them; ``scheduler/metrics.COUNTERS``
+# documents and exports each (``vllm:infinigen_<name>_total``, labelled by layer).
+CACHE_COUNTERS = ("cache_hits", "cache_misses", "pcie_bytes")
 _BIG = 1 << 62  # sorts after every block id and unit
 _NEWER_HALF = 1 << 61
 _COUNT_SHIFT = 36

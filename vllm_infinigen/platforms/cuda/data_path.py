@@ -21,10 +21,13 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
 
 Attention over the cached blocks is ``kernels.attend_units`` (Triton on CUDA,
 torch elsewhere): block-granular, every context token of a selected block is
-attended. vLLM's own paged attention with the substituted table and
-sequence lengths (``block_cache.substitute_block_table``: one sequence per
-(row, KV head)) is the next step. Dense and prompt rows stage their blocks
-from the pool (the same gather) and attend in torch.
+attended, through the substituted table and sequence lengths
+(``block_cache.substitute_block_table``: one sequence per (row, KV head)).
+Not vLLM's paged attention: its backends take one block table per request
+for all of the layer's KV heads, over vLLM's own KV tensor, where each KV
+head here selects its own blocks, held in the cache's units (docs/design.md).
+Dense and prompt rows stage their blocks from the pool (the same gather) and
+attend in torch.
 
 Every tensor is created on a named device: with ``device="cpu"`` the whole
 path runs in torch on the CPU (CI); nothing CUDA-only runs there.
@@ -133,6 +136,7 @@ class CudaDataPath:
             layer.kv_pool = torch.zeros((num_blocks, heads, block_size, 2 * head_size),
                                         dtype=dtype, device=torch.device("cpu"))
         layer.num_blocks = num_blocks
+        layer.block_granular = True  # InfiniGen's policy keeps whole blocks (its rule)
         if layer.int_keys:
             bits, groups = int_key_bits(dtype.itemsize), block_size // KEY_GROUP
             layer.key_codes = torch.zeros((num_blocks, heads, groups, head_size, 2 * bits),

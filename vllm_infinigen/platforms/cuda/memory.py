@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_infinigen.platforms.cuda.block_selection import window_blocks
+
 # Slots per head as a multiple of the widest step's blocks: replaying selections
 # recorded on two trained models, lru with 1.5x-2x the widest step hit within
 # 0.4-1.6 points of the artifact's counter rule (benchmarks/results/selection_reuse.md).
@@ -28,21 +30,24 @@ SLOT_BOOKKEEPING_BYTES, BLOCK_BOOKKEEPING_BYTES = 24, 4
 
 
 def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: int,
-                         budget: float, window_tokens: int,
+                         budget: float, sink_tokens: int, recent_tokens: int,
                          reuse: float = REUSE_FACTOR) -> int:
     """Slots per (sparse layer, KV head) of the device block cache.
 
-    A row selecting ``budget x context + window`` tokens touches at most that
-    many blocks plus its own (each token in its own block), and never more
-    than its blocks; ``reuse`` times that per row, for every running row.
+    InfiniGen's rule in blocks (``block_selection.select_positions``) keeps
+    ``budget x context`` tokens rounded up to blocks on top of the windows'
+    blocks (``window_blocks``: the own block among them), never more than the
+    row's blocks; ``reuse`` times that per row, for every running row.
 
     Args:
         budget: ``--infinigen-budget`` at start-up (a later, larger budget
             may outgrow the cache: ``lookup`` refuses it with a message).
-        window_tokens: ``--infinigen-sink-tokens`` + ``--infinigen-recent-tokens``.
+        sink_tokens, recent_tokens: ``--infinigen-sink-tokens``, ``--infinigen-recent-tokens``.
     """
     row_blocks = -(-max_model_len // block_size) + 1
-    widest = min(row_blocks, math.ceil(budget * max_model_len) + window_tokens + 1)
+    sink_blocks, recent_blocks = window_blocks(sink_tokens, recent_tokens, block_size)
+    budget_blocks = -(-math.floor(budget * max_model_len) // block_size)
+    widest = min(row_blocks, budget_blocks + sink_blocks + recent_blocks)
     return max_num_seqs * min(row_blocks, math.ceil(widest * reuse))
 
 

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """CUDA worker: vLLM's GPU ``Worker`` with InfiniGen (``worker/base.py``) on its model.
 
-Not in ``platforms.WORKERS`` yet (docs/design.md, "Where CUDA goes", says
-what remains); it imports on the CPU build, whose own worker extends the same
-``vllm.v1.worker.gpu_worker.Worker``.
+``platforms.WORKERS["cuda"]``; the front end keeps the engine eager
+(``frontend/checks.platform_refusal``). It imports on the CPU build, whose own
+worker extends the same ``vllm.v1.worker.gpu_worker.Worker``; it has not run
+inside vLLM on a GPU (docs/design.md, "Where CUDA goes").
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.model_config.max_model_len,
             block_size=self.cache_config.block_size, budget=config.budget,
-            window_tokens=config.sink_tokens + config.recent_tokens)
+            sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens)
 
     def split_memory(self, available: int) -> tuple[int, int | None, str]:
         """The speculation keys and the device block cache come out of vLLM's
