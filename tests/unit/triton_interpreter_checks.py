@@ -78,3 +78,51 @@ def test_attention_reads_bfloat16_units(triton_kernels):
                                 blocks_per_split=2, num_splits=2)
     expected = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
     assert torch.allclose(kernels.merge_splits(partial, maxima, sums), expected, atol=1e-5)
+
+
+def _write_case(dtype: torch.dtype):
+    """Tokens of two requests in shuffled blocks (32 tokens each, head_size 24: a
+    padded D), one padding row; the second call closes groups opened by the first."""
+    gen = torch.Generator().manual_seed(11)
+    heads, head_size, block = 2, 24, 32
+    pool = torch.zeros(6, heads, block, 2 * head_size, dtype=dtype)
+    key = torch.randn(50, heads, head_size, generator=gen)
+    key[:16, 0] = torch.randint(-7, 8, (16, head_size), generator=gen).float()
+    key[:16, 0, 0] = 7.5  # scale 1: integer keys round at x.5, to the even code
+    slots = torch.cat([torch.arange(4 * block, 4 * block + 40), torch.arange(block, block + 9),
+                       torch.tensor([-1])])
+    return pool, key.to(dtype), torch.randn(50, heads, head_size, generator=gen).to(dtype), slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_rows_equals_the_reference_write_through(triton_kernels, dtype):
+    from vllm_infinigen.platforms.cuda import writes
+
+    pool, key, value, slots = _write_case(dtype)
+    expected = pool.clone()
+    writes.write_pool(expected, key, value, slots)
+    rows = torch.cat([key, value], dim=-1).contiguous()
+    triton_kernels.store_rows(pool, rows, slots)
+    assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.float32, 4), (torch.bfloat16, 2),
+                                        (torch.float32, 1)])
+def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype, bits):
+    """Over two calls (a group opened in the first closes in the second), with
+    round-half-to-even ties: the codes and scales of writes.write_int_keys (itself
+    held to the CPU kernel, test_cuda_writes.py)."""
+    from vllm_infinigen.platforms.cuda import writes
+
+    pool, key, value, slots = _write_case(dtype)
+    groups, head_size = pool.shape[2] // 16, key.shape[-1]
+    got = (torch.zeros(6, 2, groups, head_size, 2 * bits, dtype=torch.uint8),
+           torch.zeros(6, 2, groups, head_size, dtype=torch.float16))
+    expected = (got[0].clone(), got[1].clone())
+    for part in (slice(0, 20), slice(20, 50)):
+        writes.write_pool(pool, key[part], value[part], slots[part])
+        writes.write_int_keys(*expected, pool, slots[part])
+        triton_kernels.encode_groups(pool, *got, slots[part])
+    assert torch.equal(got[1], expected[1])
+    assert torch.equal(got[0], expected[0])
+    assert (expected[1] != 0).sum() > 0

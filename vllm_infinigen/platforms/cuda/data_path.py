@@ -10,7 +10,10 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
               and its bookkeeping (block_cache.py)
 
     write           device: speculation keys and the cached copies of the new
-                    tokens' blocks; host: write-through of K|V (writes.py)
+                    tokens' blocks; host: write-through of K|V and the int
+                    keys of the groups it closes (kernels.store_rows and
+                    encode_groups: Triton through the pool's UVA pointer on
+                    CUDA, no host sync; writes.py elsewhere)
     start_fetch     layer i, for layer i+1: the selected positions become
                     blocks (each position's block and the row's own block),
                     the cache looks them up, one gather moves only the
@@ -164,9 +167,11 @@ class CudaDataPath:
         cached = entry.cache.cached_token_slots(0, device_slots, layer.block_size)
         kernels.write_cached_tokens(entry.units, cached, device_slots, key.to(self.device),
                                     value.to(self.device))
-        writes.write_pool(layer.kv_pool, key, value, slots)
+        # On the compute stream: the next gather (side stream) waits for it.
+        kernels.store_rows(layer.kv_pool, key, value, device_slots)
         if layer.int_keys:
-            writes.write_int_keys(layer.key_codes, layer.key_scales, layer.kv_pool, slots)
+            kernels.encode_groups(layer.key_codes, layer.key_scales, layer.kv_pool,
+                                  device_slots)
 
     def start_fetch(self, layer: LayerState, rows: RowSet, positions: torch.Tensor,
                     row_map: torch.Tensor | None) -> None:

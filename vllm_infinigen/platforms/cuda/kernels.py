@@ -9,6 +9,10 @@
     attend_units      decode attention of each (row, KV head) over its blocks,
                       through a substituted block table (``block_cache``)
     write_own_tokens  each row's new K|V into its own (last) block
+    store_rows        the write-through of new K|V into the pinned pool
+                      (``writes.write_pool``)
+    encode_groups     the int keys of the groups new tokens close, from the
+                      pool (``writes.write_int_keys``)
 
 A call on CUDA tensors launches the Triton kernel (``triton_kernels.py``,
 imported then); on any other device it runs the reference, so the CPU build
@@ -18,6 +22,8 @@ never touches CUDA or Triton. Nothing here synchronises with the host.
 from __future__ import annotations
 
 import torch
+
+from vllm_infinigen.platforms.cuda import writes
 
 # The gather's grid: 32-64 CTAs on a lower-priority stream (GPU_DATA_PATH.md).
 MIN_GATHER_CTAS, MAX_GATHER_CTAS = 32, 64
@@ -99,6 +105,56 @@ def gather_units_reference(pool: torch.Tensor, cache: torch.Tensor, fetch_units:
     units = pool.reshape(-1, cache.shape[1], cache.shape[2])
     source = fetch_units[:count].to(pool.device)
     cache[fetch_slots[:count].to(cache.device)] = units[source].to(cache.device)
+
+
+# -- the writes of a step's new tokens
+
+
+def store_rows(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+    """The write-through: new K|V into an uncapped pool, on the current stream.
+
+    On CUDA one Triton kernel stores through the pinned pool's UVA pointer
+    (no host sync; a later gather on another stream is ordered after it by
+    ``CudaDataPath.fetch_blocks``' wait on this stream); elsewhere
+    ``writes.write_pool``.
+
+    Args:
+        pool: [num_blocks, H_kv, block_size, 2 * D] (unit = block id).
+        key, value: [T, H_kv, D].
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+    """
+    if not key.is_cuda:
+        writes.write_pool(pool, key, value, slot_mapping)
+        return
+    from vllm_infinigen.platforms.cuda import triton_kernels
+
+    rows = torch.cat([key, value], dim=-1).to(pool.dtype).contiguous()
+    triton_kernels.store_rows(pool, rows, slot_mapping.to(key.device, torch.int64))
+
+
+def encode_groups(codes: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """The int speculation keys of every 16-token group ``slot_mapping`` closes,
+    read from the pool after ``store_rows`` of the same tokens (same stream).
+
+    On CUDA one Triton kernel reads the groups through the pinned pool's UVA
+    pointer and writes codes and scales on the device; elsewhere
+    ``writes.write_int_keys``. Byte for byte the CPU kernels' encoding.
+
+    Args:
+        codes: [num_blocks, H_kv, block_size / 16, D, 2 * bits] uint8.
+        scales: [num_blocks, H_kv, block_size / 16, D] float16.
+        pool: [num_blocks, H_kv, block_size, 2 * D].
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+    """
+    if not codes.is_cuda:
+        writes.write_int_keys(codes, scales, pool, slot_mapping)
+        return
+    from vllm_infinigen.platforms.cuda import triton_kernels
+
+    triton_kernels.encode_groups(pool, codes, scales,
+                                 slot_mapping.to(codes.device, torch.int64))
 
 
 # -- attention over units

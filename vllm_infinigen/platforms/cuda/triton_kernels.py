@@ -1,7 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side, CUDA platform: the Triton kernels behind ``kernels.py`` (imported on first launch).
 
-Both read and write pool-shaped units, one KV head's block each:
+    gather_units   missing blocks, pinned pool -> device block cache
+    attend_units   decode attention over a substituted block table
+    store_rows     the write-through of a step's K|V into the pinned pool
+    encode_groups  the int speculation keys of the groups a step closes
+
+They read and write pool-shaped units, one KV head's block each:
 [block_size, 2 * D], a token's K | V side by side. The pool is read through
 its UVA pointer (pinned host memory passed as a kernel argument: Triton's
 launcher resolves the device address), so one kernel moves every missing
@@ -110,3 +115,86 @@ def attend_units(query, units, table, seq_lens, out, out_max, out_sum, *, scale:
         query, units, table, seq_lens, out, out_max, out_sum, scale, table.stride(0),
         blocks_per_split, G=group, G_PAD=triton.next_power_of_2(group), D=head_size,
         D_PAD=triton.next_power_of_2(head_size), BLOCK=block_size, num_warps=num_warps)
+
+
+@triton.jit
+def _store_rows(pool, rows, slots, H: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr,
+                W_PAD: tl.constexpr):
+    """The write-through: pool unit (slot // BLOCK) * H + head, token slot % BLOCK
+    <- rows[token, head] (W = 2 * D elements); padding (slot < 0) is skipped.
+
+    Grid (tokens, heads); the pool is pinned host memory read and written
+    through its UVA pointer, so a step's new K|V reach it without a host sync.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slots + token)
+    if slot >= 0:
+        cols = tl.arange(0, W_PAD)
+        ok = cols < W
+        row = tl.load(rows + (token * H + head) * W + cols, mask=ok)
+        unit = (slot // BLOCK) * H + head
+        tl.store(pool + (unit * BLOCK + slot % BLOCK) * W + cols, row, mask=ok)
+
+
+def store_rows(pool, rows, slots, *, num_warps: int = 1) -> None:
+    """Launches ``_store_rows`` on the current stream (arguments: ``kernels.store_rows``)."""
+    num_tokens, heads, width = rows.shape
+    _store_rows[(num_tokens, heads)](pool, rows, slots, H=heads, BLOCK=pool.shape[2], W=width,
+                                     W_PAD=triton.next_power_of_2(width), num_warps=num_warps)
+
+
+@triton.jit
+def _encode_groups(pool, codes, scales, slots, H: tl.constexpr, BLOCK: tl.constexpr,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+                   HALF: tl.constexpr, TOP: tl.constexpr):
+    """The int keys of the 16-token group that ``slots[token]`` closes, for one KV head.
+
+    Grid (tokens, heads); a token that closes no group (or padding) does
+    nothing. Reads the group's 16 keys from the pool (after ``_store_rows``
+    on the same stream), per channel: scale = max |k| / HALF (float16), code
+    = round half to even of k / scale + HALF, clamped to [0, TOP] (0 where
+    the scale is 0), token t at bits [BITS * t, BITS * t + BITS) of a word
+    stored as 2 * BITS bytes, least significant first: ``writes.encode_groups``.
+    IEEE divisions (``div_rn``), so the codes equal the CPU kernels' byte for byte.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slots + token)
+    if (slot >= 0) & (slot % 16 == 15):
+        first = slot - 15
+        block = first // BLOCK
+        offset = first % BLOCK
+        tokens = tl.arange(0, 16)
+        dims = tl.arange(0, D_PAD)
+        dim_ok = dims < D
+        base = ((block * H + head) * BLOCK + offset) * (2 * D)
+        keys = tl.load(pool + base + tokens[:, None] * (2 * D) + dims[None, :],
+                       mask=dim_ok[None, :], other=0.0).to(tl.float32)  # [16, D_PAD]
+        scale = tl.math.div_rn(tl.max(tl.abs(keys), axis=0), HALF).to(tl.float16)
+        step = scale.to(tl.float32)
+        safe = tl.where(step > 0, step, 1.0)
+        scaled = tl.math.div_rn(keys, safe[None, :]) + HALF
+        whole = tl.floor(scaled)
+        frac = scaled - whole
+        odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
+        rounded = tl.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole)
+        rounded = tl.minimum(tl.maximum(rounded, 0.0), TOP)
+        code = tl.where(step[None, :] > 0, rounded, 0.0).to(tl.int64)
+        word = tl.sum(code << (BITS * tokens).to(tl.int64)[:, None], axis=0)  # [D_PAD]
+        lanes = tl.arange(0, 2 * BITS)
+        packed = ((word[:, None] >> (8 * lanes).to(tl.int64)[None, :]) & 0xFF).to(tl.uint8)
+        cell = ((block * H + head) * (BLOCK // 16) + offset // 16) * D + dims  # [D_PAD]
+        tl.store(codes + cell[:, None] * (2 * BITS) + lanes[None, :], packed,
+                 mask=dim_ok[:, None])
+        tl.store(scales + cell, scale, mask=dim_ok)
+
+
+def encode_groups(pool, codes, scales, slots, *, num_warps: int = 2) -> None:
+    """Launches ``_encode_groups`` on the current stream (arguments: ``kernels.encode_groups``)."""
+    bits = codes.shape[-1] // 2
+    head_size = codes.shape[3]
+    _encode_groups[(slots.shape[0], pool.shape[1])](
+        pool, codes, scales, slots, H=pool.shape[1], BLOCK=pool.shape[2], D=head_size,
+        D_PAD=triton.next_power_of_2(head_size), BITS=bits, HALF=((1 << bits) - 1) / 2,
+        TOP=float((1 << bits) - 1), num_warps=num_warps)

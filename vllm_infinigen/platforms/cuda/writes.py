@@ -15,10 +15,12 @@ The device-side buffers carry one scratch block past ``num_blocks``
 device writes need no data-dependent shape and no host sync.
 
 The write-through and the int-key encoding read and write the host pool with
-torch indexing, which on a GPU waits for the step's K/V to reach the host:
-the reference and the fallback. The next step is a kernel that stores the
-rows through the pinned pool's UVA pointer on the transfer stream, ordered
-by events (``platforms/cuda/__init__.py``, invariant 1).
+torch indexing, which on a GPU would wait for the step's K/V to reach the
+host: they are the references of ``kernels.store_rows`` and
+``kernels.encode_groups``, which on CUDA store and encode through the pinned
+pool's UVA pointer on the compute stream (no host sync; the gather stream
+waits for the compute stream before each gather: ``platforms/cuda/__init__.py``,
+invariant 1), and what runs in their place elsewhere.
 """
 
 from __future__ import annotations
