@@ -51,6 +51,7 @@ from benchmarks.gpu.variants import (
     Streams,
 )
 from benchmarks.harness import paths
+from vllm_infinigen.layout import KEY_GROUP, int_key_bits
 from vllm_infinigen.platforms.cuda import kernels
 
 VARIANTS = ("dense", "dense_units", "full", "infinigen_nocache", "infinigen_cache")
@@ -59,31 +60,59 @@ DEFAULT_OUT = paths.RESULTS / "gpu_decode_step"
 MARGIN = 4 << 30  # device memory left free
 
 
+KEYS = ("int", "partial")  # --infinigen-speculation-keys (int: the product's default)
+
+
+def speculation_keys(setup: KVSetup, keys: str, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    """Random speculation keys of every sparse layer, in the layout the product scores."""
+    shape = setup.shape
+    generator = torch.Generator(device=setup.device).manual_seed(1)
+    out = []
+    for _ in range(shape.num_layers - shape.dense_layers):
+        if keys == "int":
+            bits = int_key_bits(dtype.itemsize)
+            cells = (setup.batch * setup.blocks_per_row, shape.num_kv_heads,
+                     shape.block_size // KEY_GROUP, shape.head_dim)
+            codes = torch.randint(0, 256, (*cells, 2 * bits), dtype=torch.uint8,
+                                  device=setup.device, generator=generator)
+            scales = torch.rand(cells, device=setup.device, generator=generator) / 16
+            out.append({"codes": codes, "scales": scales.half()})
+        else:
+            out.append({"partial": torch.randn(
+                setup.batch, setup.blocks_per_row, shape.num_kv_heads, shape.partial_channels,
+                shape.block_size, device=setup.device, dtype=dtype, generator=generator)})
+    return out
+
+
+def speculation_bytes_per_block(shape: DecoderShape, keys: str, dtype: torch.dtype) -> int:
+    """Device bytes of one block's speculation keys over the KV heads."""
+    if keys == "int":
+        per_group = shape.head_dim * (2 * int_key_bits(dtype.itemsize) + 2)
+        return shape.num_kv_heads * shape.block_size // KEY_GROUP * per_group
+    return shape.num_kv_heads * shape.block_size * shape.partial_channels * dtype.itemsize
+
+
 def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget: float,
-                  replay: torch.Tensor | None, cache_factor: float, dtype: torch.dtype):
+                  replay: torch.Tensor | None, cache_factor: float, dtype: torch.dtype,
+                  keys: str = "int"):
     if name == "dense":
         return Dense(setup, streams)
     if name == "dense_units":
         return DenseUnits(setup, streams)
     if name == "full":
         return FullOffload(setup, streams)
-    shape = setup.shape
-    generator = torch.Generator(device=setup.device).manual_seed(1)
-    partial_keys = [torch.randn(setup.batch, setup.blocks_per_row, shape.num_kv_heads,
-                                shape.partial_channels, shape.block_size, device=setup.device,
-                                dtype=dtype, generator=generator)
-                    for _ in range(shape.num_layers - shape.dense_layers)]
     slots = None
     if name == "infinigen_cache":
         width = replay.shape[-1] if replay is not None else InfiniGen.selection_width(
             setup, budget)
         slots = int(cache_factor * setup.batch * width)
-    return InfiniGen(setup, streams, layers, partial_keys, budget=budget, replay=replay,
+    return InfiniGen(setup, streams, layers, speculation_keys(setup, keys, dtype),
+                     budget=budget, replay=replay,
                      slots_per_head=slots, compute_dtype=dtype)
 
 
 def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width: int,
-                 factor: float, dtype: torch.dtype) -> int:
+                 factor: float, dtype: torch.dtype, keys: str = "int") -> int:
     """Device memory a variant adds to the weights (estimate, temporaries included)."""
     layer = shape.layer_kv_bytes(batch, context, dtype)
     sparse = shape.num_layers - shape.dense_layers
@@ -91,18 +120,18 @@ def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width
         return shape.num_layers * layer + layer
     if name == "full":
         return 3 * layer
-    partial = batch * shape.blocks_per_row(context) * shape.num_kv_heads * shape.block_size
-    partial *= shape.partial_channels * dtype.itemsize
+    partial = batch * shape.blocks_per_row(context) * speculation_bytes_per_block(shape, keys,
+                                                                                 dtype)
     units = batch * shape.num_kv_heads * width * shape.unit_bytes(dtype)
     held = factor * units * sparse if name == "infinigen_cache" else 2 * units
     return int(shape.dense_layers * layer + (sparse + 4) * partial + held + layer // 4)
 
 
-def fits(name, shape, batch, context, width, factor, dtype) -> bool:
+def fits(name, shape, batch, context, width, factor, dtype, keys) -> bool:
     if not torch.cuda.is_available():
         return True
     free, _ = torch.cuda.mem_get_info()
-    return device_bytes(name, shape, batch, context, width, factor, dtype) + MARGIN < free
+    return device_bytes(name, shape, batch, context, width, factor, dtype, keys) + MARGIN < free
 
 
 def run_steps(decoder: Decoder, variant, x: torch.Tensor, warmup: int, steps: int,
@@ -211,7 +240,7 @@ def compare(logits: dict[str, torch.Tensor], reference: str = "dense") -> dict[s
 
 
 def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, batch: int,
-                     context: int, streams: Streams) -> dict[str, Any]:
+                     context: int, streams: Streams, keys: str = "int") -> dict[str, Any]:
     """Every variant at budget 1 (every block selected, nothing replayed) against dense."""
     setup = KVSetup(shape, batch, context, pool, device)
     decoder = Decoder(shape, layers, lm_head)
@@ -220,7 +249,7 @@ def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, 
     logits = {}
     for name in VARIANTS:
         variant = build_variant(name, setup, streams, layers, budget=1.0, replay=None,
-                                cache_factor=1.0, dtype=dtype)
+                                cache_factor=1.0, dtype=dtype, keys=keys)
         for _ in range(2):  # the second step reads the cache the first one filled
             logits[name] = decoder.step(x, variant)
         del variant
@@ -228,7 +257,7 @@ def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, 
         torch.cuda.synchronize()
     errors = compare(logits)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    return {"batch": batch, "context": context, "relative_l2_vs_dense": errors,
+    return {"batch": batch, "context": context, "keys": keys, "relative_l2_vs_dense": errors,
             "tolerance": tolerance, "passed": all(e < tolerance for e in errors.values())}
 
 
@@ -247,15 +276,17 @@ def measure_config(shape, layers, lm_head, pool, device, dtype, *, batch: int, c
     for name in args.variants:
         factors = CACHE_FACTORS if name == "infinigen_cache" else (1.0,)
         factor = next((f for f in factors
-                       if fits(name, shape, batch, context, width, f, dtype)), None)
+                       if fits(name, shape, batch, context, width, f, dtype, args.keys)), None)
         if factor is None:
-            needed = device_bytes(name, shape, batch, context, width, factors[-1], dtype)
+            needed = device_bytes(name, shape, batch, context, width, factors[-1], dtype,
+                                  args.keys)
             out["variants"][name] = {"skipped": f"does not fit ({needed / 2**30:.1f} GiB "
                                                 "beside the weights)"}
             continue
         try:
             variant = build_variant(name, setup, streams, layers, budget=args.budget,
-                                    replay=replay, cache_factor=factor, dtype=dtype)
+                                    replay=replay, cache_factor=factor, dtype=dtype,
+                                    keys=args.keys)
             result, _ = run_steps(decoder, variant, x, args.warmup, args.steps, streams)
             if name == "infinigen_cache":
                 result["cache_factor"] = factor
@@ -288,8 +319,11 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(batch, context, dtype),
                         device, dtype)
     checks = {"select_all": select_all_check(shape, layers, lm_head, pool, device, dtype,
-                                             batch=batch, context=context, streams=streams)}
-    args = argparse.Namespace(trace=trace, warmup=1, steps=4, budget=0.2,
+                                             batch=batch, context=context, streams=streams),
+              "select_all_partial_keys": select_all_check(
+                  shape, layers, lm_head, pool, device, dtype, batch=batch, context=context,
+                  streams=streams, keys="partial")}
+    args = argparse.Namespace(trace=trace, warmup=1, steps=4, budget=0.2, keys="int",
                               variants=["dense", "full", "infinigen_nocache", "infinigen_cache"])
     measured = measure_config(shape, layers, lm_head, pool, device, dtype, batch=batch,
                               context=context, args=args, streams=streams, limits=None)
@@ -312,12 +346,14 @@ def self_test(out: Path | None = SELF_TEST_OUT,
         "passed": bool(same < 1e-5 and differs > 1e-3
                        and 0 < variants["infinigen_cache"]["pcie_bytes_per_step"]
                        < variants["infinigen_nocache"]["pcie_bytes_per_step"])}
-    checks["passed"] = checks["select_all"]["passed"] and checks["replay"]["passed"]
+    checks["passed"] = (checks["select_all"]["passed"]
+                        and checks["select_all_partial_keys"]["passed"]
+                        and checks["replay"]["passed"])
     if out is not None:
         meta = gpu_run_metadata()
         results = {"checks": checks, "configs": [measured]}
         write_gpu_results(out, meta, "GPU decode-step benchmark: CPU self-test",
-                          {"shape": "TINY", "dtype": "float32"}, results,
+                          {"shape": "TINY", "dtype": "float32", "keys": "int"}, results,
                           markdown_sections(results, self_test=True))
     return checks
 
@@ -331,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--budget", type=float, default=0.2,
                         help="the computed selection's budget (its cost is measured)")
+    parser.add_argument("--keys", choices=KEYS, default="int",
+                        help="speculation keys the computed selection scores (the product's "
+                        "--infinigen-speculation-keys; int: its default, scored in place by "
+                        "a Triton kernel)")
     parser.add_argument("--trace", type=Path, default=selection_trace.DEFAULT_TRACE)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -360,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"h2d_limits": limits, "setup": setup_info,
                                "select_all": select_all_check(shape, layers, lm_head, pool,
                                                               device, dtype, batch=2,
-                                                              context=2048, streams=streams),
+                                                              context=2048, streams=streams,
+                                                              keys=args.keys),
                                "configs": []}
     print(results["select_all"], limits, flush=True)
     for context in args.contexts:

@@ -62,7 +62,7 @@ class DecoderShape:
 
 LLAMA_31_8B = DecoderShape()
 TINY = DecoderShape(num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                    intermediate=96, vocab=64, block_size=4, partial_channels=4)
+                    intermediate=96, vocab=64, block_size=16, partial_channels=4)
 
 
 @dataclass
@@ -99,13 +99,18 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
 
 
-def partial_query(shape: DecoderShape, weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, G, R] float32: the next layer's skewed partial query from this
-    layer's attention input [B, hidden] (its query projection, then the skew)."""
+def next_query(shape: DecoderShape, weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, G, D] float32: the next layer's query from this layer's attention
+    input [B, hidden] (its query projection), what the int keys score."""
     width = shape.num_heads * shape.head_dim
     query = hidden @ weights.qkv[:, :width]
-    query = query.view(-1, shape.num_kv_heads, shape.group, shape.head_dim).float()
-    return torch.einsum("bhgd,hdr->bhgr", query, weights.skew)
+    return query.view(-1, shape.num_kv_heads, shape.group, shape.head_dim).float()
+
+
+def partial_query(shape: DecoderShape, weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, G, R] float32: the next layer's skewed partial query (``next_query``,
+    then the skew), what the partial keys score."""
+    return torch.einsum("bhgd,hdr->bhgr", next_query(shape, weights, hidden), weights.skew)
 
 
 class Decoder:

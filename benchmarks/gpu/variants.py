@@ -26,7 +26,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu.decoder import DecoderShape, LayerWeights, partial_query
+from benchmarks.gpu.decoder import DecoderShape, LayerWeights, next_query, partial_query
 from vllm_infinigen.platforms.cuda import block_selection as rule
 from vllm_infinigen.platforms.cuda import kernels
 from vllm_infinigen.platforms.cuda.block_cache import (
@@ -93,6 +93,7 @@ class KVSetup:
         self.full_lens = torch.full((batch * heads,), context + 1, dtype=torch.int32,
                                     device=device)
         self.row_base = rows  # [B, 1, 1] first block id of each row
+        self.block_table = (rows[:, 0] + blocks[0]).int()  # [B, blocks] each row's block ids
 
     def region(self, layer: int) -> torch.Tensor:
         """[units_per_layer, block_size, 2 * D] layer ``layer``'s K/V (layers share
@@ -206,8 +207,11 @@ class InfiniGen(Variant):
 
     Args:
         weights: The decoder's layers (the next layer's query projection and skew).
-        partial_keys: Per sparse layer [B, blocks_per_row, H_kv, R, block_size]
-            (today's layout, a row's blocks consecutive).
+        speculation: Per sparse layer its speculation keys, a row's blocks
+            consecutive: ``{"codes", "scales"}`` (the int keys, the product's
+            default: [B * blocks_per_row, H_kv, block_size / 16, D, 2 * bits]
+            uint8 and [..., D] float16, scored in place on CUDA) or
+            ``{"partial"}`` ([B, blocks_per_row, H_kv, R, block_size]).
         budget: The budget as a fraction of the context.
         replay: [steps, sparse layers, B, H_kv, W] int32 logical blocks to use
             instead of the computed selection (a recorded trace), or None.
@@ -215,13 +219,13 @@ class InfiniGen(Variant):
     """
 
     def __init__(self, setup: KVSetup, streams: Streams, weights: list[LayerWeights],
-                 partial_keys: list[torch.Tensor], *, budget: float,
+                 speculation: list[dict[str, torch.Tensor]], *, budget: float,
                  replay: torch.Tensor | None, slots_per_head: int | None,
                  compute_dtype: torch.dtype):
         super().__init__(setup, streams)
         shape = self.shape
         self.name = "infinigen_cache" if slots_per_head else "infinigen_nocache"
-        self.weights, self.partial_keys, self.replay = weights, partial_keys, replay
+        self.weights, self.speculation, self.replay = weights, speculation, replay
         self.compute_dtype = compute_dtype
         self.dense = [setup.region(layer).to(setup.device) for layer in range(shape.dense_layers)]
         caps = [max(1, int(budget * setup.context))] * setup.batch
@@ -258,9 +262,15 @@ class InfiniGen(Variant):
         """[B, H_kv, W] block ids of ``target``'s selection (computed; replaced by
         the trace when replaying, after paying for the computation)."""
         shape, setup = self.shape, self.setup
-        query = partial_query(shape, self.weights[target], hidden)
-        tokens = rule.row_token_scores(query, self.partial_keys[target - shape.dense_layers],
-                                       scale=shape.scale, compute_dtype=self.compute_dtype)
+        keys = self.speculation[target - shape.dense_layers]
+        if "codes" in keys:
+            tokens = rule.int_token_scores(next_query(shape, self.weights[target], hidden),
+                                           keys["codes"], keys["scales"], setup.block_table,
+                                           setup.context_lens, scale=shape.scale)
+        else:
+            tokens = rule.row_token_scores(partial_query(shape, self.weights[target], hidden),
+                                           keys["partial"], scale=shape.scale,
+                                           compute_dtype=self.compute_dtype)
         scores = rule.block_scores(tokens, setup.context_lens, shape.block_size)
         logical = rule.select_blocks(scores, setup.context_lens, self.token_caps,
                                      block_size=shape.block_size, width=self.width).logical

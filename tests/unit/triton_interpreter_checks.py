@@ -126,3 +126,26 @@ def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype,
     assert torch.equal(got[1], expected[1])
     assert torch.equal(got[0], expected[0])
     assert (expected[1] != 0).sum() > 0
+
+
+@pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
+                                                  (2, torch.bfloat16, 24)])
+@pytest.mark.parametrize("tile", [16, 64])
+def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head_size, tile):
+    """The int keys read in place: the torch form's scores (it dequantizes every
+    block), open groups -inf, 3 query heads per KV head, a padded head size."""
+    from tests.unit.test_int_keys import Pool
+    from vllm_infinigen.platforms.cuda import block_selection
+
+    pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
+                context_lens=[95, 16, 7, 64])
+    query = torch.randn(4, 2, 3, head_size, generator=torch.Generator().manual_seed(8))
+    expected = block_selection.int_token_scores(query, pool.codes, pool.scales,
+                                                pool.block_table, pool.context_lens, scale=0.25)
+    got = torch.empty_like(expected)
+    triton_kernels.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                    pool.context_lens, got, scale=0.25, tile=tile)
+    assert torch.equal(got == float("-inf"), expected == float("-inf"))
+    finite = expected > float("-inf")
+    assert finite.sum() > 0
+    assert torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)

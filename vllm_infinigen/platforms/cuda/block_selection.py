@@ -69,9 +69,10 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     scale[c], half = (2^bits - 1) / 2. A row's open group (its context ends
     inside it: not encoded yet) scores -inf: it lies in the row's own block,
     which the block rule always keeps, so no score of it is needed there (the
-    alpha count leaves its at most 15 tokens out). This materializes the
-    dequantized keys of the rows' blocks: a reference and a fallback; a fused
-    kernel reads the codes in place.
+    alpha count leaves its at most 15 tokens out). On CUDA (float32) one Triton
+    kernel reads the codes in place (``triton_kernels.int_token_scores``);
+    elsewhere this torch form materializes the dequantized keys of the rows'
+    blocks (the kernel's reference).
 
     Args:
         query: [S, H_kv, G, D] the target layer's query (G query heads per KV head).
@@ -91,6 +92,17 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     bits = codes.shape[-1] // 2
     if bits not in (1, 2, 4):
         raise ValueError(f"int keys of {bits} bits: 1, 2 or 4 are supported")
+    if codes.is_cuda and compute_dtype == torch.float32:
+        from vllm_infinigen.platforms.cuda import triton_kernels
+
+        num_rows, num_heads = query.shape[:2]
+        out = torch.empty((num_rows, num_heads, block_table.shape[1] * codes.shape[2] * KEY_GROUP),
+                          dtype=torch.float32, device=codes.device)
+        triton_kernels.int_token_scores(query.float().contiguous(), codes, scales,
+                                        block_table.to(codes.device, torch.int32).contiguous(),
+                                        context_lens.to(codes.device, torch.int64), out,
+                                        scale=scale)
+        return out
     table = block_table.to(torch.int64)
     per_byte = 8 // bits  # byte i holds tokens i * per_byte .. i * per_byte + per_byte - 1
     shifts = bits * torch.arange(per_byte, device=codes.device, dtype=torch.uint8)

@@ -5,6 +5,7 @@
     attend_units   decode attention over a substituted block table
     store_rows     the write-through of a step's K|V into the pinned pool
     encode_groups  the int speculation keys of the groups a step closes
+    int_token_scores  speculated scores from the int keys, read in place
 
 They read and write pool-shaped units, one KV head's block each:
 [block_size, 2 * D], a token's K | V side by side. The pool is read through
@@ -198,3 +199,56 @@ def encode_groups(pool, codes, scales, slots, *, num_warps: int = 2) -> None:
         pool, codes, scales, slots, H=pool.shape[1], BLOCK=pool.shape[2], D=head_size,
         D_PAD=triton.next_power_of_2(head_size), BITS=bits, HALF=((1 << bits) - 1) / 2,
         TOP=float((1 << bits) - 1), num_warps=num_warps)
+
+
+@triton.jit
+def _int_token_scores(query, codes, scales, table, context_lens, out, scale, table_stride,
+                      num_tokens, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                      D_PAD: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                      HALF: tl.constexpr, TILE: tl.constexpr):
+    """Speculated scores of TILE tokens of one (row, KV head), the int keys read in place.
+
+    Grid (rows x KV heads, token tiles). Token t of the row lies in block
+    ``table[row, t // BLOCK]``, group (t % BLOCK) // 16, whose channel c keeps
+    its code in bits [BITS * (t % 16), + BITS) of 2 * BITS bytes; its key is
+    (code - HALF) x scale[c]. The score is the best over the G query heads of
+    q . k, times ``scale``; tokens of the row's open group (from its context
+    rounded down to 16) and later score -inf (``block_selection.int_token_scores``).
+    """
+    sequence = tl.program_id(0)
+    row = sequence // H
+    head = sequence % H
+    tokens = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    live = tokens < num_tokens
+    encoded = tl.load(context_lens + row) // 16 * 16
+    block = tl.load(table + row * table_stride + tokens // BLOCK, mask=live, other=0).to(tl.int64)
+    cell = ((block * H + head) * (BLOCK // 16) + (tokens % BLOCK) // 16) * D  # [TILE]
+    in_group = tokens % 16
+    dims = tl.arange(0, D_PAD)
+    mask = live[:, None] & (dims < D)[None, :]
+    packed = tl.load(codes + (cell[:, None] + dims[None, :]) * (2 * BITS)
+                     + (BITS * in_group // 8)[:, None], mask=mask, other=0)
+    code = (packed.to(tl.int32) >> (BITS * in_group % 8)[:, None]) & ((1 << BITS) - 1)
+    step = tl.load(scales + cell[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    keys = (code.to(tl.float32) - HALF) * step  # [TILE, D_PAD]
+    best = tl.full([TILE], float("-inf"), tl.float32)
+    for group in tl.static_range(G):
+        q = tl.load(query + (sequence * G + group) * D + dims, mask=dims < D,
+                    other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.sum(keys * q[None, :], axis=1))
+    scores = tl.where(tokens < encoded, best * scale, float("-inf"))
+    tl.store(out + sequence.to(tl.int64) * num_tokens + tokens, scores, mask=live)
+
+
+def int_token_scores(query, codes, scales, table, context_lens, out, *, scale: float,
+                     tile: int = 64, num_warps: int = 4) -> None:
+    """Launches ``_int_token_scores`` on the current stream (arguments:
+    ``block_selection.int_token_scores``; out [S, H_kv, T] float32)."""
+    rows, heads, group, head_size = query.shape
+    num_tokens = out.shape[-1]
+    bits = codes.shape[-1] // 2
+    _int_token_scores[(rows * heads, triton.cdiv(num_tokens, tile))](
+        query, codes, scales, table, context_lens, out, scale, table.stride(0), num_tokens,
+        H=heads, G=group, D=head_size, D_PAD=triton.next_power_of_2(head_size),
+        BLOCK=codes.shape[2] * 16, BITS=bits, HALF=((1 << bits) - 1) / 2, TILE=tile,
+        num_warps=num_warps)
