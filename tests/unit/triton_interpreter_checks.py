@@ -143,7 +143,8 @@ def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head
     expected = block_selection.int_token_scores(query, pool.codes, pool.scales,
                                                 pool.block_table, pool.context_lens, scale=0.25)
     got = torch.empty_like(expected)
-    triton_kernels.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+    table = pool.block_table if tile == 16 else pool.block_table.long()  # either index dtype
+    triton_kernels.int_token_scores(query, pool.codes, pool.scales, table,
                                     pool.context_lens, got, scale=0.25, tile=tile)
     assert torch.equal(got == float("-inf"), expected == float("-inf"))
     finite = expected > float("-inf")

@@ -99,7 +99,7 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
         out = torch.empty((num_rows, num_heads, block_table.shape[1] * codes.shape[2] * KEY_GROUP),
                           dtype=torch.float32, device=codes.device)
         triton_kernels.int_token_scores(query.float().contiguous(), codes, scales,
-                                        block_table.to(codes.device, torch.int32).contiguous(),
+                                        block_table.to(codes.device).contiguous(),
                                         context_lens.to(codes.device, torch.int64), out,
                                         scale=scale)
         return out
@@ -265,8 +265,8 @@ def physical_block_ids(logical: torch.Tensor, block_table: torch.Tensor) -> torc
     return torch.where(logical >= 0, ids, -1)
 
 
-# Blocks of the rows' tables scored at once: bounds the dequantized keys that
-# ``int_token_scores`` materializes (rows x KV heads x 4096 tokens x D floats).
+# Blocks of the rows' tables scored at once by the torch forms: bounds the keys
+# they materialize (rows x KV heads x 4096 tokens x D floats for the int keys).
 _SCORE_CHUNK_BLOCKS = 256
 
 
@@ -288,7 +288,8 @@ def speculated_token_scores(query: torch.Tensor, block_table: torch.Tensor,
     """[S, H_kv, NB * block_size] speculated scores of the rows' tokens, from the
     int keys (``codes``/``scales``) or the partial keys, over the first NB
     blocks of each table (NB: the longest row's blocks), ``_SCORE_CHUNK_BLOCKS``
-    blocks at a time.
+    blocks at a time where a torch form scores (the int keys' Triton kernel
+    reads them in place: one launch over every block).
 
     Args:
         query: [S, H_kv, G, D] (int keys) or [S, H_kv, G, R] skewed (partial keys).
@@ -297,9 +298,11 @@ def speculated_token_scores(query: torch.Tensor, block_table: torch.Tensor,
     num_blocks = min(block_table.shape[1], max(context_host, default=0) // block_size + 1)
     table = block_table[:, :num_blocks].to(query.device, torch.int64)
     context_lens = context_lens.to(query.device, torch.int64)
+    in_place = codes is not None and codes.is_cuda  # int_token_scores' Triton kernel
+    step = max(num_blocks, 1) if in_place else _SCORE_CHUNK_BLOCKS
     chunks = []
-    for first in range(0, num_blocks, _SCORE_CHUNK_BLOCKS):
-        part = table[:, first:first + _SCORE_CHUNK_BLOCKS]
+    for first in range(0, num_blocks, step):
+        part = table[:, first:first + step]
         if codes is not None:
             # Context counted from the chunk's first token: its open group masks right.
             chunks.append(int_token_scores(query, codes, scales, part,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vllm_infinigen.platforms.cuda.block_selection import window_blocks
+from vllm_infinigen.platforms.cuda.block_selection import selection_width, window_blocks
 
 # Slots per head as a multiple of the widest step's blocks: replaying selections
 # recorded on two trained models, lru with 1.5x-2x the widest step hit within
@@ -46,8 +46,8 @@ def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: i
     """
     row_blocks = -(-max_model_len // block_size) + 1
     sink_blocks, recent_blocks = window_blocks(sink_tokens, recent_tokens, block_size)
-    budget_blocks = -(-math.floor(budget * max_model_len) // block_size)
-    widest = min(row_blocks, budget_blocks + sink_blocks + recent_blocks)
+    widest = selection_width([max_model_len], [math.floor(budget * max_model_len)], block_size,
+                             sink_blocks=sink_blocks, recent_blocks=recent_blocks)
     return max_num_seqs * min(row_blocks, math.ceil(widest * reuse))
 
 
