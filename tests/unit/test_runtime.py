@@ -170,3 +170,33 @@ def test_sliding_window_layers_take_no_part():
     # The first dense full-attention layer's metadata and slots index the pool.
     assert runtime.reference_layer == "model.layers.1.self_attn.attn"
     assert runtime._speculator == {5: layers[3], 7: layers[5]}
+
+
+def test_a_step_below_min_context_attends_densely_without_speculating(step):
+    runtime, metadata, new_slot = step
+    runtime.update_selection(min_context=CONTEXT + 1)
+    plan = runtime.plan_for(metadata, BLOCK)
+    assert plan.short_decode_only
+    assert not runtime.speculates({runtime.reference_layer: metadata})
+    layer = runtime.layers[2]
+    query = torch.tensor([10.0, 0.0, 0.0, 0.0]).view(1, 1, DIM)
+    runtime.write(layer, query, query, new_slot)
+    output = torch.full((2, 1, DIM), 7.0)  # a padding row after the step's one row
+    runtime.attend_short(layer, plan, query.expand(2, 1, DIM), output)
+    torch.testing.assert_close(output[:1], _attention_over(list(range(CONTEXT)), query))
+    assert output[1].eq(7.0).all()  # rows past the step's are not touched
+    assert runtime.take_counters()["selected_tokens.2"] == CONTEXT  # dense counts all
+
+    runtime.update_selection(min_context=CONTEXT)  # the row now selects
+    assert not runtime.plan_for(metadata, BLOCK).short_decode_only
+    assert runtime.speculates({runtime.reference_layer: metadata})
+
+
+def test_a_step_with_prompt_rows_is_not_short_decode_only(step):
+    runtime, _, _ = step
+    runtime.update_selection(min_context=10**6)
+    prefill = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 5]),
+                              seq_lens=torch.tensor([CONTEXT + 1, 4]),
+                              block_table=torch.tensor([[0, 1, 2], [3, 0, 0]],
+                                                       dtype=torch.int32))
+    assert not runtime.plan_for(prefill, BLOCK).short_decode_only

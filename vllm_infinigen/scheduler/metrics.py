@@ -122,6 +122,9 @@ class InfiniGenPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in GAUGES.items()
         }
+        # (engine, "<counter>.<layer>") -> the labelled counter: looked up
+        # once, not at every step.
+        self._children: dict[tuple[int, str], Any] = {}
         self._export_counters_at_zero(vllm_config)
 
     def _export_counters_at_zero(self, vllm_config) -> None:
@@ -139,11 +142,18 @@ class InfiniGenPromMetrics(KVConnectorPromMetrics):
         engine_labels = self.per_engine_labelvalues[engine_idx]
         for name, value in gauge_totals(transfer_stats_data).items():
             self._gauges[name].labels(*engine_labels).set(value)
+        children = self._children
         for key, value in transfer_stats_data.items():
-            name, _, layer = key.partition(".")
-            counter = self._counters.get(name)
-            if counter is not None and value:
-                counter.labels(*engine_labels, layer).inc(value)
+            if not value:
+                continue
+            child = children.get((engine_idx, key))
+            if child is None:
+                name, _, layer = key.partition(".")
+                counter = self._counters.get(name)
+                if counter is None:
+                    continue
+                child = children[engine_idx, key] = counter.labels(*engine_labels, layer)
+            child.inc(value)
 
 
 def summarize(metrics: list) -> dict[str, dict[str, float]]:

@@ -6,6 +6,8 @@ attention to the runtime, and leaves dense layers to the platform's own kernel."
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
@@ -60,7 +62,15 @@ class InfiniGenImplMixin:
                                    output, output_scale, output_block_scale)
         runtime, state = self.infinigen_runtime, self.infinigen_layer
         context = get_forward_context()
-        plan = runtime.begin_layer(state, context.attn_metadata[runtime.reference_layer],
+        dense_metadata = context.attn_metadata[runtime.reference_layer]
+        plan = runtime.plan_for(dense_metadata, runtime.block_size)
+        if plan.short_decode_only:  # nothing speculates, nothing is captured
+            if not state.sparse:
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                       output, output_scale, output_block_scale)
+            runtime.attend_short(state, plan, query, output)
+            return output
+        plan = runtime.begin_layer(state, dense_metadata,
                                    context.slot_mapping[runtime.reference_layer],
                                    block_size=runtime.block_size)
         if not state.sparse:
@@ -114,6 +124,7 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
             continue
         if state.sparse:
             attention.get_kv_cache_spec = _sparse_spec_getter(attention)
+            attention.attn_backend = sparse_backend(attention.attn_backend)
         if state.next is not None:
             if state.next.qkv_proj is None or state.qkv_proj is None:
                 raise ValueError(f"InfiniGen: layer {source.name} has no qkv_proj to hook")
@@ -137,6 +148,45 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         else "the whole qkv_proj",
         ", the per-head q_norm" if any(s.q_norm is not None for s in sparse) else "",
     )
+
+
+class SparseLayerMetadata:
+    """The attention metadata vLLM's runner hands a sparse layer: a marker.
+    The layer reads the dense group's metadata (``runtime.reference_layer``),
+    whose block ids address the pool; its own group holds no blocks."""
+
+    __slots__ = ()
+
+
+SPARSE_METADATA = SparseLayerMetadata()
+
+
+@functools.cache
+def sparse_backend(backend: type) -> type:
+    """``backend`` with a metadata builder that builds nothing, for the sparse
+    layers' KV-cache groups.
+
+    vLLM builds attention metadata for every KV-cache group at every step;
+    the sparse layers' groups (one per ``group_size`` layers,
+    ``layout.kv_cache_group_size``) would each pay a stock build (on the
+    CPU: scheduler metadata for the attention kernel) that nothing reads.
+    Their builder returns ``SPARSE_METADATA`` once per step and the other
+    groups reuse it (``supports_update_block_table``). Cached per backend, so
+    that every sparse layer shares one class (vLLM groups layers by it).
+    """
+    stock = backend.get_builder_cls()
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return SPARSE_METADATA
+
+    def update_block_table(self, metadata, block_table, slot_mapping):
+        return metadata
+
+    builder = type(f"InfiniGenSparse{stock.__name__}", (stock,), {
+        "build": build, "supports_update_block_table": True,
+        "update_block_table": update_block_table})
+    return type(f"InfiniGenSparse{backend.__name__}", (backend,),
+                {"get_builder_cls": staticmethod(lambda: builder)})
 
 
 def _check_query_norm(state: LayerState) -> None:

@@ -21,9 +21,10 @@ def capture_attention_input(hidden_states: torch.Tensor, layer_name: str) -> tor
     """Stores ``hidden_states`` ([T, hidden]) for the attention layer ``layer_name``."""
     if is_forward_context_available():
         context = get_forward_context()
-        layer = context.no_compile_layers.get(layer_name)
-        state = getattr(getattr(layer, "impl", None), "infinigen_layer", None)
-        if state is not None and context.attn_metadata is not None:
+        impl = getattr(context.no_compile_layers.get(layer_name), "impl", None)
+        state = getattr(impl, "infinigen_layer", None)
+        if (state is not None and context.attn_metadata is not None
+                and impl.infinigen_runtime.speculates(context.attn_metadata)):
             # A private copy: the compiler may reuse the input's buffer
             # before the attention op of this layer runs.
             state.capture(hidden_states.clone())

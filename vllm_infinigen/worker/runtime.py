@@ -296,6 +296,12 @@ class InfiniGenRuntime:
             self._plan_source = attn_metadata
         return self._plan
 
+    def speculates(self, attn_metadata: dict) -> bool:
+        """Whether any layer may need its attention input in this step
+        (``attn_metadata``: the forward context's, by layer name)."""
+        plan = self.plan_for(attn_metadata[self.reference_layer], self.block_size)
+        return not plan.short_decode_only
+
     def speculate(self, state: LayerState, plan: StepPlan) -> None:
         """Layer ``state`` selects the tokens of ``state.next`` for the sparse rows."""
         target = state.next
@@ -335,6 +341,16 @@ class InfiniGenRuntime:
         output[rows.tokens] = out
         if probs is not None:
             policy.on_attend(state, plan, positions, probs)
+
+    def attend_short(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
+                     output: torch.Tensor) -> None:
+        """A sparse layer's attention in a step of decode rows all below
+        ``min_context`` (``StepPlan.short_decode_only``): dense over the pool,
+        the rows being the query's first B."""
+        rows = plan.dense_rows
+        count = rows.size
+        output[:count] = self.data_path.attend_dense(state, rows, query[:count],
+                                                     self.row_map(state))
 
     def attend_prompt(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor) -> None:

@@ -92,6 +92,12 @@ class StepPlan:
         return self.rows.shape[0]
 
     @functools.cached_property
+    def short_decode_only(self) -> bool:
+        """Every row of the step is a decode row below ``min_context``: rows
+        0..B-1 of the query, none selecting, no prompt rows (the fast path)."""
+        return not self.sparse.numel() and not self.has_other_rows
+
+    @functools.cached_property
     def sparse_rows(self) -> RowSet:
         """The rows that attend over a selection."""
         return self._subset(self.sparse)
