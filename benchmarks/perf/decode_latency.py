@@ -4,6 +4,7 @@
 python -m benchmarks.perf.decode_latency [--preset long|short|gqa128|gutenberg] [--model DIR]
     [--contexts 1024 ... 16384] [--batch-sizes 1 4] [--policies infinigen h2o streaming quest]
     [--engines dense in-place copy] [--budget 0.2] [--min-context N] [--decode-steps 16]
+    [--dtype float32|bfloat16] [--alphas default 10000]
     [--max-batch-tokens 65536] [--retries 2] [--bandwidth-mib 256] [--out PATH]
 python -m benchmarks.perf.decode_latency --render RESULT.json   (rewrites RESULT.md and .png)
 
@@ -21,6 +22,9 @@ Presets (explicit flags override them):
   query / 2 KV heads of 128, hidden 512, MLP 512, 17K positions;
   ``models.GQA128_MODEL``), contexts 256..16K, batches 1 and 4, dense vs
   in-place InfiniGen -> ``decode_latency_gqa128``.
+- ``gqa64``: the ``gqa128`` model with head_dim 64, contexts 256..4K (where
+  sparse starts to beat dense: ``--infinigen-min-context``)
+  -> ``decode_latency_gqa64``.
 - ``gutenberg``: ``../shared/models/gutenberg-llama-2k`` at 256..1920 tokens,
   dense vs InfiniGen with the in-place and the copy transfer
   -> ``decode_latency``.
@@ -43,6 +47,11 @@ scores then start at the switch instead of at the prefill, which changes what
 it keeps, not what a step costs. A baseline's per-slot state (H2O scores,
 Quest page bounds) once allocated is kept up to date on every later write, so
 the policies run in the order infinigen, streaming, quest, h2o.
+
+InfiniGen runs one window per ``--alphas`` value (default: the engine's alpha,
+then 10000): a random model's scores put ~1 % of the context within the
+default alpha of the best, where trained models select 8-14 %; at 10000 every
+token is in reach and the budget binds, the density a served model reads.
 
 KV bytes per step: dense attention reads every context token's K/V in every
 layer. A sparse engine reads the dense layers' K/V, the selection metadata of
@@ -90,6 +99,7 @@ ENGINES = {
     "partial-keys": {"kv_manager": "infinigen",
                      "infinigen": {"transfer": "in-place", "speculation_keys": "partial"}},
 }
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Order of the policies inside one window (see the module docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
 # "model": a directory, or None for the random ``models.long_context_model(**model_spec)``.
@@ -104,17 +114,28 @@ PRESETS: dict[str, dict[str, Any]] = {
                "contexts": [256, 1024, 4096, 16384], "batch_sizes": [1, 4],
                "engines": ["dense", "in-place"], "policies": ["infinigen"],
                "out": "decode_latency_gqa128"},
+    "gqa64": {"model": None, "model_spec": models.GQA64_MODEL,
+              "contexts": [256, 512, 1024, 2048, 4096], "batch_sizes": [1],
+              "engines": ["dense", "in-place"], "policies": ["infinigen"],
+              "out": "decode_latency_gqa64"},
     "gutenberg": {"model": paths.GUTENBERG, "contexts": [256, 512, 1024, 1920],
                   "batch_sizes": [1, 4], "engines": ["dense", "in-place", "copy"],
                   "policies": ["infinigen"], "out": "decode_latency"},
 }
 
 
-def config_label(engine_name: str, policy: str | None) -> str:
-    """Column label: "dense", the policy (in-place engine), or "policy (copy)"."""
+def config_label(engine_name: str, policy: str | None, alpha: str = "default") -> str:
+    """Column label: "dense", the policy (in-place engine), or "policy (copy)";
+    an InfiniGen window at another alpha than the engine's adds "alpha A"."""
     if policy is None:
         return "dense"
-    return policy if engine_name == "in-place" else f"{policy} ({engine_name})"
+    label = policy if engine_name == "in-place" else f"{policy} ({engine_name})"
+    return label if alpha == "default" or policy != "infinigen" else f"{label}, alpha {alpha}"
+
+
+def engine_alpha(worker) -> float:
+    """The running engine's alpha (``collective_rpc``: the default resolved for the model)."""
+    return worker.infinigen_runtime.config.alpha
 
 
 def ordered_policies(policies: list[str]) -> list[str]:
@@ -135,12 +156,14 @@ def grid(args) -> list[tuple[int, int]]:
 
 def measure_row(*, engine_name: str, policy: str | None, context: int, batch: int,
                 mean_context: float, times: list[float], full: bool, prefill_s: float,
-                delta: dict[str, float], shape: kv_math.ModelShape, args) -> dict[str, Any]:
+                delta: dict[str, float], shape: kv_math.ModelShape, args,
+                alpha: str = "default") -> dict[str, Any]:
     """One result row: timing, and KV bytes per step against dense and the ideal."""
     step_s = statistics.median(times)
     dense_bytes = kv_math.dense_step_bytes(shape, batch * mean_context)
     row: dict[str, Any] = {
-        "config": config_label(engine_name, policy), "engine": engine_name, "policy": policy,
+        "config": config_label(engine_name, policy, alpha), "engine": engine_name,
+        "policy": policy, "alpha": alpha, "dtype": args.dtype,
         "context": context, "batch": batch, "mean_context": round(mean_context, 1),
         "decode_ms_per_step": 1000 * step_s,
         "decode_ms_per_step_mean": 1000 * statistics.fmean(times),
@@ -211,7 +234,7 @@ def sizing(engine_name: str, shape: kv_math.ModelShape, args) -> tuple[list, int
 
     setup = ENGINES[engine_name]
     policies: list[str | None] = ordered_policies(args.policies) if setup["infinigen"] else [None]
-    per_policy = args.warmup_steps + args.decode_steps
+    per_policy = (args.warmup_steps + args.decode_steps) * len(args.alphas)
     points = grid(args)
     # Requests that finish prefill early decode while the others prefill (chunked
     # prefill): room for those tokens, so that no request ends inside a window.
@@ -225,9 +248,16 @@ def sizing(engine_name: str, shape: kv_math.ModelShape, args) -> tuple[list, int
     return policies, max_tokens, tokens, kv_bytes
 
 
+def windows(policies: list[str | None], alphas: list[str]) -> list[tuple[str | None, str]]:
+    """(policy, alpha) of each timed window: InfiniGen once per ``--alphas``
+    value, the others at the engine's alpha (which they do not read)."""
+    return [(policy, alpha) for policy in policies
+            for alpha in (alphas if policy == "infinigen" else ["default"])]
+
+
 def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) -> list[dict]:
     """One engine: every (context, batch), every policy of the window."""
-    shape = kv_math.model_shape(model)
+    shape = kv_math.model_shape(model, dtype_bytes=DTYPE_BYTES[args.dtype])
     setup = ENGINES[engine_name]
     policies, max_tokens, _, kv_bytes = sizing(engine_name, shape, args)
     points = grid(args)
@@ -240,8 +270,9 @@ def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) 
                 kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=max(batch for _, batch in points),
-                enforce_eager=args.enforce_eager) as llm:
+                enforce_eager=args.enforce_eager, dtype=args.dtype) as llm:
         driver = Driver(llm, max_tokens)
+        default_alpha = llm.collective_rpc(engine_alpha)[0] if infinigen else None
         progress(f"{engine_name}: engine up; warm-up")
         driver.submit_and_prefill([[1, 5, 6, 7]] * max(b for _, b in points), "warmup")
         for policy in policies:
@@ -253,10 +284,11 @@ def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) 
             prompts = [[rng.randrange(3, 500) for _ in range(context)] for _ in range(batch)]
             prefill_s = driver.submit_and_prefill(prompts, f"c{context}b{batch}")
             progress(f"{engine_name}: context {context} x {batch}: prefill {prefill_s:.1f} s")
-            for policy in policies:
+            for policy, alpha in windows(policies, args.alphas):
                 if policy:
-                    llm.collective_rpc("set_infinigen_selection",
-                                       kwargs={"policy": policy, "budget": args.budget})
+                    llm.collective_rpc("set_infinigen_selection", kwargs={
+                        "policy": policy, "budget": args.budget,
+                        "alpha": default_alpha if alpha == "default" else float(alpha)})
                 attempts = []
                 for _ in range(1 + args.retries):
                     if args.quiet_wait > 0:
@@ -279,7 +311,8 @@ def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) 
                 # step attends over prompt + generated - 1 earlier tokens).
                 mean_context = context + start_generated - 1 + (args.decode_steps - 1) / 2
                 full = all(count == batch for count in got)
-                row = measure_row(engine_name=engine_name, policy=policy, context=context,
+                row = measure_row(engine_name=engine_name, policy=policy, alpha=alpha,
+                                  context=context,
                                   batch=batch, mean_context=mean_context, times=times,
                                   full=full, prefill_s=prefill_s, delta=delta,
                                   shape=shape, args=args)
@@ -311,6 +344,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "engine's; a large value makes every step select the budget cap)")
     parser.add_argument("--cpu-pool-gib", type=float, help="pool cap of the 'capped' engine "
                         "(InfiniGen's --infinigen-cpu-pool-gib)")
+    parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
+                        help="the engines' dtype (--dtype of vllm); the KV bytes follow it")
+    parser.add_argument("--alphas", nargs="+", default=["default", "10000"],
+                        help="InfiniGen windows: 'default' (the engine's alpha: the rule keeps "
+                        "what it counts, ~1 %% of a random model's context) and numbers "
+                        "(10000: every score in reach, the budget binds, as with trained "
+                        "models' density)")
     parser.add_argument("--dense-layers", type=int, default=2)
     parser.add_argument("--speculation", choices=SPECULATIONS,
                         help="InfiniGen's --infinigen-speculation (default: previous-layer)")
@@ -370,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     # Drive the engine core step by step in this process.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     progress = machine.Progress(total=len(grid(args)) * sum(
-        len(args.policies) if ENGINES[name]["infinigen"] else 1 for name in args.engines))
+        len(windows(ordered_policies(args.policies), args.alphas)) if ENGINES[name]["infinigen"]
+        else 1 for name in args.engines))
     if args.model is None:
         args.model = models.long_context_model(**(args.model_spec or {}))
         progress(f"model: {args.model}")
@@ -389,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                progress)]
     meta["load_average_end"] = machine.load_average()
     meta["wall_s"] = round(time.monotonic() - progress.start, 1)
-    shape = kv_math.model_shape(Path(args.model))
+    shape = kv_math.model_shape(Path(args.model), dtype_bytes=DTYPE_BYTES[args.dtype])
     settings = {key: (str(value) if isinstance(value, Path) else value)
                 for key, value in vars(args).items()}
     settings["model_shape"] = {"layers": shape.layers, "kv_heads": shape.kv_heads,

@@ -175,7 +175,8 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
     notes = (
         "## Notes\n\n"
         f"- Model: {shape.layers} layers ({args.dense_layers} dense, {sparse} sparse), "
-        f"{shape.kv_heads} KV heads x {shape.head_dim}, float32{weights}; budget "
+        f"{shape.kv_heads} KV heads x {shape.head_dim}, {getattr(args, 'dtype', 'float32')}"
+        f"{weights}; budget "
         f"{args.budget}; speculation keys: the engine default ({kv_math.DEFAULT_KEYS}) "
         f"unless the config names its keys (int-keys, partial-keys); partial: ratio {args.partial_ratio}, "
         f"{rank} of {shape.head_dim} key channels, {rank / (2 * shape.head_dim):.4f} of K+V "
@@ -196,6 +197,10 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         "min/max) for Quest, one float32 score per token and KV head for H2O, 0 for "
         "StreamingLLM. InfiniGen's alpha rule may select fewer tokens than the budget "
         "(selected < budget).\n"
+        "- InfiniGen's windows: the engine's alpha (a random model's scores put ~1 % of "
+        "the context within alpha of the best) and, labelled `alpha A`, the alpha of "
+        "`--alphas` (10000: every token in reach, so the budget binds: the density "
+        "trained models select, 8-14 % at budget 0.1-0.2 in `attribution.md`).\n"
         "- The policies of one window share its prefill and decode successive tokens "
         "of the same requests (see the script's docstring).\n"
     )

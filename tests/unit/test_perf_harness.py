@@ -360,7 +360,7 @@ def test_gqa128_kv_space_for_16k_by_4():
 
 
 def _args(**overrides):
-    base = dict(dense_layers=2, budget=0.2, partial_ratio=0.2)
+    base = dict(dense_layers=2, budget=0.2, partial_ratio=0.2, dtype="float32")
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -506,3 +506,16 @@ def test_vllm_bench_files_get_the_provenance_of_their_txt(tmp_path):
     assert data["avg_latency"] == 0.5 and data["meta"]["repo_commit"] == "abc123"
     assert vllm_bench_report.stamp(tmp_path, "serve", "vllm") is None  # nothing written
     assert vllm_bench_report.exit_line(tmp_path, "vllm_bench_latency_vllm") == "exit code: 0"
+
+
+def test_decode_benchmark_windows_at_each_alpha_for_infinigen_only():
+    args = decode_latency.parse_args(["--preset", "gqa128"])
+    assert args.alphas == ["default", "10000"] and args.dtype == "float32"
+    assert decode_latency.windows(["infinigen", "streaming"], ["default", "10000"]) == [
+        ("infinigen", "default"), ("infinigen", "10000"), ("streaming", "default")]
+    assert decode_latency.windows([None], ["default", "10000"]) == [(None, "default")]
+    assert decode_latency.config_label("in-place", "infinigen", "10000") == \
+        "infinigen, alpha 10000"
+    assert decode_latency.config_label("copy", "infinigen") == "infinigen (copy)"
+    assert decode_latency.config_label("in-place", "streaming", "10000") == "streaming"
+    assert decode_latency.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
