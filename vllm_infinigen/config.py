@@ -31,9 +31,12 @@ KWARG_PREFIX = "infinigen_"
 DEFAULT_ALPHA_NO_ROPE = 4.0
 DEFAULT_ALPHA_ROPE = 5.0
 
-# Below this many context tokens a sparse layer attends densely over the pool
-# (measured: benchmarks/README.md, "Short contexts").
-DEFAULT_MIN_CONTEXT = 1024
+# Below this many context tokens a sparse layer attends densely over the pool:
+# the measured crossover on the CPU build (benchmarks/results/crossover_gqa128.md
+# and crossover_gqa64.md: selecting beats dense from 4K tokens, head_dim 128
+# and 64, at ~1 % kept and with the budget binding; below, dense attention's
+# K/V still fits the caches and the speculation's fixed cost dominates).
+DEFAULT_MIN_CONTEXT = 4096
 
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
