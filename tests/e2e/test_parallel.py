@@ -109,6 +109,9 @@ def shut_down_while_stepping(llm) -> int | None:
         pass
     engine_core = engine_.engine_core.resources.engine_manager.processes[0]
     engine_.engine_core.shutdown()
+    # Past vLLM's grace, shutdown SIGKILLs the process tree without reaping
+    # it: its exit code exists only once joined (None before, on a slow machine).
+    engine_core.join(timeout=30)
     return engine_core.exitcode
 
 
