@@ -182,7 +182,7 @@ def test_a_step_below_min_context_attends_densely_without_speculating(step):
     query = torch.tensor([10.0, 0.0, 0.0, 0.0]).view(1, 1, DIM)
     runtime.write(layer, query, query, new_slot)
     output = torch.full((2, 1, DIM), 7.0)  # a padding row after the step's one row
-    runtime.attend_short(layer, plan, query.expand(2, 1, DIM), output)
+    runtime.attend_decode(layer, plan, query.expand(2, 1, DIM), output)
     torch.testing.assert_close(output[:1], _attention_over(list(range(CONTEXT)), query))
     assert output[1].eq(7.0).all()  # rows past the step's are not touched
     assert runtime.take_counters()["selected_tokens.2"] == CONTEXT  # dense counts all

@@ -68,7 +68,7 @@ class InfiniGenImplMixin:
             if not state.sparse:
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                        output, output_scale, output_block_scale)
-            runtime.attend_short(state, plan, query, output)
+            runtime.attend_decode(state, plan, query, output)  # its dense rows
             return output
         plan = runtime.begin_layer(state, dense_metadata,
                                    context.slot_mapping[runtime.reference_layer],

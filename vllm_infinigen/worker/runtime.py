@@ -342,16 +342,6 @@ class InfiniGenRuntime:
         if probs is not None:
             policy.on_attend(state, plan, positions, probs)
 
-    def attend_short(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
-                     output: torch.Tensor) -> None:
-        """A sparse layer's attention in a step of decode rows all below
-        ``min_context`` (``StepPlan.short_decode_only``): dense over the pool,
-        the rows being the query's first B."""
-        rows = plan.dense_rows
-        count = rows.size
-        output[:count] = self.data_path.attend_dense(state, rows, query[:count],
-                                                     self.row_map(state))
-
     def attend_prompt(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor) -> None:
         """Causal attention of the prompt rows over the pool; query, output: [T, H_q, D]."""

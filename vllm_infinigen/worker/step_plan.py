@@ -93,8 +93,8 @@ class StepPlan:
 
     @functools.cached_property
     def short_decode_only(self) -> bool:
-        """Every row of the step is a decode row below ``min_context``: rows
-        0..B-1 of the query, none selecting, no prompt rows (the fast path)."""
+        """Every row of the step is a decode row below ``min_context``: none
+        selects, no prompt rows (nothing speculates or captures)."""
         return not self.sparse.numel() and not self.has_other_rows
 
     @functools.cached_property
