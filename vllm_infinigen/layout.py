@@ -34,6 +34,13 @@ SPECULATION_KEYS = ("int", "partial")
 KEY_GROUP = 16  # tokens sharing one scale per channel in the int form
 
 
+def closes_key_group(slots) -> bool:
+    """Whether any of ``slots`` ([T] int64 slot ids, < 0: padding) is the last
+    of its 16-token group: the int keys encode a group when it is written, so
+    a step without one has nothing to encode."""
+    return bool(((slots >= 0) & (slots % KEY_GROUP == KEY_GROUP - 1)).any())
+
+
 def int_key_bits(dtype_bytes: int) -> int:
     """Bits per channel of the int form: 4 in a float32 cache, 2 in a 16-bit one
     (then it costs the bytes of the partial form at r = 0.2, or fewer)."""

@@ -200,3 +200,37 @@ def test_a_step_with_prompt_rows_is_not_short_decode_only(step):
                               block_table=torch.tensor([[0, 1, 2], [3, 0, 0]],
                                                        dtype=torch.int32))
     assert not runtime.plan_for(prefill, BLOCK).short_decode_only
+
+
+def test_int_keys_encode_only_in_steps_that_close_a_group(monkeypatch):
+    """Token by token, one step each as in decode: the codes equal those of one
+    write of the whole context, and the encoding kernel runs only in the steps
+    whose token is the 16th of its group (none encodes otherwise)."""
+    from vllm_infinigen import kernels
+
+    def runtime_with_keys():
+        runtime, _, _ = build_step("int", lambda config: CpuDataPath(config.transfer))
+        return runtime, runtime.layers[2]
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(CONTEXT, 1, DIM), torch.randn(CONTEXT, 1, DIM)
+    whole, whole_layer = runtime_with_keys()
+    whole.write(whole_layer, keys, values, torch.arange(CONTEXT))
+
+    calls = []
+    encode = kernels.write_int_keys
+    monkeypatch.setattr(kernels, "write_int_keys",
+                        lambda *args: calls.append(int(args[3].max())) or encode(*args))
+    stepped, layer = runtime_with_keys()  # its context written whole: now rewritten
+    calls.clear()
+    layer.key_codes.zero_()
+    layer.key_scales.zero_()
+    for token in range(CONTEXT):
+        slot = torch.tensor([token, -1])  # a padding slot beside the step's token
+        stepped.begin_step(SimpleNamespace(step=token), slot)
+        for _ in range(2):  # two layers' writes of one step: one check
+            stepped.write(layer, keys[token:token + 1].expand(2, 1, DIM),
+                          values[token:token + 1].expand(2, 1, DIM), slot)
+    assert calls == [15, 15, 31, 31]
+    assert torch.equal(layer.key_codes, whole_layer.key_codes)
+    assert torch.equal(layer.key_scales, whole_layer.key_scales)

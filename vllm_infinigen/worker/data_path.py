@@ -47,8 +47,15 @@ class DataPath(Protocol):
         2 * D] (host) and the layer's speculation keys (device; ``layer_state.py``)."""
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
-              slots: torch.Tensor, row_map: torch.Tensor | None) -> None:
-        """New K/V [T, H_kv, D] of ``slots`` [T] int64 (< 0: padding)."""
+              slots: torch.Tensor, row_map: torch.Tensor | None,
+              closes_group: bool = True) -> None:
+        """New K/V [T, H_kv, D] of ``slots`` [T] int64 (< 0: padding).
+
+        Args:
+            closes_group: Whether a slot closes a 16-token group of the int
+                keys (``layout.closes_key_group``); False: they encode nothing
+                in this step, and need no call.
+        """
 
     def start_fetch(self, layer: LayerState, rows: RowSet, positions: torch.Tensor,
                     row_map: torch.Tensor | None) -> None:

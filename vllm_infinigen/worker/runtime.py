@@ -31,7 +31,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_infinigen.config import InfiniGenConfig, runtime_settings
-from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.layout import ModelLayout, closes_key_group
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.policies import policy_class
 from vllm_infinigen.policies.base import SelectionPolicy
@@ -95,6 +95,8 @@ class InfiniGenRuntime:
         self._policies: dict[str, SelectionPolicy] = {}
         self.policy = self._policy(config.policy)
         self._admitted_for: object | None = None
+        # (slot tensor, whether it closes an int-key group): checked once a step.
+        self._closing: tuple[torch.Tensor, bool] | None = None
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
 
@@ -279,13 +281,18 @@ class InfiniGenRuntime:
         if self._admitted_for is attn_metadata:
             return
         self._admitted_for = attn_metadata
+        self._closing = None
         self.pool_index.admit(slot_mapping.to(torch.int64))
 
     def write(self, state: LayerState, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """New K/V [T, H_kv, D] of a sparse layer into the pool; slot_mapping [T]."""
         slots = slot_mapping.to(torch.int64)
-        self.data_path.write(state, key, value, slots, self.row_map(state))
+        # Checked once per step: every layer writes the same slot tensor.
+        if self._closing is None or self._closing[0] is not slot_mapping:
+            self._closing = (slot_mapping, closes_key_group(slots))
+        self.data_path.write(state, key, value, slots, self.row_map(state),
+                             closes_group=self._closing[1])
         for policy in self._policies.values():
             policy.on_write(state, key, slots)
 

@@ -52,13 +52,15 @@ class CpuDataPath:
                                              dtype=dtype, device=CPU)
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
-              slots: torch.Tensor, row_map: torch.Tensor | None) -> None:
+              slots: torch.Tensor, row_map: torch.Tensor | None,
+              closes_group: bool = True) -> None:
         # Host and device memory are one: the int keys are encoded from the
         # pool, so the write-through comes first.
         kernels.write_pool(layer.kv_pool, key, value, slots, row_map)
         if layer.int_keys:
-            kernels.write_int_keys(layer.key_codes, layer.key_scales, layer.kv_pool, slots,
-                                   row_map)
+            if closes_group:
+                kernels.write_int_keys(layer.key_codes, layer.key_scales, layer.kv_pool, slots,
+                                       row_map)
         else:
             kernels.write_partial_keys(layer.partial_keys, key, layer.skew, slots)
 

@@ -155,7 +155,8 @@ class CudaDataPath:
         self._layers[layer.layer_idx] = _LayerCache(cache, units, host_pool)
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
-              slots: torch.Tensor, row_map: torch.Tensor | None) -> None:
+              slots: torch.Tensor, row_map: torch.Tensor | None,
+              closes_group: bool = True) -> None:
         """Device write, then the host write-through. The layer's gather (issued
         in the layer before) lands first: a new token of a cached block is
         written into its cached copy too, or attention would read it stale."""
@@ -169,7 +170,7 @@ class CudaDataPath:
                                     value.to(self.device))
         # On the compute stream: the next gather (side stream) waits for it.
         kernels.store_rows(layer.kv_pool, key, value, device_slots)
-        if layer.int_keys:
+        if layer.int_keys and closes_group:
             kernels.encode_groups(layer.key_codes, layer.key_scales, layer.kv_pool,
                                   device_slots)
 
