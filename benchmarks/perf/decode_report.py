@@ -8,7 +8,10 @@ Besides the per-step times and KV bytes it derives, from the result rows alone
   streaming bandwidth measured in the same run (``meta["bandwidth"]``);
 - the context-dependent cost: ms/step at the run's longest context minus
   ms/step at its shortest, per config and batch, and dense's over each
-  config's (the "at least 2.5x lower than dense" target).
+  config's (the "at least 2.5x lower than dense" target);
+- ``bytes_bound``: what a config's KV bytes allow at the longest context, the
+  step whatever its context plus its bytes at dense's rate and at the
+  streaming limit, over dense (whether a ratio target is within reach).
 """
 
 from __future__ import annotations
@@ -70,6 +73,70 @@ def context_cost(rows: Sequence[Mapping[str, Any]],
                 ratio = dense / cost if cost > 0 else (math.inf if dense > 0 else None)
             out.append({**entry, "dense_over_config": ratio})
     return out
+
+
+def bytes_bound(rows: Sequence[Mapping[str, Any]],
+                streaming_gb_s: float | None = None) -> list[dict[str, Any]]:
+    """Per batch, each sparse config's step time if only its KV bytes set it apart.
+
+    At the batch's longest context: dense's step at the shortest context (what a
+    step costs whatever its context: weights, Python, sampling) plus the
+    config's KV bytes, read at dense's own rate (dense's context-dependent cost
+    x ``kv_read_vs_dense``) and, given ``streaming_gb_s``, at the streaming
+    limit. ``bound_vs_dense`` above a target puts it out of reach of kernels
+    as fast as dense's; ``streaming_vs_dense`` above it, out of reach of any.
+    Rows without dense at both contexts, or a single context, give nothing.
+    """
+    out = []
+    for entry in context_cost(rows):
+        if entry["config"] != "dense" or entry["context_ms"] is None:
+            continue
+        batch, long = entry["batch"], entry["long_context"]
+        for row in rows:
+            if (row["batch"], row["context"]) != (batch, long) or row["config"] == "dense":
+                continue
+            fraction = row.get("kv_read_vs_dense")
+            if fraction is None:
+                continue
+            bound = entry["short_ms"] + entry["context_ms"] * fraction
+            streaming = (None if not streaming_gb_s else
+                         entry["short_ms"] + row["kv_bytes_per_step"] / streaming_gb_s / 1e6)
+            out.append({
+                "batch": batch, "context": long, "config": row["config"],
+                "fixed_ms": entry["short_ms"], "dense_context_ms": entry["context_ms"],
+                "kv_read_vs_dense": fraction, "bound_ms": bound,
+                "bound_vs_dense": bound / entry["long_ms"],
+                "streaming_ms": streaming,
+                "streaming_vs_dense": None if streaming is None else streaming / entry["long_ms"],
+                "measured_vs_dense": row["decode_ms_per_step"] / entry["long_ms"],
+                "measured_vs_bound": row["decode_ms_per_step"] / bound,
+            })
+    return out
+
+
+def _bytes_bound_table(rows: Sequence[Mapping[str, Any]],
+                       bandwidth: Mapping[str, Any] | None) -> str:
+    streaming = (bandwidth or {}).get("read_gb_s_1_thread")
+    table = [[str(e["batch"]), str(e["context"]), e["config"], f"{e['fixed_ms']:.1f}",
+              f"{e['dense_context_ms']:.1f}", f"{e['kv_read_vs_dense']:.3f}",
+              f"{e['bound_ms']:.1f}", f"{e['bound_vs_dense']:.2f}",
+              report.cell(e["streaming_ms"], ".1f"), report.cell(e["streaming_vs_dense"], ".2f"),
+              f"{e['measured_vs_dense']:.2f}", f"{e['measured_vs_bound']:.2f}"]
+             for e in bytes_bound(rows, streaming)]
+    if not table:
+        return ""
+    return (
+        "## What the bytes allow (longest context of each batch)\n\n"
+        "fixed = dense's step at the shortest context (what a step costs whatever its "
+        "context: weights, Python, sampling); bound = fixed + the config's KV reads at "
+        "dense's rate (dense's context ms x reads vs dense); at streaming = fixed + the "
+        "config's KV bytes at the one-thread streaming read measured in this run. A "
+        "ratio target below `bound / dense` needs kernels faster than dense's; below "
+        "`at streaming / dense`, it is out of reach on this model.\n\n"
+        + report.markdown_table(
+            ["batch", "context", "config", "fixed ms", "dense context ms", "reads vs dense",
+             "bound ms", "bound / dense", "at streaming ms", "at streaming / dense",
+             "measured / dense", "measured / bound"], table))
 
 
 def _mib(value: float | None) -> str:
@@ -215,6 +282,7 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         "(the weights and activations a step also reads are not counted).\n\n"
         + report.markdown_table(["context", "batch", *labels], achieved),
         _context_cost_table(rows),
+        *[section for section in [_bytes_bound_table(rows, bandwidth)] if section],
         "## KV bytes read per decode step (MiB, whole batch)\n\n" + report.markdown_table(
             ["context", "batch", "config", "dense reads", "reads", "vs dense", "ideal",
              "metadata", "pool->attention", "ideal pool->attention", "selected"],

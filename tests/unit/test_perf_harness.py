@@ -415,6 +415,33 @@ def test_context_cost_is_long_minus_short_and_dense_over_config():
     assert all(e["context_ms"] is None and e["dense_over_config"] is None for e in single)
 
 
+def test_bytes_bound_is_the_fixed_step_plus_the_configs_bytes():
+    """fixed = dense at the shortest context; its context cost scaled by the
+    config's reads (dense's rate) and, given the limit, bytes at streaming."""
+    def row(config, context, ms, reads=None, kv_bytes=None):
+        return {**_row(config, context, 1, ms), "kv_read_vs_dense": reads,
+                "kv_bytes_per_step": kv_bytes}
+
+    rows = [row("dense", 256, 10.0, 1.0, 8e6), row("dense", 16384, 50.0, 1.0, 512e6),
+            row("infinigen", 256, 12.0, 1.07, 8.5e6),
+            row("infinigen", 16384, 30.0, 0.25, 128e6),
+            row("old", 16384, 30.0)]  # a row without the bytes: left out
+    (entry,) = decode_report.bytes_bound(rows, streaming_gb_s=16.0)
+    assert (entry["batch"], entry["context"], entry["config"]) == (1, 16384, "infinigen")
+    assert entry["fixed_ms"] == 10.0 and entry["dense_context_ms"] == pytest.approx(40.0)
+    assert entry["bound_ms"] == pytest.approx(10.0 + 40.0 * 0.25)
+    assert entry["bound_vs_dense"] == pytest.approx(20.0 / 50.0)
+    assert entry["streaming_ms"] == pytest.approx(10.0 + 128e6 / 16e9 * 1e3)
+    assert entry["streaming_vs_dense"] == pytest.approx(18.0 / 50.0)
+    assert entry["measured_vs_dense"] == pytest.approx(0.6)
+    assert entry["measured_vs_bound"] == pytest.approx(1.5)
+    assert decode_report.bytes_bound(rows)[0]["streaming_ms"] is None  # no limit measured
+    # One context, or no dense row: nothing to bound.
+    assert decode_report.bytes_bound([row("dense", 256, 10.0, 1.0, 8e6),
+                                      row("infinigen", 256, 12.0, 1.07, 8.5e6)]) == []
+    assert decode_report.bytes_bound([r for r in rows if r["config"] != "dense"]) == []
+
+
 def test_measure_bandwidth_returns_positive_rates():
     result = bandwidth.measure_bandwidth(mib=4, reps=2)
     for key in ("read_gb_s_1_thread", "read_gb_s_all_threads", "copy_gb_s_1_thread",
@@ -474,8 +501,8 @@ def test_render_of_an_old_result_file_adds_the_new_tables(tmp_path, capsys):
     markdown = (tmp_path / "decode_latency_long.md").read_text()
     for heading in ("## Decode ms per step (batch TPOT)", "fastest step of each window",
                     "## Achieved GB/s (KV bytes read / step time)",
-                    "## Context-dependent cost", "## KV bytes read per decode step",
-                    "## Notes"):
+                    "## Context-dependent cost", "## What the bytes allow",
+                    "## KV bytes read per decode step", "## Notes"):
         assert heading in markdown
     assert "Streaming limit of this machine: n/a" in markdown
     assert "min_context engine default" in markdown
