@@ -255,22 +255,29 @@ def windows(policies: list[str | None], alphas: list[str]) -> list[tuple[str | N
             for alpha in (alphas if policy == "infinigen" else ["default"])]
 
 
+def engine_of(engine_name: str, model: Path, args, max_tokens: int, kv_bytes: int):
+    """The offline engine of a configuration (``sizing``'s tokens and KV space),
+    for every point of ``args``: a context manager."""
+    infinigen = infinigen_settings(engine_name, args)
+    return engine(model, kv_manager=ENGINES[engine_name]["kv_manager"],
+                  **infinigen_kwargs(infinigen),
+                  max_model_len=max(args.contexts) + max_tokens + 8,
+                  kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_seqs=max(batch for _, batch in grid(args)),
+                  enforce_eager=args.enforce_eager, dtype=args.dtype)
+
+
 def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) -> list[dict]:
     """One engine: every (context, batch), every policy of the window."""
     shape = kv_math.model_shape(model, dtype_bytes=DTYPE_BYTES[args.dtype])
-    setup = ENGINES[engine_name]
     policies, max_tokens, _, kv_bytes = sizing(engine_name, shape, args)
     points = grid(args)
     infinigen = infinigen_settings(engine_name, args)
     progress(f"{engine_name}: starting the engine ({kv_bytes / 2**20:.0f} MiB KV space)")
     rows: list[dict] = []
     rng = random.Random(0)
-    with engine(model, kv_manager=setup["kv_manager"], **infinigen_kwargs(infinigen),
-                max_model_len=max(args.contexts) + max_tokens + 8,
-                kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=max(batch for _, batch in points),
-                enforce_eager=args.enforce_eager, dtype=args.dtype) as llm:
+    with engine_of(engine_name, model, args, max_tokens, kv_bytes) as llm:
         driver = Driver(llm, max_tokens)
         default_alpha = llm.collective_rpc(engine_alpha)[0] if infinigen else None
         progress(f"{engine_name}: engine up; warm-up")
@@ -371,6 +378,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tensor size of the streaming-bandwidth measurement (0: skip)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no torch.compile (faster start, slower steps)")
+    parser.add_argument("--paired", action="store_true",
+                        help="run the engines side by side, one process each, and alternate "
+                        "their windows over --rounds rounds (decode_paired.py): ratios "
+                        "robust to the machine's drift")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="--paired: windows per config, taken in turn")
     parser.add_argument("--render", type=Path, help="only rewrite the Markdown and PNG of "
                         "an existing result JSON (no engine)")
     parser.add_argument("--out", type=Path, help="output path without suffix "
@@ -426,8 +439,13 @@ def main(argv: list[str] | None = None) -> int:
             machine.wait_for_quiet(args.contention_cores, args.quiet_wait)
         meta["bandwidth"] = measure_bandwidth(args.bandwidth_mib)
         progress(f"streaming bandwidth: {decode_report.bandwidth_text(meta['bandwidth'])}")
-    rows = [row for name in args.engines for row in run_engine(name, Path(args.model), args,
-                                                               progress)]
+    if args.paired:
+        from benchmarks.perf import decode_paired
+
+        rows = decode_paired.run(args, Path(args.model), progress)
+    else:
+        rows = [row for name in args.engines
+                for row in run_engine(name, Path(args.model), args, progress)]
     meta["load_average_end"] = machine.load_average()
     meta["wall_s"] = round(time.monotonic() - progress.start, 1)
     shape = kv_math.model_shape(Path(args.model), dtype_bytes=DTYPE_BYTES[args.dtype])

@@ -139,6 +139,31 @@ def _bytes_bound_table(rows: Sequence[Mapping[str, Any]],
              "measured / dense", "measured / bound"], table))
 
 
+def _paired_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows of a ``--paired`` run: each config's round medians and the paired
+    speed-up (median over rounds of dense's round median over the config's)."""
+    if not any("round_ms" in row for row in rows):
+        return ""
+    table = []
+    for row in rows:
+        rounds = row.get("round_ms") or []
+        speedup, span = row.get("paired_speedup"), row.get("paired_speedup_range")
+        table.append([
+            str(row["context"]), str(row["batch"]), row["config"],
+            " / ".join(f"{ms:.1f}" for ms in rounds),
+            "" if speedup is None else f"{speedup:.2f} ({span[0]:.2f}-{span[1]:.2f})",
+            "" if speedup is None else f"{1 / speedup:.2f}",
+        ])
+    return (
+        "## Paired rounds (engines side by side, windows in turn)\n\n"
+        "Each round runs one window per config, one after the other, so that the "
+        "machine's drift hits them alike; paired speed-up = the median over rounds of "
+        "dense's round median / the config's (range over rounds); ÷ dense = its "
+        "inverse.\n\n" + report.markdown_table(
+            ["context", "batch", "config", "round medians, ms", "paired speed-up",
+             "÷ dense"], table))
+
+
 def _mib(value: float | None) -> str:
     return report.cell(None if value is None else value / 2**20, ".2f")
 
@@ -274,6 +299,7 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
     return [
         "## Decode ms per step (batch TPOT)\n\n" + report.markdown_table(
             ["context", "batch", *labels, *speed_headers, "others' cores (max)"], timing),
+        *[section for section in [_paired_table(rows)] if section],
         "## Decode ms per step, fastest step of each window\n\n"
         "Other jobs share this machine's 2 cores; the fastest step is the least "
         "disturbed one.\n\n" + report.markdown_table(["context", "batch", *labels], minimum),
