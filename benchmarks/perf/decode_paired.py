@@ -107,7 +107,10 @@ class _Engine:
         """The process's next message; fails if it exits or is silent for an hour."""
         for _ in range(3600):
             if self.conn.poll(1):
-                return self.conn.recv()
+                try:
+                    return self.conn.recv()
+                except EOFError:  # it exited: its traceback is on stderr
+                    self.process.join(30)
             if not self.process.is_alive():
                 raise RuntimeError(f"{self.process.name} exited (code "
                                    f"{self.process.exitcode}) before answering {what!r}")

@@ -88,3 +88,22 @@ def test_the_report_lists_the_rounds_and_the_paired_speedup():
     assert "## Paired rounds" not in "\n".join(
         decode_report.sections([{k: v for k, v in r.items() if k != "round_ms"}
                                 for r in (dense, sparse)], args, SHAPE))
+
+
+def _exits(conn) -> None:
+    raise SystemExit(3)
+
+
+def test_an_engine_process_that_dies_is_named_with_its_exit_code():
+    import multiprocessing
+
+    handle = decode_paired._Engine.__new__(decode_paired._Engine)
+    context = multiprocessing.get_context("spawn")
+    handle.conn, child = context.Pipe()
+    handle.process = context.Process(target=_exits, name="engine-dense", args=(child,))
+    handle.process.start()
+    child.close()
+    with pytest.raises(RuntimeError, match=r"engine-dense exited \(code 3\) before answering "
+                                           r"'ready'"):
+        handle.answer("ready")
+    handle.close()
