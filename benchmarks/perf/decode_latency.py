@@ -6,6 +6,7 @@ python -m benchmarks.perf.decode_latency [--preset long|short|gqa128|gutenberg] 
     [--engines dense in-place copy] [--budget 0.2] [--min-context N] [--decode-steps 16]
     [--dtype float32|bfloat16] [--alphas default 10000]
     [--max-batch-tokens 65536] [--retries 2] [--bandwidth-mib 256] [--out PATH]
+    [--paired [--rounds 8]]
 python -m benchmarks.perf.decode_latency --render RESULT.json   (rewrites RESULT.md and .png)
 
 Presets (explicit flags override them):
@@ -47,6 +48,10 @@ scores then start at the switch instead of at the prefill, which changes what
 it keeps, not what a step costs. A baseline's per-slot state (H2O scores,
 Quest page bounds) once allocated is kept up to date on every later write, so
 the policies run in the order infinigen, streaming, quest, h2o.
+
+With ``--paired`` the engines run side by side instead, a process each, and
+their windows alternate over ``--rounds`` rounds (``decode_paired.py``): the
+machine's drift over minutes then hits both sides of each ratio alike.
 
 InfiniGen runs one window per ``--alphas`` value (default: the engine's alpha,
 then 10000): a random model's scores put ~1 % of the context within the
