@@ -234,3 +234,23 @@ def test_int_keys_encode_only_in_steps_that_close_a_group(monkeypatch):
     assert calls == [15, 15, 31, 31]
     assert torch.equal(layer.key_codes, whole_layer.key_codes)
     assert torch.equal(layer.key_scales, whole_layer.key_scales)
+
+
+def test_device_slots_are_not_checked_on_the_host():
+    """A device slot tensor (here on ``meta``, which cannot be read) is not
+    checked for closed groups: that would sync every step; the data path
+    encodes whatever its kernel finds closed."""
+    seen = []
+
+    class Recording(CpuDataPath):
+        def write(self, layer, key, value, slots, row_map, closes_group=True):
+            seen.append((slots.device.type, closes_group))
+
+    runtime, _, _ = build_step("int", lambda config: Recording(config.transfer))
+    seen.clear()
+    on_device = torch.empty(2, 1, DIM, device="meta")
+    runtime.write(runtime.layers[2], on_device, on_device,
+                  torch.tensor([3, 4], device="meta"))
+    runtime.write(runtime.layers[2], torch.zeros(2, 1, DIM), torch.zeros(2, 1, DIM),
+                  torch.tensor([3, 4]))  # on the host: checked, closes none
+    assert seen == [("meta", True), ("cpu", False)]

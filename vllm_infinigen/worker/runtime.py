@@ -288,9 +288,11 @@ class InfiniGenRuntime:
               slot_mapping: torch.Tensor) -> None:
         """New K/V [T, H_kv, D] of a sparse layer into the pool; slot_mapping [T]."""
         slots = slot_mapping.to(torch.int64)
-        # Checked once per step: every layer writes the same slot tensor.
+        # Checked once per step: every layer writes the same slot tensor. On a
+        # device the check would cost a host sync per step: there the data
+        # path's encoding kernel finds the closed groups itself.
         if self._closing is None or self._closing[0] is not slot_mapping:
-            self._closing = (slot_mapping, closes_key_group(slots))
+            self._closing = (slot_mapping, slots.device.type != "cpu" or closes_key_group(slots))
         self.data_path.write(state, key, value, slots, self.row_map(state),
                              closes_group=self._closing[1])
         for policy in self._policies.values():
