@@ -82,6 +82,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from benchmarks.harness import models, paths, report
@@ -273,6 +274,38 @@ def engine_of(engine_name: str, model: Path, args, max_tokens: int, kv_bytes: in
                   enforce_eager=args.enforce_eager, dtype=args.dtype)
 
 
+def select_window(llm, policy: str | None, alpha: str, default_alpha: float | None,
+                  args) -> None:
+    """Switches a running engine to ``policy`` at ``alpha`` ("default": the engine's);
+    nothing for dense (``policy`` None)."""
+    if policy:
+        llm.collective_rpc("set_infinigen_selection", kwargs={
+            "policy": policy, "budget": args.budget,
+            "alpha": default_alpha if alpha == "default" else float(alpha)})
+
+
+def timed_window(llm, driver: Driver, policy: str | None, args) -> dict[str, Any]:
+    """One window: a quiet second (``--quiet-wait``), ``--warmup-steps``, then
+    ``--decode-steps`` timed steps; the counters' increments (sparse engines),
+    the mean tokens generated before it and the cores others kept busy."""
+    if args.quiet_wait > 0:
+        machine.wait_for_quiet(args.contention_cores, args.quiet_wait)
+    driver.warm(args.warmup_steps)
+    before = counters(llm) if policy else {}
+    start_generated = driver.mean_generated()
+    with machine.CpuMeter() as meter:
+        times, got = driver.window(args.decode_steps)
+    delta = kv_math.counter_delta(before, counters(llm)) if policy else {}
+    return {"times": times, "got": got, "delta": delta, "start_generated": start_generated,
+            "other_cores": meter.other_cores or 0.0}
+
+
+def window_context(context: int, window: Mapping[str, Any]) -> float:
+    """Mean context of a window's timed steps: prompt + tokens so far (the first
+    step attends over prompt + generated - 1 earlier tokens)."""
+    return context + window["start_generated"] - 1 + (len(window["times"]) - 1) / 2
+
+
 def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) -> list[dict]:
     """One engine: every (context, batch), every policy of the window."""
     shape = kv_math.model_shape(model, dtype_bytes=DTYPE_BYTES[args.dtype])
@@ -297,38 +330,23 @@ def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) 
             prefill_s = driver.submit_and_prefill(prompts, f"c{context}b{batch}")
             progress(f"{engine_name}: context {context} x {batch}: prefill {prefill_s:.1f} s")
             for policy, alpha in windows(policies, args.alphas):
-                if policy:
-                    llm.collective_rpc("set_infinigen_selection", kwargs={
-                        "policy": policy, "budget": args.budget,
-                        "alpha": default_alpha if alpha == "default" else float(alpha)})
+                select_window(llm, policy, alpha, default_alpha, args)
                 attempts = []
                 for _ in range(1 + args.retries):
-                    if args.quiet_wait > 0:
-                        machine.wait_for_quiet(args.contention_cores, args.quiet_wait)
-                    driver.warm(args.warmup_steps)
-                    before = counters(llm) if policy else {}
-                    start_generated = driver.mean_generated()
-                    with machine.CpuMeter() as meter:
-                        times, got = driver.window(args.decode_steps)
-                    delta = kv_math.counter_delta(before, counters(llm)) if policy else {}
-                    attempts.append((meter.other_cores or 0.0, start_generated, times, got,
-                                     delta))
-                    if (meter.other_cores or 0.0) <= args.contention_cores:
+                    attempts.append(timed_window(llm, driver, policy, args))
+                    if attempts[-1]["other_cores"] <= args.contention_cores:
                         break
                     progress(f"{config_label(engine_name, policy)}: other processes kept "
-                             f"{meter.other_cores:.2f} cores busy; measuring again")
+                             f"{attempts[-1]['other_cores']:.2f} cores busy; measuring again")
                 # The least disturbed attempt.
-                other, start_generated, times, got, delta = min(attempts, key=lambda a: a[0])
-                # Context of the timed steps: prompt + tokens so far (the first
-                # step attends over prompt + generated - 1 earlier tokens).
-                mean_context = context + start_generated - 1 + (args.decode_steps - 1) / 2
-                full = all(count == batch for count in got)
+                kept = min(attempts, key=lambda a: a["other_cores"])
+                full = all(count == batch for count in kept["got"])
                 row = measure_row(engine_name=engine_name, policy=policy, alpha=alpha,
-                                  context=context,
-                                  batch=batch, mean_context=mean_context, times=times,
-                                  full=full, prefill_s=prefill_s, delta=delta,
-                                  shape=shape, args=args)
-                row["other_cores_busy"] = round(other, 3)
+                                  context=context, batch=batch,
+                                  mean_context=window_context(context, kept),
+                                  times=kept["times"], full=full, prefill_s=prefill_s,
+                                  delta=kept["delta"], shape=shape, args=args)
+                row["other_cores_busy"] = round(kept["other_cores"], 3)
                 row["attempts"] = len(attempts)
                 rows.append(row)
                 progress(f"{row['config']:>16} context {context:>5} x {batch}: "

@@ -57,21 +57,8 @@ def _engine_process(engine_name: str, model: str, args: argparse.Namespace, conn
                                                     f"c{context}b{batch}"))
             elif command == "window":
                 policy, alpha = params
-                if policy:
-                    llm.collective_rpc("set_infinigen_selection", kwargs={
-                        "policy": policy, "budget": args.budget,
-                        "alpha": default_alpha if alpha == "default" else float(alpha)})
-                if args.quiet_wait > 0:
-                    machine.wait_for_quiet(args.contention_cores, args.quiet_wait)
-                driver.warm(args.warmup_steps)
-                before = dl.counters(llm) if policy else {}
-                start_generated = driver.mean_generated()
-                with machine.CpuMeter() as meter:
-                    times, got = driver.window(args.decode_steps)
-                delta = kv_math.counter_delta(before, dl.counters(llm)) if policy else {}
-                conn.send({"times": times, "got": got, "delta": delta,
-                           "start_generated": start_generated,
-                           "other_cores": meter.other_cores or 0.0})
+                dl.select_window(llm, policy, alpha, default_alpha, args)
+                conn.send(dl.timed_window(llm, driver, policy, args))
             elif command == "finish":
                 driver.finish()
                 conn.send(True)
@@ -209,9 +196,7 @@ def _row(window: tuple, windows: list[dict], context: int, batch: int, prefill_s
     for w in windows:
         for key, value in w["delta"].items():
             delta[key] = delta.get(key, 0.0) + value
-    # Each window's mean context: prompt + tokens so far (as in decode_latency).
-    mean_context = statistics.fmean(
-        context + w["start_generated"] - 1 + (len(w["times"]) - 1) / 2 for w in windows)
+    mean_context = statistics.fmean(dl.window_context(context, w) for w in windows)
     row = dl.measure_row(engine_name=name, policy=policy, alpha=alpha, context=context,
                          batch=batch, mean_context=mean_context, times=times,
                          full=all(count == batch for w in windows for count in w["got"]),
