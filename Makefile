@@ -1,9 +1,10 @@
-# One command to set up and run the demo (`make demo`), one for the tests (`make test`).
+# One command to set up and run the demo (`make demo`), one for the tests (`make test`),
+# one for the unit tests alone (`make test-fast`, a few minutes, no engine).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 
 setup: $(VENV)/.installed
 
@@ -27,3 +28,6 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests -q -rs --durations=15
+
+test-fast: setup
+	$(PY) -m pytest tests/unit -q -rs --durations=15

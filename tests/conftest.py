@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from benchmarks.harness import models
+
+# On a machine without vLLM (the GPU machines this project is lent have torch and
+# Triton only) only tests/gpu/ can run: the other suites import vLLM.
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore = ["unit", "e2e"]
 
 # name -> builder(out_dir): random tiny checkpoints (head_dim 32, 4 layers).
 TINY_MODELS: dict[str, Callable[[Path], Path]] = {

@@ -24,6 +24,15 @@ from vllm_infinigen.layout import SPECULATION_KEYS, ModelLayout
 from vllm_infinigen.policies import POLICY_NAMES, POLICY_TRAITS
 
 KV_MANAGERS = ("vllm", "infinigen")
+
+# The workers extend vLLM's V1 model runner (its input batch, requests, _sample,
+# _bookkeeping_sync): the front end keeps the engine on it (frontend/checks.py),
+# the worker mixin refuses V2 (worker/base.py).
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V1_RUNNER_REFUSAL = (
+    "--kv-manager infinigen runs on vLLM's V1 model runner (its input batch, "
+    "_sample and _bookkeeping_sync), not on Model Runner V2; set "
+    f"{V2_RUNNER_ENV}=0")
 FLAG_PREFIX = "--infinigen-"
 KWARG_PREFIX = "infinigen_"
 

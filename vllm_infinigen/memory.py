@@ -20,11 +20,38 @@ Nothing here imports torch: the front end and the scheduler read it cheaply.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_infinigen.layout import ModelLayout
 
 # Of free host memory, at most, for a pool (and for the budget a platform
 # gives it): the rest stays for the process and the OS.
 FREE_MEMORY_SHARE = 0.9
 CAP_FLAG = "--infinigen-cpu-pool-gib"
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Bytes one block id of the dense group costs on one worker."""
+
+    pages: int  # vLLM's pages (every layer of a KV-cache group)
+    partial: int  # speculation keys (partial or int) of every sparse layer
+    pool: int  # the pool's K/V rows of every sparse layer
+
+
+def block_costs(layout: ModelLayout, dtype_bytes: int, block_size: int,
+                kv_heads: int) -> BlockCosts:
+    """What one block id costs a worker with ``kv_heads`` KV heads (its
+    rank's): per block id vLLM stores one page per layer of a group
+    (``group_size`` pages, ``layout.kv_cache_group_size``); the speculation
+    keys and the pool cover every token of the dense group in every sparse
+    layer. A platform splits its grant by these (``platforms/<name>/memory.py``)."""
+    return BlockCosts(
+        pages=layout.group_size * block_size * layout.kv_bytes_per_token_layer(
+            dtype_bytes, kv_heads),
+        partial=block_size * layout.partial_bytes_per_token(dtype_bytes, kv_heads),
+        pool=block_size * layout.pool_bytes_per_token(dtype_bytes, kv_heads))
 
 
 def cap_rows(cpu_pool_gib: float | None, pool_bytes_per_token: int,

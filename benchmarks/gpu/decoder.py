@@ -99,20 +99,6 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
 
 
-def next_query(shape: DecoderShape, weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, G, D] float32: the next layer's query from this layer's attention
-    input [B, hidden] (its query projection), what the int keys score."""
-    width = shape.num_heads * shape.head_dim
-    query = hidden @ weights.qkv[:, :width]
-    return query.view(-1, shape.num_kv_heads, shape.group, shape.head_dim).float()
-
-
-def partial_query(shape: DecoderShape, weights: LayerWeights, hidden: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, G, R] float32: the next layer's skewed partial query (``next_query``,
-    then the skew), what the partial keys score."""
-    return torch.einsum("bhgd,hdr->bhgr", next_query(shape, weights, hidden), weights.skew)
-
-
 class Decoder:
     """One decode step of every row; ``variant`` supplies the attention (``variants.py``)."""
 

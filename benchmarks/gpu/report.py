@@ -7,8 +7,9 @@ from typing import Any
 
 from benchmarks.harness.report import cell, markdown_table
 
-HEADERS = ["context", "batch", "variant", "ms / step", "host enqueue ms", "MB over PCIe / step",
-           "GB/s", "PCIe bound ms", "hit rate", "cache slots / head (x widest step)", "note"]
+HEADERS = ["context", "batch", "variant (mode)", "ms / step", "host enqueue ms",
+           "launches / step", "host syncs / step", "MB over PCIe / step", "GB/s", "PCIe bound ms",
+           "hit rate", "cache slots / head (x widest step)", "note"]
 
 
 def _context(tokens: int) -> str:
@@ -20,6 +21,7 @@ def _row(config: dict[str, Any], name: str, result: dict[str, Any]) -> list[str]
     slots = result.get("cache_slots_per_head")
     return [_context(config["context"]), str(config["batch"]), name,
             cell(result.get("ms_per_step"), ".2f"), cell(result.get("host_enqueue_ms"), ".2f"),
+            cell(result.get("launches_per_step"), ".0f"), cell(result.get("syncs_per_step"), ".1f"),
             cell(result["pcie_bytes_per_step"] / 1e6 if "pcie_bytes_per_step" in result else None,
                  ".4g"),
             cell(result.get("GBps"), ".1f"), cell(result.get("pcie_bound_ms"), ".2f"),
@@ -42,11 +44,12 @@ def markdown_sections(results: dict[str, Any], *, self_test: bool) -> list[str]:
             f"relative L2 of the logits, int keys: "
             f"{checks['select_all']['relative_l2_vs_dense']}; partial keys: "
             f"{checks['select_all_partial_keys']['relative_l2_vs_dense']}; "
-            "trace replayed: the cache's logits equal the no-cache logits (max abs "
-            f"{checks['replay']['cache_equals_nocache_max_abs']:.2e}) and differ from dense "
-            f"({checks['replay']['sparse_differs_from_dense_max_abs']:.2e}), with fewer bytes "
-            "fetched. GPU numbers: still to be measured (`python -m benchmarks.gpu.decode_step` "
-            "on a CUDA machine).")
+            "trace replayed: the product's logits with 1x and 2x the widest step's cache "
+            f"slots are the same (max abs {checks['replay']['cache_sizes_same_logits_max_abs']:.2e})"
+            f" and differ from dense ({checks['replay']['sparse_differs_from_dense_max_abs']:.2e}),"
+            f" the larger cache fetching fewer units ({checks['replay']['fetched_units_x2']} "
+            f"against {checks['replay']['fetched_units_x1']}). GPU numbers: measured only by "
+            "`python -m benchmarks.gpu.decode_step` on a CUDA machine.")
     else:
         limits, check = results["h2d_limits"], results["select_all"]
         sections.append(
@@ -56,9 +59,14 @@ def markdown_sections(results: dict[str, Any], *, self_test: bool) -> list[str]:
             f"{check['context']} x {check['batch']} ({check['keys']} keys): relative L2 of "
             "the logits "
             f"{check['relative_l2_vs_dense']} (passed: {check['passed']}). "
-            "InfiniGen's selections: computed (their cost is in the time), then replaced by "
-            "the recorded trace scaled to the context (benchmarks/gpu/selection_trace.py). "
-            "PCIe bound: bytes over PCIe / the copy limit.")
+            + (f"A captured step against the eager one (InfiniGen's trace replayed): relative "
+               f"L2 {results['graph_vs_eager']['relative_l2_graph_vs_eager']} (passed: "
+               f"{results['graph_vs_eager']['passed']}). "
+               if results.get("graph_vs_eager") else "") +
+            "InfiniGen: the product's runtime and CUDA data path; its selections computed "
+            "(their cost is in the time), then replaced by the recorded trace scaled to the "
+            "context (benchmarks/gpu/selection_trace.py). graph: the whole step captured in "
+            "one CUDA graph and replayed. PCIe bound: bytes over PCIe / the copy limit.")
     sections.append(markdown_table(HEADERS, rows))
     sections.append("Replayed selections: " + "; ".join(replay) + ".")
     return sections

@@ -1,17 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The attention of each benchmarked way to decode, as the decoder's plug-in (``decoder.Decoder``).
+"""The attention of each benchmarked way to decode that is not the product, as the decoder's plug-in.
 
     dense        K/V of every layer in GPU memory, torch SDPA
     dense_units  the same K/V as pool units in GPU memory, the Triton kernel
                  InfiniGen attends with (shows that kernel's cost against SDPA)
     full         every layer's K/V copied from the pinned pool (one copy_ per
                  layer, layer i+1's during layer i, on the transfer stream)
-    infinigen    dense_layers dense (resident units), then per sparse layer the
-                 block rule's selection, made in the layer before (speculation),
-                 gathered from the pinned pool into device units by one kernel
-                 on the transfer stream: either all selected blocks into a
-                 staging buffer (``cache=False``), or only the blocks missing
-                 from the device block cache (``cache=True``)
+
+InfiniGen itself is the product's runtime and CUDA data path (``product.py``).
 
 The transfer stream has a lower priority than the compute stream; layer i+1's
 transfer waits for an event recorded in layer i and layer i+1's attention for
@@ -26,15 +22,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu.decoder import DecoderShape, LayerWeights, next_query, partial_query
-from vllm_infinigen.platforms.cuda import block_selection as rule
+from benchmarks.gpu.decoder import DecoderShape
 from vllm_infinigen.platforms.cuda import kernels
-from vllm_infinigen.platforms.cuda.block_cache import (
-    DeviceBlockCache,
-    substitute_block_table,
-)
-
-_BIG = 1 << 62
 
 
 class Streams:
@@ -138,8 +127,9 @@ class Variant:
         heads = batch * shape.num_kv_heads
         kernels.write_own_tokens(units, table, seq_lens, key.reshape(heads, -1),
                                  value.reshape(heads, -1))
-        out = kernels.attend_units(query.reshape(heads, shape.group, shape.head_dim), units,
-                                   table, seq_lens, scale=shape.scale)
+        out = kernels.attend_units(query.reshape(batch, shape.num_heads, shape.head_dim), units,
+                                   table, seq_lens, num_kv_heads=shape.num_kv_heads,
+                                   scale=shape.scale)
         return out.reshape(batch, -1)
 
 
@@ -200,135 +190,3 @@ class FullOffload(Variant):
         self.streams.wait(self.fetched.pop(layer))
         return self._attend_units(self.buffers[layer % 2], self.setup.full_table,
                                   self.setup.full_lens, query, key, value)
-
-
-class InfiniGen(Variant):
-    """Speculation one layer ahead, block gather, with or without the device block cache.
-
-    Args:
-        weights: The decoder's layers (the next layer's query projection and skew).
-        speculation: Per sparse layer its speculation keys, a row's blocks
-            consecutive: ``{"codes", "scales"}`` (the int keys, the product's
-            default: [B * blocks_per_row, H_kv, block_size / 16, D, 2 * bits]
-            uint8 and [..., D] float16, scored in place on CUDA) or
-            ``{"partial"}`` ([B, blocks_per_row, H_kv, R, block_size]).
-        budget: The budget as a fraction of the context.
-        replay: [steps, sparse layers, B, H_kv, W] int32 logical blocks to use
-            instead of the computed selection (a recorded trace), or None.
-        slots_per_head: Cache slots per (layer, KV head); None: no cache.
-    """
-
-    def __init__(self, setup: KVSetup, streams: Streams, weights: list[LayerWeights],
-                 speculation: list[dict[str, torch.Tensor]], *, budget: float,
-                 replay: torch.Tensor | None, slots_per_head: int | None,
-                 compute_dtype: torch.dtype):
-        super().__init__(setup, streams)
-        shape = self.shape
-        self.name = "infinigen_cache" if slots_per_head else "infinigen_nocache"
-        self.weights, self.speculation, self.replay = weights, speculation, replay
-        self.compute_dtype = compute_dtype
-        self.dense = [setup.region(layer).to(setup.device) for layer in range(shape.dense_layers)]
-        caps = [max(1, int(budget * setup.context))] * setup.batch
-        self.token_caps = torch.tensor(caps, dtype=torch.int64, device=setup.device)
-        self.width = self.selection_width(setup, budget)
-        fetch_width = replay.shape[-1] if replay is not None else self.width
-        num_sparse = shape.num_layers - shape.dense_layers
-        self.cache = None
-        if slots_per_head:
-            self.cache = DeviceBlockCache(num_sparse, shape.num_kv_heads, slots_per_head,
-                                          setup.batch * setup.blocks_per_row, setup.device)
-            self.units = [self.cache.allocate_units(shape.block_size, shape.head_dim,
-                                                    setup.pool.dtype) for _ in range(num_sparse)]
-        else:
-            staging = setup.batch * shape.num_kv_heads * fetch_width + 1
-            self.units = [torch.empty((staging, shape.block_size, 2 * shape.head_dim),
-                                      dtype=setup.pool.dtype, device=setup.device)
-                          for _ in range(2)]
-        self.fetched_units = torch.zeros((), dtype=torch.int64, device=setup.device)
-        self.step_index = -1
-        self.pending: dict[int, tuple[object, torch.Tensor]] = {}
-
-    @staticmethod
-    def selection_width(setup: KVSetup, budget: float) -> int:
-        """Blocks per KV head of the computed selection (1 sink + the own block)."""
-        caps = [max(1, int(budget * setup.context))] * setup.batch
-        return rule.selection_width([setup.context] * setup.batch, caps,
-                                    setup.shape.block_size, sink_blocks=1, recent_blocks=1)
-
-    def begin_step(self):
-        self.step_index += 1
-
-    def _selection(self, target: int, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, H_kv, W] block ids of ``target``'s selection (computed; replaced by
-        the trace when replaying, after paying for the computation)."""
-        shape, setup = self.shape, self.setup
-        keys = self.speculation[target - shape.dense_layers]
-        if "codes" in keys:
-            tokens = rule.int_token_scores(next_query(shape, self.weights[target], hidden),
-                                           keys["codes"], keys["scales"], setup.block_table,
-                                           setup.context_lens, scale=shape.scale)
-        else:
-            tokens = rule.row_token_scores(partial_query(shape, self.weights[target], hidden),
-                                           keys["partial"], scale=shape.scale,
-                                           compute_dtype=self.compute_dtype)
-        scores = rule.block_scores(tokens, setup.context_lens, shape.block_size)
-        logical = rule.select_blocks(scores, setup.context_lens, self.token_caps,
-                                     block_size=shape.block_size, width=self.width).logical
-        if self.replay is not None:
-            step = self.step_index % self.replay.shape[0]
-            logical = self.replay[step, target - shape.dense_layers].to(torch.int64)
-        return torch.where(logical >= 0, setup.row_base + logical, -1)
-
-    def after_norm(self, layer, hidden):
-        target = layer + 1
-        if target >= self.shape.num_layers or target < self.shape.dense_layers:
-            return
-        block_ids = self._selection(target, hidden)
-        sparse = target - self.shape.dense_layers
-        if self.cache is not None:
-            found = self.cache.lookup(sparse, block_ids)
-            slots, units = found.slots, self.units[sparse]
-            fetch = (found.fetch_units, found.fetch_slots, found.num_fetch)
-        else:
-            slots, fetch = self._staging_list(block_ids)
-            units = self.units[target % 2]
-            self.fetched_units += fetch[2][0]
-        ready = self.streams.record()
-        self.streams.keep(*fetch)
-        with self.streams.on_transfer():
-            self.streams.wait(ready)
-            kernels.gather_units(self.setup.region(target), units, *fetch)
-            self.pending[target] = (self.streams.record(), slots)
-
-    def _staging_list(self, block_ids: torch.Tensor):
-        """(staging slots [B, H_kv, W], fetch list) of every selected block."""
-        rows, heads, width = block_ids.shape
-        valid = block_ids >= 0
-        head = torch.arange(heads, device=block_ids.device)[None, :, None]
-        units = torch.where(valid, block_ids * heads + head, _BIG).flatten()
-        slots = torch.arange(rows * heads * width, device=block_ids.device)
-        units, order = units.sort()
-        fetching = units < _BIG
-        fetch = (torch.where(fetching, units, -1), torch.where(fetching, slots[order], -1),
-                 valid.sum().view(1))
-        return torch.where(valid, slots.view(rows, heads, width), -1), fetch
-
-    def attend(self, layer, query, key, value):
-        shape, setup = self.shape, self.setup
-        if layer < shape.dense_layers:
-            return self._attend_units(self.dense[layer], setup.full_table, setup.full_lens,
-                                      query, key, value)
-        event, slots = self.pending.pop(layer)
-        self.streams.wait(event)
-        units = self.units[layer - shape.dense_layers] if self.cache else self.units[layer % 2]
-        table, seq_lens = substitute_block_table(slots, setup.context_lens, shape.block_size)
-        return self._attend_units(units, table, seq_lens, query, key, value)
-
-    def take_fetched_units(self) -> tuple[int, int | None]:
-        """(units fetched over PCIe, units found in the cache or None) since the last call."""
-        if self.cache is not None:
-            hits, misses = self.cache.take_counters()
-            return sum(misses), sum(hits)
-        fetched = int(self.fetched_units)
-        self.fetched_units.zero_()
-        return fetched, None

@@ -27,6 +27,7 @@ def shared_path(relative: str) -> Path:
 
 
 def find_shared(relative: str) -> Path | None:
-    """A path under ``../shared``; None when it is absent (tests skip then)."""
+    """A path under ``../shared``; None when it is absent (tests call
+    ``tests.shared_data.require_shared``: a skip, or under CI a failure)."""
     path = shared_path(relative)
     return path if path.exists() else None

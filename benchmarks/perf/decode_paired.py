@@ -8,7 +8,7 @@ measured. Here each engine runs in a process of its own, both hold the same
 prompts at once, and the parent runs their windows in turn, ``--rounds``
 times: dense, InfiniGen at each ``--alphas`` value, dense, ... A slow spell
 then hits the windows of one round alike, and each round gives its own
-ratio. The rows are those of ``decode_latency`` (``measure_row``: every
+ratio. The rows are those of ``decode_latency`` (``decode_windows.measure_row``: every
 round's steps together), plus ``round_ms`` (each round's median) and, for
 InfiniGen, ``paired_speedup`` (the median over rounds of dense's round median
 over the config's) and its range.
@@ -28,22 +28,21 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.perf import decode_windows as dw
 from benchmarks.perf import kv_math, machine
+from benchmarks.perf.step_driver import Driver
 
 
 def _engine_process(engine_name: str, model: str, args: argparse.Namespace, conn) -> None:
     """Serves one engine: prefill, timed windows and finish, as the parent asks."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from benchmarks.perf import decode_latency as dl
-    from benchmarks.perf.step_driver import Driver
-
-    shape = kv_math.model_shape(Path(model), dtype_bytes=dl.DTYPE_BYTES[args.dtype])
-    _, max_tokens, _, kv_bytes = dl.sizing(engine_name, shape, _sizing_args(args))
-    infinigen = dl.ENGINES[engine_name]["infinigen"] is not None
-    with dl.engine_of(engine_name, Path(model), args, max_tokens, kv_bytes) as llm:
+    shape = kv_math.model_shape(Path(model), dtype_bytes=dw.DTYPE_BYTES[args.dtype])
+    _, max_tokens, _, kv_bytes = dw.sizing(engine_name, shape, _sizing_args(args))
+    infinigen = dw.ENGINES[engine_name]["infinigen"] is not None
+    with dw.engine_of(engine_name, Path(model), args, max_tokens, kv_bytes) as llm:
         driver = Driver(llm, max_tokens)
-        default_alpha = llm.collective_rpc(dl.engine_alpha)[0] if infinigen else None
-        driver.submit_and_prefill([[1, 5, 6, 7]] * max(b for _, b in dl.grid(args)), "warmup")
+        default_alpha = llm.collective_rpc(dw.engine_alpha)[0] if infinigen else None
+        driver.submit_and_prefill([[1, 5, 6, 7]] * max(b for _, b in dw.grid(args)), "warmup")
         driver.warm(2)
         driver.finish()
         conn.send(("ready", kv_bytes))
@@ -57,15 +56,15 @@ def _engine_process(engine_name: str, model: str, args: argparse.Namespace, conn
                                                     f"c{context}b{batch}"))
             elif command == "window":
                 policy, alpha = params
-                dl.select_window(llm, policy, alpha, default_alpha, args)
-                conn.send(dl.timed_window(llm, driver, policy, args))
+                dw.select_window(llm, policy, alpha, default_alpha, args)
+                conn.send(dw.timed_window(llm, driver, policy, args))
             elif command == "finish":
                 driver.finish()
                 conn.send(True)
 
 
 def _sizing_args(args: argparse.Namespace) -> argparse.Namespace:
-    """``decode_latency.sizing`` counts (1 + retries) windows per policy: here, rounds."""
+    """``decode_windows.sizing`` counts (1 + retries) windows per policy: here, rounds."""
     return argparse.Namespace(**{**vars(args), "retries": args.rounds - 1})
 
 
@@ -133,12 +132,10 @@ def paired_speedups(round_ms: dict[str, list[float]]) -> dict[str, dict[str, flo
 def run(args: argparse.Namespace, model: Path, progress: machine.Progress) -> list[dict]:
     """Every (context, batch): both engines prefill it, then ``args.rounds`` rounds
     of one window per config in turn; one row per config and point."""
-    from benchmarks.perf import decode_latency as dl
-
-    shape = kv_math.model_shape(model, dtype_bytes=dl.DTYPE_BYTES[args.dtype])
+    shape = kv_math.model_shape(model, dtype_bytes=dw.DTYPE_BYTES[args.dtype])
     windows = [(name, policy, alpha) for name in args.engines
-               for policy, alpha in dl.windows(
-                   dl.ordered_policies(args.policies) if dl.ENGINES[name]["infinigen"]
+               for policy, alpha in dw.windows(
+                   dw.ordered_policies(args.policies) if dw.ENGINES[name]["infinigen"]
                    else [None], args.alphas)]
     engines: dict[str, _Engine] = {}
     rows: list[dict] = []
@@ -149,7 +146,7 @@ def run(args: argparse.Namespace, model: Path, progress: machine.Progress) -> li
         for name, handle in engines.items():
             _, kv_bytes = handle.answer("ready")
             progress(f"{name}: engine up ({kv_bytes / 2**20:.0f} MiB KV space)")
-        for context, batch in dl.grid(args):
+        for context, batch in dw.grid(args):
             prefill = {}
             for name, handle in engines.items():
                 prefill[name] = handle.ask("prefill", context, batch)
@@ -161,7 +158,7 @@ def run(args: argparse.Namespace, model: Path, progress: machine.Progress) -> li
                     results[window].append(engines[name].ask("window", policy, alpha))
                 progress(f"context {context} x {batch}: round {round_index + 1} of "
                          f"{args.rounds}: " + ", ".join(
-                             f"{dl.config_label(n, p, a)} "
+                             f"{dw.config_label(n, p, a)} "
                              f"{1000 * statistics.median(results[(n, p, a)][-1]['times']):.1f}"
                              for n, p, a in windows) + " ms")
             for handle in engines.values():
@@ -188,16 +185,14 @@ def run(args: argparse.Namespace, model: Path, progress: machine.Progress) -> li
 def _row(window: tuple, windows: list[dict], context: int, batch: int, prefill_s: float,
          shape: kv_math.ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     """``measure_row`` over every round's steps of one config, plus its round medians."""
-    from benchmarks.perf import decode_latency as dl
-
     name, policy, alpha = window
     times = [t for w in windows for t in w["times"]]
     delta: dict[str, float] = {}
     for w in windows:
         for key, value in w["delta"].items():
             delta[key] = delta.get(key, 0.0) + value
-    mean_context = statistics.fmean(dl.window_context(context, w) for w in windows)
-    row = dl.measure_row(engine_name=name, policy=policy, alpha=alpha, context=context,
+    mean_context = statistics.fmean(dw.window_context(context, w) for w in windows)
+    row = dw.measure_row(engine_name=name, policy=policy, alpha=alpha, context=context,
                          batch=batch, mean_context=mean_context, times=times,
                          full=all(count == batch for w in windows for count in w["got"]),
                          prefill_s=prefill_s, delta=delta, shape=shape, args=args)

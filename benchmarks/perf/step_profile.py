@@ -52,7 +52,7 @@ from benchmarks.harness import models, paths, report
 from benchmarks.harness.engines import engine
 from benchmarks.perf import decode_report, kv_math, machine
 from benchmarks.perf.bandwidth import measure_bandwidth
-from benchmarks.perf.decode_latency import counters
+from benchmarks.perf.decode_windows import counters
 from benchmarks.perf.step_driver import Driver
 
 COMPONENTS = ("query projection", "score + select", "attend", "write", "capture")

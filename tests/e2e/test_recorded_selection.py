@@ -23,7 +23,7 @@ import torch
 from benchmarks.harness import paths
 from benchmarks.harness.paths import REPO
 from tests.e2e.record_selections import MAX_TOKENS, PROMPT_LENGTHS
-from tests.unit.test_selector import kept_sets, reference_selection
+from tests.reference.token_rule import kept_sets, reference_selection
 from vllm_infinigen.layout import read_hf_config
 from vllm_infinigen.worker.step_plan import token_budget
 

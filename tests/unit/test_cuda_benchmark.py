@@ -16,12 +16,26 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_self_test_select_all_equals_dense_and_the_cache_changes_no_output():
-    from benchmarks.gpu import decode_step
+    from benchmarks.gpu import checks
 
-    checks = decode_step.self_test(out=None)
-    assert checks["select_all"]["passed"], checks["select_all"]
-    assert checks["replay"]["passed"], checks["replay"]
-    assert 0 < checks["replay"]["hit_rate"] < 1
+    result = checks.self_test(out=None)
+    assert result["select_all"]["passed"], result["select_all"]
+    assert result["select_all_partial_keys"]["passed"], result["select_all_partial_keys"]
+    assert result["replay"]["passed"], result["replay"]
+    assert 0 < result["replay"]["hit_rate"] < 1
+
+
+def test_the_benchmark_drives_the_products_runtime_and_data_path():
+    """InfiniGen in the benchmark is the product's runtime over ``CudaDataPath``
+    (the variants module keeps only what is not the product)."""
+    from benchmarks.gpu import product, variants
+    from vllm_infinigen.platforms.cuda.data_path import CudaDataPath
+    from vllm_infinigen.worker.runtime import InfiniGenRuntime
+
+    assert product.Product.__init__.__code__.co_names.count("InfiniGenRuntime") == 1
+    assert product.Product.__init__.__code__.co_names.count("CudaDataPath") == 1
+    assert product.InfiniGenRuntime is InfiniGenRuntime and product.CudaDataPath is CudaDataPath
+    assert not {"InfiniGen", "DeviceBlockCache", "block_selection"} & set(vars(variants))
 
 
 def test_the_recorded_trace_loads_with_its_provenance():
@@ -77,7 +91,8 @@ def test_replay_order_runs_back_and_forth():
 
 def test_the_benchmark_imports_without_vllm():
     code = ("import sys\nsys.modules['vllm'] = None\n"
-            "import benchmarks.gpu.decode_step, benchmarks.gpu.record_selections\nprint('ok')\n")
+            "import benchmarks.gpu.decode_step, benchmarks.gpu.record_selections\n"
+            "import benchmarks.gpu.checks, benchmarks.gpu.product\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr

@@ -155,7 +155,7 @@ def test_int_token_scores_equal_the_int_keys_reference(bits, dtype):
     """The CUDA rule scores the int keys that the CPU kernels write as the
     reference dequantizes them; the open group (not encoded yet) scores -inf."""
     from tests.reference import int_keys as reference
-    from tests.unit.test_int_keys import BLOCK, Pool
+    from tests.reference.int_key_pools import BLOCK, Pool
 
     pool = Pool(seed=3, bits=bits, dtype=dtype, num_kv_heads=2, head_size=32,
                 context_lens=[95, 16, 7, 64])
@@ -203,8 +203,8 @@ def test_select_positions_is_the_block_rule_over_the_layers_keys(keys, sink, rec
     """The policy's selection on a block-granular data path: token scores from the
     layer's keys (scored a block at a time: the chunk offset matters for the open
     group), alpha capped by the budget, whole blocks, their context positions."""
-    from tests.unit.test_int_keys import BLOCK as POOL_BLOCK
-    from tests.unit.test_int_keys import Pool
+    from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
+    from tests.reference.int_key_pools import Pool
 
     monkeypatch.setattr(rule, "_SCORE_CHUNK_BLOCKS", 1)
     pool = Pool(seed=5, bits=4, dtype=torch.float32, num_kv_heads=2, head_size=32,

@@ -46,6 +46,7 @@ class _Case:
         self.path = CudaDataPath("cpu", slots_per_head)
         self.layer = _layer(int_keys=int_keys)
         self.path.allocate(self.layer, _plan(), NUM_BLOCKS, torch.float32)
+        self.path.configure(InfiniGenConfig(alpha=1.0, min_context=0))
         self.table = torch.tensor([[3, 7, 1, 9], [0, 5, 11, 2]], dtype=torch.int32)
         self.keys = torch.randn(2, 4 * BLOCK, KV_HEADS, DIM)  # [row, position, H, D]
         self.values = torch.randn(2, 4 * BLOCK, KV_HEADS, DIM)
@@ -99,8 +100,7 @@ def _positions(per_row_head: list[list[list[int]]]) -> torch.Tensor:
                          for per_row in per_row_head], dtype=torch.int32)
 
 
-def _decode(case: _Case, positions: torch.Tensor, context_lens: list[int],
-            probs: torch.Tensor | None = None) -> torch.Tensor:
+def _decode(case: _Case, positions: torch.Tensor, context_lens: list[int]) -> torch.Tensor:
     """One decode step of the rows: the fetch (the layer before), then the
     layer's write of its own tokens, then its attention."""
     rows = case.rows(context_lens)
@@ -108,7 +108,7 @@ def _decode(case: _Case, positions: torch.Tensor, context_lens: list[int],
     for row, context in enumerate(context_lens):
         case.write(row, context + 1)
     query = torch.randn(len(context_lens), HEADS, DIM)
-    out, waited = case.path.attend_selected(case.layer, rows, query, positions, None, probs)
+    out, waited = case.path.attend_selected(case.layer, rows, query, positions, None, None)
     assert waited == 0.0
     return query, out
 
@@ -124,22 +124,28 @@ def test_attend_selected_equals_dense_attention_over_the_selected_blocks():
     for row, context in enumerate([13, 9]):
         case.write(row, context)
     positions = _positions([[[1, 9], [5]], [[2], [4, 6, 8]]])
-    probs = torch.full(positions.shape, -1.0)
-    query, out = _decode(case, positions, [13, 9], probs)
+    query, out = _decode(case, positions, [13, 9])
     blocks = [[[0, 2, 3], [1, 3]], [[0, 2], [1, 2]]]  # each position's block and the own block
-    expected, expected_probs = case.oracle(query, [13, 9], blocks, return_probs=True)
-    torch.testing.assert_close(out, expected)
-    # the attention each selected position received, read off the oracle's tokens
-    # row 0, head 0 attends over positions 0-3 and 8-12: position 9 is its 6th token
-    assert probs[0, 0, :2].tolist() == pytest.approx([expected_probs[0, 0, 1].item(),
-                                                       expected_probs[0, 0, 5].item()], abs=1e-6)
-    assert probs[1, 1].tolist() == pytest.approx([expected_probs[1, 1, 0].item(),
-                                                   expected_probs[1, 1, 2].item(),
-                                                   expected_probs[1, 1, 4].item()], abs=1e-6)
-    assert probs[0, 0, 2:].tolist() == [0.0] and probs[1, 0, 1:].tolist() == [0.0, 0.0]  # padding
+    torch.testing.assert_close(out, case.oracle(query, [13, 9], blocks))
     # entries attended besides the own, over (row, KV head): 0-3, 8-12 | 4-7, 12 |
-    # 0-3, 8 | 4-8; and the rows' context tokens
-    assert case.layer.stats.tolist() == [9 + 5 + 5 + 5, 13 + 9]
+    # 0-3, 8 | 4-8; and the rows' context tokens, counted on the device
+    stats = torch.zeros(3, 2, dtype=torch.float64)
+    case.path.add_counts(stats)
+    assert stats[2].tolist() == [9 + 5 + 5 + 5, 13 + 9]
+    case.path.add_counts(stats)  # drained
+    assert stats[2].tolist() == [9 + 5 + 5 + 5, 13 + 9]
+
+
+def test_the_attention_each_entry_received_is_not_reported():
+    """Policies that record it (H2O) run on the CPU build only."""
+    case = _Case()
+    case.write(0, 13)
+    positions = _positions([[[1, 9], [5]]])
+    rows = case.rows([13])
+    case.path.start_fetch(case.layer, rows, positions, None)
+    with pytest.raises(ValueError, match="attention each selected entry"):
+        case.path.attend_selected(case.layer, rows, torch.randn(1, HEADS, DIM), positions,
+                                  None, torch.zeros(positions.shape))
 
 
 def test_select_all_equals_dense_attention():
@@ -159,7 +165,8 @@ def test_a_repeated_selection_hits_the_cache_and_only_missing_blocks_are_gathere
     original = kernels.gather_units
 
     def spy(pool, cache, units, slots, count):
-        gathered.append(sorted(units[: int(count[0])].tolist()))
+        gathered.append(sorted(unit for per_head, number in zip(units.tolist(), count.tolist())
+                               for unit in per_head[:number]))
         original(pool, cache, units, slots, count)
 
     monkeypatch.setattr(cuda_data_path.kernels, "gather_units", spy)
@@ -201,7 +208,7 @@ def test_release_drops_a_finished_requests_blocks_and_they_are_fetched_again():
     _decode(case, positions, [13])
     case.path.take_stats()
     case.path.release_blocks(case.table[0].tolist())
-    cache = case.path._layers[2].cache
+    cache = case.path._cache
     assert (cache.block_of == -1).all() and (cache.slot_of == -1).all()
     _decode(case, positions, [13])
     assert case.path.take_stats()["cache_misses.2"] == 5

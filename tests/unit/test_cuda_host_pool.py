@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CUDA platform's host pool: its layout, the huge-page buffer, the refusal without CUDA."""
+"""The CUDA platform's host pool: its layout, the huge-page buffer, the refusal without CUDA
+(pinned and read by the gather on a GPU: tests/gpu/test_cuda_device.py)."""
 
 from __future__ import annotations
 
@@ -30,23 +31,3 @@ def test_huge_page_buffer_is_aligned_writable_and_sized():
 def test_allocation_refuses_without_cuda():
     with pytest.raises(RuntimeError, match="needs CUDA"):
         host_pool.allocate_host_pool(4, 2, 16, 64, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA GPU, the optional device this machine lacks "
-                    "(run `pytest -m gpu` where one is)")
-def test_registered_pool_is_pinned_and_readable_by_the_gather():
-    from vllm_infinigen.platforms.cuda import kernels
-
-    pool = host_pool.allocate_host_pool(8, 2, 16, 64, torch.bfloat16)
-    pool.tensor.copy_(torch.randn(pool.tensor.shape).to(torch.bfloat16))
-    assert pool.tensor.is_pinned()
-    cache = torch.zeros(4, 16, 128, dtype=torch.bfloat16, device="cuda")
-    units = torch.tensor([3, 9, 15], device="cuda")
-    slots = torch.tensor([2, 0, 1], device="cuda")
-    kernels.gather_units(pool.tensor, cache, units, slots, torch.tensor([3], device="cuda"))
-    torch.cuda.synchronize()
-    flat = pool.tensor.view(-1, 16, 128)
-    assert torch.equal(cache[[2, 0, 1]].cpu(), flat[[3, 9, 15]])
-    pool.close()

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CUDA platform's kernels: the torch references against independent computations,
 the launch parameters, and that the CPU build imports them without touching CUDA. The
-Triton kernels against these references: test_cuda_triton_interpreter.py, run here in a
+Triton kernels against these references: triton_interpreter_checks.py, run here in a
 subprocess with TRITON_INTERPRET=1 (Triton reads it when it is first imported)."""
 
 from __future__ import annotations
@@ -14,18 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.reference.cuda_kernel_cases import attention_case as _attention_case
+from tests.reference.cuda_kernel_cases import fetch_case as _fetch_case
 from vllm_infinigen.platforms.cuda import kernels
 
 CUDA_DIR = Path(kernels.__file__).parent
-
-
-def _fetch_case(dtype, head_size=8):
-    torch.manual_seed(0)
-    pool = torch.randn(6, 2, 4, 2 * head_size).to(dtype)  # [units, H, block, 2D]: 12 pool units
-    cache = torch.zeros(9, 4, 2 * head_size, dtype=dtype)
-    units = torch.tensor([1, 4, 7, 10, 11, -1, -1])
-    slots = torch.tensor([3, 0, 5, 2, 8, -1, -1])
-    return pool, cache, units, slots, torch.tensor([4])  # the 5th listed is not fetched
 
 
 def test_gather_reference_copies_the_listed_units_only():
@@ -38,18 +31,20 @@ def test_gather_reference_copies_the_listed_units_only():
     assert cache[untouched].abs().sum() == 0  # slot 8 (past num_fetch) not written
 
 
-def _attention_case(group=3, head_size=8, block=4):
-    torch.manual_seed(1)
-    query = torch.randn(3, group, head_size)
-    units = torch.randn(10, block, 2 * head_size)
-    table = torch.tensor([[4, 0, 9, 2], [7, 7, 1, 0], [3, 0, 0, 0]], dtype=torch.int32)
-    seq_lens = torch.tensor([4 * block, block + 1, 1], dtype=torch.int32)
-    return query, units, table, seq_lens
+def test_gather_reference_takes_one_list_per_head():
+    pool, cache, units, slots, _ = _fetch_case(torch.float32)
+    lists = torch.stack([units, units.flip(0)]), torch.stack([slots, slots.flip(0)])
+    kernels.gather_units_reference(pool, cache, *lists, torch.tensor([1, 3]))
+    flat = pool.view(12, 4, 16)
+    for unit, slot in [(1, 3), (11, 8)]:  # list 0: its first; list 1: -1, -1, (11, 8)
+        assert torch.equal(cache[slot], flat[unit])
+    assert cache[[0, 1, 2, 4, 5, 6, 7]].abs().sum() == 0
 
 
 def test_attention_reference_is_softmax_over_the_tables_tokens():
     query, units, table, seq_lens = _attention_case()
-    got = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
+    got = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                         scale=0.3)
     for seq in range(3):
         tokens = torch.cat([units[int(u)] for u in table[seq]])[: int(seq_lens[seq])]
         keys, values = tokens[:, :8], tokens[:, 8:]
@@ -57,20 +52,20 @@ def test_attention_reference_is_softmax_over_the_tables_tokens():
         assert torch.allclose(got[seq], expected, atol=1e-6)
 
 
-def test_merging_splits_equals_one_softmax():
+def test_attention_reference_pairs_rows_and_kv_heads_and_zeroes_empty_sequences():
+    """Sequence i is (row i // H_kv, KV head i % H_kv), attending with that head's
+    G query heads; a sequence of length 0 (a padding row) gives 0."""
     query, units, table, seq_lens = _attention_case()
-    whole = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
-    parts = []
-    for first in (0, 2):  # two splits of two blocks each, by hand
-        tokens = units[table[:, first:first + 2].long()].reshape(3, 8, 16)
-        live = (torch.arange(8) + first * 4)[None, :] < seq_lens[:, None]
-        scores = torch.einsum("ngd,ntd->ngt", query, tokens[..., :8]) * 0.3
-        scores = scores.masked_fill(~live[:, None, :], float("-inf"))
-        best = scores.amax(-1)
-        weights = torch.exp(scores - best[..., None]).nan_to_num(0.0)
-        parts.append((weights @ tokens[..., 8:], best, weights.sum(-1)))
-    partial, maxima, sums = (torch.stack(t, dim=1) for t in zip(*parts))
-    assert torch.allclose(kernels.merge_splits(partial, maxima, sums), whole, atol=1e-6)
+    rows = query.reshape(1, 9, 8)[:, :6]  # one row, 2 KV heads x 3 query heads
+    got = kernels.attend_units_reference(rows, units, table[:2], seq_lens[:2], num_kv_heads=2,
+                                         scale=0.3)
+    single = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                            scale=0.3)
+    assert torch.allclose(got.view(2, 3, 8), single[:2])
+    empty = kernels.attend_units_reference(query, units, table,
+                                           torch.tensor([0, 5, 0], dtype=torch.int32),
+                                           num_kv_heads=1, scale=0.3)
+    assert empty[0].abs().sum() == 0 and empty[2].abs().sum() == 0 and empty[1].abs().sum() > 0
 
 
 def test_own_tokens_land_at_each_sequences_last_position():
@@ -101,18 +96,20 @@ def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_tr
     code = (
         "import sys, torch\n"
         "from vllm_infinigen.platforms.cuda import block_cache, block_selection, host_pool\n"
+        "from vllm_infinigen.platforms.cuda import data_path, select_ops, staged\n"
         "from vllm_infinigen.platforms.cuda import kernels\n"
         "u = torch.zeros(3, 4, 8); t = torch.zeros(1, 1, dtype=torch.int32)\n"
         "kernels.gather_units(torch.ones(2, 1, 4, 8), u, torch.tensor([1]), torch.tensor([0]),"
         " torch.tensor([1]))\n"
         "kernels.attend_units(torch.ones(1, 2, 4), u, t, torch.tensor([1], dtype=torch.int32),"
-        " scale=1.0)\n"
+        " num_kv_heads=1, scale=1.0)\n"
         "p = torch.zeros(2, 1, 16, 8); k = torch.ones(16, 1, 4); s = torch.arange(16)\n"
-        "kernels.store_rows(p, k, k, s)\n"
+        "kernels.write_tokens(p, k, k, s)\n"
         "c = torch.zeros(2, 1, 1, 4, 8, dtype=torch.uint8)\n"
         "kernels.encode_groups(c, torch.zeros(2, 1, 1, 4, dtype=torch.float16), p, s)\n"
         "assert p[0, 0].sum() == 128 and c.any()\n"
         "assert 'vllm_infinigen.platforms.cuda.triton_kernels' not in sys.modules\n"
+        "assert 'vllm_infinigen.platforms.cuda.triton_select' not in sys.modules\n"
         "assert not torch.cuda.is_initialized()\n"
         "print('ok')\n"
     )

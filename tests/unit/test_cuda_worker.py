@@ -28,17 +28,23 @@ def test_cache_slots_cover_the_block_rules_widest_step_times_the_reuse_factor():
     # 1000 tokens at budget 0.1: 100 tokens = 7 blocks, + 1 sink block (4 tokens)
     # + the own block and 1 recent block (4 tokens) = 10, twice: 20 of the row's 64
     assert memory.cache_slots_per_head(max_num_seqs=3, max_model_len=1000, block_size=16,
-                                       budget=0.1, sink_tokens=4, recent_tokens=4,
+                                       budget=0.1, min_context=0, sink_tokens=4,
+                                       recent_tokens=4,
                                        reuse=2) == 3 * 20
     # 100 tokens at budget 0.5: 50 tokens = 4 blocks + the first and the own block
     # = 6, twice: 12, but a row has 8
     assert memory.cache_slots_per_head(max_num_seqs=2, max_model_len=100, block_size=16,
-                                       budget=0.5, sink_tokens=0, recent_tokens=0,
+                                       budget=0.5, min_context=0, sink_tokens=0,
+                                       recent_tokens=0,
                                        reuse=2) == 2 * 8
     # 4000 tokens at budget 0.02: 80 tokens = 5 blocks + 2 = 7, 1.5 times: 11
     assert memory.cache_slots_per_head(max_num_seqs=1, max_model_len=4000, block_size=16,
-                                       budget=0.02, sink_tokens=0, recent_tokens=0,
-                                       reuse=1.5) == 11
+                                       budget=0.02, min_context=0, sink_tokens=0,
+                                       recent_tokens=0, reuse=1.5) == 11
+    # below --infinigen-min-context every block is selected: the whole row (251 blocks)
+    assert memory.cache_slots_per_head(max_num_seqs=1, max_model_len=4000, block_size=16,
+                                       budget=0.02, min_context=4096, sink_tokens=0,
+                                       recent_tokens=0, reuse=1.5) == 251
 
 
 def test_the_grant_keeps_the_cache_and_splits_the_rest_by_block_costs():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_infinigen.memory import plan_pool
-from vllm_infinigen.platforms.cpu.memory import BlockCosts, split_grant
+from vllm_infinigen.memory import BlockCosts, plan_pool
+from vllm_infinigen.platforms.cpu.memory import split_grant
 
 GIB = 2**30
 # stories260K, block 128, float32: 2 dense layers (2 pages per block id),

@@ -195,41 +195,16 @@ def test_check_engine_args_refuses(kwargs, flag):
     assert flag in str(info.value)
 
 
-@pytest.mark.parametrize(
-    "kwargs,settings,flag",
-    [
-        ({}, {}, "--enforce-eager"),
-        ({"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, {}, "--enforce-eager"),
-        ({"enforce_eager": True}, {"cpu_pool_gib": 1.0}, "--infinigen-cpu-pool-gib"),
-        ({"enforce_eager": True}, {"policy": "h2o"}, "--infinigen-policy"),
-        ({"enforce_eager": True}, {"transfer": "copy"}, "--infinigen-transfer"),
-    ],
-    ids=["graphs-by-default", "piecewise-graphs", "capped-pool", "baseline", "transfer"],
-)
-def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, kwargs, settings, flag):
-    """On vLLM's CUDA platform (its device type faked): eager only, uncapped pool,
-    InfiniGen's own policy and transfer; the CPU platform accepts all of these."""
-    from vllm.platforms import current_platform
-
-    from vllm_infinigen.config import InfiniGenConfig
-
-    config = InfiniGenConfig(**settings)
-    args = EngineArgs(model=STORIES_DIR, **kwargs)
-    assert checks.platform_refusal("cpu", args, config) is None
-    monkeypatch.setattr(current_platform, "device_type", "cuda")
-    with pytest.raises(ValueError) as info:
-        checks.check_engine_args(args, config)
-    assert str(info.value).startswith("--kv-manager infinigen: ")
-    assert flag in str(info.value)
-
-
-def test_cuda_accepts_an_eager_engine_and_names_its_worker(monkeypatch):
+def test_cuda_accepts_graphs_and_an_eager_engine_and_names_its_worker(monkeypatch):
+    """vLLM's default CUDA graphs, eager, no graphs (what CUDA refuses:
+    test_platform_refusals.py)."""
     from vllm.platforms import current_platform
 
     from vllm_infinigen.config import InfiniGenConfig
 
     monkeypatch.setattr(current_platform, "device_type", "cuda")
-    for kwargs in ({"enforce_eager": True}, {"compilation_config": {"cudagraph_mode": "NONE"}}):
+    for kwargs in ({}, {"enforce_eager": True},
+                   {"compilation_config": {"cudagraph_mode": "NONE"}}):
         assert checks.check_engine_args(EngineArgs(model=STORIES_DIR, **kwargs),
                                         InfiniGenConfig()) is None
     assert WORKERS["cuda"].endswith("platforms.cuda.worker.InfiniGenCUDAWorker")

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.harness.paths import BUNDLED_MODEL
+from tests.shared_data import require_shared
 from vllm_infinigen.layout import partial_rank
 from vllm_infinigen.skewing.calibration import (
     CALIBRATION_TEXT,
@@ -413,12 +414,10 @@ def test_prepare_takes_several_files_and_reports_time_and_memory(tmp_path, capsy
 def test_calibration_text_the_tokenizer_cannot_read_is_refused_naming_the_flag(tmp_path):
     """The recall models' word-level tokenizer turns English into <unk>: a skew
     from it finds nothing, so prepare (and a start-up calibration) refuses it."""
-    from benchmarks.harness.paths import SHARED
     from vllm_infinigen.frontend import cli
     from vllm_infinigen.skewing.calibration import CALIBRATION_TEXT
 
-    recall = SHARED / "models" / "recall-llama-1k"
-    assert recall.is_dir(), f"the shared recall model is needed: {recall}"
+    recall = require_shared("models/recall-llama-1k")
     english = tmp_path / "english.txt"
     english.write_text(CALIBRATION_TEXT.read_text()[:4000])
     with pytest.raises(ValueError, match=r"--calibration-text: \d+ of its \d+ tokens are "

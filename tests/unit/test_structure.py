@@ -24,11 +24,11 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+def _imports(path: Path, modules: dict[str, Path], strings: bool = True) -> set[str]:
     """Package modules ``path`` imports at run time: import statements outside
-    ``if TYPE_CHECKING:``, and "module:attr", "module.attr" or "module" strings
-    naming a package module (what ``importlib`` or vLLM loads by name: the
-    policy registry, the platforms' worker classes, the connector)."""
+    ``if TYPE_CHECKING:``, and (``strings``) "module:attr", "module.attr" or
+    "module" strings naming a package module (what ``importlib`` or vLLM loads
+    by name: the policy registry, the platforms' worker classes, the connector)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
 
@@ -40,7 +40,7 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
             target = node.value.partition(":")[0]
             found.update((target, target.rpartition(".")[0]))  # "module.Class" too
         for child in ast.iter_child_nodes(node):
@@ -91,6 +91,48 @@ def test_the_graph_sees_registry_strings():
     assert "vllm_infinigen.policies.infinigen" in registry
     assert "vllm_infinigen.platforms.cpu.worker" in _imports(
         PACKAGE / "platforms" / "__init__.py", modules)
+
+
+def test_a_platform_folder_is_reached_through_the_tables_only():
+    """The device seam: no module outside ``platforms/<name>/`` imports
+    ``vllm_infinigen.platforms.<name>`` or a module in it, at any level;
+    ``platforms/__init__.py`` names them in its dotted-path tables (WORKERS,
+    REFUSALS), as strings, never by an import statement."""
+    modules = _modules()
+    folders = [name for name, path in modules.items()
+               if name.startswith("vllm_infinigen.platforms.") and path.name == "__init__.py"]
+    assert "vllm_infinigen.platforms.cuda" in folders and "vllm_infinigen.platforms.cpu" in folders
+
+    def folder_of(name: str) -> str | None:
+        return next((f for f in folders if name == f or name.startswith(f + ".")), None)
+
+    crossings = []
+    for name, path in sorted(modules.items()):
+        tables = name == "vllm_infinigen.platforms"
+        for dep in sorted(_imports(path, modules, strings=not tables)):
+            folder = folder_of(dep)
+            if folder is not None and folder_of(name) != folder:
+                crossings.append(f"{path.relative_to(PACKAGE.parent)} imports {dep}")
+    assert not crossings, "\n".join(crossings)
+
+
+def test_platforms_import_no_patch_and_policies_come_through_the_registry():
+    """A change to vLLM lives in ``patch/`` and decides itself where it applies
+    (the worker mixin applies the model runner's): no module of ``platforms/``
+    imports ``vllm_infinigen.patch``. Outside ``policies/``, a policy is
+    reached through the registry (``policy_class``, ``PolicyTraits``): no
+    module imports one policy's file, only ``policies.base``."""
+    modules = _modules()
+    policy_files = {name for name in modules if name.startswith("vllm_infinigen.policies.")
+                    and name != "vllm_infinigen.policies.base"}
+    found = []
+    for name, path in sorted(modules.items()):
+        for dep in sorted(_imports(path, modules)):
+            patch = dep == "vllm_infinigen.patch" or dep.startswith("vllm_infinigen.patch.")
+            if (patch and name.startswith("vllm_infinigen.platforms")) or (
+                    dep in policy_files and not name.startswith("vllm_infinigen.policies")):
+                found.append(f"{path.relative_to(PACKAGE.parent)} imports {dep}")
+    assert not found, "\n".join(found)
 
 
 def test_building_the_settings_imports_no_worker_module():

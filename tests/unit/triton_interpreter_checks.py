@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Triton kernels of the CUDA platform against their torch references, on CPU tensors.
+"""The Triton kernels of the CUDA platform against their torch references, on CPU tensors:
+the data movement and attention (``triton_kernels.py``) and the device-only selection
+and cache placement (``triton_select.py``).
 
 Runs only in a process started with TRITON_INTERPRET=1 (Triton decides when it is
 first imported whether ``@triton.jit`` compiles or interprets), so pytest does
@@ -14,8 +16,12 @@ import os
 import pytest
 import torch
 
-from tests.unit.test_cuda_kernels import _attention_case, _fetch_case
-from vllm_infinigen.platforms.cuda import kernels
+from tests.reference.cuda_kernel_cases import attention_case as _attention_case
+from tests.reference.cuda_kernel_cases import fetch_case as _fetch_case
+from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
+from tests.reference.int_key_pools import Pool
+from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops
+from vllm_infinigen.platforms.cuda.place_reference import place_reference
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 from the start of the process "
@@ -29,6 +35,13 @@ def triton_kernels():
     return triton_kernels
 
 
+@pytest.fixture(scope="module")
+def triton_select():
+    from vllm_infinigen.platforms.cuda import triton_select
+
+    return triton_select
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ctas", [1, 3])
 def test_gather_equals_the_reference(triton_kernels, dtype, ctas):
@@ -39,7 +52,7 @@ def test_gather_equals_the_reference(triton_kernels, dtype, ctas):
     triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
                                 count, num_ctas=ctas, unit_words=words, chunk_words=chunk,
                                 per_step=2)
-    assert torch.equal(cache, expected)
+    assert torch.equal(cache[:-1], expected[:-1])  # the reference's scratch: the last unit
 
 
 def test_gather_copies_units_in_chunks(triton_kernels):
@@ -52,7 +65,7 @@ def test_gather_copies_units_in_chunks(triton_kernels):
     triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
                                 count, num_ctas=2, unit_words=words, chunk_words=chunk,
                                 per_step=2)
-    assert torch.equal(cache, expected)
+    assert torch.equal(cache[:-1], expected[:-1])
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
@@ -62,10 +75,11 @@ def test_attention_equals_the_reference(triton_kernels, splits, group, head_size
     per_split = -(-table.shape[1] // splits)
     partial = torch.empty(3, splits, group, head_size)
     maxima, sums = torch.empty(3, splits, group), torch.empty(3, splits, group)
-    triton_kernels.attend_units(query, units, table, seq_lens, partial, maxima, sums, scale=0.3,
-                                blocks_per_split=per_split, num_splits=splits)
-    got = kernels.merge_splits(partial, maxima, sums)
-    expected = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
+    got = torch.empty_like(query)
+    triton_kernels.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
+                                num_kv_heads=1, scale=0.3, blocks_per_split=per_split)
+    expected = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                              scale=0.3)
     assert torch.allclose(got, expected, atol=1e-5)
 
 
@@ -74,10 +88,12 @@ def test_attention_reads_bfloat16_units(triton_kernels):
     units = units.to(torch.bfloat16)
     partial = torch.empty(3, 2, 3, 8)
     maxima, sums = torch.empty(3, 2, 3), torch.empty(3, 2, 3)
-    triton_kernels.attend_units(query, units, table, seq_lens, partial, maxima, sums, scale=0.3,
-                                blocks_per_split=2, num_splits=2)
-    expected = kernels.attend_units_reference(query, units, table, seq_lens, scale=0.3)
-    assert torch.allclose(kernels.merge_splits(partial, maxima, sums), expected, atol=1e-5)
+    got = torch.empty_like(query)
+    triton_kernels.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
+                                num_kv_heads=1, scale=0.3, blocks_per_split=2)
+    expected = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                              scale=0.3)
+    assert torch.allclose(got, expected, atol=1e-5)
 
 
 def _write_case(dtype: torch.dtype):
@@ -95,14 +111,13 @@ def _write_case(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_rows_equals_the_reference_write_through(triton_kernels, dtype):
+def test_write_tokens_equals_the_reference_write_through(triton_kernels, dtype):
     from vllm_infinigen.platforms.cuda import writes
 
     pool, key, value, slots = _write_case(dtype)
     expected = pool.clone()
     writes.write_pool(expected, key, value, slots)
-    rows = torch.cat([key, value], dim=-1).contiguous()
-    triton_kernels.store_rows(pool, rows, slots)
+    triton_kernels.write_tokens(pool, None, None, key, value, slots, capacity=0)
     assert torch.equal(pool, expected)
 
 
@@ -134,7 +149,7 @@ def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype,
 def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head_size, tile):
     """The int keys read in place: the torch form's scores (it dequantizes every
     block), open groups -inf, 3 query heads per KV head, a padded head size."""
-    from tests.unit.test_int_keys import Pool
+    from tests.reference.int_key_pools import Pool
     from vllm_infinigen.platforms.cuda import block_selection
 
     pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
@@ -144,9 +159,199 @@ def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head
                                                 pool.block_table, pool.context_lens, scale=0.25)
     got = torch.empty_like(expected)
     table = pool.block_table if tile == 16 else pool.block_table.long()  # either index dtype
-    triton_kernels.int_token_scores(query, pool.codes, pool.scales, table,
-                                    pool.context_lens, got, scale=0.25, tile=tile)
+    from vllm_infinigen.platforms.cuda import triton_select
+
+    triton_select.int_scores(query, pool.codes, pool.scales, table, pool.context_lens, got, None,
+                             scale=0.25, tile=tile)
     assert torch.equal(got == float("-inf"), expected == float("-inf"))
     finite = expected > float("-inf")
     assert finite.sum() > 0
     assert torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+
+
+# -- the device-only step's kernels (triton_select.py and the step's data movement)
+
+
+@pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
+                                                  (2, torch.bfloat16, 24)])
+def test_int_scores_and_block_maxima_equal_the_torch_form(triton_select, bits, dtype, head_size):
+    """Token scores and each block's best, a padding row (context -1) all -inf,
+    the query a strided view (a row of a wider tensor)."""
+    pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
+                context_lens=[95, 16, 7, 64])
+    context_lens = pool.context_lens.clone()
+    context_lens[2] = -1
+    wide = torch.randn(4, 2 * 3 * head_size + 5, generator=torch.Generator().manual_seed(8))
+    query = wide[:, : 2 * 3 * head_size].view(4, 2, 3, head_size)
+    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                              context_lens, scale=0.25)
+    blocks = block_selection.block_scores(tokens, context_lens, POOL_BLOCK)
+    got_tokens, got_blocks = torch.empty_like(tokens), torch.empty_like(blocks)
+    triton_select.int_scores(query, pool.codes, pool.scales, pool.block_table, context_lens,
+                             got_tokens, got_blocks, scale=0.25)
+    for got, expected in ((got_tokens, tokens), (got_blocks, blocks)):
+        assert torch.equal(got == float("-inf"), expected == float("-inf"))
+        finite = expected > float("-inf")
+        assert finite.sum() > 0
+        assert torch.allclose(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+    assert (got_tokens[2] == float("-inf")).all()
+
+
+def test_alpha_counts_equal_the_reference(triton_select):
+    gen = torch.Generator().manual_seed(3)
+    context_lens = torch.tensor([95, 16, -1, 40])
+    tokens = (torch.randn(4, 2, 6 * 32, generator=gen) * 3).round()  # ties at best - alpha
+    encoded = context_lens.clamp(min=0) // 16 * 16
+    tokens = tokens.masked_fill(torch.arange(6 * 32)[None, None] >= encoded[:, None, None],
+                                float("-inf"))
+    blocks = block_selection.block_scores(tokens, context_lens, 32)
+    for alpha in (0.5, 2.0):  # 2.0: some scores sit exactly at best - alpha, not above
+        settings = select_ops.settings_tensor(alpha, 0.2, 0, "cpu")
+        expected = select_ops.alpha_counts(tokens, blocks, context_lens, settings, block_size=32)
+        got = torch.empty_like(expected)
+        triton_select.alpha_counts(tokens, blocks, context_lens, settings, got, block_size=32,
+                                   chunk=64)
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget,min_context,sink,recent", [(0.2, 0, 1, 1), (0.05, 30, 2, 1),
+                                                           (0.5, 0, 1, 3), (1.0, 0, 1, 1)])
+def test_select_equals_the_reference(triton_select, seed, budget, min_context, sink, recent):
+    """Random scores with ties (rounded), -inf blocks, a padding row, rows below
+    min_context, a chunk smaller than the row (the threshold search crosses chunks)."""
+    gen = torch.Generator().manual_seed(seed)
+    block, table_blocks, heads = 4, 40, 3
+    context_lens = torch.tensor([159, 100, 3, -1, 29, 64])
+    scores = (torch.randn(6, heads, table_blocks, generator=gen) * 4).round()
+    scores[1, 0, 5:9] = float("-inf")
+    table = torch.stack([torch.randperm(300, generator=gen)[:table_blocks] for _ in range(6)])
+    counts = torch.randint(0, 80, (6 * heads,), generator=gen, dtype=torch.int32)
+    settings = select_ops.settings_tensor(5.0, budget, min_context, "cpu")
+    width = select_ops.selection_width(table_blocks, block, budget=budget,
+                                       min_context=min_context, sink_blocks=sink,
+                                       recent_blocks=recent)
+    expected = select_ops.select_reference(scores, counts, context_lens, table.int(), settings,
+                                           block_size=block, width=width, sink_blocks=sink,
+                                           recent_blocks=recent)
+    got = (torch.empty_like(expected[0]), torch.empty_like(expected[1]),
+           torch.empty_like(expected[2]))
+    triton_select.select_blocks(scores, counts, context_lens, table.int(), settings, *got,
+                                block_size=block, sink_blocks=sink, recent_blocks=recent,
+                                chunk=16)
+    for got_part, expected_part in zip(got, expected):
+        assert torch.equal(got_part, expected_part)
+
+
+def _cache_state(heads: int, capacity: int, num_blocks: int):
+    return (torch.full((num_blocks * heads + 1,), -1, dtype=torch.int32),
+            torch.full((heads, capacity + 1), -1, dtype=torch.int64),
+            torch.full((heads, capacity + 1), -1, dtype=torch.int64),
+            torch.zeros(heads, dtype=torch.int64))
+
+
+def test_lookup_lru_equals_the_reference_over_steps(triton_select):
+    """Eight steps of two rows' selections over a cache of 12 slots per head:
+    hits, LRU evictions with ties, the maps, the fetch lists and the counters."""
+    gen = torch.Generator().manual_seed(9)
+    heads, capacity, num_blocks, rows, width = 2, 12, 40, 2, 5
+    states = [_cache_state(heads, capacity, num_blocks) for _ in range(2)]
+    counters = [torch.zeros(heads, 4, dtype=torch.int64) for _ in range(2)]
+    for step in range(8):
+        ids = torch.stack([torch.randperm(20, generator=gen)[:width] + 20 * row
+                           for row in range(rows) for _ in range(heads)]).view(rows, heads, width)
+        ids[1, 1, 3:] = -1
+        seq_lens = torch.randint(1, 20, (rows * heads,), generator=gen, dtype=torch.int32)
+        context_lens = torch.tensor([17, -1 if step == 3 else 30])
+        outputs = []
+        for (slot_of, block_of, last_used, ticks), counter, kernel in zip(
+                states, counters, (False, True)):
+            slots = torch.empty_like(ids)
+            units = torch.full((heads, rows * width), -1, dtype=torch.int64)
+            destinations, num_fetch = units.clone(), torch.empty(heads, dtype=torch.int64)
+            args = (ids, slots, slot_of, block_of, last_used, ticks)
+            if kernel:
+                triton_select.lookup_lru(*args, torch.empty_like(units), units, destinations,
+                                         num_fetch, counter, seq_lens, context_lens,
+                                         capacity=capacity, chunk=4)
+            else:
+                place_reference(*args, units, destinations, num_fetch, counter, seq_lens,
+                                context_lens, capacity=capacity)
+            outputs.append((slots, units, destinations, num_fetch))
+        for a, b in zip(*states):
+            assert torch.equal(a[:-1] if a.dim() == 1 else a[:, :capacity],
+                               b[:-1] if b.dim() == 1 else b[:, :capacity])
+        assert torch.equal(counters[0], counters[1])
+        (slots, units, destinations, num_fetch), got = outputs
+        assert torch.equal(got[0], slots) and torch.equal(got[3], num_fetch)
+        for head in range(heads):
+            count = int(num_fetch[head])
+            assert torch.equal(got[1][head, :count], units[head, :count])
+            assert torch.equal(got[2][head, :count], destinations[head, :count])
+    assert counters[0][:, 2].sum() > 0 and counters[0][:, 3].sum() > 2 * capacity  # evicted
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_of_per_head_lists_equals_the_reference(triton_kernels, dtype):
+    gen = torch.Generator().manual_seed(2)
+    pool = torch.randn(10, 2, 4, 16, generator=gen).to(dtype)
+    units = torch.randint(0, 20, (2, 7), generator=gen)
+    slots = torch.stack([torch.randperm(12, generator=gen)[:7] for _ in range(2)])
+    count = torch.tensor([5, 2])
+    cache, expected = torch.zeros(13, 4, 16, dtype=dtype), torch.zeros(13, 4, 16, dtype=dtype)
+    kernels.gather_units_reference(pool, expected, units, slots, count)
+    words, chunk = kernels.unit_words(4, 8, dtype)
+    triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
+                                count, num_ctas=4, unit_words=words, chunk_words=chunk,
+                                per_step=2)
+    assert torch.equal(cache[:12], expected[:12])
+    assert cache[:12].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_strided_rows_and_empty_sequences_equals_the_reference(triton_kernels,
+                                                                               dtype):
+    """Query and output rows inside wider tensors, a -1 padded table, a row of
+    length 0 (padding: 0 out), several splits."""
+    gen = torch.Generator().manual_seed(6)
+    rows, heads, group, head_size, block = 3, 2, 3, 8, 4
+    units = torch.randn(20, block, 2 * head_size, generator=gen).to(dtype)
+    table = torch.randint(0, 20, (rows * heads, 5), generator=gen)
+    seq_lens = torch.tensor([17, 3, 9, 20, 0, 0], dtype=torch.int32)
+    table[1, 1:] = -1
+    wide = torch.randn(rows, heads * group * head_size + 7, generator=gen).to(dtype)
+    query = wide[:, : heads * group * head_size].view(rows, heads * group, head_size)
+    expected = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=heads,
+                                              scale=0.3)
+    for splits in (1, 2, 5):
+        out_wide = torch.full((rows, heads * group * head_size + 3), 9.0, dtype=dtype)
+        out = out_wide[:, : heads * group * head_size].view(rows, heads * group, head_size)
+        partial = torch.empty(rows * heads, splits, group, head_size)
+        maxima = torch.empty(rows * heads, splits, group)
+        triton_kernels.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                                    torch.empty_like(maxima), num_kv_heads=heads, scale=0.3,
+                                    blocks_per_split=-(-5 // splits))
+        assert torch.allclose(out.float(), expected.float(), atol=2e-2 if dtype != torch.float32
+                              else 1e-5)
+        assert (out[2] == 0).all() and (out_wide[:, -3:] == 9.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_tokens_equals_the_reference(triton_kernels, dtype):
+    """The write-through and the cached copies, strided K and V, a padding slot."""
+    gen = torch.Generator().manual_seed(12)
+    heads, head_size, block, capacity = 2, 12, 8, 3
+    pool = torch.zeros(6, heads, block, 2 * head_size, dtype=dtype)
+    units = torch.zeros(heads * capacity + 1, block, 2 * head_size, dtype=dtype)
+    slot_of = torch.full((6 * heads + 1,), -1, dtype=torch.int32)
+    slot_of[2 * heads + 1] = 2  # block 2, head 1 -> its slot 2
+    slot_of[4 * heads + 0] = 0
+    qkv = torch.randn(9, 3, heads, head_size, generator=gen).to(dtype)
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([16, 17, 18, 33, 34, 5, 47, -1, 20])
+    expected = (pool.clone(), units.clone())
+    kernels.write_tokens(*expected[:1], key, value, slots, expected[1], slot_of, capacity)
+    triton_kernels.write_tokens(pool, units, slot_of, key, value, slots, capacity=capacity)
+    # (the reference writes uncached tokens into the scratch unit, the kernel skips them)
+    assert torch.equal(pool, expected[0]) and torch.equal(units[:-1], expected[1][:-1])
+    assert units[:-1].abs().sum() > 0

@@ -2,7 +2,9 @@
 """Front end: what ``--kv-manager infinigen`` cannot run, refused before any engine starts.
 
 Every refusal is a ``ValueError`` that starts with ``--kv-manager infinigen:``
-and names the flag to change (or the model type and the reason).
+and names the flag to change (or the model type and the reason). What only
+one platform cannot run is that platform's (``platforms.refusal_for``: on CUDA,
+``platforms/cuda/refusals.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ from vllm_infinigen.architectures import (
     names_a_window,
     window_refusal,
 )
-from vllm_infinigen.config import InfiniGenConfig, flag, infinigen_config_of
+from vllm_infinigen.config import (
+    V1_RUNNER_REFUSAL,
+    V2_RUNNER_ENV,
+    InfiniGenConfig,
+    infinigen_config_of,
+)
 from vllm_infinigen.layout import ModelLayout, read_hf_config
-from vllm_infinigen.platforms import V1_RUNNER_REFUSAL, V2_RUNNER_ENV, WORKERS, worker_cls_for
+from vllm_infinigen.platforms import WORKERS, refusal_for, worker_cls_for
 from vllm_infinigen.skewing.tables import local_model_dir
 
 logger = init_logger(__name__)
@@ -75,7 +82,7 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         raise ValueError(f"--kv-manager infinigen: {reason}")
 
     worker_cls_for(current_platform.device_type)  # a platform without a worker is refused
-    reason = platform_refusal(current_platform.device_type, args, config)
+    reason = refusal_for(current_platform.device_type, args, config)  # the platform's own
     if reason is not None:
         refuse(reason)
     if args.speculative_config:
@@ -125,35 +132,6 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
     if getattr(args, "disable_hybrid_kv_cache_manager", None):
         refuse("InfiniGen's sparse layers need vLLM's hybrid KV-cache manager; "
                "remove --disable-hybrid-kv-cache-manager")
-
-
-def platform_refusal(device_type: str, args: EngineArgs, config: InfiniGenConfig) -> str | None:
-    """What the CUDA platform cannot run yet (None: nothing; other platforms: nothing).
-
-    CUDA graphs would replay the model without InfiniGen's per-step host work
-    (the attention-input capture, the selection's widths, the fetch), so the
-    engine runs eagerly; the device block cache gathers whole blocks from a
-    pool with a row per slot; the baselines read the pool with host-side
-    torch, which on CUDA is pinned host memory.
-    """
-    if device_type != "cuda":
-        return None
-    from vllm.config.compilation import CUDAGraphMode
-
-    graphs = getattr(args.compilation_config, "cudagraph_mode", None)
-    if not args.enforce_eager and graphs != CUDAGraphMode.NONE:
-        return ("CUDA graphs are not supported on CUDA yet (they would replay the "
-                "model without InfiniGen's per-step selection and fetch); add --enforce-eager")
-    if config.cpu_pool_gib is not None:
-        return (f"{flag('cpu_pool_gib')} is not supported on CUDA (the device block cache "
-                f"gathers whole blocks from a pool with a row per slot); remove it")
-    if config.policy != "infinigen":
-        return (f"{flag('policy')} {config.policy} runs on the CPU build only; on CUDA use "
-                f"{flag('policy')} infinigen")
-    if config.transfer != "auto":
-        return (f"{flag('transfer')} {config.transfer} applies to the CPU build; on CUDA "
-                f"the device block cache moves the blocks: remove it")
-    return None
 
 
 def keep_v1_model_runner(vllm_config) -> None:

@@ -96,13 +96,13 @@ def demo(args: argparse.Namespace) -> int:
     print("=== InfiniGen output ===\n" + completion.text)
     counters = summarize(llm.get_metrics())
     print(f"\n=== what InfiniGen did ({len(completion.token_ids)} tokens in {elapsed:.2f} s) ===")
-    print(f"{'layer':>6} {'selected':>10} {'candidates':>11} {'fraction':>9} {'bytes moved':>12}")
+    print(f"{'layer':>6} {'selected':>10} {'candidates':>11} {'fraction':>9} {'bytes read':>12}")
     for layer in sorted(counters.get("candidate_tokens", {}), key=int):
         selected = counters["selected_tokens"].get(layer, 0)
         candidate = counters["candidate_tokens"][layer]
-        moved = counters.get("swap_bytes", {}).get(layer, 0)
+        read = counters.get("swap_bytes", {}).get(layer, 0)  # selected K/V attended
         print(f"{layer:>6} {selected:>10.0f} {candidate:>11.0f} "
-              f"{selected / max(candidate, 1):>9.3f} {moved:>12.0f}")
+              f"{selected / max(candidate, 1):>9.3f} {read:>12.0f}")
     return 0
 
 
@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-tokens", type=int, default=200)
     d.add_argument("--max-model-len", type=int, default=512)
     d.add_argument("--budget", type=float, default=0.2)
-    # The tiny demo's contexts stay far below the serving default (1024), under
-    # which sparse layers attend densely: select from the first token instead.
+    # The tiny demo's contexts stay far below the serving default (4096,
+    # config.DEFAULT_MIN_CONTEXT), under which sparse layers attend densely:
+    # select from the first token instead.
     d.add_argument("--min-context", type=int, default=0,
                    help="--infinigen-min-context of the demo (default 0: always select)")
     d.set_defaults(run=demo)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from vllm.logger import init_logger
+from vllm_infinigen.logs import init_logger
 
 logger = init_logger(__name__)
 

@@ -40,7 +40,7 @@ Patch index
     Future plan: read the query rows from the prepacked weight if vLLM
     exposes it, or keep the slice only where memory is plentiful.
 
-``patch_seeded_sampling.py`` (applied by the InfiniGen worker's ``init_device``)
+``patch_seeded_sampling.py`` (applied by the worker mixin's ``init_device``, ``worker/base.py``)
     File: ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner._sample``,
     ``GPUModelRunner._bookkeeping_sync``, inherited by ``CPUModelRunner``).
     Why: after a non-final prefill chunk of a seeded request, vLLM 0.32

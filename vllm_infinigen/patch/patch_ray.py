@@ -44,17 +44,17 @@ def enable() -> None:
         return
     from vllm.v1.executor.abstract import Executor
 
-    from vllm_infinigen.platforms.cpu import ray_executor
+    from vllm_infinigen import platforms
 
-    ray_executor.bind_cpu_workers()
+    platforms.load(platforms.RAY_CPU_BINDING)()
     _original_get_class = Executor.get_class
     Executor.get_class = staticmethod(_get_class)
 
 
 def _get_class(vllm_config) -> type:
-    from vllm_infinigen.platforms.cpu.ray_executor import cpu_executor_class
+    from vllm_infinigen import platforms
 
-    return cpu_executor_class(_original_get_class(vllm_config))
+    return platforms.load(platforms.RAY_CPU_EXECUTOR)(_original_get_class(vllm_config))
 
 
 def _create_engine_config(self, *args: Any, **kwargs: Any):

@@ -15,23 +15,18 @@ run, and nothing else::
                   kernels (``kernels/csrc/cpu/``)
     cuda/         vLLM's CUDA build: a pinned host pool, a device block cache
                   filled by a gather issued one layer ahead, Triton kernels,
-                  InfiniGen's rule in blocks (eager mode; what it refuses:
-                  ``frontend/checks.platform_refusal``)
+                  InfiniGen's rule in blocks (what it refuses: ``cuda/refusals.py``)
 
-A new platform is a folder beside ``cpu/`` and its line in ``WORKERS``; the
+A new platform is a folder beside ``cpu/`` and its line in ``WORKERS`` (and in
+``REFUSALS`` if it cannot run some settings); only these tables name a
+platform's folder (``tests/unit/test_structure.py``); the
 runtime, the policies, the pool index, the step plan, the scheduler side and
 the front end do not change (docs/design.md, "Where CUDA goes").
 """
 
 from __future__ import annotations
 
-# The workers extend vLLM's V1 model runner (its input batch, requests, _sample,
-# _bookkeeping_sync): the front end keeps the engine on it (frontend/checks.py).
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-V1_RUNNER_REFUSAL = (
-    "--kv-manager infinigen runs on vLLM's V1 model runner (its input batch, "
-    "_sample and _bookkeeping_sync), not on Model Runner V2; set "
-    f"{V2_RUNNER_ENV}=0")
+import importlib
 
 # vLLM's device type -> the InfiniGen worker class of that platform.
 WORKERS = {
@@ -52,3 +47,33 @@ def worker_cls_for(device_type: str) -> str:
             f"this release (supported: {', '.join(WORKERS)}); use --kv-manager vllm"
         )
     return WORKERS[device_type]
+
+
+# vLLM's device type -> what that platform cannot run: ``refusal(args, config)``,
+# a reason naming the flag to change, or None. A platform without a line
+# refuses nothing beyond the neutral checks (``frontend/checks.py``).
+REFUSALS = {
+    "cuda": "vllm_infinigen.platforms.cuda.refusals.refusal",
+}
+
+
+def refusal_for(device_type: str, args, config) -> str | None:
+    """Why vLLM's ``device_type`` platform cannot run ``args`` (EngineArgs) with
+    ``config`` (InfiniGenConfig); None: nothing it refuses. Imports the
+    platform's module only when it has a line in ``REFUSALS``."""
+    path = REFUSALS.get(device_type)
+    if path is None:
+        return None
+    return load(path)(args, config)
+
+
+# What the Ray executor patch (``patch/patch_ray.py``) runs on the CPU platform:
+# the executor class for the CPU workers, and their binding.
+RAY_CPU_EXECUTOR = "vllm_infinigen.platforms.cpu.ray_executor.cpu_executor_class"
+RAY_CPU_BINDING = "vllm_infinigen.platforms.cpu.ray_executor.bind_cpu_workers"
+
+
+def load(path: str):
+    """The object at dotted ``path`` of a platform's module (imported then)."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)

@@ -20,6 +20,7 @@ can validate names and traits cheaply.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 
 
@@ -32,6 +33,9 @@ class PolicyTraits:
     supports_capped_pool: bool = False
     # Why --infinigen-eval-dense-prefix cannot measure it (None: it can).
     eval_mode_refusal: str | None = None
+    # Tokens per page of its per-slot state (pages of slot ids): the block
+    # size must be a multiple, so that no page spans two blocks.
+    page_tokens: int = 1
 
 
 _REGISTRY = {
@@ -43,10 +47,23 @@ _REGISTRY = {
         "which a single prefill cannot reproduce; measure H2O by teacher-forced decoding "
         "(benchmarks/accuracy/teacher_forcing.py)"),
     "streaming": PolicyTraits("vllm_infinigen.policies.streaming:StreamingPolicy"),
-    "quest": PolicyTraits("vllm_infinigen.policies.quest:QuestPolicy"),
+    "quest": PolicyTraits("vllm_infinigen.policies.quest:QuestPolicy", page_tokens=16),
 }
 POLICY_NAMES = tuple(_REGISTRY)
 POLICY_TRAITS = _REGISTRY
+
+
+def check_block_size(block_size: int) -> None:
+    """A running engine may switch to any policy, so the block size of the
+    dense group must suit the pages of every one (``PolicyTraits.page_tokens``).
+
+    Raises:
+        ValueError: Naming the multiple and ``--block-size``.
+    """
+    multiple = math.lcm(*(traits.page_tokens for traits in _REGISTRY.values()))
+    if block_size % multiple:
+        raise ValueError(f"InfiniGen needs a block size that is a multiple of "
+                         f"{multiple}; got --block-size {block_size}")
 
 
 def policy_class(name: str) -> type:

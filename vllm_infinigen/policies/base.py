@@ -113,21 +113,8 @@ def as_positions(selection: Selection) -> torch.Tensor:
     return positions.gather(-1, order.argsort(dim=-1)).to(torch.int32).contiguous()
 
 
-@dataclass(frozen=True)
-class SparseRows:
-    """The step's rows that attend over a selection, as a policy reads them."""
-
-    slots: torch.Tensor | None  # [S, N] slot id of every context position (N: the longest)
-    context_lens: torch.Tensor  # [S] int64
-    context_host: list[int]
-    token_caps: torch.Tensor  # [S] int64 the budget in tokens (``step_plan.token_budget``)
-    caps_host: list[int]
-
-
-def sparse_rows_of(plan: StepPlan, with_slots: bool = True) -> SparseRows:
-    """The step's sparse rows; their slot ids (None unless ``with_slots``) address
-    a policy's per-slot state."""
-    rows = plan.sparse_rows
-    slots = plan.context_slots[plan.sparse] if with_slots else None
-    return SparseRows(slots, rows.context_lens, rows.context_host, rows.token_caps,
-                      rows.caps_host)
+def sparse_slots(plan: StepPlan) -> torch.Tensor:
+    """[S, N] slot id of every context position of the step's sparse rows
+    (``plan.sparse_rows``, N the longest): what addresses a policy's per-slot
+    state."""
+    return plan.context_slots[plan.sparse]

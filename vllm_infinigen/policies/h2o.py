@@ -23,7 +23,7 @@ from vllm_infinigen.policies.base import (
     SelectionPolicy,
     as_positions,
     from_position_mask,
-    sparse_rows_of,
+    sparse_slots,
 )
 from vllm_infinigen.worker.block_layout import block_coordinates, entries_of
 from vllm_infinigen.worker.step_plan import widest
@@ -91,8 +91,8 @@ class H2OPolicy(SelectionPolicy):
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
         scores = self._scores[layer.layer_idx]
-        rows = sparse_rows_of(plan)
-        slots, context_lens = rows.slots, rows.context_lens  # slots: [S, N]
+        rows = plan.sparse_rows
+        slots, context_lens = sparse_slots(plan), rows.context_lens  # slots: [S, N]
         selection = h2o_select(
             scores.accumulated[slots].permute(0, 2, 1), scores.alive[slots].permute(0, 2, 1),
             context_lens, rows.token_caps, widest(rows.context_host, rows.caps_host))
@@ -112,7 +112,7 @@ class H2OPolicy(SelectionPolicy):
                   probs: torch.Tensor) -> None:
         positions = positions.to(torch.int64)
         valid = positions >= 0
-        slots = torch.gather(plan.context_slots[plan.sparse], 1,
+        slots = torch.gather(sparse_slots(plan), 1,
                              positions.clamp(min=0).flatten(1)).view_as(positions)
         heads = torch.arange(layer.num_kv_heads, device=positions.device)[None, :, None].expand_as(
             positions)

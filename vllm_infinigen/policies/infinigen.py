@@ -12,9 +12,9 @@ selects with its own query, in its own attention (no prefetch; where host and
 device memory are one, as on the CPU build, nothing is lost by waiting).
 Either way a compiled kernel scores (``select_tokens_int`` or ``select_tokens``:
 alpha count capped by the budget, per-head top-k, sink/recent window), or,
-where the data path moves whole blocks (``LayerState.block_granular``: the
-CUDA platform's device block cache), the same rule in blocks, in torch on the
-layer's device (``platforms/cuda/block_selection.py``). No per-slot state
+where the data path keeps its own granularity (``LayerState.selector``: the
+CUDA platform's device block cache), the data path's own form of the rule
+(CUDA: whole blocks, in kernels on the device). No per-slot state
 besides the speculation keys, which every sparse layer keeps
 (``worker/layer_state.py``).
 """
@@ -56,7 +56,9 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
         query = target.q_norm(query.reshape(-1, num_heads, head_size)).reshape(
             -1, num_heads * head_size)
     if target.rotary_emb is not None:
-        query = rotate(target.rotary_emb, positions, query.contiguous())
+        # In place on CUDA (vLLM's kernel takes the row stride of a qkv slice).
+        query = rotate(target.rotary_emb, positions,
+                       query if query.is_cuda else query.contiguous())
     return skewed(target, query)
 
 
@@ -83,12 +85,13 @@ def rotate(rope: torch.nn.Module, positions: torch.Tensor,
 
 def skewed(layer: LayerState, query: torch.Tensor) -> torch.Tensor:
     """[S, H_kv, G, R] query the speculation scores, from queries [S, H_q, D]: the
-    partial query (skewed, R channels), or every channel for the int keys."""
+    partial query (skewed, R channels, float32), or every channel for the int
+    keys (a view in the query's dtype: the selection converts what it reads)."""
     group = layer.num_heads // layer.num_kv_heads
-    query = query.float().reshape(-1, layer.num_kv_heads, group, layer.head_size)
+    query = query.reshape(-1, layer.num_kv_heads, group, layer.head_size)
     if layer.int_keys:
-        return query.contiguous()
-    return torch.einsum("bhgd,hdr->bhgr", query, layer.skew).contiguous()
+        return query
+    return torch.einsum("bhgd,hdr->bhgr", query.float(), layer.skew).contiguous()
 
 
 class InfiniGenPolicy(SelectionPolicy):
@@ -117,39 +120,22 @@ class InfiniGenPolicy(SelectionPolicy):
 
 
 def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
-            settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
-    """The selection of ``layer``'s sparse rows for a query [S, H_kv, G, R] (``skewed``)."""
+            settings: InfiniGenConfig, row_map: torch.Tensor | None) -> object:
+    """The selection of ``layer``'s sparse rows for a query [S, H_kv, G, R] (``skewed``):
+    the data path's own where it keeps its own granularity (``LayerState.selector``),
+    the compiled kernels' positions otherwise."""
     rows = plan.sparse_rows
-    if layer.block_granular:
-        return _select_blocks(layer, plan, query, settings)
+    if layer.selector is not None:
+        return layer.selector(rows, query)
     window = {"scale": layer.scale, "alpha": settings.alpha,
               "sink_tokens": settings.sink_tokens, "recent_tokens": settings.recent_tokens,
               "row_map": row_map}
     if layer.int_keys:
         selection, _ = kernels.select_tokens_int(
-            query, layer.key_codes, layer.key_scales, layer.kv_pool, rows.block_table,
+            query.float().contiguous(), layer.key_codes, layer.key_scales, layer.kv_pool, rows.block_table,
             rows.context_lens, rows.token_caps, **window)
     else:
         selection, _ = kernels.select_tokens(
             query, layer.partial_keys, rows.block_table, rows.context_lens, rows.token_caps,
             **window)
     return selection
-
-
-def _select_blocks(layer: LayerState, plan: StepPlan, query: torch.Tensor,
-                   settings: InfiniGenConfig) -> torch.Tensor:
-    """``_select`` in whole blocks: the context positions of the kept blocks."""
-    from vllm_infinigen.platforms.cuda import block_selection
-
-    rows = plan.sparse_rows
-    keys = ({"codes": layer.key_codes, "scales": layer.key_scales} if layer.int_keys
-            else {"partial_keys": layer.partial_keys})
-    device = layer.key_codes.device if layer.int_keys else layer.partial_keys.device
-    scores = block_selection.speculated_token_scores(
-        query.to(device), rows.block_table, rows.context_lens, rows.context_host,
-        block_size=layer.block_size, scale=layer.scale, **keys)
-    positions, _ = block_selection.select_positions(
-        scores, rows.context_lens, rows.token_caps, rows.context_host, rows.caps_host,
-        block_size=layer.block_size, alpha=settings.alpha, sink_tokens=settings.sink_tokens,
-        recent_tokens=settings.recent_tokens)
-    return positions

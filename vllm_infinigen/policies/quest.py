@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_infinigen.policies import POLICY_TRAITS
 from vllm_infinigen.policies.base import (
     Selection,
     SelectionPolicy,
     as_positions,
     from_position_mask,
-    sparse_rows_of,
+    sparse_slots,
 )
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from vllm_infinigen.worker.layer_state import LayerState
     from vllm_infinigen.worker.step_plan import StepPlan
 
-QUEST_PAGE_SIZE = 16
+QUEST_PAGE_SIZE = POLICY_TRAITS["quest"].page_tokens  # 16, declared in the registry
 
 
 def quest_select(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
@@ -123,8 +124,8 @@ class QuestPolicy(SelectionPolicy):
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
         bounds = self._pages[layer.layer_idx]
-        rows = sparse_rows_of(plan)
-        slots = rows.slots  # [S, N]
+        rows = plan.sparse_rows
+        slots = sparse_slots(plan)  # [S, N]
         starts = torch.arange(0, slots.shape[1], QUEST_PAGE_SIZE, device=slots.device)
         page_ids = slots[:, starts] // QUEST_PAGE_SIZE  # [S, P]
         page_min, page_max = bounds.low[page_ids], bounds.high[page_ids]

@@ -16,7 +16,6 @@ from vllm_infinigen.policies.base import (
     SelectionPolicy,
     as_positions,
     from_position_mask,
-    sparse_rows_of,
 )
 from vllm_infinigen.worker.step_plan import widest
 
@@ -46,7 +45,7 @@ class StreamingPolicy(SelectionPolicy):
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
-        rows = sparse_rows_of(plan, with_slots=False)
+        rows = plan.sparse_rows
         selection = streaming_select(
             rows.context_lens, rows.token_caps, layer.num_kv_heads,
             max(plan.context_host, default=1), widest(rows.context_host, rows.caps_host))

@@ -38,12 +38,12 @@ CALIBRATION_TEXT = Path(__file__).parent.parent / "assets" / "calibration.txt"
 # Logged whenever an engine uses a skew computed from CALIBRATION_TEXT; the
 # numbers are from benchmarks/results/attribution.md (budget 0.1, defaults).
 BUNDLED_CALIBRATION_NOTE = (
-    "InfiniGen: the skewing comes from the bundled calibration text (chapters of an "
-    "English novel); `vllm-infinigen prepare MODEL --calibration-text FILE_OR_DIR ... "
-    "--out SKEW` on text of your own domain, then --infinigen-skew-file SKEW, usually "
-    "selects better (measured at budget 0.1: answer accuracy 0.61 -> 0.745 on a "
-    "retrieval model whose tokenizer reads no English; perplexity within 1% on a model "
-    "trained on books)"
+    "InfiniGen: the skewing of the partial keys comes from the bundled calibration text "
+    "(chapters of an English novel); for text of your own domain run `vllm-infinigen "
+    "prepare MODEL --calibration-text FILE_OR_DIR ... --out SKEW`, then "
+    "--infinigen-skew-file SKEW (measured: three calibration texts within 0.3% of each "
+    "other in perplexity on a model trained on books, docs/measured.md; text the "
+    "model's tokenizer cannot read is refused)"
 )
 
 

@@ -12,6 +12,7 @@ import torch
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionCGSupport
 
 from vllm_infinigen.worker.layer_state import LayerSource, LayerState
 from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
@@ -50,6 +51,8 @@ class InfiniGenImplMixin:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         runtime = self.infinigen_runtime
         context = get_forward_context()
+        if not takes_part(runtime, context.attn_metadata):  # its slots: all PAD_SLOT_ID
+            return
         slots = context.slot_mapping[runtime.reference_layer]
         runtime.begin_step(context.attn_metadata[runtime.reference_layer], slots)
         num_tokens = slots.shape[0]
@@ -57,10 +60,12 @@ class InfiniGenImplMixin:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if attn_metadata is None:
+        runtime, state = self.infinigen_runtime, self.infinigen_layer
+        if not takes_part(runtime, attn_metadata):
+            if state.sparse and attn_metadata is not None:
+                return output  # its metadata is the marker: no stock kernel to run
             return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                    output, output_scale, output_block_scale)
-        runtime, state = self.infinigen_runtime, self.infinigen_layer
         context = get_forward_context()
         dense_metadata = context.attn_metadata[runtime.reference_layer]
         plan = runtime.plan_for(dense_metadata, runtime.block_size)
@@ -78,6 +83,17 @@ class InfiniGenImplMixin:
                                    output, output_scale, output_block_scale)
         runtime.attend(state, plan, query, output)
         return output
+
+
+def takes_part(runtime: InfiniGenRuntime, attn_metadata) -> bool:
+    """Whether a forward is a step InfiniGen takes part in. Not: a dummy run
+    without attention metadata (vLLM's profile run, its piecewise CUDA-graph
+    captures and its sampler warm-up, the last two with every slot
+    PAD_SLOT_ID), nor a run before the pool exists (with CUDA graphs, vLLM's
+    ``profile_cudagraph_memory`` warms up and captures on a minimal KV cache
+    inside ``determine_available_memory``, before the worker allocates the
+    pool in ``initialize_from_config``; ``runtime.block_size`` is 0 until then)."""
+    return attn_metadata is not None and runtime.block_size > 0
 
 
 def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor | None],
@@ -170,21 +186,45 @@ def sparse_backend(backend: type) -> type:
     the sparse layers' groups (one per ``group_size`` layers,
     ``layout.kv_cache_group_size``) would each pay a stock build (on the
     CPU: scheduler metadata for the attention kernel) that nothing reads.
-    Their builder returns ``SPARSE_METADATA`` once per step and the other
-    groups reuse it (``supports_update_block_table``). Cached per backend, so
-    that every sparse layer shares one class (vLLM groups layers by it).
+    Their builder returns ``SPARSE_METADATA`` once per step, for a CUDA graph
+    capture too, and the other groups reuse it (``supports_update_block_table``).
+    Cached per backend, so that every sparse layer shares one class (vLLM
+    groups layers by it).
+
+    CUDA graphs: the builder declares what InfiniGen's step supports, not
+    what the stock kernels would (the sparse layers never run them): full
+    graphs for uniform single-token decode batches, whose step runs on the
+    device alone, and piecewise graphs otherwise (a step with prompt rows
+    plans on the host, in the attention op, which piecewise graphs leave
+    eager). vLLM's runner takes the least support over the KV-cache groups
+    (``gpu_model_runner._check_and_update_cudagraph_mode``), so its default
+    FULL_AND_PIECEWISE stays, and FULL resolves to FULL_AND_PIECEWISE
+    (``CompilationConfig.resolve_cudagraph_mode_and_sizes``). The CPU build
+    captures no graphs.
     """
     stock = backend.get_builder_cls()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return SPARSE_METADATA
 
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        return SPARSE_METADATA  # stock ones may edit the metadata they built
+
     def update_block_table(self, metadata, block_table, slot_mapping):
         return metadata
 
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        return cls._cudagraph_support
+
+    def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec):
+        return None  # no full graph of variable-length decode batches
+
     builder = type(f"InfiniGenSparse{stock.__name__}", (stock,), {
-        "build": build, "supports_update_block_table": True,
-        "update_block_table": update_block_table})
+        "build": build, "build_for_cudagraph_capture": build_for_cudagraph_capture,
+        "supports_update_block_table": True, "update_block_table": update_block_table,
+        "_cudagraph_support": AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        "get_cudagraph_support": classmethod(get_cudagraph_support),
+        "get_varlen_cudagraph_max_query_len": classmethod(get_varlen_cudagraph_max_query_len)})
     return type(f"InfiniGenSparse{backend.__name__}", (backend,),
                 {"get_builder_cls": staticmethod(lambda: builder)})
 

@@ -10,11 +10,14 @@ worker of that platform (CPU: ``platforms/cpu/worker.py``) and supplies::
                                 {layer_idx: query projection} (or nothing)
     split_memory(available)     vLLM's KV space, the pool's byte budget (None:
                                 a row per slot, or --infinigen-cpu-pool-gib)
-                                and the setting that decided it
+                                and the setting that decided it, from what a
+                                block id costs (``rank_block_costs``)
 
-The mixin loads the skew, builds the runtime on the loaded model, plans the
-pool once vLLM has made its blocks (``memory.plan_pool``), frees a finished
-request's pool rows, and answers ``set_infinigen_selection``.
+The mixin refuses vLLM's Model Runner V2 and applies the run-time patches
+of the model runner (``patch/``: each decides on which platform it applies),
+loads the skew, builds the runtime on the loaded model, plans the pool once
+vLLM has made its blocks (``memory.plan_pool``), frees a finished request's
+pool rows, and answers ``set_infinigen_selection``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import ContextManager
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-from vllm_infinigen.config import EngineSetup, InfiniGenConfig, engine_setup
-from vllm_infinigen.memory import cap_rows, plan_pool
+from vllm_infinigen.config import V1_RUNNER_REFUSAL, EngineSetup, InfiniGenConfig, engine_setup
+from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
+from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.scheduler.spec import dense_group_index
 from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, model_fingerprint
 from vllm_infinigen.worker.attention import install, layer_sources
@@ -44,6 +48,17 @@ def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tens
         return skew[rank * per_rank : (rank + 1) * per_rank]
     # Fewer KV heads than ranks: vLLM replicates each KV head.
     return skew[rank * total // world_size][None]
+
+
+def rank_kv_heads(runtime: InfiniGenRuntime) -> int:
+    """KV heads of this tensor-parallel rank (every sparse layer has as many)."""
+    return runtime.sparse_layers[0].num_kv_heads
+
+
+def rank_block_costs(setup: EngineSetup, block_size: int,
+                     runtime: InfiniGenRuntime) -> BlockCosts:
+    """What one block id of the dense group costs this rank (``memory.block_costs``)."""
+    return block_costs(setup.layout, setup.dtype_bytes, block_size, rank_kv_heads(runtime))
 
 
 def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
@@ -105,6 +120,12 @@ class InfiniGenWorkerMixin:
 
     # -- vLLM's worker interface
 
+    def init_device(self) -> None:
+        if self.use_v2_model_runner:  # the front end keeps V1 (checks.keep_v1_model_runner)
+            raise RuntimeError(V1_RUNNER_REFUSAL)
+        super().init_device()
+        patch_seeded_sampling.apply(self.model_runner)  # the CPU platform's only
+
     def load_model(self, *args, **kwargs) -> None:
         self.infinigen = engine_setup(self.vllm_config)
         self._pool_budget: tuple[int | None, str] = (None, "")
@@ -152,7 +173,7 @@ class InfiniGenWorkerMixin:
         super().initialize_from_config(kv_cache_config, *args, **kwargs)
         runtime, setup = self.infinigen_runtime, self.infinigen
         budget, sized_by = self._pool_budget
-        kv_heads = runtime.sparse_layers[0].num_kv_heads  # of this rank
+        kv_heads = rank_kv_heads(runtime)
         plan = plan_pool(
             num_blocks=kv_cache_config.num_blocks, block_size=self.cache_config.block_size,
             bytes_per_token=setup.layout.pool_bytes_per_token(setup.dtype_bytes, kv_heads),

@@ -2,9 +2,23 @@
 """The custom op through which a layer's attention input reaches InfiniGen.
 
 A forward pre-hook on ``self_attn.qkv_proj`` of a speculating layer calls this
-op, which hands the post-norm hidden states to that layer's InfiniGen state and
-returns a copy that the projection consumes. Being an opaque op with a data
-dependency, it stays in place and in order under torch.compile.
+op, which copies the post-norm hidden states into that layer's capture buffer
+(``LayerState.capture``) and returns a copy that the projection consumes. The
+returned copy is what keeps the op: an opaque op whose result nothing reads
+would be dropped under torch.compile, and an op's output may not alias its
+input. Being consumed by ``qkv_proj``, it also runs before the layer's attention.
+
+CUDA graphs. The op is no splitting op: under piecewise graphs it sits inside
+a captured piece, and in a full decode graph everything does. A replay runs the
+recorded copy kernel and none of this Python, so
+
+- the copy goes into a persistent buffer (``capture_buffers.CaptureBuffers``: allocated before
+  any capture, never moved), which the speculation reads
+  (``LayerState.captured_input``) where the replayed copy wrote;
+- off the CPU the op copies at every call, whatever the step: a condition read
+  on the host would be frozen at capture (vLLM captures piecewise graphs with no
+  attention metadata). On the CPU build, where nothing is captured, a step that
+  does not speculate (``runtime.speculates``) skips the copy.
 """
 
 from __future__ import annotations
@@ -18,16 +32,17 @@ _LIBRARY = Library("vllm_infinigen", "FRAGMENT")
 
 
 def capture_attention_input(hidden_states: torch.Tensor, layer_name: str) -> torch.Tensor:
-    """Stores ``hidden_states`` ([T, hidden]) for the attention layer ``layer_name``."""
+    """Copies ``hidden_states`` ([T, hidden]) into the capture buffer of the
+    attention layer ``layer_name``; returns a copy for ``qkv_proj``."""
     if is_forward_context_available():
         context = get_forward_context()
         impl = getattr(context.no_compile_layers.get(layer_name), "impl", None)
         state = getattr(impl, "infinigen_layer", None)
-        if (state is not None and context.attn_metadata is not None
-                and impl.infinigen_runtime.speculates(context.attn_metadata)):
-            # A private copy: the compiler may reuse the input's buffer
-            # before the attention op of this layer runs.
-            state.capture(hidden_states.clone())
+        if state is not None and (
+                hidden_states.device.type != "cpu"  # may be captured: copy always
+                or (context.attn_metadata is not None
+                    and impl.infinigen_runtime.speculates(context.attn_metadata))):
+            state.capture(hidden_states)
     return hidden_states.clone()
 
 

@@ -5,7 +5,11 @@ The runtime (``runtime.py``) decides what a step does: which rows select,
 which policy selects, when the next layer's selection is made. A platform's
 ``DataPath`` decides where the bytes live and how they move::
 
+    plans_on_device whether decode steps are planned without a host read
+                    (``step_plan.build_device_plan``; CUDA)
     allocate        a sparse layer's host pool and device partial keys
+    configure       the selection settings, after every layer is allocated
+                    and at each change in a running engine
     write           new tokens: the device write (speculation keys, and
                     whatever the platform keeps on the device) and the host
                     write-through of K|V to the pool
@@ -17,6 +21,8 @@ which policy selects, when the next layer's selection is made. A platform's
                     (the pool need not be addressable by the attention kernel)
     release_blocks  a finished or preempted request's block ids (a device
                     cache drops them)
+    add_counts      the attended and context tokens the platform counted on
+                    its device (CUDA), into the runtime's counters
     take_stats      the platform's own counters (CUDA: the block cache's)
 
 The CPU platform's implementation is ``platforms/cpu/data_path.py``; a
@@ -38,8 +44,18 @@ if TYPE_CHECKING:
 class DataPath(Protocol):
     """Where one worker's sparse layers keep their K/V, and how it reaches attention."""
 
+    plans_on_device: bool
+
     def describe(self) -> str:
         """A few words for the start-up log (transfer, kernels)."""
+
+    def configure(self, config) -> None:
+        """Takes the selection settings (``InfiniGenConfig``): once every sparse
+        layer is allocated, and at each change of a running engine.
+
+        Raises:
+            ValueError: On a change the platform cannot follow, naming the flag.
+        """
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype) -> None:
@@ -57,13 +73,15 @@ class DataPath(Protocol):
                 in this step, and need no call.
         """
 
-    def start_fetch(self, layer: LayerState, rows: RowSet, positions: torch.Tensor,
+    def start_fetch(self, layer: LayerState, rows: RowSet, positions: object,
                     row_map: torch.Tensor | None) -> None:
-        """Starts moving ``positions`` [S, H_kv, W] of ``layer`` towards its attention."""
+        """Starts moving a selection of ``layer`` towards its attention: positions
+        [S, H_kv, W] int32 (-1 padded), or what the layer's ``selector`` made."""
 
     def attend_selected(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
                         positions: torch.Tensor, row_map: torch.Tensor | None,
-                        probs: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+                        probs: torch.Tensor | None,
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """Attention of ``rows`` over their selection and their own entry.
 
         Args:
@@ -71,6 +89,8 @@ class DataPath(Protocol):
             positions: [S, H_kv, W] int32 selected positions, -1 padded.
             probs: [S, H_kv, W] float32 to fill with the attention each
                 selected entry received (None: not wanted).
+            out: [S, H_q, D] to write the output into (rows of a step planned
+                on the device), or None.
 
         Returns:
             ([S, H_q, D] output, seconds waited for the fetch).
@@ -87,6 +107,10 @@ class DataPath(Protocol):
     def release_blocks(self, block_ids: list[int]) -> None:
         """A finished or preempted request's dense block ids, before vLLM reuses
         them: whatever the platform keeps by block id lets go of them."""
+
+    def add_counts(self, stats: torch.Tensor) -> None:
+        """Adds what the platform counted on its device to ``stats`` [layers, 2]
+        (entries attended besides the rows' own, context tokens), per layer."""
 
     def take_stats(self) -> dict[str, int]:
         """The platform's counters since the last call, keyed ``"<counter>.<layer_idx>"``."""

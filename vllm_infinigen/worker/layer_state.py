@@ -20,9 +20,21 @@ Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from vllm_infinigen.layout import KEY_GROUP, int_key_bits
+from vllm_infinigen.worker.capture_buffers import CaptureBuffers, graph_tokens
+
+if TYPE_CHECKING:
+    from vllm_infinigen.worker.step_plan import RowSet
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,10 @@ class LayerState:
         self.next = next
         # Entries attended besides the rows' own (over KV heads), context tokens.
         self.stats = torch.zeros(2, dtype=torch.float64) if stats is None else stats
-        self.captured_input: torch.Tensor | None = None  # [T, hidden], this step
+        # Where the qkv_proj pre-hook's op copies this layer's attention input
+        # (``worker/capture.py``): persistent, shared along the speculation chain.
+        self.capture_buffers: CaptureBuffers | None = None
+        self._captured_rows: int | None = None  # by the op's Python, this step
         # [S, H_kv, W] int32 positions selected for this layer's sparse rows (-1: none).
         self.selection: torch.Tensor | None = None
         # Set by the data path's ``allocate``.
@@ -92,13 +107,50 @@ class LayerState:
         self.partial_keys: torch.Tensor | None = None  # partial keys
         self.key_codes: torch.Tensor | None = None  # int keys
         self.key_scales: torch.Tensor | None = None
-        # The data path attends whole blocks (CUDA's device block cache): the
-        # policy keeps whole blocks too, by block score (``policies/infinigen.py``).
-        self.block_granular = False
+        # The data path's own selection (rows, query) -> selection, where it
+        # keeps its own granularity (CUDA: whole blocks on the device); None:
+        # the policy's kernels select tokens (``policies/infinigen.py``).
+        self.selector: Callable[[RowSet, torch.Tensor], object] | None = None
 
     def capture(self, hidden: torch.Tensor | None) -> None:
-        """Keeps this step's attention input [T, hidden] (None: drops it)."""
-        self.captured_input = hidden
+        """Copies this step's attention input [T, hidden] into the layer's
+        capture buffer (None: forgets it, so that an eager step reads None)."""
+        if hidden is None:
+            self._captured_rows = None
+            return
+        if self.capture_buffers is None:
+            self.capture_buffers = CaptureBuffers()
+        if self.next is not None and self.next.capture_buffers is None:
+            self.next.capture_buffers = self.capture_buffers  # one pair per chain
+        buffer = self.capture_buffers.buffer_for(self.capture_slot, hidden)
+        buffer[: hidden.shape[0]].copy_(hidden)
+        self._captured_rows = hidden.shape[0]
+
+    @property
+    def capture_slot(self) -> int:
+        """This layer's buffer of the chain's two: consecutive speculating
+        layers alternate (the sparse layers' ``pool_layer`` runs along the chain)."""
+        return 0 if self.next is None else self.next.pool_layer % 2
+
+    @property
+    def capture_buffer(self) -> torch.Tensor | None:
+        """The persistent [rows, hidden] buffer the op copies into (None: none yet)."""
+        buffers = self.capture_buffers
+        return None if buffers is None else buffers.tensors[self.capture_slot]
+
+    @property
+    def captured_input(self) -> torch.Tensor | None:
+        """This step's attention input [T, hidden]: the first T rows of the
+        capture buffer, T the forward's tokens under CUDA graphs (a replayed
+        copy runs without the op's Python), else the rows the op copied; None
+        when nothing was captured in an eager step."""
+        rows = graph_tokens()
+        if rows is None:
+            rows = self._captured_rows
+        buffer = self.capture_buffer
+        if rows is None or buffer is None:
+            return None
+        return buffer[:rows]
 
     def offer_selection(self, positions: torch.Tensor) -> None:
         """The selection this layer attends over in this step."""
@@ -117,6 +169,25 @@ class LayerState:
                 "the layer before it did not speculate for it"
             )
         return positions
+
+    def allocate_speculation_keys(
+            self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+            partial: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+            = _zeros) -> None:
+        """Allocates this layer's speculation keys (the module docstring's
+        shapes) on ``device``: the int keys' codes and scales, zeroed, or the
+        partial keys of ``dtype`` made by ``partial(shape, dtype, device)``
+        (a platform's: CUDA adds a scratch block)."""
+        heads, head_size = self.num_kv_heads, self.head_size
+        if self.int_keys:
+            bits, groups = int_key_bits(dtype.itemsize), block_size // KEY_GROUP
+            self.key_codes = torch.zeros((num_blocks, heads, groups, head_size, 2 * bits),
+                                         dtype=torch.uint8, device=device)
+            self.key_scales = torch.zeros((num_blocks, heads, groups, head_size),
+                                          dtype=torch.float16, device=device)
+        else:
+            self.partial_keys = partial((num_blocks, heads, self.rank, block_size), dtype,
+                                        device)
 
     @property
     def int_keys(self) -> bool:

@@ -28,14 +28,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
-from vllm.logger import init_logger
+from vllm_infinigen.logs import init_logger
 
 from vllm_infinigen.config import InfiniGenConfig, runtime_settings
 from vllm_infinigen.layout import ModelLayout, closes_key_group
 from vllm_infinigen.memory import PoolPlan
-from vllm_infinigen.policies import policy_class
+from vllm_infinigen.policies import check_block_size, policy_class
 from vllm_infinigen.policies.base import SelectionPolicy
-from vllm_infinigen.policies.quest import QUEST_PAGE_SIZE
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.layer_state import LayerSource, LayerState
 from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex, make_pool_index
@@ -150,14 +149,13 @@ class InfiniGenRuntime:
         """
         sparse = self.sparse_layers
         block_size = plan.block_size
-        if block_size % QUEST_PAGE_SIZE:
-            raise ValueError(f"InfiniGen needs a block size that is a multiple of "
-                             f"{QUEST_PAGE_SIZE}; got --block-size {block_size}")
+        check_block_size(block_size)  # the policies' pages
         kv_heads = sparse[0].num_kv_heads  # of this rank
         self.block_size = block_size
         self.pool_entry_bytes = self.layout.kv_bytes_per_token_layer(dtype.itemsize, 1)
         for state in sparse:
             self.data_path.allocate(state, plan, num_blocks, dtype)
+        self.data_path.configure(self.config)
         self.pool_index = make_pool_index(
             len(sparse), kv_heads, plan.num_slots, plan.num_rows,
             self.config.eviction, self.device, block_size=block_size,
@@ -205,7 +203,9 @@ class InfiniGenRuntime:
             raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
         if alpha is not None:
             changes["alpha"] = float(alpha)
-        self.config = dataclasses.replace(self.config, **changes)
+        config = dataclasses.replace(self.config, **changes)
+        self.data_path.configure(config)
+        self.config = config
         self.pool_index.set_eviction(self.config.eviction)
         self.policy = self._policy(self.config.policy)
         self._plan_source = None
@@ -213,6 +213,7 @@ class InfiniGenRuntime:
     def take_counters(self) -> dict[str, float]:
         """Drains the counters (one host copy per step, not per layer)."""
         out: dict[str, float] = {}
+        self.data_path.add_counts(self.stats)
         values = self.stats.tolist()
         self.stats.zero_()
         for state, (entries, context) in zip(self.layers, values):
@@ -248,7 +249,7 @@ class InfiniGenRuntime:
         """
         self.begin_step(dense_metadata, slot_mapping)
         plan = self.plan_for(dense_metadata, block_size)
-        ahead = bool(plan.sparse.numel()) and self.policy.selects_ahead(self.config)
+        ahead = plan.selects and self.policy.selects_ahead(self.config)
         deferred = ahead and self._deferred(plan)
         if state.next is not None and ahead and not deferred:
             self.speculate(state, plan)
@@ -259,7 +260,7 @@ class InfiniGenRuntime:
     def attend(self, state: LayerState, plan: StepPlan, query: torch.Tensor,
                output: torch.Tensor) -> None:
         """A sparse layer's attention; query, output: [T, H_q, D], output in place."""
-        if (self.policy.selects_ahead(self.config) and plan.sparse.numel()
+        if (self.policy.selects_ahead(self.config) and plan.selects
                 and self._deferred(plan)):
             previous = self._speculator[state.layer_idx]
             self.speculate(previous, plan)
@@ -289,10 +290,12 @@ class InfiniGenRuntime:
         """New K/V [T, H_kv, D] of a sparse layer into the pool; slot_mapping [T]."""
         slots = slot_mapping.to(torch.int64)
         # Checked once per step: every layer writes the same slot tensor. On a
-        # device the check would cost a host sync per step: there the data
-        # path's encoding kernel finds the closed groups itself.
+        # device (or a data path planning there) the check would cost a host
+        # sync per step: there the data path's encoding kernel finds the closed
+        # groups itself.
         if self._closing is None or self._closing[0] is not slot_mapping:
-            self._closing = (slot_mapping, slots.device.type != "cpu" or closes_key_group(slots))
+            on_host = slots.device.type == "cpu" and not self.data_path.plans_on_device
+            self._closing = (slot_mapping, not on_host or closes_key_group(slots))
         self.data_path.write(state, key, value, slots, self.row_map(state),
                              closes_group=self._closing[1])
         for policy in self._policies.values():
@@ -301,7 +304,8 @@ class InfiniGenRuntime:
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
         """The step's rows, from the dense group's metadata (cached per step)."""
         if self._plan_source is not attn_metadata:
-            self._plan = build_plan(attn_metadata, self.config, block_size, self.prompt_lens_of)
+            self._plan = build_plan(attn_metadata, self.config, block_size, self.prompt_lens_of,
+                                    on_device=self.data_path.plans_on_device)
             self._plan_source = attn_metadata
         return self._plan
 
@@ -344,10 +348,13 @@ class InfiniGenRuntime:
         positions = state.take_selection()
         probs = (torch.empty(positions.shape, dtype=torch.float32, device=positions.device)
                  if policy.records_attention else None)
+        # Rows planned on the device are the step's first rows: attended in place.
+        target = output[rows.tokens] if isinstance(rows.tokens, slice) else None
         out, waited = self.data_path.attend_selected(state, rows, query[rows.tokens], positions,
-                                                     row_map, probs)
+                                                     row_map, probs, out=target)
         self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
-        output[rows.tokens] = out
+        if out is not target:
+            output[rows.tokens] = out
         if probs is not None:
             policy.on_attend(state, plan, positions, probs)
 

@@ -10,6 +10,12 @@ its length after the step (``seq_lens``). InfiniGen sorts the rows into:
                     densely when its context is shorter than ``min_context``
     prompt rows     every row of a request still in its prompt: causal
                     attention over the pool, as vLLM would
+
+A data path that plans on the device (``DataPath.plans_on_device``: CUDA)
+gets a step whose rows all decode one token (vLLM's uniform decode batch,
+what a full CUDA graph captures) planned without a host read
+(``build_device_plan``): every row selects, its bounds static, its context
+only on the device (a padding row of a captured batch has context -1).
 """
 
 from __future__ import annotations
@@ -49,18 +55,23 @@ def widest(context_host: list[int], caps_host: list[int], num_window: int = 0) -
 
 @dataclass(frozen=True)
 class RowSet:
-    """Some of a step's selecting rows, gathered once per step for every layer."""
+    """Some of a step's selecting rows, gathered once per step for every layer.
 
-    tokens: torch.Tensor  # [n] rows in the step's query tensor
+    In a step planned on the device, ``tokens`` is a slice (the first n rows
+    of the step's tensors) and the host copies and budget are None: the
+    platform's selection computes the budget on the device.
+    """
+
+    tokens: torch.Tensor | slice  # [n] rows in the step's query tensor
     context_lens: torch.Tensor  # [n] int64
     block_table: torch.Tensor  # [n, max_blocks] int32, contiguous
-    token_caps: torch.Tensor  # [n] int64 the budget in tokens (``token_budget``)
-    caps_host: list[int]  # host copy of token_caps
-    context_host: list[int]  # host copy of context_lens
+    token_caps: torch.Tensor | None  # [n] int64 the budget in tokens (``token_budget``)
+    caps_host: list[int] | None  # host copy of token_caps
+    context_host: list[int] | None  # host copy of context_lens
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return self.context_lens.shape[0]
 
 
 @dataclass
@@ -81,6 +92,7 @@ class StepPlan:
     seq_lens: torch.Tensor  # [num_reqs] int64
     all_block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     block_size: int
+    on_device: bool = False  # ``build_device_plan``: every row selects, nothing on the host
 
     @property
     def has_other_rows(self) -> bool:
@@ -95,16 +107,26 @@ class StepPlan:
     def short_decode_only(self) -> bool:
         """Every row of the step is a decode row below ``min_context``: none
         selects, no prompt rows (nothing speculates or captures)."""
-        return not self.sparse.numel() and not self.has_other_rows
+        return not self.selects and not self.has_other_rows
+
+    @property
+    def selects(self) -> bool:
+        """Some row attends over a selection (known on the host)."""
+        return self.on_device or bool(self.sparse.numel())
 
     @functools.cached_property
     def sparse_rows(self) -> RowSet:
         """The rows that attend over a selection."""
+        if self.on_device:
+            return RowSet(self.tokens, self.context_lens, self.block_table, None, None, None)
         return self._subset(self.sparse)
 
     @functools.cached_property
     def dense_rows(self) -> RowSet:
         """The rows that attend densely (context shorter than ``min_context``)."""
+        if self.on_device:  # the platform's selection keeps every block of such a row
+            return RowSet(slice(0, 0), self.context_lens[:0], self.block_table[:0], None, None,
+                          None)
         return self._subset(self.dense)
 
     def _subset(self, index: torch.Tensor) -> RowSet:
@@ -126,15 +148,44 @@ class StepPlan:
         return block_ids * self.block_size + offsets
 
 
+def build_device_plan(attn_metadata, block_size: int) -> StepPlan:
+    """A uniform decode step planned without a host read (``plans_on_device``).
+
+    Every row of the metadata decodes one token and selects (``min_context``
+    is the platform's: its selection keeps every block of a shorter row);
+    shapes come from the metadata's tensors alone, so a captured graph's
+    padded batch plans alike (its padding rows: context -1).
+    """
+    seq_lens = attn_metadata.seq_lens
+    num_rows = seq_lens.shape[0]
+    every = slice(0, num_rows)
+    context_lens = seq_lens.to(torch.int64) - 1
+    none = torch.empty(0, dtype=torch.int64, device=seq_lens.device)
+    block_table = attn_metadata.block_table[:num_rows]
+    return StepPlan(rows=torch.arange(num_rows, device=seq_lens.device), tokens=every,
+                    context_lens=context_lens, context_host=None, token_caps=None,
+                    caps_host=None, block_table=block_table, sparse=none, dense=none,
+                    prompt_requests=none, query_start=attn_metadata.query_start_loc,
+                    seq_lens=seq_lens, all_block_table=block_table, block_size=block_size,
+                    on_device=True)
+
+
 def build_plan(attn_metadata, config: InfiniGenConfig, block_size: int,
-               prompt_lens_of: Callable[[int], torch.Tensor] | None) -> StepPlan:
+               prompt_lens_of: Callable[[int], torch.Tensor] | None, *,
+               on_device: bool = False) -> StepPlan:
     """The step's plan from the dense group's metadata.
 
     Args:
         prompt_lens_of: num_reqs -> [num_reqs] prompt length of each request
             in the metadata's order (None: a one-row request with context is
             a decode row).
+        on_device: The data path plans decode steps on the device: a step
+            whose rows all carry one token (``max_query_len`` 1) outside
+            evaluation mode gets ``build_device_plan``.
     """
+    if (on_device and getattr(attn_metadata, "max_query_len", None) == 1
+            and config.eval_dense_prefix is None):
+        return build_device_plan(attn_metadata, block_size)
     query_start = attn_metadata.query_start_loc.cpu().to(torch.int64)
     seq_lens = attn_metadata.seq_lens.cpu().to(torch.int64)
     num_reqs = seq_lens.shape[0]

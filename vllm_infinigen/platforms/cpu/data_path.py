@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from vllm_infinigen import kernels
-from vllm_infinigen.layout import KEY_GROUP, int_key_bits
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.platforms.cpu.transfer import make_transfer
 from vllm_infinigen.worker.block_layout import entries_of
@@ -29,27 +28,24 @@ class CpuDataPath:
         transfer: ``--infinigen-transfer`` (``auto`` is in place).
     """
 
+    plans_on_device = False  # host and device memory are one: the plan reads both
+
     def __init__(self, transfer: str) -> None:
         self.transfer = make_transfer(transfer, CPU)
 
     def describe(self) -> str:
         return f"transfer {self.transfer.name}; CPU kernels for {kernels.load()}"
 
+    def configure(self, config) -> None:
+        """The kernels take the settings at each call: nothing to keep."""
+
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype) -> None:
-        block_size, heads, head_size = plan.block_size, layer.num_kv_heads, layer.head_size
         layer.num_blocks = num_blocks
-        layer.kv_pool = torch.zeros((plan.num_units, heads, block_size, 2 * head_size),
-                                    dtype=dtype, device=CPU)
-        if layer.int_keys:
-            bits, groups = int_key_bits(dtype.itemsize), block_size // KEY_GROUP
-            layer.key_codes = torch.zeros((num_blocks, heads, groups, head_size, 2 * bits),
-                                          dtype=torch.uint8, device=CPU)
-            layer.key_scales = torch.zeros((num_blocks, heads, groups, head_size),
-                                           dtype=torch.float16, device=CPU)
-        else:
-            layer.partial_keys = torch.zeros((num_blocks, heads, layer.rank, block_size),
-                                             dtype=dtype, device=CPU)
+        layer.kv_pool = torch.zeros(
+            (plan.num_units, layer.num_kv_heads, plan.block_size, 2 * layer.head_size),
+            dtype=dtype, device=CPU)
+        layer.allocate_speculation_keys(num_blocks, plan.block_size, dtype, CPU)
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, row_map: torch.Tensor | None,
@@ -71,7 +67,9 @@ class CpuDataPath:
 
     def attend_selected(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
                         positions: torch.Tensor, row_map: torch.Tensor | None,
-                        probs: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+                        probs: torch.Tensor | None,
+                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """(``out`` is never given: this platform plans on the host.)"""
         staged, waited = self.transfer.wait(layer.layer_idx)
         if staged is None:
             out = kernels.attend_decode(
@@ -95,6 +93,9 @@ class CpuDataPath:
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Nothing is kept by block id beside the pool (its index frees the rows)."""
+
+    def add_counts(self, stats: torch.Tensor) -> None:
+        """The kernels count into each layer's row of ``stats`` themselves."""
 
     def take_stats(self) -> dict[str, int]:
         return {}

@@ -28,16 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_infinigen.memory import FREE_MEMORY_SHARE
-
-
-@dataclass(frozen=True)
-class BlockCosts:
-    """Bytes one block id of the dense group costs on this worker."""
-
-    pages: int  # vLLM's pages (every layer of a KV-cache group)
-    partial: int  # partial keys of every sparse layer
-    pool: int  # the pool's K/V rows of every sparse layer
+from vllm_infinigen.memory import FREE_MEMORY_SHARE, BlockCosts
 
 
 @dataclass(frozen=True)

@@ -11,24 +11,16 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.platforms import V1_RUNNER_REFUSAL
-from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
-from vllm_infinigen.platforms.cpu.memory import BlockCosts, split_grant
+from vllm_infinigen.platforms.cpu.memory import split_grant
 from vllm_infinigen.platforms.cpu.query_weights import capture_query_weights
-from vllm_infinigen.worker.base import InfiniGenWorkerMixin
+from vllm_infinigen.worker.base import InfiniGenWorkerMixin, rank_block_costs
 
 logger = init_logger(__name__)
 
 
 class InfiniGenCPUWorker(InfiniGenWorkerMixin, CPUWorker):
     """CPUWorker whose attention layers run InfiniGen's selection."""
-
-    def init_device(self) -> None:
-        if self.use_v2_model_runner:  # the front end keeps V1 (checks.keep_v1_model_runner)
-            raise RuntimeError(V1_RUNNER_REFUSAL)
-        super().init_device()
-        patch_seeded_sampling.apply(self.model_runner)
 
     def infinigen_device(self) -> torch.device:
         return torch.device("cpu")
@@ -44,23 +36,13 @@ class InfiniGenCPUWorker(InfiniGenWorkerMixin, CPUWorker):
     def split_memory(self, available: int) -> tuple[int, int | None, str]:
         """Host and device memory are one: the partial keys and, unless
         ``--infinigen-cpu-pool-gib`` is set, the pool take their share of the
-        grant that sized vLLM's KV space (``memory.split_grant``).
-
-        The partial keys of every sparse layer cover every token of the dense
-        group; per block id vLLM stores one page per layer of a group
-        (``group_size`` pages, see ``layout.kv_cache_group_size``).
+        grant that sized vLLM's KV space (``memory.split_grant``), in
+        proportion to what a block id costs in each (``rank_block_costs``).
         """
         import psutil
 
         setup = self.infinigen
-        layout = setup.layout
-        block_size = self.cache_config.block_size
-        kv_heads = self.infinigen_runtime.sparse_layers[0].num_kv_heads  # of this rank
-        costs = BlockCosts(
-            pages=layout.group_size * block_size * layout.kv_bytes_per_token_layer(
-                setup.dtype_bytes, kv_heads),
-            partial=block_size * layout.partial_bytes_per_token(setup.dtype_bytes, kv_heads),
-            pool=block_size * layout.pool_bytes_per_token(setup.dtype_bytes, kv_heads))
+        costs = rank_block_costs(setup, self.cache_config.block_size, self.infinigen_runtime)
         split = split_grant(
             available, costs, explicit_kv=self.cache_config.kv_cache_memory_bytes is not None,
             explicit_pool=setup.config.cpu_pool_gib is not None,
@@ -71,7 +53,8 @@ class InfiniGenCPUWorker(InfiniGenWorkerMixin, CPUWorker):
         logger.info(
             "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per "
             "block id) + %.3f GiB speculation keys%s",
-            available / 2**30, split.kv_space / 2**30, layout.group_size, split.partial / 2**30,
+            available / 2**30, split.kv_space / 2**30, setup.layout.group_size,
+            split.partial / 2**30,
             "" if split.pool_budget is None else
             f"; up to {split.pool_budget / 2**30:.3f} GiB for the pool ({split.source})",
         )

@@ -1,24 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's CUDA build (``platforms.WORKERS["cuda"]``; eager mode, and never run
-with vLLM on a GPU in this project: docs/design.md, "Where CUDA goes"): the
-worker, the data path, block selection, the device block cache, the gather and
-attention kernels, and the pinned host pool.
+"""vLLM's CUDA build (``platforms.WORKERS["cuda"]``; never run with vLLM on a GPU
+in this project: docs/design.md, "Where CUDA goes"): the worker, its refusals,
+the data path, the device-only selection, the device block cache, the gather
+and attention kernels, and the pinned host pool.
 
 Every module here imports on the CPU build; what needs CUDA refuses with a
 clear error without it, and each kernel has a pure-torch reference that runs
-anywhere (the CPU tests hold the kernels to them)::
+anywhere (the CPU tests hold the kernels to them, the Triton kernels in
+Triton's interpreter)::
 
-    block_selection.py  block scores from the int or the partial keys, the block rule
-    block_cache.py      device block cache bookkeeping (admission, eviction,
-                        release), the per-KV-head block table substitution
+    block_selection.py  InfiniGen's rule in blocks in torch: token and block
+                        scores, the rule (the references, and the accuracy
+                        studies' form)
+    select_ops.py       the rule on the device in three kernels with static
+                        shapes (``DeviceSelection``): dispatch and references
+    triton_select.py    their Triton kernels, and the cache's LRU placement
+    block_cache.py      device block cache bookkeeping: ``place`` (the device
+                        step's, one kernel; reference: place_reference.py),
+                        ``lookup`` (both eviction rules, torch: the reuse study)
     kernels.py          gather of missing blocks, attention over cached
-                        blocks: dispatch (CUDA: Triton) and the references
-    triton_kernels.py   the Triton kernels (imported only when launched)
+                        blocks, the writes: dispatch (CUDA: Triton) and the
+                        references
+    triton_kernels.py   their Triton kernels (imported only when launched)
     host_pool.py        the pinned host pool (cudaHostRegister on huge pages)
     writes.py           the writes of new tokens in torch (speculation keys,
                         write-through, int keys)
+    staged.py           rows of a host-planned step that attend without the
+                        cache (prompt rows, short rows), staged from the pool
     data_path.py        ``CudaDataPath``: the ``DataPath`` over all of the above
     memory.py           the GPU grant split (speculation keys, block cache)
+    refusals.py         what CUDA cannot run, naming the flag
     worker.py           ``InfiniGenCUDAWorker`` (vLLM's GPU ``Worker``)
 
 What ``CudaDataPath`` orders, per sparse layer (events
@@ -27,10 +38,11 @@ between the compute stream and the lower-priority transfer stream):
 1. a step's host write-through of new K/V lands before a later gather can
    read those blocks from the pool;
 2. the layer's gather (issued in the layer before) completes before the
-   layer writes the step's tokens into cached blocks (``write_cached_tokens``,
+   layer writes the step's tokens into cached blocks (``kernels.write_tokens``,
    which keeps a cached partial block current) and before it attends;
 3. the next step's gather into the layer's cache starts after this step's
-   attention of that layer (an event recorded before the gather is issued).
+   attention of that layer (the side stream waits for the compute stream
+   before it is issued).
 
 The cache names blocks by the dense group's block ids and fetches pool unit
 ``block_id * H_kv + head``: the uncapped pool. With ``--infinigen-cpu-pool-gib``

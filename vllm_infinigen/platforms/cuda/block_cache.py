@@ -39,10 +39,16 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_infinigen.platforms.cuda.place_reference import place_reference
+
 EVICTION_RULES = ("lru", "counter")
 # The cache's counters, as ``take_stats`` keys them; ``scheduler/metrics.COUNTERS``
 # documents and exports each (``vllm:infinigen_<name>_total``, labelled by layer).
 CACHE_COUNTERS = ("cache_hits", "cache_misses", "pcie_bytes")
+# What ``DeviceBlockCache.counters`` counts per (layer, KV head): entries attended
+# besides the rows' own and context tokens (head 0), written by ``place``; hits
+# and misses, by ``lookup`` and ``place``.
+COUNTS = ("attended", "context", "hits", "misses")
 _BIG = 1 << 62  # sorts after every block id and unit
 _NEWER_HALF = 1 << 61
 _COUNT_SHIFT = 36
@@ -93,11 +99,13 @@ class DeviceBlockCache:
         self.num_uses = torch.zeros(shape, dtype=torch.int64, device=self.device)
         self.slot_of = torch.full((num_layers, num_blocks * num_kv_heads + 1), -1,
                                   dtype=torch.int32, device=self.device)
-        self.hits = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
-        self.misses = torch.zeros(num_layers, dtype=torch.int64, device=self.device)
-        # The step count lives on the device: no host state changes per lookup, so a
-        # step can be captured in a CUDA graph.
-        self._tick = torch.zeros((), dtype=torch.int64, device=self.device)
+        # Per (layer, KV head): COUNTS since ``take_counters``, and the lookups so
+        # far (the ticks live on the device: no host state changes per lookup,
+        # so a step can be captured in a CUDA graph).
+        self.counters = torch.zeros((num_layers, num_kv_heads, len(COUNTS)), dtype=torch.int64,
+                                    device=self.device)
+        self.ticks = torch.zeros((num_layers, num_kv_heads), dtype=torch.int64,
+                                 device=self.device)
         self._heads = torch.arange(num_kv_heads, device=self.device)[:, None]  # [H, 1]
 
     @property
@@ -110,7 +118,63 @@ class DeviceBlockCache:
         return torch.empty((self.num_units, block_size, 2 * head_size), dtype=dtype,
                            device=self.device)
 
+    def _check_width(self, num_rows: int, width: int) -> int:
+        """S * W, the most blocks a head may need in a step (host-side shapes).
+
+        Raises:
+            ValueError: If it exceeds the slots per head.
+        """
+        per_head = num_rows * width
+        if per_head > self.slots_per_head:
+            raise ValueError(
+                f"a step selects up to {per_head} blocks per KV head ({num_rows} rows x "
+                f"{width}) but the device block cache has {self.slots_per_head} slots per "
+                "head; give the cache more memory or lower --infinigen-budget")
+        return per_head
+
     # -- per layer and step (worker, ``start_fetch``)
+
+    def place(self, layer: int, block_ids: torch.Tensor, seq_lens: torch.Tensor,
+              context_lens: torch.Tensor) -> CacheLookup:
+        """``lookup`` of the device-only step (LRU): one kernel on CUDA, no host read.
+
+        The misses of a head, in entry order, take its victims in slot order
+        (``lookup`` pairs them by block id and key); ``fetch_units`` and
+        ``fetch_slots`` are [H_kv, S * W], each head's first ``num_fetch[h]``
+        valid. Also counts, per head, the entries its rows attend besides their
+        own (``seq_lens`` [S * H_kv]) and, on head 0, the rows' context tokens.
+
+        Args:
+            block_ids: [S, H_kv, W] int64 from ``select_ops.select`` (distinct:
+                no block belongs to two rows, prefix caching being off).
+            context_lens: [S] tokens before each row's own (< 0: padding).
+
+        Raises:
+            ValueError: If S * W exceeds the slots per head, or the cache's
+                rule is not LRU.
+        """
+        if self.eviction != "lru":
+            raise ValueError(f"the device-only step evicts by lru, not {self.eviction!r}")
+        num_rows, num_heads, width = block_ids.shape
+        per_head = self._check_width(num_rows, width)
+        slots = torch.empty_like(block_ids, dtype=torch.int64)
+        units = torch.empty((num_heads, per_head), dtype=torch.int64, device=self.device)
+        destinations = torch.empty_like(units)
+        num_fetch = torch.empty(num_heads, dtype=torch.int64, device=self.device)
+        state = (self.slot_of[layer], self.block_of[layer], self.last_used[layer],
+                 self.ticks[layer])
+        if self.device.type == "cuda":
+            from vllm_infinigen.platforms.cuda import triton_select
+
+            triton_select.lookup_lru(block_ids, slots, *state, torch.empty_like(units), units,
+                                     destinations, num_fetch, self.counters[layer], seq_lens,
+                                     context_lens, capacity=self.slots_per_head)
+        else:
+            place_reference(block_ids, slots, *state, units, destinations, num_fetch,
+                            self.counters[layer], seq_lens, context_lens,
+                            capacity=self.slots_per_head)
+        return CacheLookup(slots, units, destinations, num_fetch)
+
 
     def lookup(self, layer: int, block_ids: torch.Tensor) -> CacheLookup:
         """Places a step's selection of ``layer`` in its cache; counts hits and misses.
@@ -124,14 +188,9 @@ class DeviceBlockCache:
             ValueError: If S * W exceeds the slots per head (sized from shapes).
         """
         num_rows, num_heads, width = block_ids.shape
-        per_head = num_rows * width  # M: the most distinct blocks a head may need
-        if per_head > self.slots_per_head:
-            raise ValueError(
-                f"a step selects up to {per_head} blocks per KV head ({num_rows} rows x "
-                f"{width}) but the device block cache has {self.slots_per_head} slots per "
-                "head; give the cache more memory or lower --infinigen-budget")
-        self._tick += 1
-        tick = self._tick.expand(num_heads, per_head)
+        per_head = self._check_width(num_rows, width)
+        self.ticks[layer] += 1
+        tick = self.ticks[layer][:, None].expand(num_heads, per_head)
         heads, capacity = self._heads, self.slots_per_head
         slot_of, block_of = self.slot_of[layer], self.block_of[layer]
         scratch_entry = slot_of.shape[0] - 1
@@ -165,8 +224,8 @@ class DeviceBlockCache:
         mapped = torch.where(take, new_blocks * num_heads + heads, scratch_entry)
         slot_of.index_put_((mapped.flatten(),), victims.flatten().to(torch.int32))
         slot_of[scratch_entry] = -1
-        self.hits[layer] += hit.sum()
-        self.misses[layer] += num_miss.sum()
+        self.counters[layer, :, COUNTS.index("hits")] += hit.sum(dim=1)
+        self.counters[layer, :, COUNTS.index("misses")] += num_miss
         # Every selected entry's flat slot, in the selection's order.
         valid = block_ids >= 0
         entries = (block_ids.clamp(min=0) * num_heads + heads.view(1, -1, 1)).to(torch.int64)
@@ -207,16 +266,15 @@ class DeviceBlockCache:
     def cached_token_slots(self, layer: int, slot_mapping: torch.Tensor,
                            block_size: int) -> torch.Tensor:
         """[T, H_kv] flat cache slot holding each new token's block per head, -1
-        where not cached, so that the device write keeps cached blocks current.
+        where not cached (``kernels.cached_token_slots``).
 
         Args:
             slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
         """
-        blocks = (slot_mapping.clamp(min=0) // block_size).to(torch.int64)
-        heads = self._heads.view(1, -1)
-        cached = self.slot_of[layer][blocks[:, None] * self.num_kv_heads + heads].to(torch.int64)
-        found = (slot_mapping[:, None] >= 0) & (cached >= 0)
-        return torch.where(found, cached + heads * self.slots_per_head, -1)
+        from vllm_infinigen.platforms.cuda.kernels import cached_token_slots
+
+        return cached_token_slots(self.slot_of[layer], slot_mapping, block_size,
+                                  self.num_kv_heads, self.slots_per_head)
 
     # -- once per step (worker, ``execute_model``)
 
@@ -237,25 +295,11 @@ class DeviceBlockCache:
             table.index_put_(where, torch.tensor(value, device=self.device))
         self.slot_of[:, entries] = -1
 
-    def take_stats(self, layer_indices: list[int], unit_bytes: int) -> dict[str, int]:
-        """``CACHE_COUNTERS`` since the last call, keyed ``"<counter>.<layer_idx>"``
-        (``layer_indices``: the model layer of each sparse layer) as the runtime's
-        ``take_counters``; ``unit_bytes``: one KV head's block, K and V."""
-        hits, misses = self.take_counters()
-        stats: dict[str, int] = {}
-        for layer_idx, hit, miss in zip(layer_indices, hits, misses):
-            if hit or miss:
-                stats[f"cache_hits.{layer_idx}"] = hit
-                stats[f"cache_misses.{layer_idx}"] = miss
-                stats[f"pcie_bytes.{layer_idx}"] = miss * unit_bytes
-        return stats
-
     def take_counters(self) -> tuple[list[int], list[int]]:
         """(hits, misses) per sparse layer since the last call: (block, KV head)
         entries found in the cache and fetched. One host copy per step."""
-        counts = torch.stack([self.hits, self.misses]).tolist()
-        self.hits.zero_()
-        self.misses.zero_()
+        counts = self.counters[:, :, COUNTS.index("hits"):].sum(dim=1).t().tolist()
+        self.counters.zero_()
         return counts[0], counts[1]
 
 

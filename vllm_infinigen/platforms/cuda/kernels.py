@@ -5,12 +5,15 @@
                       slots: one Triton kernel reading the pinned pool through
                       its UVA pointer, on a grid of 32-64 CTAs (with a full grid
                       the gather stalls the compute beside it; confined, it
-                      still reaches 49-50 GB/s on an H100, GPU_DATA_PATH.md)
-    attend_units      decode attention of each (row, KV head) over its blocks,
-                      through a substituted block table (``block_cache``)
+                      still reaches 49-50 GB/s on an H100, GPU_DATA_PATH.md),
+                      one fetch list per KV head, counts on the device
+    attend_units      decode attention of each (row, KV head) over its units
+                      (the cache's slots of its selection), splits merged
+                      into the caller's rows: two launches
     write_own_tokens  each row's new K|V into its own (last) block
-    store_rows        the write-through of new K|V into the pinned pool
-                      (``writes.write_pool``)
+    write_tokens      the write-through of new K|V into the pinned pool
+                      (``writes.write_pool``) and into the cached copies of
+                      their blocks: one launch
     encode_groups     the int keys of the groups new tokens close, from the
                       pool (``writes.write_int_keys``)
 
@@ -79,10 +82,11 @@ def gather_units(pool: torch.Tensor, cache: torch.Tensor, fetch_units: torch.Ten
         pool: [units, H_kv, block_size, 2 * D] one layer's host pool (pinned,
             for the kernel) or any tensor of that shape; unit u is
             ``pool.view(-1, block_size, 2 * D)[u]``, i.e. block u // H_kv, head u % H_kv.
-        cache: [N, block_size, 2 * D] device units (a cache, a staging buffer).
-        fetch_units, fetch_slots: [M] int64 from ``CacheLookup``: the first
-            ``num_fetch`` are copied, pool unit -> cache slot.
-        num_fetch: [1] int64 on the cache's device.
+        cache: [N, block_size, 2 * D] device units (a cache, a staging
+            buffer), the last one scratch.
+        fetch_units, fetch_slots: [L, M] (or [M]) int64 lists (``CacheLookup``):
+            the first ``num_fetch[l]`` of list l are copied, pool unit -> cache slot.
+        num_fetch: [L] int64 on the cache's device.
         num_ctas: Grid size (default ``gather_ctas`` of the device).
     """
     if cache.is_cuda:
@@ -100,37 +104,62 @@ def gather_units(pool: torch.Tensor, cache: torch.Tensor, fetch_units: torch.Ten
 
 def gather_units_reference(pool: torch.Tensor, cache: torch.Tensor, fetch_units: torch.Tensor,
                            fetch_slots: torch.Tensor, num_fetch: torch.Tensor) -> None:
-    """``gather_units`` in torch (reads ``num_fetch``: a host sync on a GPU)."""
-    count = int(num_fetch[0])
-    units = pool.reshape(-1, cache.shape[1], cache.shape[2])
-    source = fetch_units[:count].to(pool.device)
-    cache[fetch_slots[:count].to(cache.device)] = units[source].to(cache.device)
+    """``gather_units`` in torch; entries past a list's count copy unit 0 to the scratch."""
+    lists = num_fetch.shape[0]
+    units = fetch_units.reshape(lists, -1).to(cache.device)
+    live = torch.arange(units.shape[1], device=cache.device)[None, :] < num_fetch[:, None]
+    source = torch.where(live, units, 0).flatten()
+    destination = torch.where(live, fetch_slots.reshape(lists, -1).to(cache.device),
+                              cache.shape[0] - 1).flatten()
+    rows = pool.reshape(-1, cache.shape[1], cache.shape[2])
+    cache[destination] = rows[source.to(pool.device)].to(cache.device)
 
 
 # -- the writes of a step's new tokens
 
 
-def store_rows(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               slot_mapping: torch.Tensor) -> None:
-    """The write-through: new K|V into an uncapped pool, on the current stream.
+def write_tokens(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor, units: torch.Tensor | None = None,
+                 slot_of: torch.Tensor | None = None, slots_per_head: int = 0) -> None:
+    """The write-through of new K|V into an uncapped pool and, given a cache,
+    into the cached copies of their blocks, on the current stream.
 
     On CUDA one Triton kernel stores through the pinned pool's UVA pointer
     (no host sync; a later gather on another stream is ordered after it by
     ``CudaDataPath.fetch_blocks``' wait on this stream); elsewhere
-    ``writes.write_pool``.
+    ``writes.write_pool`` and ``write_cached_tokens``.
 
     Args:
         pool: [num_blocks, H_kv, block_size, 2 * D] (unit = block id).
-        key, value: [T, H_kv, D].
+        key, value: [T, H_kv, D] (unit strides within a token).
         slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+        units: [H_kv * slots_per_head + 1, block_size, 2 * D] a layer's
+            cache (the last unit scratch), or None.
+        slot_of: [num_blocks * H_kv + 1] int32 its slot of each (block, head).
     """
     if not key.is_cuda:
         writes.write_pool(pool, key, value, slot_mapping)
+        if units is not None:
+            cached = cached_token_slots(slot_of, slot_mapping, pool.shape[2], pool.shape[1],
+                                        slots_per_head)
+            write_cached_tokens(units, cached, slot_mapping, key, value)
         return
     from vllm_infinigen.platforms.cuda import triton_kernels
 
-    rows = torch.cat([key, value], dim=-1).to(pool.dtype).contiguous()
-    triton_kernels.store_rows(pool, rows, slot_mapping.to(key.device, torch.int64))
+    triton_kernels.write_tokens(pool, units, slot_of, key, value,
+                                slot_mapping.to(key.device, torch.int64),
+                                capacity=slots_per_head)
+
+
+def cached_token_slots(slot_of: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                       num_kv_heads: int, slots_per_head: int) -> torch.Tensor:
+    """[T, H_kv] flat cache slot holding each new token's block per head, -1
+    where not cached (``slot_of``: a layer's [num_blocks * H_kv + 1])."""
+    blocks = (slot_mapping.clamp(min=0) // block_size).to(torch.int64)
+    heads = torch.arange(num_kv_heads, device=slot_of.device)[None, :]
+    cached = slot_of[blocks[:, None] * num_kv_heads + heads].to(torch.int64)
+    found = (slot_mapping[:, None] >= 0) & (cached >= 0)
+    return torch.where(found, cached + heads * slots_per_head, -1)
 
 
 def encode_groups(codes: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
@@ -161,67 +190,69 @@ def encode_groups(codes: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
 
 
 def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
-                 seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """Decode attention of each sequence over the units of its table.
+                 seq_lens: torch.Tensor, *, num_kv_heads: int, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of each (row, KV head) over the units of its table.
 
-    Sequence i attends over its first ``seq_lens[i]`` tokens, token t lying
-    in unit ``table[i, t // block_size]`` at offset ``t % block_size``.
+    Sequence i = (row i // H_kv, KV head i % H_kv) attends with that head's
+    G query heads over its first ``seq_lens[i]`` tokens, token t lying in
+    unit ``table[i, t // block_size]`` at offset ``t % block_size``; a
+    sequence of length 0 (a padding row) gives 0.
 
     Args:
-        query: [N, G, D] the G query heads of each sequence (N = rows x KV heads).
+        query: [S, H_q, D] (unit strides within a row).
         units: [num_units, block_size, 2 * D] K | V per token.
-        table: [N, W] int32 units of each sequence (``substitute_block_table``).
-        seq_lens: [N] int32 tokens of each sequence, each >= 1.
+        table: [S * H_kv, W] int32 or int64 units of each sequence (entries
+            past its blocks are not read).
+        seq_lens: [S * H_kv] int32 tokens of each sequence.
+        out: [S, H_q, D] to write (unit strides within a row), or None.
 
     Returns:
-        [N, G, D] in the query's dtype.
+        [S, H_q, D] in the query's dtype (``out`` when given).
     """
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if not query.is_cuda:
-        return attend_units_reference(query, units, table, seq_lens, scale=scale)
+        out.copy_(attend_units_reference(query, units, table, seq_lens,
+                                         num_kv_heads=num_kv_heads, scale=scale))
+        return out
     from vllm_infinigen.platforms.cuda import triton_kernels
 
-    num_sequences, group, head_size = query.shape
+    num_rows, num_heads, head_size = query.shape
+    group = num_heads // num_kv_heads
     block_size = units.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"the attention kernel needs a power-of-two block size, got {block_size}")
+    num_sequences = num_rows * num_kv_heads
     num_splits, per_split = attention_splits(num_sequences, table.shape[1],
                                              _num_sms(query.device))
     partial = torch.empty((num_sequences, num_splits, group, head_size), dtype=torch.float32,
                           device=query.device)
     maxima = torch.empty((num_sequences, num_splits, group), dtype=torch.float32,
                          device=query.device)
-    sums = torch.empty_like(maxima)
-    triton_kernels.attend_units(query.contiguous(), units, table.contiguous(),
-                                seq_lens.contiguous(), partial, maxima, sums, scale=scale,
-                                blocks_per_split=per_split, num_splits=num_splits)
-    return merge_splits(partial, maxima, sums).to(query.dtype)
-
-
-def merge_splits(partial: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """[N, G, D] softmax-weighted output from per-split partials.
-
-    Args:
-        partial: [N, splits, G, D] unnormalised outputs; maxima, sums: [N, splits, G]
-            (an empty split: max -inf, sum 0).
-    """
-    best = maxima.amax(dim=1, keepdim=True)  # [N, 1, G]
-    weight = torch.exp(maxima - best).nan_to_num(0.0)  # empty splits: 0
-    total = (sums * weight).sum(dim=1)  # [N, G]
-    return (partial * weight[..., None]).sum(dim=1) / total[..., None]
+    triton_kernels.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                                torch.empty_like(maxima), num_kv_heads=num_kv_heads,
+                                scale=scale, blocks_per_split=per_split)
+    return out
 
 
 def attend_units_reference(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
-                           seq_lens: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """``attend_units`` in torch, float32 softmax."""
+                           seq_lens: torch.Tensor, *, num_kv_heads: int,
+                           scale: float) -> torch.Tensor:
+    """``attend_units`` in torch, float32 softmax; [S, H_q, D]."""
     num_sequences, width = table.shape
     block_size, head_size = units.shape[1], units.shape[2] // 2
-    tokens = units[table.to(torch.int64)].reshape(num_sequences, width * block_size, -1).float()
+    grouped = query.reshape(num_sequences, -1, head_size).float()  # [N, G, D]
+    tokens = units[table.to(torch.int64).clamp(min=0)].reshape(
+        num_sequences, width * block_size, -1).float()
     keys, values = tokens[..., :head_size], tokens[..., head_size:]
-    scores = torch.einsum("ngd,ntd->ngt", query.float(), keys) * scale
+    scores = torch.einsum("ngd,ntd->ngt", grouped, keys) * scale
     positions = torch.arange(width * block_size, device=query.device)
     live = positions[None, :] < seq_lens.to(torch.int64)[:, None].to(query.device)
     scores = scores.masked_fill(~live[:, None, :], float("-inf"))
-    return torch.einsum("ngt,ntd->ngd", torch.softmax(scores, dim=-1), values).to(query.dtype)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty sequence: 0
+    out = torch.einsum("ngt,ntd->ngd", weights, values)
+    return out.reshape(query.shape).to(query.dtype)
 
 
 def write_own_tokens(units: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,

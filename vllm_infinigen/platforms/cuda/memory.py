@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vllm_infinigen.platforms.cuda.block_selection import selection_width, window_blocks
+from vllm_infinigen.platforms.cuda.block_selection import window_blocks
+from vllm_infinigen.platforms.cuda.select_ops import selection_width
 
 # Slots per head as a multiple of the widest step's blocks: replaying selections
 # recorded on two trained models, lru with 1.5x-2x the widest step hit within
@@ -30,25 +31,26 @@ SLOT_BOOKKEEPING_BYTES, BLOCK_BOOKKEEPING_BYTES = 24, 4
 
 
 def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: int,
-                         budget: float, sink_tokens: int, recent_tokens: int,
-                         reuse: float = REUSE_FACTOR) -> int:
+                         budget: float, min_context: int, sink_tokens: int,
+                         recent_tokens: int, reuse: float = REUSE_FACTOR) -> int:
     """Slots per (sparse layer, KV head) of the device block cache.
 
-    InfiniGen's rule in blocks (``block_selection.select_positions``) keeps
-    ``budget x context`` tokens rounded up to blocks on top of the windows'
-    blocks (``window_blocks``: the own block among them), never more than the
-    row's blocks; ``reuse`` times that per row, for every running row.
+    Every step selects the same number of blocks per row and KV head, the
+    static width of ``select_ops.selection_width`` (the budget rounded up to
+    blocks on top of the windows' blocks, or every block below the min
+    context, for the longest row); ``reuse`` times that per row (at most the
+    row's blocks), for every running row.
 
     Args:
-        budget: ``--infinigen-budget`` at start-up (a later, larger budget
-            may outgrow the cache: ``lookup`` refuses it with a message).
+        budget, min_context: ``--infinigen-budget`` and ``--infinigen-min-context``
+            at start-up (a running engine may not raise them: ``CudaDataPath.configure``).
         sink_tokens, recent_tokens: ``--infinigen-sink-tokens``, ``--infinigen-recent-tokens``.
     """
-    row_blocks = -(-max_model_len // block_size) + 1
+    table_blocks = -(-max_model_len // block_size) + 1
     sink_blocks, recent_blocks = window_blocks(sink_tokens, recent_tokens, block_size)
-    widest = selection_width([max_model_len], [math.floor(budget * max_model_len)], block_size,
-                             sink_blocks=sink_blocks, recent_blocks=recent_blocks)
-    return max_num_seqs * min(row_blocks, math.ceil(widest * reuse))
+    width = selection_width(table_blocks, block_size, budget=budget, min_context=min_context,
+                            sink_blocks=sink_blocks, recent_blocks=recent_blocks)
+    return max_num_seqs * min(table_blocks, math.ceil(width * reuse))
 
 
 def cache_bytes(*, num_sparse: int, kv_heads: int, slots_per_head: int, block_size: int,

@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side, CUDA platform: the Triton kernels behind ``kernels.py`` (imported on first launch).
 
-    gather_units   missing blocks, pinned pool -> device block cache
-    attend_units   decode attention over a substituted block table
-    store_rows     the write-through of a step's K|V into the pinned pool
+    gather_units   missing blocks, pinned pool -> device block cache, one
+                   fetch list per KV head with its count on the device
+    attend_units   decode attention over each (row, KV head)'s units, the
+                   splits merged by a second launch into the caller's rows
+    write_tokens   a step's K|V written through to the pinned pool and into
+                   the cached copies of their blocks
     encode_groups  the int speculation keys of the groups a step closes
-    int_token_scores  speculated scores from the int keys, read in place
+
+The selection's kernels are in ``triton_select.py``.
 
 They read and write pool-shaped units, one KV head's block each:
 [block_size, 2 * D], a token's K | V side by side. The pool is read through
@@ -22,23 +26,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _gather_units(pool, cache, fetch_units, fetch_slots, num_fetch,
+def _gather_units(pool, cache, fetch_units, fetch_slots, num_fetch, list_len, programs_per_list,
                   UNIT: tl.constexpr, CHUNK: tl.constexpr, PER_STEP: tl.constexpr):
-    """cache[fetch_slots[i]] = pool[fetch_units[i]] for i < num_fetch[0].
+    """cache[fetch_slots[l, i]] = pool[fetch_units[l, i]] for i < num_fetch[l].
 
-    A persistent grid: program p takes entries p*PER_STEP, p*PER_STEP +
-    grid*PER_STEP, ...; units of UNIT 32-bit words, copied CHUNK at a time.
+    A persistent grid of ``programs_per_list`` programs per list: program p of
+    list l takes entries p*PER_STEP, p*PER_STEP + programs_per_list*PER_STEP,
+    ...; units of UNIT 32-bit words, copied CHUNK at a time.
     """
-    program = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    count = tl.load(num_fetch).to(tl.int32)
+    which = tl.program_id(0) // programs_per_list
+    program = tl.program_id(0) % programs_per_list
+    count = tl.load(num_fetch + which).to(tl.int32)
+    base = which.to(tl.int64) * list_len
     lanes = tl.arange(0, PER_STEP)
     words = tl.arange(0, CHUNK)
-    for start in range(program * PER_STEP, count, num_programs * PER_STEP):
+    for start in range(program * PER_STEP, count, programs_per_list * PER_STEP):
         entry = start + lanes
         live = entry < count
-        src = tl.load(fetch_units + entry, mask=live, other=0).to(tl.int64)
-        dst = tl.load(fetch_slots + entry, mask=live, other=0).to(tl.int64)
+        src = tl.load(fetch_units + base + entry, mask=live, other=0).to(tl.int64)
+        dst = tl.load(fetch_slots + base + entry, mask=live, other=0).to(tl.int64)
         for offset in tl.static_range(0, UNIT, CHUNK):
             block = tl.load(pool + src[:, None] * UNIT + offset + words[None, :],
                             mask=live[:, None])
@@ -49,22 +55,26 @@ def _gather_units(pool, cache, fetch_units, fetch_slots, num_fetch,
 def gather_units(pool_words, cache_words, fetch_units, fetch_slots, num_fetch, *,
                  num_ctas: int, unit_words: int, chunk_words: int, per_step: int,
                  num_warps: int = 4) -> None:
-    """Launches ``_gather_units`` on the current stream (arguments: ``kernels.gather_units``)."""
-    _gather_units[(num_ctas,)](pool_words, cache_words, fetch_units, fetch_slots, num_fetch,
-                               UNIT=unit_words, CHUNK=chunk_words, PER_STEP=per_step,
-                               num_warps=num_warps)
+    """Launches ``_gather_units`` on the current stream (arguments: ``kernels.gather_units``;
+    fetch lists [L, M] with counts [L], about ``num_ctas`` programs in all)."""
+    num_lists = num_fetch.shape[0]
+    per_list = max(1, num_ctas // num_lists)
+    _gather_units[(num_lists * per_list,)](
+        pool_words, cache_words, fetch_units, fetch_slots, num_fetch, fetch_units.shape[-1],
+        per_list, UNIT=unit_words, CHUNK=chunk_words, PER_STEP=per_step, num_warps=num_warps)
 
 
 @triton.jit
 def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
-                  table_stride, blocks_per_split,
+                  query_row_stride, table_stride, blocks_per_split, H: tl.constexpr,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                   BLOCK: tl.constexpr):
     """One decode query group over one sequence's units, one split of its blocks.
 
-    Grid (sequences, splits); a sequence is one (row, KV head) with G query
-    heads. Writes the split's unnormalised output, running max and sum
-    (flash-decoding); ``kernels.attend_units`` merges the splits.
+    Grid (sequences, splits); sequence i is (row i // H, KV head i % H), whose
+    G query heads are ``query[row, head * G:(head + 1) * G]``. Writes the
+    split's unnormalised output, running max and sum (flash-decoding);
+    ``_merge_splits`` combines them. A split past the sequence reads nothing.
     """
     sequence = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -78,7 +88,8 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
     tokens = tl.arange(0, BLOCK)
     head_ok = heads < G
     dim_ok = dims < D
-    q = tl.load(query + (sequence * G + heads[:, None]) * D + dims[None, :],
+    q_base = query + (sequence // H) * query_row_stride + (sequence % H) * G * D
+    q = tl.load(q_base + heads[:, None] * D + dims[None, :],
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
     running_max = tl.full([G_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([G_PAD], tl.float32)
@@ -107,42 +118,90 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
     tl.store(out_sum + slot * G + heads, running_sum, mask=head_ok)
 
 
-def attend_units(query, units, table, seq_lens, out, out_max, out_sum, *, scale: float,
-                 blocks_per_split: int, num_splits: int, num_warps: int = 4) -> None:
-    """Launches ``_attend_units`` on the current stream (arguments: ``kernels.attend_units``)."""
-    num_sequences, group, head_size = query.shape
+@triton.jit
+def _merge_splits(partial, maxima, sums, out, out_row_stride, num_splits, H: tl.constexpr,
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """The softmax-weighted output of one sequence from its splits, into the
+    caller's row (``out[row, head * G:(head + 1) * G]``); 0 for an empty
+    sequence (a padding row). Grid (sequences)."""
+    sequence = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, G_PAD)
+    dims = tl.arange(0, D_PAD)
+    head_ok = heads < G
+    mask = head_ok[:, None] & (dims < D)[None, :]
+    best = tl.full([G_PAD], float("-inf"), tl.float32)
+    for split in range(num_splits):
+        slot = sequence * num_splits + split
+        best = tl.maximum(best, tl.load(maxima + slot * G + heads, mask=head_ok,
+                                        other=float("-inf")))
+    total = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for split in range(num_splits):
+        slot = sequence * num_splits + split
+        peak = tl.load(maxima + slot * G + heads, mask=head_ok, other=float("-inf"))
+        weight = tl.where(peak > float("-inf"), tl.exp(peak - best), 0.0)
+        total += weight * tl.load(sums + slot * G + heads, mask=head_ok, other=0.0)
+        acc += weight[:, None] * tl.load(partial + (slot * G + heads[:, None]) * D + dims[None, :],
+                                         mask=mask, other=0.0)
+    result = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+    row = out + (sequence // H) * out_row_stride + (sequence % H) * G * D
+    tl.store(row + heads[:, None] * D + dims[None, :], result.to(out.dtype.element_ty), mask=mask)
+
+
+def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, *,
+                 num_kv_heads: int, scale: float, blocks_per_split: int,
+                 num_warps: int = 4) -> None:
+    """Launches ``_attend_units`` and ``_merge_splits`` on the current stream
+    (arguments: ``kernels.attend_units``; query, out [S, H_q, D] with unit
+    strides but the row's; partial [N, splits, G, D])."""
+    num_sequences, num_splits, group, head_size = partial.shape
     block_size = units.shape[1]
+    common = {"H": num_kv_heads, "G": group, "G_PAD": triton.next_power_of_2(group),
+              "D": head_size, "D_PAD": triton.next_power_of_2(head_size)}
     _attend_units[(num_sequences, num_splits)](
-        query, units, table, seq_lens, out, out_max, out_sum, scale, table.stride(0),
-        blocks_per_split, G=group, G_PAD=triton.next_power_of_2(group), D=head_size,
-        D_PAD=triton.next_power_of_2(head_size), BLOCK=block_size, num_warps=num_warps)
+        query, units, table, seq_lens, partial, out_max, out_sum, scale, query.stride(0),
+        table.stride(0), blocks_per_split, BLOCK=block_size, num_warps=num_warps, **common)
+    _merge_splits[(num_sequences,)](partial, out_max, out_sum, out, out.stride(0), num_splits,
+                                    num_warps=num_warps, **common)
 
 
 @triton.jit
-def _store_rows(pool, rows, slots, H: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr,
-                W_PAD: tl.constexpr):
-    """The write-through: pool unit (slot // BLOCK) * H + head, token slot % BLOCK
-    <- rows[token, head] (W = 2 * D elements); padding (slot < 0) is skipped.
-
-    Grid (tokens, heads); the pool is pinned host memory read and written
-    through its UVA pointer, so a step's new K|V reach it without a host sync.
-    """
+def _write_tokens(pool, units, slot_of, key, value, slots, key_row_stride, value_row_stride,
+                  capacity, H: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                  D_PAD: tl.constexpr, CACHED: tl.constexpr):
+    """Token ``slots[token]``'s K|V of one KV head: into its pool row (the
+    write-through, through the pinned pool's UVA pointer) and, with CACHED,
+    into its block's cached copy when the cache holds that block
+    (``slot_of``). Grid (tokens, heads); padding (slot < 0) is skipped."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slot = tl.load(slots + token)
     if slot >= 0:
-        cols = tl.arange(0, W_PAD)
-        ok = cols < W
-        row = tl.load(rows + (token * H + head) * W + cols, mask=ok)
-        unit = (slot // BLOCK) * H + head
-        tl.store(pool + (unit * BLOCK + slot % BLOCK) * W + cols, row, mask=ok)
+        dims = tl.arange(0, D_PAD)
+        ok = dims < D
+        k = tl.load(key + token * key_row_stride + head * D + dims, mask=ok)
+        v = tl.load(value + token * value_row_stride + head * D + dims, mask=ok)
+        block = slot // BLOCK
+        offset = slot % BLOCK
+        row = pool + ((block * H + head) * BLOCK + offset) * (2 * D)
+        tl.store(row + dims, k.to(pool.dtype.element_ty), mask=ok)
+        tl.store(row + D + dims, v.to(pool.dtype.element_ty), mask=ok)
+        if CACHED:
+            cached = tl.load(slot_of + block * H + head).to(tl.int64)
+            if cached >= 0:
+                copy = units + ((head * capacity + cached) * BLOCK + offset) * (2 * D)
+                tl.store(copy + dims, k.to(units.dtype.element_ty), mask=ok)
+                tl.store(copy + D + dims, v.to(units.dtype.element_ty), mask=ok)
 
 
-def store_rows(pool, rows, slots, *, num_warps: int = 1) -> None:
-    """Launches ``_store_rows`` on the current stream (arguments: ``kernels.store_rows``)."""
-    num_tokens, heads, width = rows.shape
-    _store_rows[(num_tokens, heads)](pool, rows, slots, H=heads, BLOCK=pool.shape[2], W=width,
-                                     W_PAD=triton.next_power_of_2(width), num_warps=num_warps)
+def write_tokens(pool, units, slot_of, key, value, slots, *, capacity: int,
+                 num_warps: int = 1) -> None:
+    """Launches ``_write_tokens`` on the current stream (arguments: ``kernels.write_tokens``)."""
+    num_tokens, heads, head_size = key.shape
+    _write_tokens[(num_tokens, heads)](
+        pool, units, slot_of, key, value, slots, key.stride(0), value.stride(0), capacity,
+        H=heads, BLOCK=pool.shape[2], D=head_size, D_PAD=triton.next_power_of_2(head_size),
+        CACHED=units is not None, num_warps=num_warps)
 
 
 @triton.jit
@@ -199,56 +258,3 @@ def encode_groups(pool, codes, scales, slots, *, num_warps: int = 2) -> None:
         pool, codes, scales, slots, H=pool.shape[1], BLOCK=pool.shape[2], D=head_size,
         D_PAD=triton.next_power_of_2(head_size), BITS=bits, HALF=((1 << bits) - 1) / 2,
         TOP=float((1 << bits) - 1), num_warps=num_warps)
-
-
-@triton.jit
-def _int_token_scores(query, codes, scales, table, context_lens, out, scale, table_stride,
-                      num_tokens, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                      D_PAD: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                      HALF: tl.constexpr, TILE: tl.constexpr):
-    """Speculated scores of TILE tokens of one (row, KV head), the int keys read in place.
-
-    Grid (rows x KV heads, token tiles). Token t of the row lies in block
-    ``table[row, t // BLOCK]``, group (t % BLOCK) // 16, whose channel c keeps
-    its code in bits [BITS * (t % 16), + BITS) of 2 * BITS bytes; its key is
-    (code - HALF) x scale[c]. The score is the best over the G query heads of
-    q . k, times ``scale``; tokens of the row's open group (from its context
-    rounded down to 16) and later score -inf (``block_selection.int_token_scores``).
-    """
-    sequence = tl.program_id(0)
-    row = sequence // H
-    head = sequence % H
-    tokens = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    live = tokens < num_tokens
-    encoded = tl.load(context_lens + row) // 16 * 16
-    block = tl.load(table + row * table_stride + tokens // BLOCK, mask=live, other=0).to(tl.int64)
-    cell = ((block * H + head) * (BLOCK // 16) + (tokens % BLOCK) // 16) * D  # [TILE]
-    in_group = tokens % 16
-    dims = tl.arange(0, D_PAD)
-    mask = live[:, None] & (dims < D)[None, :]
-    packed = tl.load(codes + (cell[:, None] + dims[None, :]) * (2 * BITS)
-                     + (BITS * in_group // 8)[:, None], mask=mask, other=0)
-    code = (packed.to(tl.int32) >> (BITS * in_group % 8)[:, None]) & ((1 << BITS) - 1)
-    step = tl.load(scales + cell[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    keys = (code.to(tl.float32) - HALF) * step  # [TILE, D_PAD]
-    best = tl.full([TILE], float("-inf"), tl.float32)
-    for group in tl.static_range(G):
-        q = tl.load(query + (sequence * G + group) * D + dims, mask=dims < D,
-                    other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.sum(keys * q[None, :], axis=1))
-    scores = tl.where(tokens < encoded, best * scale, float("-inf"))
-    tl.store(out + sequence.to(tl.int64) * num_tokens + tokens, scores, mask=live)
-
-
-def int_token_scores(query, codes, scales, table, context_lens, out, *, scale: float,
-                     tile: int = 64, num_warps: int = 4) -> None:
-    """Launches ``_int_token_scores`` on the current stream (arguments:
-    ``block_selection.int_token_scores``; out [S, H_kv, T] float32)."""
-    rows, heads, group, head_size = query.shape
-    num_tokens = out.shape[-1]
-    bits = codes.shape[-1] // 2
-    _int_token_scores[(rows * heads, triton.cdiv(num_tokens, tile))](
-        query, codes, scales, table, context_lens, out, scale, table.stride(0), num_tokens,
-        H=heads, G=group, D=head_size, D_PAD=triton.next_power_of_2(head_size),
-        BLOCK=codes.shape[2] * 16, BITS=bits, HALF=((1 << bits) - 1) / 2, TILE=tile,
-        num_warps=num_warps)

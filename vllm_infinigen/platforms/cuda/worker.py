@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """CUDA worker: vLLM's GPU ``Worker`` with InfiniGen (``worker/base.py``) on its model.
 
-``platforms.WORKERS["cuda"]``; the front end keeps the engine eager
-(``frontend/checks.platform_refusal``). It imports on the CPU build, whose own
-worker extends the same ``vllm.v1.worker.gpu_worker.Worker``; it has not run
-inside vLLM on a GPU (docs/design.md, "Where CUDA goes").
+``platforms.WORKERS["cuda"]``; what CUDA refuses: ``refusals.py``. Runs with
+vLLM's CUDA graphs (the decode step is device-only: ``data_path.py``). It
+imports on the CPU build, whose own worker extends the same
+``vllm.v1.worker.gpu_worker.Worker``; it has not run inside vLLM on a GPU
+(docs/design.md, "Where CUDA goes").
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.platforms import V1_RUNNER_REFUSAL
 from vllm_infinigen.platforms.cuda.data_path import CudaDataPath
 from vllm_infinigen.platforms.cuda.memory import (
     BLOCK_BOOKKEEPING_BYTES,
@@ -22,7 +22,7 @@ from vllm_infinigen.platforms.cuda.memory import (
     cache_slots_per_head,
     split_device_grant,
 )
-from vllm_infinigen.worker.base import InfiniGenWorkerMixin
+from vllm_infinigen.worker.base import InfiniGenWorkerMixin, rank_block_costs, rank_kv_heads
 
 logger = init_logger(__name__)
 
@@ -30,11 +30,6 @@ logger = init_logger(__name__)
 class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
     """vLLM's GPU worker whose sparse layers attend over a device block cache
     filled from a pinned host pool (``data_path.py``)."""
-
-    def init_device(self) -> None:
-        if self.use_v2_model_runner:  # the front end keeps V1 (checks.keep_v1_model_runner)
-            raise RuntimeError(V1_RUNNER_REFUSAL)
-        super().init_device()
 
     def infinigen_device(self) -> torch.device:
         return self.device
@@ -47,25 +42,25 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_model_len=self.model_config.max_model_len,
             block_size=self.cache_config.block_size, budget=config.budget,
-            sink_tokens=config.sink_tokens, recent_tokens=config.recent_tokens)
+            min_context=config.min_context, sink_tokens=config.sink_tokens,
+            recent_tokens=config.recent_tokens)
 
     def split_memory(self, available: int) -> tuple[int, int | None, str]:
         """The speculation keys and the device block cache come out of vLLM's
         GPU grant; the pool is host memory, a row per slot of the dense group
         (``plan_pool`` checks that free host memory holds it)."""
-        setup = self.infinigen
+        setup, runtime = self.infinigen, self.infinigen_runtime
         layout = setup.layout
         block_size = self.cache_config.block_size
-        kv_heads = self.infinigen_runtime.sparse_layers[0].num_kv_heads  # of this rank
-        slots = self.infinigen_runtime.data_path.slots_per_head
+        kv_heads = rank_kv_heads(runtime)
+        slots = runtime.data_path.slots_per_head
         cache = cache_bytes(num_sparse=layout.num_sparse, kv_heads=kv_heads,
                             slots_per_head=slots, block_size=block_size,
                             head_size=layout.head_dim, dtype_bytes=setup.dtype_bytes)
-        speculation = block_size * layout.partial_bytes_per_token(setup.dtype_bytes, kv_heads)
-        speculation += layout.num_sparse * kv_heads * BLOCK_BOOKKEEPING_BYTES  # cache lookup
-        pages = layout.group_size * block_size * layout.kv_bytes_per_token_layer(
-            setup.dtype_bytes, kv_heads)
-        split = split_device_grant(available, pages=pages, speculation=speculation,
+        costs = rank_block_costs(setup, block_size, runtime)  # its pool: host memory
+        # the speculation keys and the cache's lookup of each block
+        speculation = costs.partial + layout.num_sparse * kv_heads * BLOCK_BOOKKEEPING_BYTES
+        split = split_device_grant(available, pages=costs.pages, speculation=speculation,
                                    cache=cache)
         logger.info(
             "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per block id) "

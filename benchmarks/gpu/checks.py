@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU decode-step benchmark's checks: select-all against dense, a captured step
+against the eager one, and the CPU self-test (tiny shapes, the kernels' references)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu import selection_trace
+from benchmarks.gpu.measure import (
+    DEFAULT_OUT,
+    VARIANTS,
+    Stepper,
+    build_variant,
+    make_pool,
+    measure_config,
+    replay_for,
+)
+from benchmarks.gpu.decoder import TINY, Decoder, DecoderShape, random_weights
+from benchmarks.gpu.report import markdown_sections
+from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+from benchmarks.gpu.variants import KVSetup, Streams
+
+SELF_TEST_OUT = DEFAULT_OUT.with_name("gpu_decode_step_selftest")
+EVERY_TOKEN = 1e9  # an alpha under which the budget binds
+
+
+def compare(logits: dict[str, torch.Tensor], reference: str = "dense") -> dict[str, float]:
+    """Relative L2 difference of each variant's logits from the reference's."""
+    base = logits[reference].float()
+    return {name: float((value.float() - base).norm() / base.norm())
+            for name, value in logits.items() if name != reference}
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, batch: int,
+                     context: int, streams: Streams, keys: str = "int") -> dict[str, Any]:
+    """Every variant at budget 1 (every block selected, nothing replayed) against dense."""
+    setup = KVSetup(shape, batch, context, pool, device)
+    decoder = Decoder(shape, layers, lm_head)
+    x = torch.randn(batch, shape.hidden, device=device, generator=torch.Generator(
+        device=device).manual_seed(2)).to(dtype)
+    logits = {}
+    for name in VARIANTS:
+        variant = build_variant(name, setup, streams, layers, budget=1.0, replay=None,
+                                cache_factor=1.0, keys=keys, alpha=EVERY_TOKEN)
+        for _ in range(2):  # the second step reads the cache the first one filled
+            logits[name] = decoder.step(x, variant)
+        del variant
+    if streams.cuda:
+        torch.cuda.synchronize()
+    errors = compare(logits)
+    return {"batch": batch, "context": context, "keys": keys, "relative_l2_vs_dense": errors,
+            "tolerance": _tolerance(dtype),
+            "passed": all(e < _tolerance(dtype) for e in errors.values())}
+
+
+def graph_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, batch: int,
+                context: int, streams: Streams, budget: float, trace: Path) -> dict[str, Any]:
+    """Each variant's third step, eager and replayed from a captured graph (after
+    the same two eager steps), with InfiniGen's replayed selections: the same logits."""
+    setup = KVSetup(shape, batch, context, pool, device)
+    decoder = Decoder(shape, layers, lm_head)
+    x = torch.randn(batch, shape.hidden, device=device).to(dtype)
+    replay, _ = replay_for(trace, shape, batch, context, 8, device)
+    errors = {}
+    for name in VARIANTS:
+        logits = []
+        for mode in ("eager", "graph"):
+            variant = build_variant(name, setup, streams, layers, budget=budget, replay=replay,
+                                    cache_factor=1.5)
+            step = Stepper(decoder, variant, x, mode)
+            for _ in range(3 if mode == "eager" else 1):  # graph: 2 eager, then the capture
+                out = step()
+            logits.append(out.clone())
+            del variant, step
+        errors[name] = float((logits[1].float() - logits[0].float()).norm()
+                             / logits[0].float().norm())
+    return {"batch": batch, "context": context, "relative_l2_graph_vs_eager": errors,
+            "passed": all(e < _tolerance(dtype) for e in errors.values())}
+
+
+def self_test(out: Path | None = SELF_TEST_OUT,
+              trace: Path = selection_trace.DEFAULT_TRACE) -> dict[str, Any]:
+    """The benchmark on the CPU with tiny shapes and the kernels' references: select-all
+    equals dense in every variant; with the trace replayed, the cache's size changes no
+    output (the same logits with 1x and 2x the widest step's slots) while a larger cache
+    fetches fewer blocks, and the sparse output differs from dense."""
+    torch.manual_seed(0)
+    shape, device, dtype = TINY, torch.device("cpu"), torch.float32
+    streams = Streams(device)
+    layers, lm_head = random_weights(shape, device, dtype)
+    batch, context = 2, 2 * 68 * shape.block_size  # two blocks per recorded block
+    pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(batch, context, dtype),
+                        device, dtype)
+    checks = {"select_all": select_all_check(shape, layers, lm_head, pool, device, dtype,
+                                             batch=batch, context=context, streams=streams),
+              "select_all_partial_keys": select_all_check(
+                  shape, layers, lm_head, pool, device, dtype, batch=batch, context=context,
+                  streams=streams, keys="partial")}
+    args = argparse.Namespace(trace=trace, warmup=1, steps=4, budget=0.2, keys="int",
+                              variants=list(VARIANTS), modes=["eager"], profile=False)
+    measured = measure_config(shape, layers, lm_head, pool, device, dtype, batch=batch,
+                              context=context, args=args, streams=streams, limits=None)
+    setup = KVSetup(shape, batch, context, pool, device)
+    decoder = Decoder(shape, layers, lm_head)
+    replay, _ = replay_for(trace, shape, batch, context, 4, device)
+    x = torch.randn(batch, shape.hidden)
+    logits: dict[str, list[torch.Tensor]] = {}
+    fetched: dict[str, int] = {}
+    for name, factor in (("dense", 1.0), ("infinigen x1", 1.0), ("infinigen x2", 2.0)):
+        variant = build_variant(name.split()[0], setup, streams, layers, budget=0.2,
+                                replay=replay, cache_factor=factor)
+        logits[name] = [decoder.step(x, variant) for _ in range(4)]
+        if hasattr(variant, "take_fetched_units"):
+            fetched[name] = variant.take_fetched_units()[0]
+    same = max(float((a - b).abs().max()) for a, b in zip(logits["infinigen x1"],
+                                                         logits["infinigen x2"]))
+    differs = float((logits["infinigen x1"][0] - logits["dense"][0]).abs().max())
+    result = measured["variants"]["infinigen (eager)"]
+    checks["replay"] = {
+        "cache_sizes_same_logits_max_abs": same, "sparse_differs_from_dense_max_abs": differs,
+        "fetched_units_x1": fetched["infinigen x1"], "fetched_units_x2": fetched["infinigen x2"],
+        "hit_rate": result.get("hit_rate"),
+        "passed": bool(same < 1e-5 and differs > 1e-3
+                       and 0 < fetched["infinigen x2"] <= fetched["infinigen x1"]
+                       and 0 < result.get("hit_rate", 0) < 1)}
+    checks["passed"] = (checks["select_all"]["passed"]
+                        and checks["select_all_partial_keys"]["passed"]
+                        and checks["replay"]["passed"])
+    if out is not None:
+        meta = gpu_run_metadata()
+        results = {"checks": checks, "configs": [measured]}
+        write_gpu_results(out, meta, "GPU decode-step benchmark: CPU self-test",
+                          {"shape": "TINY", "dtype": "float32", "keys": "int"}, results,
+                          markdown_sections(results, self_test=True))
+    return checks

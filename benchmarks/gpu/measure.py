@@ -1,0 +1,278 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU decode-step benchmark's measurements (``decode_step.py`` runs them): the
+variants, a step eager or from a captured graph, timings, profiles, the H2D limits."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu import selection_trace
+from benchmarks.gpu.decoder import Decoder, DecoderShape
+from benchmarks.gpu.product import Product, cache_slots
+from benchmarks.gpu.variants import Dense, DenseUnits, FullOffload, KVSetup, Streams
+from benchmarks.harness import paths
+from vllm_infinigen.layout import KEY_GROUP, int_key_bits
+from vllm_infinigen.platforms.cuda import kernels, select_ops
+
+VARIANTS = ("dense", "dense_units", "full", "infinigen")
+MODES = ("eager", "graph")
+CACHE_FACTORS = (2.0, 1.5, 1.25, 1.0)
+KEYS = ("int", "partial")  # --infinigen-speculation-keys (int: the product's default)
+ALPHA = 5.0  # the product's default with RoPE
+DEFAULT_OUT = paths.RESULTS / "gpu_decode_step"
+MARGIN = 4 << 30  # device memory left free
+
+
+def product_width(setup: KVSetup, budget: float) -> int:
+    """Blocks per KV head of the product's every selection (its static width)."""
+    return select_ops.selection_width(setup.blocks_per_row, setup.shape.block_size,
+                                      budget=budget, min_context=0, sink_blocks=1,
+                                      recent_blocks=1)
+
+
+def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget: float,
+                  replay: torch.Tensor | None, cache_factor: float, keys: str = "int",
+                  alpha: float = ALPHA):
+    if name == "dense":
+        return Dense(setup, streams)
+    if name == "dense_units":
+        return DenseUnits(setup, streams)
+    if name == "full":
+        return FullOffload(setup, streams)
+    width = max(product_width(setup, budget), replay.shape[-1] if replay is not None else 1)
+    return Product(setup, streams, layers, budget=budget, alpha=alpha, keys=keys,
+                   replay=replay, slots_per_head=cache_slots(setup, width, cache_factor))
+
+
+def speculation_bytes_per_block(shape: DecoderShape, keys: str, dtype: torch.dtype) -> int:
+    """Device bytes of one block's speculation keys over the KV heads."""
+    if keys == "int":
+        per_group = shape.head_dim * (2 * int_key_bits(dtype.itemsize) + 2)
+        return shape.num_kv_heads * shape.block_size // KEY_GROUP * per_group
+    return shape.num_kv_heads * shape.block_size * shape.partial_channels * dtype.itemsize
+
+
+def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width: int,
+                 factor: float, dtype: torch.dtype, keys: str = "int") -> int:
+    """Device memory a variant adds to the weights (estimate, temporaries included)."""
+    layer = shape.layer_kv_bytes(batch, context, dtype)
+    sparse = shape.num_layers - shape.dense_layers
+    if name in ("dense", "dense_units"):
+        return shape.num_layers * layer + layer
+    if name == "full":
+        return 3 * layer
+    blocks = batch * shape.blocks_per_row(context)
+    speculation = blocks * speculation_bytes_per_block(shape, keys, dtype)
+    held = factor * batch * shape.num_kv_heads * width * shape.unit_bytes(dtype) * sparse
+    scores = batch * shape.num_kv_heads * shape.blocks_per_row(context) * shape.block_size * 4
+    return int(shape.dense_layers * layer + sparse * speculation + held + 4 * scores)
+
+
+def fits(name, shape, batch, context, width, factor, dtype, keys) -> bool:
+    if not torch.cuda.is_available():
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    return device_bytes(name, shape, batch, context, width, factor, dtype, keys) + MARGIN < free
+
+
+class Stepper:
+    """One decode step of ``variant``, eager or replayed from a CUDA graph of it.
+
+    In graph mode the first call runs ``warmup`` eager steps (compilation,
+    lazy initialisation), then captures one step; each call after replays it.
+    """
+
+    def __init__(self, decoder: Decoder, variant, x: torch.Tensor, mode: str):
+        self.decoder, self.variant, self.x, self.mode = decoder, variant, x, mode
+        self.graph = None
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.mode == "eager":
+            return self.decoder.step(self.x, self.variant)
+        if self.graph is None:
+            for _ in range(2):
+                self.decoder.step(self.x, self.variant)
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.decoder.step(self.x, self.variant)
+        self.graph.replay()
+        return self.logits
+
+
+def run_steps(step: Stepper, warmup: int, steps: int, streams: Streams) -> dict[str, Any]:
+    """Times ``steps`` decode steps after ``warmup``; counters cover the timed steps."""
+    gpu_ms, host_ms = [], []
+    variant = step.variant
+    for index in range(warmup + steps):
+        if index == warmup and hasattr(variant, "take_fetched_units"):
+            variant.take_fetched_units()
+        if streams.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        step()
+        host_ms.append((time.perf_counter() - began) * 1e3)
+        if streams.cuda:
+            end.record()
+            end.synchronize()
+            gpu_ms.append(start.elapsed_time(end))
+    timed = (gpu_ms or host_ms)[warmup:]
+    result = {"ms_per_step": statistics.median(timed), "ms_min": min(timed),
+              "ms_max": max(timed), "host_enqueue_ms": statistics.median(host_ms[warmup:]),
+              "steps": steps}
+    setup = variant.setup
+    unit = setup.shape.unit_bytes(setup.pool.dtype)
+    if hasattr(variant, "take_fetched_units"):
+        fetched, hits = variant.take_fetched_units()
+        result["pcie_bytes_per_step"] = fetched * unit / steps
+        result["hit_rate"] = hits / max(hits + fetched, 1)
+        result["cache_slots_per_head"] = variant.data_path.slots_per_head
+    else:
+        result["pcie_bytes_per_step"] = variant.pcie_units * unit
+    result["GBps"] = result["pcie_bytes_per_step"] / result["ms_per_step"] / 1e6
+    return result
+
+
+def profile_steps(step: Stepper, steps: int) -> dict[str, float]:
+    """Kernel launches and host synchronizations per step (torch profiler, CPU side)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # a captured graph is made before the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    launches = syncs = 0
+    for event in prof.events():
+        name = event.name
+        if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                    "cuLaunchKernelEx", "cudaGraphLaunch"):
+            launches += 1
+        elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                      "cudaEventSynchronize") or (name == "cudaMemcpy"):
+            syncs += 1
+    syncs -= 1  # the profile's own closing torch.cuda.synchronize
+    return {"launches_per_step": launches / steps, "syncs_per_step": max(syncs, 0) / steps}
+
+
+def h2d_limits(pool: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """GB/s of one large pinned copy and of the gather kernel, on this machine now."""
+    flat = pool.view(-1)
+    count = min(flat.numel(), (1 << 30) // flat.element_size())
+    target = torch.empty(count, dtype=flat.dtype, device=device)
+    unit_count = min(pool.shape[0], 8192)
+    units = torch.randperm(pool.shape[0], device=device)[:unit_count].sort().values
+    cache = torch.empty((unit_count + 1,) + tuple(pool.shape[1:]), dtype=pool.dtype,
+                        device=device)
+    slots = torch.arange(unit_count, device=device)
+    number = torch.tensor([unit_count], device=device)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(6):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times[1:])
+
+    copy_ms = timed(lambda: target.copy_(flat[:count], non_blocking=True))
+    gather_ms = timed(lambda: kernels.gather_units(pool, cache, units, slots, number))
+    return {"copy_GBps": count * flat.element_size() / copy_ms / 1e6,
+            "gather_GBps": unit_count * cache[0].numel() * cache.element_size() / gather_ms / 1e6,
+            "gather_ctas": kernels.gather_ctas(
+                torch.cuda.get_device_properties(device).multi_processor_count)}
+
+
+def make_pool(shape: DecoderShape, num_bytes: int, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+    """Host units [n, block_size, 2 * D] filled with random values (pinned on CUDA)."""
+    unit = shape.unit_bytes(dtype)
+    count = num_bytes // unit
+    if device.type != "cuda":
+        return torch.randn(count, shape.block_size, 2 * shape.head_dim).to(dtype), None
+    from vllm_infinigen.platforms.cuda.host_pool import allocate_host_pool
+
+    pool = allocate_host_pool(count, 1, shape.block_size, shape.head_dim, dtype)
+    units = pool.tensor.view(count, shape.block_size, 2 * shape.head_dim)
+    chunk = torch.randn(64 << 20, device=device).to(dtype)
+    flat = units.view(-1)
+    for start in range(0, flat.numel(), chunk.numel()):
+        piece = flat[start : start + chunk.numel()]
+        piece.copy_(chunk[: piece.numel()], non_blocking=True)
+    torch.cuda.synchronize()
+    return units, pool
+
+
+def replay_for(trace: Path, shape: DecoderShape, batch: int, context: int, steps: int,
+               device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+    masks, provenance = selection_trace.load_trace(trace)
+    replay = selection_trace.replay_blocks(
+        masks, num_layers=shape.num_layers - shape.dense_layers, num_kv_heads=shape.num_kv_heads,
+        num_rows=batch, context_blocks=context // shape.block_size, num_steps=steps)
+    kept = float((replay >= 0).sum()) / (replay[:, :, :, :, 0].numel()
+                                          * shape.blocks_per_row(context))
+    return replay.to(device), {"trace": trace.name, "kept_fraction": kept,
+                               "recorded_on": provenance.get("model")}
+
+
+def measure_config(shape, layers, lm_head, pool, device, dtype, *, batch: int, context: int,
+                   args: argparse.Namespace, streams: Streams,
+                   limits: dict[str, float] | None) -> dict[str, Any]:
+    setup = KVSetup(shape, batch, context, pool, device)
+    decoder = Decoder(shape, layers, lm_head)
+    x = torch.randn(batch, shape.hidden, device=device).to(dtype)
+    total = args.warmup + args.steps + 8
+    replay, replayed = replay_for(args.trace, shape, batch, context, total, device)
+    out: dict[str, Any] = {"batch": batch, "context": context, "replay": replayed,
+                           "layer_kv_bytes": shape.layer_kv_bytes(batch, context, dtype),
+                           "distinct_pool_layers": setup.num_regions, "variants": {}}
+    width = max(replay.shape[-1], product_width(setup, args.budget))
+    for mode in args.modes:
+        for name in args.variants:
+            key = f"{name} ({mode})"
+            factors = CACHE_FACTORS if name == "infinigen" else (1.0,)
+            factor = next((f for f in factors
+                           if fits(name, shape, batch, context, width, f, dtype, args.keys)),
+                          None)
+            if factor is None:
+                needed = device_bytes(name, shape, batch, context, width, factors[-1], dtype,
+                                      args.keys)
+                out["variants"][key] = {"skipped": f"does not fit ({needed / 2**30:.1f} GiB "
+                                                   "beside the weights)"}
+                continue
+            variant = None
+            try:
+                variant = build_variant(name, setup, streams, layers, budget=args.budget,
+                                        replay=replay, cache_factor=factor, keys=args.keys)
+                step = Stepper(decoder, variant, x, mode)
+                result = run_steps(step, args.warmup, args.steps, streams)
+                if args.profile and streams.cuda:
+                    result.update(profile_steps(step, 3))
+                if name == "infinigen":
+                    result["cache_factor"] = factor
+                if limits:
+                    result["pcie_bound_ms"] = (result["pcie_bytes_per_step"]
+                                               / limits["copy_GBps"] / 1e6)
+                out["variants"][key] = result
+            except Exception as error:  # noqa: BLE001 -- keep going; the results say what failed
+                out["variants"][key] = {"error": repr(error),
+                                        "traceback": traceback.format_exc()[-2000:]}
+            variant = step = None
+            gc.collect()
+            if streams.cuda:
+                torch.cuda.empty_cache()
+    return out

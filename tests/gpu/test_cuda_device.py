@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA platform on a CUDA GPU, without vLLM (``pytest -m gpu``): each Triton kernel
+against its torch reference on CUDA tensors, the data path's decode step planned on the
+device (select-all equals dense attention), and that step captured in a CUDA graph
+giving what the eager step gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference.cuda_kernel_cases import attention_case, fetch_case
+from tests.reference.device_step import DecodeStep, config
+from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
+from tests.reference.int_key_pools import Pool
+from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU, the optional device this machine lacks (run `pytest -m gpu` "
+    "where one is)")]
+
+CUDA = torch.device("cuda")
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-4) -> None:
+    got, expected = got.cpu().float(), expected.cpu().float()
+    assert torch.equal(got.isinf(), expected.isinf())
+    finite = ~expected.isinf()
+    torch.testing.assert_close(got[finite], expected[finite], atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float32), (2, torch.bfloat16)])
+def test_int_scores_alpha_counts_and_select_equal_the_references(bits, dtype):
+    pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
+                context_lens=[95, 16, 7, 64])
+    context_lens = pool.context_lens.clone()
+    context_lens[2] = -1  # a padding row
+    query = torch.randn(4, 2, 4, 128, generator=torch.Generator().manual_seed(8))
+    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                              context_lens, scale=0.09)
+    blocks = block_selection.block_scores(tokens, context_lens, POOL_BLOCK)
+    on = {name: value.to(CUDA) for name, value in (
+        ("query", query), ("codes", pool.codes), ("scales", pool.scales),
+        ("table", pool.block_table), ("context", context_lens))}
+    got_tokens, got_blocks = select_ops.int_scores(on["query"], on["codes"], on["scales"],
+                                                   on["table"], on["context"], scale=0.09)
+    _close(got_tokens, tokens)
+    _close(got_blocks, blocks)
+    settings = select_ops.settings_tensor(2.0, 0.3, 0, "cpu")
+    counts = select_ops.alpha_counts(tokens, blocks, context_lens, settings, block_size=POOL_BLOCK)
+    got_counts = select_ops.alpha_counts(got_tokens, got_blocks, on["context"],
+                                         settings.to(CUDA), block_size=POOL_BLOCK)
+    assert torch.equal(got_counts.cpu(), counts)
+    expected = select_ops.select(blocks, counts, context_lens, pool.block_table, settings,
+                                 block_size=POOL_BLOCK, width=3, sink_blocks=1, recent_blocks=1)
+    got = select_ops.select(blocks.to(CUDA), counts.to(CUDA), on["context"], on["table"],
+                            settings.to(CUDA), block_size=POOL_BLOCK, width=3, sink_blocks=1,
+                            recent_blocks=1)
+    for part, reference in zip(got, expected):
+        assert torch.equal(part.cpu(), reference)
+
+
+def test_lookup_lru_equals_the_reference_over_steps():
+    from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
+
+    gen = torch.Generator().manual_seed(9)
+    caches = [DeviceBlockCache(1, 2, 12, 40, device) for device in ("cpu", "cuda")]
+    for step in range(8):
+        ids = torch.stack([torch.randperm(20, generator=gen)[:5] + 20 * row
+                           for row in range(2) for _ in range(2)]).view(2, 2, 5)
+        seq_lens = torch.randint(1, 20, (4,), generator=gen, dtype=torch.int32)
+        context_lens = torch.tensor([17, 30])
+        got = [cache.place(0, ids.to(cache.device), seq_lens.to(cache.device),
+                           context_lens.to(cache.device)) for cache in caches]
+        assert torch.equal(got[1].slots.cpu(), got[0].slots)
+        assert torch.equal(got[1].num_fetch.cpu(), got[0].num_fetch)
+        for head in range(2):
+            count = int(got[0].num_fetch[head])
+            assert torch.equal(got[1].fetch_units[head, :count].cpu(),
+                               got[0].fetch_units[head, :count])
+    for name in ("slot_of", "block_of", "last_used", "ticks", "counters"):
+        assert torch.equal(getattr(caches[1], name).cpu(), getattr(caches[0], name)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_from_a_pinned_pool_and_attention_equal_the_references(dtype):
+    from vllm_infinigen.platforms.cuda import host_pool
+
+    pool, cache, units, slots, count = fetch_case(dtype)
+    pinned = host_pool.allocate_host_pool(6, 2, 4, 8, dtype)
+    pinned.tensor.copy_(pool)
+    expected = cache.clone()
+    kernels.gather_units_reference(pool, expected, units, slots, count)
+    got = cache.to(CUDA)
+    kernels.gather_units(pinned.tensor, got, units.to(CUDA), slots.to(CUDA), count.to(CUDA))
+    assert torch.equal(got[:-1].cpu(), expected[:-1])
+    pinned.close()
+    query, units, table, seq_lens = attention_case()
+    expected = kernels.attend_units_reference(query, units.to(dtype), table, seq_lens,
+                                              num_kv_heads=1, scale=0.3)
+    got = kernels.attend_units(query.to(CUDA), units.to(dtype).to(CUDA), table.to(CUDA),
+                               seq_lens.to(CUDA), num_kv_heads=1, scale=0.3)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_registered_pool_is_pinned_and_readable_by_the_gather():
+    from vllm_infinigen.platforms.cuda import host_pool
+
+    pool = host_pool.allocate_host_pool(8, 2, 16, 64, torch.bfloat16)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape).to(torch.bfloat16))
+    assert pool.tensor.is_pinned()
+    cache = torch.zeros(4, 16, 128, dtype=torch.bfloat16, device="cuda")
+    units = torch.tensor([3, 9, 15], device="cuda")
+    slots = torch.tensor([2, 0, 1], device="cuda")
+    kernels.gather_units(pool.tensor, cache, units, slots, torch.tensor([3], device="cuda"))
+    torch.cuda.synchronize()
+    flat = pool.tensor.view(-1, 16, 128)
+    assert torch.equal(cache[[2, 0, 1]].cpu(), flat[[3, 9, 15]])
+    pool.close()
+
+
+def test_the_device_step_on_cuda_equals_its_cpu_run():
+    """The same steps (the pool's contents, the queries, the selection) on both devices."""
+    outputs = []
+    for device in ("cpu", "cuda"):
+        step = DecodeStep(config(), device=device)
+        outputs.append([step.run(seed=seed).cpu() for seed in (1, 2, 3)])
+    for cpu, cuda in zip(*outputs):
+        torch.testing.assert_close(cuda, cpu, atol=1e-3, rtol=1e-3)
+
+
+def test_a_captured_step_replays_what_the_eager_step_computes():
+    """Two eager steps, then the third captured in a CUDA graph and replayed, against
+    three eager steps of another runtime over the same inputs (the cache's state,
+    the ticks and the counters advance on the device alike)."""
+    eager, captured = (DecodeStep(config(), device="cuda") for _ in range(2))
+    inputs = [step.inputs(seed=1) for step in (eager, captured)]
+    for _ in range(3):
+        expected = eager.step(*inputs[0]).clone()
+    for _ in range(2):
+        captured.step(*inputs[1])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = captured.step(*inputs[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(output, expected)
+    assert output.abs().sum() > 0
+    counters = [step.runtime.take_counters() for step in (eager, captured)]
+    assert counters[0] == counters[1]

@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The device-only selection and cache placement on CPU tensors: the kernels' torch
+references (``select_ops``, ``place_reference``) against InfiniGen's block rule in torch
+(``block_selection``) and the cache's lookup; the Triton kernels are held to these
+references in Triton's interpreter (``triton_interpreter_checks.py``, which
+``test_cuda_kernels.py`` runs in a subprocess)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_infinigen.platforms.cuda import block_selection, select_ops
+from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
+
+BLOCK = 4
+
+
+def _case(seed: int, context_lens: list[int], table_blocks: int = 8, heads: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(context_lens)
+    scores = torch.randn(rows, heads, table_blocks, generator=gen)
+    table = torch.stack([torch.randperm(64, generator=gen)[:table_blocks]
+                         for _ in range(rows)]).int()
+    counts = torch.randint(0, 30, (rows * heads,), generator=gen, dtype=torch.int32)
+    return scores, torch.tensor(context_lens), table, counts
+
+
+def _settings(alpha=5.0, budget=0.3, min_context=0):
+    return select_ops.settings_tensor(alpha, budget, min_context, "cpu")
+
+
+def _rule(scores, context_lens, counts, budget, width):
+    """The block rule of ``block_selection`` (alpha caps from the counts)."""
+    heads = scores.shape[1]
+    mean = counts.view(-1, heads).long().sum(dim=1) // heads
+    budget_tokens = torch.floor(context_lens.double() * budget).long().clamp(min=1)
+    caps = torch.minimum(mean, budget_tokens).clamp(min=1)
+    return block_selection.select_blocks(scores, context_lens, caps, block_size=BLOCK,
+                                         width=width).logical
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("budget", [0.1, 0.3, 1.0])
+def test_select_keeps_the_block_rules_blocks(seed, budget):
+    scores, context_lens, table, counts = _case(seed, [29, 13, 3, 20])
+    width = select_ops.selection_width(8, BLOCK, budget=budget, min_context=0, sink_blocks=1,
+                                       recent_blocks=1)
+    logical, physical, seq_lens = select_ops.select(
+        scores, counts, context_lens, table, _settings(budget=budget), block_size=BLOCK,
+        width=width, sink_blocks=1, recent_blocks=1)
+    expected = _rule(scores, context_lens, counts, budget, width)
+    assert torch.equal(logical, expected)
+    assert torch.equal(physical, torch.where(
+        logical >= 0, table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical),
+        -1))
+    kept = (logical >= 0).sum(dim=-1)  # [S, H]
+    own = (context_lens % BLOCK + 1)[:, None]
+    assert seq_lens.view(4, 2).tolist() == ((kept - 1) * BLOCK + own).tolist()
+
+
+def test_ties_go_to_the_lower_block():
+    scores = torch.zeros(1, 1, 6)
+    logical, _, _ = select_ops.select(scores, torch.tensor([1], dtype=torch.int32),
+                                      torch.tensor([23]), torch.arange(6)[None].int(),
+                                      _settings(budget=0.1), block_size=BLOCK, width=6,
+                                      sink_blocks=1, recent_blocks=1)
+    assert logical.tolist() == [[[0, 1, 5, -1, -1, -1]]]  # sink, the first tie, own
+
+
+def test_rows_below_min_context_keep_every_block_and_padding_rows_none():
+    scores, context_lens, table, counts = _case(3, [13, 22, -1])
+    logical, physical, seq_lens = select_ops.select(
+        scores, counts, context_lens, table, _settings(budget=0.05, min_context=16),
+        block_size=BLOCK, width=8, sink_blocks=1, recent_blocks=1)
+    assert logical[0].tolist() == [[0, 1, 2, 3, -1, -1, -1, -1]] * 2  # 13 < 16: all 4 blocks
+    assert (logical[1] >= 0).sum(dim=-1).tolist() == [3, 3]  # 22: k = 1 -> 1 + sink + own
+    assert (logical[2] == -1).all() and (physical[2] == -1).all()
+    assert seq_lens.tolist() == [14, 14, 2 * BLOCK + 3, 2 * BLOCK + 3, 0, 0]
+
+
+@pytest.mark.parametrize("budget,min_context", [(0.2, 0), (0.05, 40), (1.0, 0), (0.01, 4096)])
+def test_the_width_bounds_every_row(budget, min_context):
+    table_blocks = 12
+    width = select_ops.selection_width(table_blocks, BLOCK, budget=budget,
+                                       min_context=min_context, sink_blocks=1,
+                                       recent_blocks=1)
+    contexts = list(range(0, table_blocks * BLOCK))
+    scores = torch.randn(len(contexts), 1, table_blocks)
+    counts = torch.full((len(contexts),), 10_000, dtype=torch.int32)  # the budget binds
+    logical, _, _ = select_ops.select(
+        scores, counts, torch.tensor(contexts), torch.arange(table_blocks).expand(
+            len(contexts), -1).int(), _settings(budget=budget, min_context=min_context),
+        block_size=BLOCK, width=width, sink_blocks=1, recent_blocks=1)
+    kept = (logical >= 0).sum(dim=-1)[:, 0]
+    for context, count in zip(contexts, kept.tolist()):
+        blocks = context // BLOCK + 1
+        if context < min_context:
+            wanted = blocks
+        else:
+            cap = max(1, math.floor(budget * context))
+            wanted = min(-(-cap // BLOCK) + min(blocks, 2), blocks)
+        assert count == wanted <= width
+
+
+def test_alpha_counts_are_the_rules_count():
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randn(3, 2, 8 * BLOCK, generator=gen)
+    context_lens = torch.tensor([31, 17, 5])
+    encoded = context_lens // 16 * 16
+    tokens = tokens.masked_fill(torch.arange(8 * BLOCK)[None, None] >= encoded[:, None, None],
+                                float("-inf"))
+    blocks = block_selection.block_scores(tokens, context_lens, BLOCK)
+    counts = select_ops.alpha_counts(tokens, blocks, context_lens, _settings(alpha=1.0),
+                                     block_size=BLOCK)
+    best = tokens.amax(dim=-1, keepdim=True)
+    assert counts.tolist() == (tokens > best - 1.0).sum(dim=-1).flatten().tolist()
+    assert counts.view(3, 2)[2].tolist() == [0, 0]  # no encoded group
+    caps = block_selection.alpha_token_caps(tokens, context_lens, 1.0, torch.full((3,), 99))
+    assert caps.tolist() == counts.view(3, 2).long().sum(dim=1).div(2, rounding_mode="floor")\
+        .clamp(min=1).tolist()
+
+
+def _place(cache: DeviceBlockCache, ids: torch.Tensor):
+    rows, heads, width = ids.shape
+    seq_lens = torch.full((rows * heads,), 5, dtype=torch.int32)
+    return cache.place(0, ids, seq_lens, torch.full((rows,), 7))
+
+
+def _consistent(cache: DeviceBlockCache) -> None:
+    """slot_of and block_of are inverse maps."""
+    heads, capacity = cache.num_kv_heads, cache.slots_per_head
+    for head in range(heads):
+        for slot in range(capacity):
+            block = int(cache.block_of[0, head, slot])
+            if block >= 0:
+                assert int(cache.slot_of[0, block * heads + head]) == slot
+    mapped = (cache.slot_of[0, :-1] >= 0).sum()
+    assert int(mapped) == int((cache.block_of[0, :, :capacity] >= 0).sum())
+
+
+def test_place_counts_as_lookup_and_keeps_its_maps_inverse():
+    gen = torch.Generator().manual_seed(5)
+    placed, looked = (DeviceBlockCache(1, 2, 12, 40, "cpu") for _ in range(2))
+    for step in range(6):
+        ids = torch.stack([torch.randperm(20, generator=gen)[:3] + 20 * row
+                           for row in range(2) for _ in range(2)]).view(2, 2, 3)
+        ids[1, 0, 2] = -1
+        lookup = _place(placed, ids)
+        looked.lookup(0, ids)
+        _consistent(placed)
+        # every selected entry sits in its slot; the fetch list names the misses
+        heads = torch.arange(2)[None, :, None]
+        valid = ids >= 0
+        slot = lookup.slots - heads * 12
+        assert torch.equal(torch.where(valid, placed.block_of[0].gather(
+            1, slot.permute(1, 0, 2).reshape(2, -1).clamp(min=0)).view(2, 2, 3).permute(1, 0, 2),
+            -1), torch.where(valid, ids, -1))
+        assert (lookup.slots[~valid] == -1).all()
+        if step == 0:  # from the same empty state: the same hits and misses
+            assert placed.counters[0, :, 2:].tolist() == looked.counters[0, :, 2:].tolist()
+        for head in range(2):
+            count = int(lookup.num_fetch[head])
+            units = lookup.fetch_units[head, :count]
+            assert ((units % 2) == head).all()
+            assert (placed.block_of[0, head].gather(
+                0, lookup.fetch_slots[head, :count] - head * 12) == units // 2).all()
+    hits, misses = placed.take_counters()
+    assert hits[0] + misses[0] == 6 * 11
+
+
+def test_place_evicts_the_least_recently_used_slots():
+    cache = DeviceBlockCache(1, 1, 4, 16, "cpu")
+    _place(cache, torch.tensor([[[1, 2]]]))
+    _place(cache, torch.tensor([[[3, 4]]]))  # full: 1, 2, 3, 4
+    _place(cache, torch.tensor([[[1, 3]]]))  # 2 and 4 are the least recently used
+    lookup = _place(cache, torch.tensor([[[5, 6]]]))
+    assert sorted(cache.block_of[0, 0, :4].tolist()) == [1, 3, 5, 6]
+    assert lookup.fetch_units[0, :2].tolist() == [5, 6] and lookup.num_fetch.tolist() == [2]
+    # the misses take the victims in slot order: blocks 2 and 4 sat in slots 1 and 3
+    assert lookup.slots.tolist() == [[[1, 3]]]
+    assert cache.counters[0, 0].tolist() == [4 * 4, 4 * 7, 2, 6]
+
+
+def test_place_refuses_a_step_wider_than_the_cache():
+    with pytest.raises(ValueError, match="slots per head"):
+        _place(DeviceBlockCache(1, 1, 3, 16, "cpu"), torch.tensor([[[1, 2]], [[3, 4]]]))

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What each platform refuses is the platform's (``platforms.refusal_for``): on
+CUDA an uncapped pool, InfiniGen's own policy and transfer, and CUDA-graph
+settings that would capture the attention or the KV-cache write inside a
+piecewise graph; vLLM's default CUDA graphs run. The CPU build refuses none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+import vllm_infinigen
+from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.frontend import checks
+from vllm_infinigen.platforms import REFUSALS, refusal_for
+from vllm_infinigen.platforms.cuda.refusals import (
+    ATTENTION_OP,
+    BREAKABLE_ENV,
+    KV_CACHE_UPDATE_OP,
+)
+
+STORIES_DIR = str(Path(vllm_infinigen.__file__).parent / "assets" / "stories260k")
+vllm_infinigen.register()
+
+
+def _args(**kwargs) -> EngineArgs:
+    return EngineArgs(model=STORIES_DIR, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _no_breakable_graphs(monkeypatch):
+    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},  # vLLM's default: FULL_AND_PIECEWISE on CUDA
+    {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}},
+    {"compilation_config": {"cudagraph_mode": "PIECEWISE"}},
+    {"compilation_config": {"cudagraph_mode": "FULL"}},  # resolved to FULL_AND_PIECEWISE
+    {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+    {"compilation_config": {"cudagraph_mode": "NONE"}},
+    {"enforce_eager": True},
+    {"compilation_config": {"splitting_ops": []}},  # no piecewise graph left
+    {"compilation_config": {"splitting_ops": [ATTENTION_OP, KV_CACHE_UPDATE_OP]}},
+    {"compilation_config": {"use_inductor_graph_partition": True,
+                            "splitting_ops": [ATTENTION_OP, KV_CACHE_UPDATE_OP]}},
+    {"compilation_config": {"use_inductor_graph_partition": True,
+                            "cudagraph_mode": "FULL_DECODE_ONLY"}},
+    {"compilation_config": {"mode": 0, "splitting_ops": ["vllm::other"]}},  # no pieces
+], ids=["default", "full-and-piecewise", "piecewise", "full", "full-decode-only", "none",
+        "eager", "no-splitting", "both-split", "partition-split", "partition-decode-only",
+        "not-compiled"])
+def test_cuda_runs_cuda_graphs(kwargs):
+    assert refusal_for("cuda", _args(**kwargs), InfiniGenConfig()) is None
+
+
+def test_check_engine_args_accepts_default_graphs_on_cuda(monkeypatch):
+    """The front end asks the platform (its device type faked): no --enforce-eager."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    assert checks.check_engine_args(_args(), InfiniGenConfig()) is None
+
+
+@pytest.mark.parametrize("kwargs,env,flag", [
+    ({"compilation_config": {"splitting_ops": [ATTENTION_OP]}}, False, KV_CACHE_UPDATE_OP),
+    ({"compilation_config": {"splitting_ops": [KV_CACHE_UPDATE_OP],
+                             "cudagraph_mode": "PIECEWISE"}}, False, ATTENTION_OP),
+    ({"compilation_config": {"use_inductor_graph_partition": True}}, False,
+     "use_inductor_graph_partition"),
+    ({}, True, BREAKABLE_ENV),
+], ids=["kv-write-in-a-piece", "attention-in-a-piece", "inductor-partition", "breakable"])
+def test_cuda_refuses_a_piecewise_graph_around_host_planning(monkeypatch, kwargs, env, flag):
+    if env:
+        monkeypatch.setenv(BREAKABLE_ENV, "1")
+    args = _args(**kwargs)
+    reason = refusal_for("cuda", args, InfiniGenConfig())
+    assert reason is not None and flag in reason
+    assert "FULL_DECODE_ONLY" in reason  # what to set instead
+    assert refusal_for("cpu", args, InfiniGenConfig()) is None
+    for eager in (_args(enforce_eager=True, **kwargs),
+                  _args(**{**kwargs, "compilation_config": {
+                      **kwargs.get("compilation_config", {}),
+                      "cudagraph_mode": "FULL_DECODE_ONLY"}})):
+        assert refusal_for("cuda", eager, InfiniGenConfig()) is None
+
+
+@pytest.mark.parametrize("settings,flag", [
+    ({"cpu_pool_gib": 1.0}, "--infinigen-cpu-pool-gib"),
+    ({"policy": "h2o"}, "--infinigen-policy"),
+    ({"transfer": "copy"}, "--infinigen-transfer"),
+], ids=["capped-pool", "baseline", "transfer"])
+def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag):
+    """With vLLM's default graphs, through the front end (device type faked)."""
+    from vllm.platforms import current_platform
+
+    config = InfiniGenConfig(**settings)
+    assert refusal_for("cpu", _args(), config) is None
+    assert flag in refusal_for("cuda", _args(), config)
+    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    with pytest.raises(ValueError) as info:
+        checks.check_engine_args(_args(), config)
+    assert str(info.value).startswith("--kv-manager infinigen: ")
+    assert flag in str(info.value)
+
+
+def test_a_platform_without_a_table_line_refuses_nothing():
+    assert "cpu" not in REFUSALS
+    assert refusal_for("cpu", _args(), InfiniGenConfig(policy="h2o")) is None
+    assert refusal_for("tpu", _args(), InfiniGenConfig()) is None

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side, CUDA platform: the rows of a host-planned step that attend without the cache.
+
+Rows whose context is below ``--infinigen-min-context`` in a step planned on
+the host, and prompt rows, attend over their blocks staged from the pool by
+the gather kernel (no device block cache), in torch for the prompts
+(docs/design.md, "What remains"). A decode step planned on the device never
+comes here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.worker.layer_state import LayerState
+from vllm_infinigen.worker.step_plan import RowSet, StepPlan
+
+_PROMPT_CHUNK = 256  # query rows per causal-attention chunk (bounds the score tensor)
+
+
+def attend_dense(layer: LayerState, rows: RowSet, query: torch.Tensor,
+                 device: torch.device) -> torch.Tensor:
+    """Each row over its whole context, its blocks staged from the pool (no cache)."""
+    block_size, heads = layer.block_size, layer.num_kv_heads
+    num_rows = rows.size
+    width = max(rows.context_host, default=0) // block_size + 1
+    context_lens = rows.context_lens.to(device, torch.int64)
+    index = torch.arange(width, device=device)
+    in_row = index[None, :] <= (context_lens // block_size)[:, None]  # [S, Wb]
+    block_table = rows.block_table.to(device, torch.int64)[:, :width]
+    block_ids = torch.where(in_row, block_table, -1)
+    staged = stage(layer, block_ids.flatten(), device)  # [S * Wb * H + 1, ...]
+    # sequence (row s, head h) reads staged unit (s * Wb + j) * H + h for block j
+    table = ((torch.arange(num_rows, device=device)[:, None, None] * width
+              + index[None, None, :]) * heads
+             + torch.arange(heads, device=device)[None, :, None])
+    seq_lens = (context_lens + 1)[:, None].expand(num_rows, heads)
+    seq_lens = seq_lens.reshape(-1).to(torch.int32)
+    out = kernels.attend_units(query.to(device), staged,
+                               table.reshape(num_rows * heads, width), seq_lens,
+                               num_kv_heads=heads, scale=layer.scale)
+    attended = seq_lens.to(torch.float64).sum() - seq_lens.shape[0]
+    context = context_lens.to(torch.float64).sum()
+    layer.stats += torch.stack([attended, context]).to(layer.stats.device)
+    return out
+
+def attend_prompt(layer: LayerState, plan: StepPlan, query: torch.Tensor,
+                  output: torch.Tensor, device: torch.device) -> None:
+    """Causal attention of each prompt request over its blocks staged from the
+    pool (the step's tokens were written through before), in torch."""
+    block_size, heads, head_size = layer.block_size, layer.num_kv_heads, layer.head_size
+    group = layer.num_heads // heads
+    starts, seq_lens = plan.query_start.tolist(), plan.seq_lens.tolist()  # host tensors
+    for request in plan.prompt_requests.tolist():
+        start, end, seq_len = starts[request], starts[request + 1], seq_lens[request]
+        num_blocks = -(-seq_len // block_size)
+        block_ids = plan.all_block_table[request, :num_blocks].to(device, torch.int64)
+        staged = stage(layer, block_ids, device)[:-1]
+        # kv: [H_kv, seq_len, 2D]
+        kv = staged.view(num_blocks, heads, block_size, 2 * head_size).permute(1, 0, 2, 3)
+        kv = kv.reshape(heads, num_blocks * block_size, -1)[:, :seq_len].float()
+        keys, values = kv[..., :head_size], kv[..., head_size:]
+        first = seq_len - (end - start)  # position of the request's first row
+        for chunk in range(start, end, _PROMPT_CHUNK):
+            stop = min(chunk + _PROMPT_CHUNK, end)
+            rows = query[chunk:stop].to(device).float().view(-1, heads, group, head_size)
+            scores = torch.einsum("thgd,hld->thgl", rows, keys) * layer.scale
+            position = first + chunk - start + torch.arange(stop - chunk, device=device)
+            visible = torch.arange(seq_len, device=device)[None, :] <= position[:, None]
+            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+            out = torch.einsum("thgl,hld->thgd", torch.softmax(scores, dim=-1), values)
+            output[chunk:stop] = out.reshape(stop - chunk, -1, head_size).to(output.dtype)
+
+
+def stage(layer: LayerState, block_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[M * H_kv + 1, block_size, 2 * D] units of ``block_ids`` [M] (-1: none) from
+    the pool, unit (m, h) at m * H_kv + h; the last unit is scratch."""
+    heads = layer.num_kv_heads
+    count = block_ids.shape[0] * heads
+    staged = torch.zeros((count + 1, layer.block_size, 2 * layer.head_size),
+                         dtype=layer.kv_pool.dtype, device=device)
+    head = torch.arange(heads, device=device)[None, :]
+    valid = (block_ids >= 0)[:, None].expand(-1, heads)
+    units = torch.where(valid, block_ids.clamp(min=0)[:, None] * heads + head, 0)
+    slots = torch.where(valid, torch.arange(count, device=device).view(-1, heads),
+                        count)
+    kernels.gather_units(layer.kv_pool, staged, units.flatten(), slots.flatten(),
+                         torch.tensor([count], dtype=torch.int64, device=device))
+    return staged

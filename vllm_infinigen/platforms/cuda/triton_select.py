@@ -1,0 +1,351 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side, CUDA platform: the Triton kernels of a device-only selection (imported on first launch).
+
+One sparse layer's selection and cache placement, in four launches, with no
+host read and grids sized by the step's bounds (rows x KV heads, the
+selection's static width), so that a decode step can be captured in a CUDA
+graph (``select_ops.py`` holds the dispatch and the torch references)::
+
+    int_scores     token scores from the int keys, read in place, and each
+                   block's best (grid: rows x KV heads, token tiles)
+    alpha_counts   per (row, KV head): tokens within alpha of the best
+    select_blocks  per (row, KV head): the budget in blocks (alpha count
+                   averaged over the row's KV heads, capped by the budget,
+                   plus the sink and recent blocks; every block below
+                   ``min_context``), chosen by a threshold search on the
+                   block scores (no sort), written ascending with their
+                   block ids and the tokens the row then attends
+    lookup_lru     per KV head: hits, least recently used victims for the
+                   misses (a threshold search on the last-use ticks), the
+                   cache's maps updated, the fetch list and the counters
+
+Settings that a running engine may change (alpha, budget, min context) are
+read from a device tensor, so a captured graph follows them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_INT32_MIN = -2147483648
+_INT32_MAX = 2147483647
+
+
+@triton.jit
+def _int_scores(query, codes, scales, table, context_lens, token_out, block_out, scale,
+                query_row_stride, table_stride, num_tokens, num_blocks,
+                H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                BLOCK: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
+                TILE: tl.constexpr, WRITE_BLOCKS: tl.constexpr):
+    """Speculated scores of TILE tokens of one (row, KV head), the int keys read in place.
+
+    Grid (rows x KV heads, token tiles). Token t of the row lies in block
+    ``table[row, t // BLOCK]``, group (t % BLOCK) // 16, whose channel c keeps
+    its code in bits [BITS * (t % 16), + BITS) of 2 * BITS bytes; its key is
+    (code - HALF) x scale[c]. The score is the best over the G query heads of
+    q . k, times ``scale``; tokens of the row's open group (from its context
+    rounded down to 16) and later score -inf and read nothing. With
+    WRITE_BLOCKS, each block's best token score too (TILE a multiple of BLOCK).
+    """
+    sequence = tl.program_id(0)
+    row = sequence // H
+    head = sequence % H
+    tokens = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    live = tokens < num_tokens
+    encoded = tl.maximum(tl.load(context_lens + row), 0) // 16 * 16
+    read = live & (tokens < encoded)
+    block = tl.load(table + row * table_stride + tokens // BLOCK, mask=read, other=0).to(tl.int64)
+    cell = ((block * H + head) * (BLOCK // 16) + (tokens % BLOCK) // 16) * D  # [TILE]
+    in_group = tokens % 16
+    dims = tl.arange(0, D_PAD)
+    mask = read[:, None] & (dims < D)[None, :]
+    packed = tl.load(codes + (cell[:, None] + dims[None, :]) * (2 * BITS)
+                     + (BITS * in_group // 8)[:, None], mask=mask, other=0)
+    code = (packed.to(tl.int32) >> (BITS * in_group % 8)[:, None]) & ((1 << BITS) - 1)
+    step = tl.load(scales + cell[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    keys = (code.to(tl.float32) - HALF) * step  # [TILE, D_PAD]
+    best = tl.full([TILE], float("-inf"), tl.float32)
+    query_row = query + row.to(tl.int64) * query_row_stride + head * G * D
+    for group in tl.static_range(G):
+        q = tl.load(query_row + group * D + dims, mask=dims < D, other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.sum(keys * q[None, :], axis=1))
+    scores = tl.where(read, best * scale, float("-inf"))
+    tl.store(token_out + sequence.to(tl.int64) * num_tokens + tokens, scores, mask=live)
+    if WRITE_BLOCKS:
+        per_block = tl.max(tl.reshape(scores, (TILE // BLOCK, BLOCK)), axis=1)
+        index = tl.program_id(1) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
+        tl.store(block_out + sequence.to(tl.int64) * num_blocks + index, per_block,
+                 mask=index < num_blocks)
+
+
+def int_scores(query, codes, scales, table, context_lens, token_out, block_out, *,
+               scale: float, tile: int = 64, num_warps: int = 4) -> None:
+    """Launches ``_int_scores`` on the current stream (arguments:
+    ``select_ops.int_scores``; query [S, H_kv, G, D] with unit strides but the row's)."""
+    rows, heads, group, head_size = query.shape
+    num_tokens = token_out.shape[-1]
+    block_size = codes.shape[2] * 16
+    if block_out is not None:
+        tile = max(tile, block_size)  # whole blocks per tile
+    bits = codes.shape[-1] // 2
+    _int_scores[(rows * heads, triton.cdiv(num_tokens, tile))](
+        query, codes, scales, table, context_lens, token_out, block_out, scale,
+        query.stride(0), table.stride(0), num_tokens,
+        block_out.shape[-1] if block_out is not None else 0,
+        H=heads, G=group, D=head_size, D_PAD=triton.next_power_of_2(head_size),
+        BLOCK=block_size, BITS=bits, HALF=((1 << bits) - 1) / 2, TILE=tile,
+        WRITE_BLOCKS=block_out is not None, num_warps=num_warps)
+
+
+@triton.jit
+def _alpha_counts(token_scores, block_scores, context_lens, settings, counts, num_tokens,
+                  num_blocks, H: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """counts[row, head] = the row's encoded tokens scoring above best - alpha
+    (``settings[0]``), best over its blocks. Grid (rows x KV heads)."""
+    sequence = tl.program_id(0).to(tl.int64)
+    encoded = tl.maximum(tl.load(context_lens + sequence // H), 0) // 16 * 16
+    lanes = tl.arange(0, CHUNK)
+    best = tl.full([CHUNK], float("-inf"), tl.float32)
+    for start in range(0, (encoded + BLOCK - 1) // BLOCK, CHUNK):
+        index = start + lanes
+        best = tl.maximum(best, tl.load(block_scores + sequence * num_blocks + index,
+                                        mask=index < num_blocks, other=float("-inf")))
+    floor = tl.max(best, axis=0) - tl.load(settings).to(tl.float32)
+    total = tl.zeros([CHUNK], tl.int32)
+    for start in range(0, encoded, CHUNK):
+        index = start + lanes
+        score = tl.load(token_scores + sequence * num_tokens + index, mask=index < encoded,
+                        other=float("-inf"))
+        total += (score > floor).to(tl.int32)
+    tl.store(counts + sequence, tl.sum(total, axis=0))
+
+
+def alpha_counts(token_scores, block_scores, context_lens, settings, counts, *,
+                 block_size: int, chunk: int = 1024, num_warps: int = 4) -> None:
+    """Launches ``_alpha_counts`` (token_scores [S, H, T], block_scores [S, H, MB])."""
+    rows, heads, num_tokens = token_scores.shape
+    _alpha_counts[(rows * heads,)](token_scores, block_scores, context_lens, settings, counts,
+                                   num_tokens, block_scores.shape[-1], H=heads, BLOCK=block_size,
+                                   CHUNK=chunk, num_warps=num_warps)
+
+
+@triton.jit
+def _block_keys(scores, index, blocks, sink_blocks, recent_blocks):
+    """int64 keys of a row's blocks ``index``, in the order of their float scores:
+    forced blocks (the sink and recent ones) first, blocks past the row last
+    (never chosen); -0.0 and 0.0 tie."""
+    score = tl.load(scores + index, mask=index < blocks, other=0.0)
+    bits = (score + 0.0).to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    key = tl.where((index < sink_blocks) | (index >= blocks - recent_blocks), _INT32_MAX, key)
+    return tl.where(index < blocks, key, _INT32_MIN)
+
+
+@triton.jit
+def _take(beyond, at, tied, ties, taken):
+    """A chunk's chosen entries: those ``beyond`` the threshold and, by index, the
+    ones ``at`` it while fewer than ``ties`` are taken (``tied`` in earlier
+    chunks); (chosen, each one's place after the ``taken`` before)."""
+    chosen = beyond | (at & (tied + tl.cumsum(at.to(tl.int32), 0) <= ties))
+    return chosen, taken + tl.cumsum(chosen.to(tl.int32), 0) - 1
+
+
+@triton.jit
+def _select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
+                   seq_lens, num_blocks, table_stride, width, sink_blocks, recent_blocks,
+                   H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """One (row, KV head): which of the row's blocks it attends. Grid (rows x KV heads).
+
+    k = max(1, min(floor(mean over the row's KV heads of ``counts``),
+    max(1, floor(budget x context)))); n = min(ceil(k / BLOCK) + the sink and
+    recent blocks, the row's blocks), or every block of a row whose context
+    is below ``min_context`` (``settings``: alpha, budget, min_context). The
+    n blocks with the best keys (``_block_keys``; ties: the lower index) come out
+    ascending in ``logical`` and, through the table, ``physical``; -1 after.
+    A row with a negative context (padding) selects nothing (seq_len 0).
+    """
+    sequence = tl.program_id(0).to(tl.int64)
+    row = sequence // H
+    context = tl.load(context_lens + row).to(tl.int64)
+    blocks = tl.where(context >= 0, tl.maximum(context, 0) // BLOCK + 1, 0)
+    heads = tl.arange(0, H_PAD)
+    summed = tl.sum(tl.load(counts + row * H + heads, mask=heads < H, other=0).to(tl.int64),
+                    axis=0)
+    cap = tl.maximum(tl.floor(context.to(tl.float64) * tl.load(settings + 1)).to(tl.int64), 1)
+    wanted = tl.maximum(tl.minimum(summed // H, cap), 1)
+    num_selected = tl.minimum((wanted + BLOCK - 1) // BLOCK
+                              + tl.minimum(blocks, sink_blocks + recent_blocks), blocks)
+    below = context < tl.load(settings + 2).to(tl.int64)
+    num_selected = tl.minimum(tl.where(below, blocks, num_selected), width)
+    lanes = tl.arange(0, CHUNK)
+    scores = block_scores + sequence * num_blocks
+    # The n-th best key: the largest t with count(key >= t) >= n (bisection).
+    low = tl.full([], _INT32_MIN, tl.int64)
+    high = tl.full([], _INT32_MAX, tl.int64) + 1
+    if num_selected < blocks:
+        for _ in range(33):
+            middle = (low + high) >> 1
+            above = 0
+            for start in range(0, blocks, CHUNK):
+                index = start + lanes
+                key = _block_keys(scores, index, blocks, sink_blocks, recent_blocks)
+                above += tl.sum((key >= middle).to(tl.int32), axis=0)
+            enough = above >= num_selected
+            low = tl.where(enough, middle, low)
+            high = tl.where(enough, high, middle)
+    greater = 0
+    for start in range(0, blocks, CHUNK):
+        index = start + lanes
+        key = _block_keys(scores, index, blocks, sink_blocks, recent_blocks)
+        greater += tl.sum(((key > low) & (index < blocks)).to(tl.int32), axis=0)
+    ties = num_selected - greater
+    taken = 0
+    tied = 0
+    out = sequence * width
+    for start in range(0, blocks, CHUNK):
+        index = start + lanes
+        in_row = index < blocks
+        key = _block_keys(scores, index, blocks, sink_blocks, recent_blocks)
+        equal = in_row & (key == low)
+        chosen, place = _take(in_row & (key > low), equal, tied, ties, taken)
+        block_id = tl.load(table + row * table_stride + index, mask=chosen, other=0)
+        tl.store(logical + out + place, index.to(tl.int64), mask=chosen)
+        tl.store(physical + out + place, block_id.to(tl.int64), mask=chosen)
+        taken += tl.sum(chosen.to(tl.int32), axis=0)
+        tied += tl.sum(equal.to(tl.int32), axis=0)
+    for start in range(0, width, CHUNK):
+        index = start + lanes
+        pad = (index >= num_selected) & (index < width)
+        tl.store(logical + out + index, tl.full([CHUNK], -1, tl.int64), mask=pad)
+        tl.store(physical + out + index, tl.full([CHUNK], -1, tl.int64), mask=pad)
+    length = tl.where(num_selected > 0,
+                      (num_selected - 1) * BLOCK + tl.maximum(context, 0) % BLOCK + 1, 0)
+    tl.store(seq_lens + sequence, length.to(tl.int32))
+
+
+def select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
+                  seq_lens, *, block_size: int, sink_blocks: int, recent_blocks: int,
+                  chunk: int = 1024, num_warps: int = 4) -> None:
+    """Launches ``_select_blocks`` (logical, physical: [S, H, W] int64)."""
+    rows, heads, num_blocks = block_scores.shape
+    _select_blocks[(rows * heads,)](
+        block_scores, counts, context_lens, table, settings, logical, physical, seq_lens,
+        num_blocks, table.stride(0), logical.shape[-1], sink_blocks, recent_blocks, H=heads,
+        H_PAD=triton.next_power_of_2(heads), BLOCK=block_size, CHUNK=chunk,
+        num_warps=num_warps)
+
+
+@triton.jit
+def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_units,
+                fetch_slots, num_fetch, counters, seq_lens, context_lens, num_rows, width,
+                capacity, H: tl.constexpr, CHUNK: tl.constexpr):
+    """One KV head's selection placed in its cache (LRU). Grid (KV heads).
+
+    Entries ``ids[s, head, w]`` (block ids, -1: none; distinct: no block is
+    shared between rows). A hit refreshes its slot's tick; the misses, in
+    entry order, take the free or least recently used slots not hit in this
+    step, in slot order (ties: the lower slot), and are listed for the gather.
+    ``counters[head]`` += (entries attended besides the rows' own, context
+    tokens (head 0), hits, misses).
+    """
+    head = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    tick = tl.load(ticks + head) + 1
+    tl.store(ticks + head, tick)
+    used = last_used + head * (capacity + 1)
+    owner = block_of + head * (capacity + 1)
+    total = num_rows * width
+    hits = tl.full([], 0, tl.int32)
+    misses = tl.full([], 0, tl.int32)
+    for start in range(0, total, CHUNK):
+        entry = start + lanes
+        live = entry < total
+        at = ((entry // width) * H + head) * width + entry % width
+        block_id = tl.load(ids + at, mask=live, other=-1).to(tl.int64)
+        wanted = live & (block_id >= 0)
+        cached = tl.load(slot_of + block_id * H + head, mask=wanted, other=-1).to(tl.int64)
+        hit = wanted & (cached >= 0)
+        miss = wanted & (cached < 0)
+        tl.store(used + cached, tick, mask=hit)
+        tl.store(slots + at, tl.where(hit, head * capacity + cached, tl.where(miss, -2, -1)),
+                 mask=live)
+        hits += tl.sum(hit.to(tl.int32), axis=0)
+        misses += tl.sum(miss.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    # Victims: the smallest V with count(eligible & tick <= V) >= misses (bisection).
+    low = tl.full([], -2, tl.int64)
+    high = tick - 1
+    if misses > 0:
+        for _ in range(64):
+            if high - low > 1:
+                middle = (low + high) >> 1
+                count = 0
+                for start in range(0, capacity, CHUNK):
+                    slot = start + lanes
+                    key = tl.load(used + slot, mask=slot < capacity, other=tick)
+                    count += tl.sum(((key != tick) & (key <= middle)).to(tl.int32), axis=0)
+                enough = count >= misses
+                low = tl.where(enough, low, middle)
+                high = tl.where(enough, middle, high)
+        older = 0
+        for start in range(0, capacity, CHUNK):
+            slot = start + lanes
+            key = tl.load(used + slot, mask=slot < capacity, other=tick)
+            older += tl.sum(((key != tick) & (key < high)).to(tl.int32), axis=0)
+        ties = misses - older
+        taken = 0
+        tied = 0
+        for start in range(0, capacity, CHUNK):
+            slot = start + lanes
+            key = tl.load(used + slot, mask=slot < capacity, other=tick)
+            equal = (key != tick) & (key == high)
+            chosen, place = _take((key != tick) & (key < high), equal, tied, ties, taken)
+            tl.store(victims + head * total + place, slot.to(tl.int64), mask=chosen)
+            taken += tl.sum(chosen.to(tl.int32), axis=0)
+            tied += tl.sum(equal.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    ranked = 0
+    for start in range(0, total, CHUNK):
+        entry = start + lanes
+        live = entry < total
+        at = ((entry // width) * H + head) * width + entry % width
+        miss = tl.load(slots + at, mask=live, other=-1) == -2
+        rank = ranked + tl.cumsum(miss.to(tl.int32), 0) - 1
+        victim = tl.load(victims + head * total + rank, mask=miss, other=0)
+        block_id = tl.load(ids + at, mask=miss, other=0).to(tl.int64)
+        old = tl.load(owner + victim, mask=miss, other=-1)
+        tl.store(slot_of + old * H + head, tl.full([CHUNK], -1, tl.int32), mask=miss & (old >= 0))
+        tl.store(slot_of + block_id * H + head, victim.to(tl.int32), mask=miss)
+        tl.store(owner + victim, block_id, mask=miss)
+        tl.store(used + victim, tick, mask=miss)
+        tl.store(slots + at, head * capacity + victim, mask=miss)
+        tl.store(fetch_units + head * total + rank, block_id * H + head, mask=miss)
+        tl.store(fetch_slots + head * total + rank, head * capacity + victim, mask=miss)
+        ranked += tl.sum(miss.to(tl.int32), axis=0)
+    tl.store(num_fetch + head, misses.to(tl.int64))
+    attended = 0
+    context = 0
+    for start in range(0, num_rows, CHUNK):
+        row = start + lanes
+        live = row < num_rows
+        length = tl.load(seq_lens + row * H + head, mask=live, other=0).to(tl.int64)
+        attended += tl.sum(tl.maximum(length - 1, 0), axis=0)
+        before = tl.load(context_lens + row, mask=live, other=0).to(tl.int64)
+        context += tl.sum(tl.maximum(before, 0), axis=0)
+    counter = counters + head * 4
+    tl.store(counter, tl.load(counter) + attended)
+    tl.store(counter + 1, tl.load(counter + 1) + tl.where(head == 0, context, 0))
+    tl.store(counter + 2, tl.load(counter + 2) + hits)
+    tl.store(counter + 3, tl.load(counter + 3) + misses)
+
+
+def lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_units,
+               fetch_slots, num_fetch, counters, seq_lens, context_lens, *, capacity: int,
+               chunk: int = 1024, num_warps: int = 4) -> None:
+    """Launches ``_lookup_lru`` (ids, slots: [S, H, W] int64)."""
+    rows, heads, width = ids.shape
+    _lookup_lru[(heads,)](ids, slots, slot_of, block_of, last_used, ticks, victims,
+                          fetch_units, fetch_slots, num_fetch, counters, seq_lens, context_lens,
+                          rows, width, capacity, H=heads, CHUNK=chunk, num_warps=num_warps)
