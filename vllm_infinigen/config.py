@@ -138,6 +138,12 @@ class InfiniGenConfig:
     budget: float = setting(
         0.2, "Cap on selected tokens, as a fraction of the context.", check=_fraction,
         runtime=True)
+    # A cap in tokens beside the fraction: the bytes a step reads stop growing
+    # with the context (what RetroInfer and ShadowKV select: 2-4K tokens).
+    budget_tokens: int | None = setting(
+        None, "Cap on selected tokens per request and KV head, in tokens: a row keeps at "
+        "most min(--infinigen-budget x context, this) (default: no cap).", check=_count(1),
+        runtime=True)
     skew_file: str | None = setting(
         None, "Skew file from `vllm-infinigen prepare` for --infinigen-speculation-keys "
         "partial (default: computed at start-up on bundled calibration text, then cached).",

@@ -20,7 +20,8 @@ from vllm_infinigen.config import (
 def test_defaults():
     config = InfiniGenConfig()
     assert config.to_dict() == {
-        "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "skew_file": None,
+        "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "budget_tokens": None,
+        "skew_file": None,
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
         "eval_dense_prefix": None, "min_context": DEFAULT_MIN_CONTEXT,
@@ -43,6 +44,8 @@ def test_frozen():
         ("partial_ratio", math.nan), ("partial_ratio", False),
         ("budget", 0.0), ("budget", 1.01), ("budget", -0.1), ("budget", math.nan),
         ("budget", True), ("budget", "0.2"), ("budget", math.inf),
+        ("budget_tokens", 0), ("budget_tokens", -5), ("budget_tokens", 2.5),
+        ("budget_tokens", True),
         ("dense_layers", 0), ("dense_layers", -1), ("dense_layers", 1.0),
         ("dense_layers", True),
         ("sink_tokens", -1), ("sink_tokens", 2.5), ("sink_tokens", True),

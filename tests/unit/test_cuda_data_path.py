@@ -264,3 +264,28 @@ def test_a_capped_pool_is_refused_naming_the_flag():
                       num_bytes=0, sized_by="")
     with pytest.raises(ValueError, match="--infinigen-cpu-pool-gib"):
         path.allocate(_layer(), capped, NUM_BLOCKS, torch.float32)
+
+
+def test_settings_change_in_place_and_widening_changes_are_refused():
+    """A captured graph reads the settings tensor: a change lands in it, not in a
+    new one; a change the start-up width cannot hold is refused, naming the flag."""
+    case = _Case()
+    settings = case.path.settings
+    pointer = settings.data_ptr()
+    case.path.configure(InfiniGenConfig(alpha=2.0, budget=0.1, min_context=0))
+    assert case.path.settings.data_ptr() == pointer
+    assert case.path.settings.tolist() == [2.0, 0.1, 0.0, 0.0]
+    for change, flag in (({"budget": 0.5}, "--infinigen-budget"),
+                         ({"min_context": 64}, "--infinigen-min-context"),
+                         ({"sink_tokens": 4}, "--infinigen-sink-tokens")):
+        with pytest.raises(ValueError, match=flag):
+            case.path.configure(InfiniGenConfig(**{"alpha": 1.0, "min_context": 0, **change}))
+    capped = CudaDataPath("cpu", 16)
+    capped.allocate(_layer(3), _plan(), NUM_BLOCKS, torch.float32)
+    capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=8))
+    capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=4))
+    for cap in (None, 9):
+        with pytest.raises(ValueError, match="--infinigen-budget-tokens"):
+            capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=cap))
+    # the cap bounds every selection's width: 8 tokens = 2 blocks + sink + own
+    assert capped.width(NUM_BLOCKS, BLOCK) == 4

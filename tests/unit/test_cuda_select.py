@@ -14,6 +14,7 @@ import torch
 
 from vllm_infinigen.platforms.cuda import block_selection, select_ops
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
+from vllm_infinigen.worker.step_plan import token_budget
 
 BLOCK = 4
 
@@ -28,30 +29,32 @@ def _case(seed: int, context_lens: list[int], table_blocks: int = 8, heads: int 
     return scores, torch.tensor(context_lens), table, counts
 
 
-def _settings(alpha=5.0, budget=0.3, min_context=0):
-    return select_ops.settings_tensor(alpha, budget, min_context, "cpu")
+def _settings(alpha=5.0, budget=0.3, min_context=0, budget_tokens=None):
+    return select_ops.settings_tensor(alpha, budget, min_context, "cpu", budget_tokens)
 
 
-def _rule(scores, context_lens, counts, budget, width):
-    """The block rule of ``block_selection`` (alpha caps from the counts)."""
+def _rule(scores, context_lens, counts, budget, width, budget_tokens=None):
+    """The block rule of ``block_selection`` (alpha caps from the counts, the
+    budget in tokens from ``step_plan.token_budget``)."""
     heads = scores.shape[1]
     mean = counts.view(-1, heads).long().sum(dim=1) // heads
-    budget_tokens = torch.floor(context_lens.double() * budget).long().clamp(min=1)
-    caps = torch.minimum(mean, budget_tokens).clamp(min=1)
+    caps = torch.minimum(mean, token_budget(context_lens, budget, budget_tokens)).clamp(min=1)
     return block_selection.select_blocks(scores, context_lens, caps, block_size=BLOCK,
                                          width=width).logical
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("budget", [0.1, 0.3, 1.0])
-def test_select_keeps_the_block_rules_blocks(seed, budget):
+@pytest.mark.parametrize("budget,budget_tokens", [(0.1, None), (0.3, None), (1.0, None),
+                                                  (1.0, 6), (0.3, 2)])
+def test_select_keeps_the_block_rules_blocks(seed, budget, budget_tokens):
     scores, context_lens, table, counts = _case(seed, [29, 13, 3, 20])
     width = select_ops.selection_width(8, BLOCK, budget=budget, min_context=0, sink_blocks=1,
-                                       recent_blocks=1)
+                                       recent_blocks=1, budget_tokens=budget_tokens)
     logical, physical, seq_lens = select_ops.select(
-        scores, counts, context_lens, table, _settings(budget=budget), block_size=BLOCK,
-        width=width, sink_blocks=1, recent_blocks=1)
-    expected = _rule(scores, context_lens, counts, budget, width)
+        scores, counts, context_lens, table,
+        _settings(budget=budget, budget_tokens=budget_tokens), block_size=BLOCK, width=width,
+        sink_blocks=1, recent_blocks=1)
+    expected = _rule(scores, context_lens, counts, budget, width, budget_tokens)
     assert torch.equal(logical, expected)
     assert torch.equal(physical, torch.where(
         logical >= 0, table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical),
@@ -81,18 +84,21 @@ def test_rows_below_min_context_keep_every_block_and_padding_rows_none():
     assert seq_lens.tolist() == [14, 14, 2 * BLOCK + 3, 2 * BLOCK + 3, 0, 0]
 
 
-@pytest.mark.parametrize("budget,min_context", [(0.2, 0), (0.05, 40), (1.0, 0), (0.01, 4096)])
-def test_the_width_bounds_every_row(budget, min_context):
+@pytest.mark.parametrize("budget,min_context,budget_tokens", [
+    (0.2, 0, None), (0.05, 40, None), (1.0, 0, None), (0.01, 4096, None), (1.0, 0, 9),
+    (0.5, 20, 3)])
+def test_the_width_bounds_every_row(budget, min_context, budget_tokens):
     table_blocks = 12
     width = select_ops.selection_width(table_blocks, BLOCK, budget=budget,
                                        min_context=min_context, sink_blocks=1,
-                                       recent_blocks=1)
+                                       recent_blocks=1, budget_tokens=budget_tokens)
     contexts = list(range(0, table_blocks * BLOCK))
     scores = torch.randn(len(contexts), 1, table_blocks)
     counts = torch.full((len(contexts),), 10_000, dtype=torch.int32)  # the budget binds
     logical, _, _ = select_ops.select(
         scores, counts, torch.tensor(contexts), torch.arange(table_blocks).expand(
-            len(contexts), -1).int(), _settings(budget=budget, min_context=min_context),
+            len(contexts), -1).int(),
+        _settings(budget=budget, min_context=min_context, budget_tokens=budget_tokens),
         block_size=BLOCK, width=width, sink_blocks=1, recent_blocks=1)
     kept = (logical >= 0).sum(dim=-1)[:, 0]
     for context, count in zip(contexts, kept.tolist()):
@@ -100,9 +106,11 @@ def test_the_width_bounds_every_row(budget, min_context):
         if context < min_context:
             wanted = blocks
         else:
-            cap = max(1, math.floor(budget * context))
+            cap = max(1, min(math.floor(budget * context), budget_tokens or context))
             wanted = min(-(-cap // BLOCK) + min(blocks, 2), blocks)
         assert count == wanted <= width
+    if budget_tokens is not None and not min_context:  # the cap bounds the width itself
+        assert width == min(table_blocks, -(-budget_tokens // BLOCK) + 2)
 
 
 def test_alpha_counts_are_the_rules_count():
@@ -187,3 +195,10 @@ def test_place_evicts_the_least_recently_used_slots():
 def test_place_refuses_a_step_wider_than_the_cache():
     with pytest.raises(ValueError, match="slots per head"):
         _place(DeviceBlockCache(1, 1, 3, 16, "cpu"), torch.tensor([[[1, 2]], [[3, 4]]]))
+
+
+def test_the_budget_in_tokens_is_the_fraction_capped_by_the_tokens():
+    contexts = torch.tensor([0, 3, 40, 1000, 100_000])
+    assert token_budget(contexts, 0.2).tolist() == [1, 1, 8, 200, 20_000]
+    assert token_budget(contexts, 0.2, 256).tolist() == [1, 1, 8, 200, 256]
+    assert token_budget(contexts, 1.0, 4).tolist() == [1, 3, 4, 4, 4]

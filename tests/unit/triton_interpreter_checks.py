@@ -215,9 +215,10 @@ def test_alpha_counts_equal_the_reference(triton_select):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("budget,min_context,sink,recent", [(0.2, 0, 1, 1), (0.05, 30, 2, 1),
-                                                           (0.5, 0, 1, 3), (1.0, 0, 1, 1)])
-def test_select_equals_the_reference(triton_select, seed, budget, min_context, sink, recent):
+@pytest.mark.parametrize("budget,min_context,sink,recent,cap", [
+    (0.2, 0, 1, 1, None), (0.05, 30, 2, 1, None), (0.5, 0, 1, 3, None), (1.0, 0, 1, 1, None),
+    (0.5, 0, 1, 1, 20)])
+def test_select_equals_the_reference(triton_select, seed, budget, min_context, sink, recent, cap):
     """Random scores with ties (rounded), -inf blocks, a padding row, rows below
     min_context, a chunk smaller than the row (the threshold search crosses chunks)."""
     gen = torch.Generator().manual_seed(seed)
@@ -227,10 +228,10 @@ def test_select_equals_the_reference(triton_select, seed, budget, min_context, s
     scores[1, 0, 5:9] = float("-inf")
     table = torch.stack([torch.randperm(300, generator=gen)[:table_blocks] for _ in range(6)])
     counts = torch.randint(0, 80, (6 * heads,), generator=gen, dtype=torch.int32)
-    settings = select_ops.settings_tensor(5.0, budget, min_context, "cpu")
+    settings = select_ops.settings_tensor(5.0, budget, min_context, "cpu", cap)
     width = select_ops.selection_width(table_blocks, block, budget=budget,
                                        min_context=min_context, sink_blocks=sink,
-                                       recent_blocks=recent)
+                                       recent_blocks=recent, budget_tokens=cap)
     expected = select_ops.select_reference(scores, counts, context_lens, table.int(), settings,
                                            block_size=block, width=width, sink_blocks=sink,
                                            recent_blocks=recent)

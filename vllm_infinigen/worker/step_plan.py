@@ -33,16 +33,23 @@ if TYPE_CHECKING:
     from vllm_infinigen.config import InfiniGenConfig
 
 
-def token_budget(context_lens: torch.Tensor, budget: float) -> torch.Tensor:
-    """The budget in tokens of each row: floor(budget x context), at least 1.
+def token_budget(context_lens: torch.Tensor, budget: float,
+                 budget_tokens: int | None = None) -> torch.Tensor:
+    """The budget in tokens of each row: min(floor(budget x context),
+    ``budget_tokens``), at least 1.
 
-    The one definition of ``--infinigen-budget`` in tokens: the selection
-    kernel and every policy take its result.
+    The one definition of ``--infinigen-budget`` and ``--infinigen-budget-tokens``
+    in tokens: the selection kernels and every policy take its result (a
+    platform that selects on the device computes the same there:
+    ``platforms/cuda/select_ops.select``).
 
     Args:
         context_lens: [B] tokens in each row's context (its own token excluded).
+        budget_tokens: The cap in tokens, or None.
     """
     caps = torch.floor(context_lens.to(torch.float64) * budget).to(torch.int64)
+    if budget_tokens is not None:
+        caps = torch.clamp(caps, max=budget_tokens)
     return torch.clamp(caps, min=1)
 
 
@@ -205,7 +212,7 @@ def build_plan(attn_metadata, config: InfiniGenConfig, block_size: int,
             ~is_decode, query_start, seq_lens, max(prefix, 1))
     all_block_table = attn_metadata.block_table[:num_reqs]
     short = context_lens < config.min_context
-    token_caps = token_budget(context_lens, config.budget)
+    token_caps = token_budget(context_lens, config.budget, config.budget_tokens)
     return StepPlan(
         rows=rows,
         tokens=tokens,

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_infinigen.config import InfiniGenConfig, flag
 from vllm_infinigen.memory import CAP_FLAG, PoolPlan
 from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops, staged, writes
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
@@ -101,10 +102,9 @@ class CudaDataPath:
         if self.device.type == "cuda":
             # Priority 0 is the lowest: the gather yields to the model's kernels.
             self._stream = torch.cuda.Stream(self.device, priority=0)
-        # [3] float64 (``select_ops.SETTINGS``), updated in place by ``configure``.
+        # [4] float64 (``select_ops.SETTINGS``), updated in place by ``configure``.
         self.settings: torch.Tensor | None = None
-        self._windows = (0, 0)  # sink and recent tokens
-        self._bounds: tuple[float, int] | None = None  # budget, min context at start-up
+        self._start = None  # the settings at start-up (InfiniGenConfig): the width
 
     def describe(self) -> str:
         where = "pinned host pool, Triton gather on a side stream" if self._stream else \
@@ -114,28 +114,30 @@ class CudaDataPath:
 
     # -- DataPath
 
-    def configure(self, config) -> None:
+    def configure(self, config: InfiniGenConfig) -> None:
         """Takes the selection settings: once every sparse layer is allocated
-        (the cache's bookkeeping is made then), and at each change.
+        (the cache's bookkeeping is made then), and at each change. The
+        settings of the first call size every selection (``width``).
 
         Raises:
-            ValueError: If the budget or the min context would widen the
-                selection past what the cache and captured graphs were sized for.
+            ValueError: If a change would widen the selection past what the
+                cache and captured graphs were sized for (a larger budget, cap in
+                tokens or min context), or changes the sink or recent windows
+                (kernel arguments a captured graph keeps), naming the flag.
         """
         values = select_ops.settings_tensor(config.alpha, config.budget, config.min_context,
-                                            self.device)
+                                            self.device, config.budget_tokens)
         if self.settings is None:
             self.settings = values
-            self._bounds = (config.budget, config.min_context)
+            self._start = config
         else:
-            budget, min_context = self._bounds
-            if config.budget > budget or config.min_context > min_context:
+            refused = _widening(self._start, config)
+            if refused:
                 raise ValueError(
-                    f"on CUDA, --infinigen-budget and --infinigen-min-context cannot rise "
-                    f"above their start-up values ({budget}, {min_context}) in a running "
-                    "engine: the device block cache and the captured graphs are sized by them")
+                    f"on CUDA, {refused} cannot change that way in a running engine (the "
+                    "device block cache and the captured CUDA graphs are sized by its "
+                    "start-up value); restart the engine with the new value")
             self.settings.copy_(values)  # in place: a captured graph reads this tensor
-        self._windows = (config.sink_tokens, config.recent_tokens)
         entries = list(self._layers.values())
         if entries and self._cache is None:
             blocks, heads = entries[0].host_pool_shape
@@ -172,14 +174,20 @@ class CudaDataPath:
                                                     (num_blocks, heads))
 
     def width(self, table_blocks: int, block_size: int) -> int:
-        """Blocks per KV head of every selection (``select_ops.selection_width``)."""
-        if self._bounds is None:
+        """Blocks per KV head of every selection (``select_ops.selection_width``
+        of the start-up settings)."""
+        if self._start is None:
             raise RuntimeError("CudaDataPath.configure was not called")
-        budget, min_context = self._bounds
-        sink, recent = block_selection.window_blocks(*self._windows, block_size)
-        return select_ops.selection_width(table_blocks, block_size, budget=budget,
-                                          min_context=min_context, sink_blocks=sink,
-                                          recent_blocks=recent)
+        start = self._start
+        sink, recent = self._windows(block_size)
+        return select_ops.selection_width(table_blocks, block_size, budget=start.budget,
+                                          min_context=start.min_context, sink_blocks=sink,
+                                          recent_blocks=recent,
+                                          budget_tokens=start.budget_tokens)
+
+    def _windows(self, block_size: int) -> tuple[int, int]:
+        return block_selection.window_blocks(self._start.sink_tokens, self._start.recent_tokens,
+                                             block_size)
 
     def select(self, layer: LayerState, rows: RowSet, query: torch.Tensor) -> DeviceSelection:
         """InfiniGen's rule in whole blocks for ``layer``'s rows (its ``selector``).
@@ -201,7 +209,7 @@ class CudaDataPath:
             blocks = block_selection.block_scores(tokens, context_lens, block_size)
         counts = select_ops.alpha_counts(tokens, blocks, context_lens, self.settings,
                                          block_size=block_size)
-        sink, recent = block_selection.window_blocks(*self._windows, block_size)
+        sink, recent = self._windows(block_size)
         logical, physical, seq_lens = select_ops.select(
             blocks, counts, context_lens, table, self.settings, block_size=block_size,
             width=self.width(table.shape[1], block_size), sink_blocks=sink,
@@ -349,3 +357,18 @@ class CudaDataPath:
 
 def _tensors(selection: DeviceSelection) -> tuple[torch.Tensor, ...]:
     return selection.logical, selection.physical, selection.seq_lens
+
+
+def _widening(start: InfiniGenConfig, config: InfiniGenConfig) -> str | None:
+    """The flag whose change from ``start`` a device step sized by it cannot follow."""
+    if config.budget > start.budget:
+        return flag("budget")
+    if config.min_context > start.min_context:
+        return flag("min_context")
+    if start.budget_tokens is not None and (config.budget_tokens is None
+                                            or config.budget_tokens > start.budget_tokens):
+        return flag("budget_tokens")
+    for name in ("sink_tokens", "recent_tokens"):
+        if getattr(config, name) != getattr(start, name):
+            return flag(name)
+    return None

@@ -32,7 +32,8 @@ SLOT_BOOKKEEPING_BYTES, BLOCK_BOOKKEEPING_BYTES = 24, 4
 
 def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: int,
                          budget: float, min_context: int, sink_tokens: int,
-                         recent_tokens: int, reuse: float = REUSE_FACTOR) -> int:
+                         recent_tokens: int, budget_tokens: int | None = None,
+                         reuse: float = REUSE_FACTOR) -> int:
     """Slots per (sparse layer, KV head) of the device block cache.
 
     Every step selects the same number of blocks per row and KV head, the
@@ -42,14 +43,16 @@ def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: i
     row's blocks), for every running row.
 
     Args:
-        budget, min_context: ``--infinigen-budget`` and ``--infinigen-min-context``
-            at start-up (a running engine may not raise them: ``CudaDataPath.configure``).
+        budget, min_context, budget_tokens: ``--infinigen-budget``,
+            ``--infinigen-min-context``, ``--infinigen-budget-tokens`` at start-up (a
+            running engine may not raise them: ``CudaDataPath.configure``).
         sink_tokens, recent_tokens: ``--infinigen-sink-tokens``, ``--infinigen-recent-tokens``.
     """
     table_blocks = -(-max_model_len // block_size) + 1
     sink_blocks, recent_blocks = window_blocks(sink_tokens, recent_tokens, block_size)
     width = selection_width(table_blocks, block_size, budget=budget, min_context=min_context,
-                            sink_blocks=sink_blocks, recent_blocks=recent_blocks)
+                            sink_blocks=sink_blocks, recent_blocks=recent_blocks,
+                            budget_tokens=budget_tokens)
     return max_num_seqs * min(table_blocks, math.ceil(width * reuse))
 
 

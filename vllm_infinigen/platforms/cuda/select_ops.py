@@ -31,8 +31,8 @@ from vllm_infinigen.platforms.cuda import block_selection
 if TYPE_CHECKING:
     from vllm_infinigen.worker.step_plan import RowSet
 
-# The order of the settings tensor's entries.
-SETTINGS = ("alpha", "budget", "min_context")
+# The order of the settings tensor's entries (budget_tokens: 0 for no cap).
+SETTINGS = ("alpha", "budget", "min_context", "budget_tokens")
 _BIG = 1 << 62
 
 
@@ -77,24 +77,29 @@ def selection_of_blocks(logical: torch.Tensor, rows: RowSet, block_size: int) ->
 
 
 def settings_tensor(alpha: float, budget: float, min_context: int,
-                    device: torch.device | str) -> torch.Tensor:
-    """[3] float64 (``SETTINGS``) on ``device``."""
-    return torch.tensor([alpha, budget, float(min_context)], dtype=torch.float64, device=device)
+                    device: torch.device | str, budget_tokens: int | None = None) -> torch.Tensor:
+    """[4] float64 (``SETTINGS``) on ``device``."""
+    return torch.tensor([alpha, budget, float(min_context), float(budget_tokens or 0)],
+                        dtype=torch.float64, device=device)
 
 
 def selection_width(table_blocks: int, block_size: int, *, budget: float, min_context: int,
-                    sink_blocks: int, recent_blocks: int) -> int:
+                    sink_blocks: int, recent_blocks: int,
+                    budget_tokens: int | None = None) -> int:
     """The static bound W of ``select``: the most blocks a row of the table selects.
 
     A row of ``table_blocks`` blocks has at most ``table_blocks * block_size
     - 1`` context tokens; it keeps ceil(budget tokens / block_size) blocks plus
-    its windows' (``block_selection.selection_width``), or every block when its
-    context is below ``min_context``.
+    its windows' (``block_selection.selection_width``), the budget in tokens
+    capped by ``budget_tokens``, or every block when its context is below
+    ``min_context``.
     """
     longest = table_blocks * block_size - 1
+    tokens = max(1, math.floor(budget * longest))
+    if budget_tokens is not None:
+        tokens = min(tokens, budget_tokens)
     by_budget = block_selection.selection_width(
-        [longest], [max(1, math.floor(budget * longest))], block_size,
-        sink_blocks=sink_blocks, recent_blocks=recent_blocks)
+        [longest], [tokens], block_size, sink_blocks=sink_blocks, recent_blocks=recent_blocks)
     dense = (max(min_context, 1) - 1) // block_size + 1
     return max(1, min(table_blocks, max(by_budget, dense)))
 
@@ -156,8 +161,9 @@ def select(block_scores: torch.Tensor, counts: torch.Tensor, context_lens: torch
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logical [S, H_kv, W] int64, physical [S, H_kv, W] int64, seq_lens [S * H_kv] int32).
 
-    Per row: k = max(1, min(floor(mean over KV heads of ``counts``),
-    max(1, floor(budget x context)))); n = min(ceil(k / block_size) + the
+    Per row: k = max(1, min(floor(mean over KV heads of ``counts``), the
+    budget in tokens (``step_plan.token_budget``: max(1, min(floor(budget x
+    context), budget_tokens))))); n = min(ceil(k / block_size) + the
     sink and recent blocks, the row's blocks), every block below min_context,
     at most ``width``. Each KV head keeps its n best blocks by score (the
     forced ones first; ties: the lower block), ascending, -1 after; a
@@ -187,7 +193,9 @@ def select_reference(block_scores, counts, context_lens, table, settings, *, blo
     context = context_lens.to(torch.int64)
     blocks = torch.where(context >= 0, context.clamp(min=0) // block_size + 1, 0)  # [S]
     mean = counts.view(rows, heads).to(torch.int64).sum(dim=1) // heads
-    cap = torch.floor(context.to(torch.float64) * settings[1]).to(torch.int64).clamp(min=1)
+    cap = torch.floor(context.to(torch.float64) * settings[1]).to(torch.int64)
+    limit = settings[3].to(torch.int64)
+    cap = torch.where(limit > 0, torch.minimum(cap, limit), cap).clamp(min=1)
     wanted = torch.minimum(mean, cap).clamp(min=1)
     forced_count = torch.clamp(blocks, max=sink_blocks + recent_blocks)
     chosen = torch.minimum((wanted + block_size - 1) // block_size + forced_count, blocks)

@@ -159,9 +159,10 @@ def _select_blocks(block_scores, counts, context_lens, table, settings, logical,
     """One (row, KV head): which of the row's blocks it attends. Grid (rows x KV heads).
 
     k = max(1, min(floor(mean over the row's KV heads of ``counts``),
-    max(1, floor(budget x context)))); n = min(ceil(k / BLOCK) + the sink and
+    max(1, min(floor(budget x context), budget_tokens)))); n = min(ceil(k / BLOCK) + the sink and
     recent blocks, the row's blocks), or every block of a row whose context
-    is below ``min_context`` (``settings``: alpha, budget, min_context). The
+    is below ``min_context`` (``settings``: alpha, budget, min_context,
+    budget_tokens, 0 for none). The
     n blocks with the best keys (``_block_keys``; ties: the lower index) come out
     ascending in ``logical`` and, through the table, ``physical``; -1 after.
     A row with a negative context (padding) selects nothing (seq_len 0).
@@ -173,7 +174,9 @@ def _select_blocks(block_scores, counts, context_lens, table, settings, logical,
     heads = tl.arange(0, H_PAD)
     summed = tl.sum(tl.load(counts + row * H + heads, mask=heads < H, other=0).to(tl.int64),
                     axis=0)
-    cap = tl.maximum(tl.floor(context.to(tl.float64) * tl.load(settings + 1)).to(tl.int64), 1)
+    cap = tl.floor(context.to(tl.float64) * tl.load(settings + 1)).to(tl.int64)
+    limit = tl.load(settings + 3).to(tl.int64)
+    cap = tl.maximum(tl.where(limit > 0, tl.minimum(cap, limit), cap), 1)
     wanted = tl.maximum(tl.minimum(summed // H, cap), 1)
     num_selected = tl.minimum((wanted + BLOCK - 1) // BLOCK
                               + tl.minimum(blocks, sink_blocks + recent_blocks), blocks)

@@ -43,7 +43,7 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
             max_model_len=self.model_config.max_model_len,
             block_size=self.cache_config.block_size, budget=config.budget,
             min_context=config.min_context, sink_tokens=config.sink_tokens,
-            recent_tokens=config.recent_tokens)
+            recent_tokens=config.recent_tokens, budget_tokens=config.budget_tokens)
 
     def split_memory(self, available: int) -> tuple[int, int | None, str]:
         """The speculation keys and the device block cache come out of vLLM's
