@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu import selection_trace
+from benchmarks.gpu import kernel_limits, selection_trace
 from benchmarks.gpu.measure import (
     DEFAULT_OUT,
     VARIANTS,
@@ -135,9 +135,12 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     checks["passed"] = (checks["select_all"]["passed"]
                         and checks["select_all_partial_keys"]["passed"]
                         and checks["replay"]["passed"])
+    limits = kernel_limits.kernel_limits(device, dtype, context=256, kv_heads=2, group=2,
+                                         head_size=16, stream_bytes=1 << 20)
+    checks["kernel_limits_rows"] = len(limits["rows"])
     if out is not None:
         meta = gpu_run_metadata()
-        results = {"checks": checks, "configs": [measured]}
+        results = {"checks": checks, "configs": [measured], "kernel_limits": [limits]}
         write_gpu_results(out, meta, "GPU decode-step benchmark: CPU self-test",
                           {"shape": "TINY", "dtype": "float32", "keys": "int"}, results,
                           markdown_sections(results, self_test=True))

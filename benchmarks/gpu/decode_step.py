@@ -2,7 +2,7 @@
 """ms per decode step of a 32-layer Llama-3.1-8B-shaped decoder: dense, offloaded, InfiniGen.
 
 python -m benchmarks.gpu.decode_step [--contexts 32768 131072] [--batches 1 8]
-    [--modes eager graph] [--profile]
+    [--modes eager graph] [--profile] [--kernels]
 python -m benchmarks.gpu.decode_step --self-test      # CPU, tiny shapes, references
 
 Needs torch (and Triton on CUDA), not vLLM. Random bf16 weights (RoPE left
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu import checks, selection_trace
+from benchmarks.gpu import checks, kernel_limits, selection_trace
 from benchmarks.gpu.decoder import LLAMA_31_8B, random_weights
 from benchmarks.gpu.measure import (
     DEFAULT_OUT,
@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="eager, and/or graph: the whole step captured in one CUDA graph")
     parser.add_argument("--profile", action="store_true",
                         help="kernel launches and host synchronizations per step")
+    parser.add_argument("--kernels", action="store_true",
+                        help="each kernel's bytes and GB/s against the streaming read and the "
+                        "pinned copy, and a prompt's attention against SDPA "
+                        "(benchmarks/gpu/kernel_limits.py), at each context")
     parser.add_argument("--budget", type=float, default=0.2,
                         help="the computed selection's budget (its cost is measured)")
     parser.add_argument("--keys", choices=KEYS, default="int",
@@ -103,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
                            if "graph" in args.modes else None),
         "configs": []}
     print(results["select_all"], results["graph_vs_eager"], limits, flush=True)
+    if args.kernels:
+        results["kernel_limits"] = [
+            kernel_limits.kernel_limits(device, dtype, context=context,
+                                        pinned_copy_GBps=limits["copy_GBps"])
+            for context in args.contexts]
+        print(results["kernel_limits"], flush=True)
     for context in args.contexts:
         for batch in args.batches:
             config = measure_config(shape, layers, lm_head, pool, device, dtype, batch=batch,

@@ -8,6 +8,6 @@ shift
 mkdir -p "$out"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 timeout 240 python -m pytest -q -rs -m gpu tests/gpu 2>&1 | tee "$out/pytest_gpu.txt"
-timeout 420 python -m benchmarks.gpu.decode_step --profile --out "$out/gpu_decode_step" "$@" \
+timeout 420 python -m benchmarks.gpu.decode_step --profile --kernels --out "$out/gpu_decode_step" "$@" \
     2>&1 | tail -40 > "$out/decode_step.log"
 ls -l "$out"

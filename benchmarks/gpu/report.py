@@ -68,5 +68,9 @@ def markdown_sections(results: dict[str, Any], *, self_test: bool) -> list[str]:
             "context (benchmarks/gpu/selection_trace.py). graph: the whole step captured in "
             "one CUDA graph and replayed. PCIe bound: bytes over PCIe / the copy limit.")
     sections.append(markdown_table(HEADERS, rows))
+    for limits in results.get("kernel_limits") or []:
+        from benchmarks.gpu.kernel_limits import markdown
+
+        sections.append(markdown(limits))
     sections.append("Replayed selections: " + "; ".join(replay) + ".")
     return sections

@@ -150,3 +150,24 @@ def test_a_captured_step_replays_what_the_eager_step_computes():
     assert output.abs().sum() > 0
     counters = [step.runtime.take_counters() for step in (eager, captured)]
     assert counters[0] == counters[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("first,rows", [(0, 300), (1000, 200)])
+def test_prompt_attention_equals_the_reference(dtype, first, rows):
+    """The flash-attention kernel of prompt rows at the 8B model's head shapes
+    (tensor cores in bf16), a first chunk and a later one."""
+    gen = torch.Generator().manual_seed(rows)
+    kv_heads, group, head_size, block = 8, 4, 128, 16
+    seq_len = first + rows
+    blocks = -(-seq_len // block)
+    units = torch.randn(kv_heads * blocks, block, 2 * head_size, generator=gen).to(dtype)
+    table = torch.randperm(kv_heads * blocks, generator=gen).view(kv_heads, blocks)
+    query = torch.randn(rows, kv_heads * group, head_size, generator=gen).to(dtype)
+    expected = kernels.attend_prompt_units_reference(query, units, table, first=first,
+                                                     seq_len=seq_len, scale=0.088)
+    got = kernels.attend_prompt_units(query.to(CUDA), units.to(CUDA), table.to(CUDA),
+                                      first=first, seq_len=seq_len, scale=0.088)
+    tolerance = 2e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.cpu().float(), expected.float(), atol=tolerance,
+                               rtol=tolerance)

@@ -23,6 +23,7 @@ def test_self_test_select_all_equals_dense_and_the_cache_changes_no_output():
     assert result["select_all_partial_keys"]["passed"], result["select_all_partial_keys"]
     assert result["replay"]["passed"], result["replay"]
     assert 0 < result["replay"]["hit_rate"] < 1
+    assert result["kernel_limits_rows"] == 8  # every kernel's row ran (timings: none on CPU)
 
 
 def test_the_benchmark_drives_the_products_runtime_and_data_path():

@@ -356,3 +356,29 @@ def test_write_tokens_equals_the_reference(triton_kernels, dtype):
     # (the reference writes uncached tokens into the scratch unit, the kernel skips them)
     assert torch.equal(pool, expected[0]) and torch.equal(units[:-1], expected[1][:-1])
     assert units[:-1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first,rows,group,head_size", [(0, 37, 2, 16), (45, 20, 4, 8),
+                                                        (130, 70, 1, 24)])
+def test_prompt_attention_equals_the_reference(triton_kernels, dtype, first, rows, group,
+                                               head_size):
+    """A request's prompt rows (a first chunk, or a later one of a chunked prefill),
+    causal over its units in a shuffled table; tiles of 16 rows and 16 keys, so
+    that rows and keys span several tiles; a padded head size."""
+    gen = torch.Generator().manual_seed(first + rows)
+    kv_heads, block = 2, 4
+    seq_len = first + rows
+    blocks = -(-seq_len // block)
+    units = torch.randn(kv_heads * blocks + 3, block, 2 * head_size, generator=gen).to(dtype)
+    table = torch.randperm(kv_heads * blocks + 3, generator=gen)[:kv_heads * blocks]
+    table = table.view(kv_heads, blocks)
+    wide = torch.randn(rows, kv_heads * group * head_size + 4, generator=gen).to(dtype)
+    query = wide[:, : kv_heads * group * head_size].view(rows, kv_heads * group, head_size)
+    expected = kernels.attend_prompt_units_reference(query, units, table, first=first,
+                                                     seq_len=seq_len, scale=0.4)
+    got = torch.empty_like(expected)
+    triton_kernels.attend_prompt(query, units, table, got, first=first, seq_len=seq_len,
+                                 scale=0.4, block_m=16, block_n=16)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

@@ -16,6 +16,8 @@
                       their blocks: one launch
     encode_groups     the int keys of the groups new tokens close, from the
                       pool (``writes.write_int_keys``)
+    attend_prompt_units  causal attention of one request's prompt rows over
+                      its units (prefill, chunked or not): flash attention
 
 A call on CUDA tensors launches the Triton kernel (``triton_kernels.py``,
 imported then); on any other device it runs the reference, so the CPU build
@@ -253,6 +255,59 @@ def attend_units_reference(query: torch.Tensor, units: torch.Tensor, table: torc
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty sequence: 0
     out = torch.einsum("ngt,ntd->ngd", weights, values)
     return out.reshape(query.shape).to(query.dtype)
+
+
+def attend_prompt_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor, *,
+                        first: int, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of one request's prompt rows over its units.
+
+    Row r of ``query`` sits at position ``first + r`` and attends to every
+    token at or before it; token t of KV head h lies in unit ``table[h, t //
+    block_size]`` at offset ``t % block_size`` (the request's blocks, its
+    earlier chunks and this step's rows, written before).
+
+    Args:
+        query: [T, H_q, D] the request's rows (unit strides within a row).
+        units: [N, block_size, 2 * D] K | V per token.
+        table: [H_kv, MB] units of each KV head's blocks, in position order.
+        first: Position of the first row (the chunk's start).
+        seq_len: Tokens of the request after this step (first + T).
+
+    Returns:
+        [T, H_q, D] in the query's dtype.
+    """
+    if not query.is_cuda:
+        return attend_prompt_units_reference(query, units, table, first=first,
+                                             seq_len=seq_len, scale=scale)
+    from vllm_infinigen.platforms.cuda import triton_kernels
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    triton_kernels.attend_prompt(query, units, table.contiguous(), out, first=first,
+                                 seq_len=seq_len, scale=scale)
+    return out
+
+
+def attend_prompt_units_reference(query: torch.Tensor, units: torch.Tensor,
+                                  table: torch.Tensor, *, first: int, seq_len: int,
+                                  scale: float, rows_per_chunk: int = 256) -> torch.Tensor:
+    """``attend_prompt_units`` in torch, float32 softmax, ``rows_per_chunk`` rows at a time."""
+    num_rows, num_heads, head_size = query.shape
+    kv_heads = table.shape[0]
+    group = num_heads // kv_heads
+    kv = units[table.to(torch.int64)].reshape(kv_heads, -1, 2 * head_size)[:, :seq_len].float()
+    keys, values = kv[..., :head_size], kv[..., head_size:]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    tokens = torch.arange(seq_len, device=query.device)
+    for chunk in range(0, num_rows, rows_per_chunk):
+        stop = min(chunk + rows_per_chunk, num_rows)
+        rows = query[chunk:stop].float().view(-1, kv_heads, group, head_size)
+        scores = torch.einsum("thgd,hld->thgl", rows, keys) * scale
+        position = first + torch.arange(chunk, stop, device=query.device)
+        visible = tokens[None, :] <= position[:, None]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        attended = torch.einsum("thgl,hld->thgd", torch.softmax(scores, dim=-1), values)
+        out[chunk:stop] = attended.reshape(stop - chunk, num_heads, head_size).to(out.dtype)
+    return out
 
 
 def write_own_tokens(units: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,

@@ -3,9 +3,10 @@
 
 Rows whose context is below ``--infinigen-min-context`` in a step planned on
 the host, and prompt rows, attend over their blocks staged from the pool by
-the gather kernel (no device block cache), in torch for the prompts
-(docs/design.md, "What remains"). A decode step planned on the device never
-comes here.
+the gather kernel (no device block cache): the short rows through
+``kernels.attend_units``, the prompts through a flash-attention kernel over
+the staged blocks (``kernels.attend_prompt_units``). A decode step planned on
+the device never comes here.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ import torch
 from vllm_infinigen.platforms.cuda import kernels
 from vllm_infinigen.worker.layer_state import LayerState
 from vllm_infinigen.worker.step_plan import RowSet, StepPlan
-
-_PROMPT_CHUNK = 256  # query rows per causal-attention chunk (bounds the score tensor)
-
 
 def attend_dense(layer: LayerState, rows: RowSet, query: torch.Tensor,
                  device: torch.device) -> torch.Tensor:
@@ -48,29 +46,22 @@ def attend_dense(layer: LayerState, rows: RowSet, query: torch.Tensor,
 def attend_prompt(layer: LayerState, plan: StepPlan, query: torch.Tensor,
                   output: torch.Tensor, device: torch.device) -> None:
     """Causal attention of each prompt request over its blocks staged from the
-    pool (the step's tokens were written through before), in torch."""
-    block_size, heads, head_size = layer.block_size, layer.num_kv_heads, layer.head_size
-    group = layer.num_heads // heads
+    pool (the step's tokens were written through before): one gather and one
+    flash-attention kernel per request on CUDA (``kernels.attend_prompt_units``)."""
+    block_size, heads = layer.block_size, layer.num_kv_heads
     starts, seq_lens = plan.query_start.tolist(), plan.seq_lens.tolist()  # host tensors
     for request in plan.prompt_requests.tolist():
         start, end, seq_len = starts[request], starts[request + 1], seq_lens[request]
         num_blocks = -(-seq_len // block_size)
         block_ids = plan.all_block_table[request, :num_blocks].to(device, torch.int64)
-        staged = stage(layer, block_ids, device)[:-1]
-        # kv: [H_kv, seq_len, 2D]
-        kv = staged.view(num_blocks, heads, block_size, 2 * head_size).permute(1, 0, 2, 3)
-        kv = kv.reshape(heads, num_blocks * block_size, -1)[:, :seq_len].float()
-        keys, values = kv[..., :head_size], kv[..., head_size:]
-        first = seq_len - (end - start)  # position of the request's first row
-        for chunk in range(start, end, _PROMPT_CHUNK):
-            stop = min(chunk + _PROMPT_CHUNK, end)
-            rows = query[chunk:stop].to(device).float().view(-1, heads, group, head_size)
-            scores = torch.einsum("thgd,hld->thgl", rows, keys) * layer.scale
-            position = first + chunk - start + torch.arange(stop - chunk, device=device)
-            visible = torch.arange(seq_len, device=device)[None, :] <= position[:, None]
-            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-            out = torch.einsum("thgl,hld->thgd", torch.softmax(scores, dim=-1), values)
-            output[chunk:stop] = out.reshape(stop - chunk, -1, head_size).to(output.dtype)
+        staged = stage(layer, block_ids, device)
+        # staged unit m * H_kv + h holds block m of head h
+        table = (torch.arange(num_blocks, device=device)[None, :] * heads
+                 + torch.arange(heads, device=device)[:, None])
+        out = kernels.attend_prompt_units(query[start:end].to(device), staged, table,
+                                          first=seq_len - (end - start), seq_len=seq_len,
+                                          scale=layer.scale)
+        output[start:end] = out.to(output.device)
 
 
 def stage(layer: LayerState, block_ids: torch.Tensor, device: torch.device) -> torch.Tensor:

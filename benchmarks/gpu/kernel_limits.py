@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Each CUDA kernel of the product against the memory limits, measured in the same run.
+
+At one context (default 32K) and the 8B model's attention shapes (8 KV heads,
+4 query heads each, head_dim 128, 16-token blocks), per kernel: the bytes it
+must read, its time (CUDA events, median) and GB/s, beside a streaming read
+of device memory (a reduction over 1 GiB) and one pinned host-to-device copy:
+
+    attend_units   decode attention over a whole context (select-all), and
+                   torch SDPA over the same K/V (what dense attention costs)
+    int_scores     the int keys of a whole context scored, block maxima too
+    select         the block rule over the block scores (no sort)
+    place          the cache placement of one step's selection
+    gather         a selection's units from the pinned pool
+    prompt         a prompt of the context's length: the write-through, the
+                   staging from the pool and the flash-attention kernel,
+                   against SDPA's causal flash attention on the same rows
+                   (one layer's attention part of the time to first token)
+
+``python -m benchmarks.gpu.decode_step --kernels`` runs it (``--self-test``
+runs it at tiny sizes on the CPU, to check the code, not to time it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_infinigen.layout import KEY_GROUP, int_key_bits
+from vllm_infinigen.platforms.cuda import kernels, select_ops
+from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = 7) -> float:
+    """Median ms of ``fn`` after one warm-up call (CUDA events; wall clock on the CPU)."""
+    times = []
+    for index in range(repeats + 1):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            began = time.perf_counter()
+            fn()
+            elapsed = (time.perf_counter() - began) * 1e3
+        if index:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def _row(name: str, num_bytes: float, ms: float, **extra: Any) -> dict[str, Any]:
+    return {"kernel": name, "MB": num_bytes / 1e6, "ms": ms,
+            "GBps": num_bytes / ms / 1e6 if ms > 0 else None, **extra}
+
+
+def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32768,
+                  kv_heads: int = 8, group: int = 4, head_size: int = 128, block: int = 16,
+                  budget: float = 0.2, stream_bytes: int = 1 << 30,
+                  pinned_copy_GBps: float | None = None) -> dict[str, Any]:
+    """The table of ``kernel_limits`` at one context (see the module docstring)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks = context // block + 1
+    scale = head_size ** -0.5
+    stream = torch.empty(stream_bytes // 2, dtype=torch.bfloat16, device=device).normal_(
+        generator=gen)
+    read_ms = timed(lambda: stream.sum(dtype=torch.float32), device)
+    rows: list[dict[str, Any]] = [_row("streaming read (reduction)", stream_bytes, read_ms)]
+    del stream
+    # K|V units of one request, every block of every head, in the pool's order
+    units = torch.randn(blocks * kv_heads + 1, block, 2 * head_size, device=device,
+                        generator=gen).to(dtype)
+    table = (torch.arange(blocks, device=device)[None, :] * kv_heads
+             + torch.arange(kv_heads, device=device)[:, None])  # [H, blocks]
+    query = torch.randn(1, kv_heads * group, head_size, device=device, generator=gen).to(dtype)
+    kv_bytes = blocks * kv_heads * units[0].numel() * units.element_size()
+    seq_lens = torch.full((kv_heads,), context + 1, dtype=torch.int32, device=device)
+    rows.append(_row("attend_units (select-all)", kv_bytes, timed(
+        lambda: kernels.attend_units(query, units, table, seq_lens, num_kv_heads=kv_heads,
+                                     scale=scale), device)))
+    dense = units[:-1].view(blocks, kv_heads, block, 2 * head_size).permute(1, 0, 2, 3)
+    dense = dense.reshape(1, kv_heads, blocks * block, 2 * head_size)
+    keys, values = dense[..., :head_size].contiguous(), dense[..., head_size:].contiguous()
+    rows.append(_row("SDPA, same K/V", kv_bytes, timed(
+        lambda: F.scaled_dot_product_attention(query.view(1, -1, 1, head_size), keys, values,
+                                               enable_gqa=True, scale=scale), device)))
+    # int keys of the context
+    bits = int_key_bits(dtype.itemsize)
+    groups = block // KEY_GROUP
+    codes = torch.randint(0, 256, (blocks, kv_heads, groups, head_size, 2 * bits),
+                          dtype=torch.uint8, device=device, generator=gen)
+    scales = (torch.rand((blocks, kv_heads, groups, head_size), device=device,
+                         generator=gen) / 16).half()
+    block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None, :]
+    speculation = query.view(1, kv_heads, group, head_size)
+    context_lens = torch.tensor([context], device=device)
+    key_bytes = codes.numel() + scales.numel() * 2
+    rows.append(_row("int_scores", key_bytes, timed(
+        lambda: select_ops.int_scores(speculation, codes, scales, block_table, context_lens,
+                                      scale=scale), device)))
+    tokens, block_scores = select_ops.int_scores(speculation, codes, scales, block_table,
+                                                 context_lens, scale=scale)
+    settings = select_ops.settings_tensor(5.0, budget, 0, device)
+    counts = select_ops.alpha_counts(tokens, block_scores, context_lens, settings,
+                                     block_size=block)
+    width = select_ops.selection_width(blocks, block, budget=budget, min_context=0,
+                                       sink_blocks=1, recent_blocks=1)
+    rows.append(_row("alpha_counts", tokens.numel() * 4, timed(
+        lambda: select_ops.alpha_counts(tokens, block_scores, context_lens, settings,
+                                        block_size=block), device)))
+    counts = torch.full_like(counts, context)  # the budget binds: the widest selection
+    rows.append(_row("select", block_scores.numel() * 4, timed(
+        lambda: select_ops.select(block_scores, counts, context_lens, block_table, settings,
+                                  block_size=block, width=width, sink_blocks=1,
+                                  recent_blocks=1), device), width=width))
+    _, physical, selected = select_ops.select(block_scores, counts, context_lens, block_table,
+                                              settings, block_size=block, width=width,
+                                              sink_blocks=1, recent_blocks=1)
+    cache = DeviceBlockCache(1, kv_heads, 2 * width, blocks, device)
+    rows.append(_row("place (lookup, LRU)", cache.num_units * 8, timed(
+        lambda: cache.place(0, physical, selected, context_lens), device)))
+    rows.append(_prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen))
+    return {"context": context, "dtype": str(dtype), "pinned_copy_GBps": pinned_copy_GBps,
+            "streaming_read_GBps": rows[0]["GBps"], "rows": rows}
+
+
+def _prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen):
+    """A prompt of ``context`` rows in one chunk: the product's attention part
+    (write-through to a host pool, staging back, the flash kernel) against SDPA's
+    causal flash attention on the same K/V."""
+    from vllm_infinigen.platforms.cuda.host_pool import allocate_host_pool
+
+    blocks = -(-context // block)
+    query = torch.randn(context, kv_heads * group, head_size, device=device,
+                        generator=gen).to(dtype)
+    key = torch.randn(context, kv_heads, head_size, device=device, generator=gen).to(dtype)
+    value = torch.randn_like(key)
+    slots = torch.arange(context, device=device)
+    owner = None
+    if device.type == "cuda":
+        owner = allocate_host_pool(blocks, kv_heads, block, head_size, dtype)
+        pool = owner.tensor
+    else:
+        pool = torch.zeros((blocks, kv_heads, block, 2 * head_size), dtype=dtype)
+    staged = torch.empty(blocks * kv_heads + 1, block, 2 * head_size, dtype=dtype, device=device)
+    units = torch.arange(blocks * kv_heads, device=device)
+    count = torch.tensor([blocks * kv_heads], device=device)
+    table = (torch.arange(blocks, device=device)[None, :] * kv_heads
+             + torch.arange(kv_heads, device=device)[:, None])
+
+    def product():
+        kernels.write_tokens(pool, key, value, slots)
+        kernels.gather_units(pool, staged, units, units, count)
+        kernels.attend_prompt_units(query, staged, table, first=0, seq_len=context,
+                                    scale=head_size ** -0.5)
+
+    product_ms = timed(product, device, repeats=3)
+    q = query.view(1, context, -1, head_size).transpose(1, 2)
+    k, v = key.view(1, context, kv_heads, head_size).transpose(1, 2), None
+    v = value.view(1, context, kv_heads, head_size).transpose(1, 2)
+    dense_ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=True), device, repeats=3)
+    if owner is not None:
+        owner.close()
+    kv_bytes = 2 * context * kv_heads * head_size * key.element_size()
+    return _row("prompt (write-through, staging, flash kernel)", 3 * kv_bytes, product_ms,
+                sdpa_causal_ms=dense_ms, ratio_to_sdpa=product_ms / dense_ms)
+
+
+def markdown(limits: dict[str, Any]) -> str:
+    """The table, each kernel's GB/s also as a fraction of the streaming read."""
+    stream = limits["streaming_read_GBps"] or 0
+    lines = [f"Kernels at {limits['context']} tokens ({limits['dtype']}), against a streaming "
+             f"read of {stream:.0f} GB/s and a pinned copy of "
+             f"{limits['pinned_copy_GBps'] or float('nan'):.1f} GB/s measured in this run:",
+             "", "| kernel | MB read | ms | GB/s | of the streaming read | note |",
+             "|---|---:|---:|---:|---:|---|"]
+    for row in limits["rows"]:
+        share = row["GBps"] / stream if row["GBps"] and stream else None
+        note = (f"SDPA causal {row['sdpa_causal_ms']:.2f} ms: {row['ratio_to_sdpa']:.2f}x"
+                if "ratio_to_sdpa" in row else (f"width {row['width']}" if "width" in row
+                                                else ""))
+        lines.append(f"| {row['kernel']} | {row['MB']:.1f} | {row['ms']:.3f} | "
+                     f"{row['GBps'] or 0:.1f} | {share if share is not None else 0:.2f} | "
+                     f"{note} |")
+    return "\n".join(lines)
