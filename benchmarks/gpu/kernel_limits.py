@@ -71,9 +71,9 @@ def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32
     scale = head_size ** -0.5
     stream = torch.empty(stream_bytes // 2, dtype=torch.bfloat16, device=device).normal_(
         generator=gen)
-    read_ms = timed(lambda: stream.sum(dtype=torch.float32), device)
-    rows: list[dict[str, Any]] = [_row("streaming read (reduction)", stream_bytes, read_ms)]
-    del stream
+    rows: list[dict[str, Any]] = [_row("streaming read (reduction)", stream_bytes,
+                                       timed(lambda: stream.sum(dtype=torch.float32), device))]
+    stream.resize_(0)  # its memory back before the kernels' tensors
     # K|V units of one request, every block of every head, in the pool's order
     units = torch.randn(blocks * kv_heads + 1, block, 2 * head_size, device=device,
                         generator=gen).to(dtype)
