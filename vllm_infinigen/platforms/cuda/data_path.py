@@ -73,6 +73,7 @@ class _LayerCache:
     host_pool_shape: tuple[int, int]  # (block ids, KV heads)
     selection: DeviceSelection | None = None  # in flight towards the attention
     slots: torch.Tensor | None = None  # [S, H_kv, W] flat cache slots of its blocks
+    context_lens: torch.Tensor | None = None  # [S] the placement read them
     ready: object | None = None  # torch.cuda.Event recorded after the gather
 
 
@@ -258,6 +259,11 @@ class CudaDataPath:
             kernels.gather_units(layer.kv_pool, entry.units, lookup.fetch_units,
                                  lookup.fetch_slots, lookup.num_fetch)
         else:
+            # No record_stream (a captured graph takes none): the compute stream
+            # waits for ``ready`` before it writes or attends, so the placement has
+            # read the selection before the compute stream can free and reuse it;
+            # and the side stream waits for the compute stream before each placement,
+            # so the slots it made are not reused before this layer's attention read them.
             compute = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(compute)  # the selection, and last step's attention
             with torch.cuda.stream(self._stream):
@@ -267,10 +273,8 @@ class CudaDataPath:
                                      lookup.fetch_slots, lookup.num_fetch)
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(self._stream)
-            for tensor in (*_tensors(selection), context_lens):
-                tensor.record_stream(self._stream)
-            lookup.slots.record_stream(compute)
-        entry.selection, entry.slots = selection, lookup.slots
+        # Held until the attention, after which the placement has read them.
+        entry.selection, entry.slots, entry.context_lens = selection, lookup.slots, context_lens
 
     def attend_selected(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
                         positions: object, row_map: torch.Tensor | None,
@@ -296,7 +300,7 @@ class CudaDataPath:
                                    entry.slots.view(num_rows * num_heads, width),
                                    entry.selection.seq_lens, num_kv_heads=num_heads,
                                    scale=layer.scale, out=out)
-        entry.selection = entry.slots = None
+        entry.selection = entry.slots = entry.context_lens = None
         return out, 0.0
 
     def attend_dense(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
@@ -354,9 +358,6 @@ class CudaDataPath:
             torch.cuda.current_stream(self.device).wait_event(entry.ready)
             entry.ready = None
 
-
-def _tensors(selection: DeviceSelection) -> tuple[torch.Tensor, ...]:
-    return selection.logical, selection.physical, selection.seq_lens
 
 
 def _widening(start: InfiniGenConfig, config: InfiniGenConfig) -> str | None:
