@@ -29,6 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Triton's interpreter (CI) computes 16-bit dots inexactly: products in float32 there.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+_TOKENS_PER_STEP = 64  # attention: K|V tokens loaded per loop step (4 blocks of 16)
+
 
 @triton.jit
 def _gather_units(pool, cache, fetch_units, fetch_slots, num_fetch, list_len, programs_per_list,
@@ -73,13 +77,16 @@ def gather_units(pool_words, cache_words, fetch_units, fetch_slots, num_fetch, *
 def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
                   query_row_stride, table_stride, blocks_per_split, H: tl.constexpr,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, UNITS: tl.constexpr, IEEE: tl.constexpr):
     """One decode query group over one sequence's units, one split of its blocks.
 
     Grid (sequences, splits); sequence i is (row i // H, KV head i % H), whose
-    G query heads are ``query[row, head * G:(head + 1) * G]``. Writes the
-    split's unnormalised output, running max and sum (flash-decoding);
-    ``_merge_splits`` combines them. A split past the sequence reads nothing.
+    G query heads are ``query[row, head * G:(head + 1) * G]``, padded to G_PAD
+    (>= 16) rows so that both products run on the tensor cores. UNITS units
+    (UNITS x BLOCK tokens) are read per step: K and V tiles loaded once for
+    the G heads. Writes the split's unnormalised output, running max and sum
+    (flash-decoding); ``_merge_splits`` combines them. A split past the
+    sequence reads nothing.
     """
     sequence = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -90,31 +97,42 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
     last = tl.minimum(first + blocks_per_split, num_blocks)
     heads = tl.arange(0, G_PAD)
     dims = tl.arange(0, D_PAD)
-    tokens = tl.arange(0, BLOCK)
+    rows = tl.arange(0, UNITS * BLOCK)
     head_ok = heads < G
     dim_ok = dims < D
     q_base = query + (sequence // H) * query_row_stride + (sequence % H) * G * D
     q = tl.load(q_base + heads[:, None] * D + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
     running_max = tl.full([G_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for block in range(first, last):
-        unit = tl.load(table + sequence * table_stride + block).to(tl.int64)
-        base = units + unit * (BLOCK * 2 * D)
-        token_ok = block * BLOCK + tokens < seq_len
+    for block in range(first, last, UNITS):
+        token = block * BLOCK + rows  # [UNITS * BLOCK] positions in the sequence
+        token_ok = (token < seq_len) & (token < last * BLOCK)
+        unit = tl.load(table + sequence * table_stride + token // BLOCK, mask=token_ok,
+                       other=0).to(tl.int64)
+        base = units + unit * (BLOCK * 2 * D) + (token % BLOCK) * (2 * D)
         mask = token_ok[:, None] & dim_ok[None, :]
-        k = tl.load(base + tokens[:, None] * (2 * D) + dims[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        v = tl.load(base + tokens[:, None] * (2 * D) + D + dims[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, BLOCK]
+        k = tl.load(base[:, None] + dims[None, :], mask=mask, other=0.0)
+        v = tl.load(base[:, None] + D + dims[None, :], mask=mask, other=0.0)
+        if IEEE:  # float32 (and the interpreter, whose 16-bit dot is not exact)
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, UNITS * BLOCK]
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp(running_max - new_max)
         weights = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+        if IEEE:
+            update = tl.dot(weights, v, input_precision="ieee")
+        else:
+            update = tl.dot(weights.to(v.dtype), v)
+        acc = acc * correction[:, None] + update
         running_max = new_max
     slot = sequence * num_splits + split
     tl.store(out + (slot * G + heads[:, None]) * D + dims[None, :], acc,
@@ -161,12 +179,17 @@ def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, 
     strides but the row's; partial [N, splits, G, D])."""
     num_sequences, num_splits, group, head_size = partial.shape
     block_size = units.shape[1]
-    common = {"H": num_kv_heads, "G": group, "G_PAD": triton.next_power_of_2(group),
-              "D": head_size, "D_PAD": triton.next_power_of_2(head_size)}
+    common = {"H": num_kv_heads, "G": group, "D": head_size}
     _attend_units[(num_sequences, num_splits)](
         query, units, table, seq_lens, partial, out_max, out_sum, scale, query.stride(0),
-        table.stride(0), blocks_per_split, BLOCK=block_size, num_warps=num_warps, **common)
+        table.stride(0), blocks_per_split, BLOCK=block_size,
+        UNITS=max(1, _TOKENS_PER_STEP // block_size),
+        G_PAD=max(16, triton.next_power_of_2(group)),
+        D_PAD=max(16, triton.next_power_of_2(head_size)),
+        IEEE=units.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps, **common)
     _merge_splits[(num_sequences,)](partial, out_max, out_sum, out, out.stride(0), num_splits,
+                                    G_PAD=triton.next_power_of_2(group),
+                                    D_PAD=triton.next_power_of_2(head_size),
                                     num_warps=num_warps, **common)
 
 
@@ -334,6 +357,5 @@ def attend_prompt(query, units, table, out, *, first: int, seq_len: int, scale: 
         query, units, table, out, scale, first, seq_len, num_rows, query.stride(0),
         out.stride(0), table.stride(0), G=num_heads // table.shape[0], D=head_size,
         D_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK=units.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=query.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=query.dtype == torch.float32 or _INTERPRETING,
         num_warps=num_warps)
