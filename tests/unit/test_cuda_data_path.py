@@ -277,7 +277,9 @@ def test_settings_change_in_place_and_widening_changes_are_refused():
     assert case.path.settings.tolist() == [2.0, 0.1, 0.0, 0.0]
     for change, flag in (({"budget": 0.5}, "--infinigen-budget"),
                          ({"min_context": 64}, "--infinigen-min-context"),
-                         ({"sink_tokens": 4}, "--infinigen-sink-tokens")):
+                         ({"sink_tokens": 4}, "--infinigen-sink-tokens"),
+                         ({"speculation": "same-layer"}, "--infinigen-speculation"),
+                         ({"eval_dense_prefix": 8}, "--infinigen-eval-dense-prefix")):
         with pytest.raises(ValueError, match=flag):
             case.path.configure(InfiniGenConfig(**{"alpha": 1.0, "min_context": 0, **change}))
     capped = CudaDataPath("cpu", 16)

@@ -106,6 +106,14 @@ def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag)
     assert flag in str(info.value)
 
 
+def test_cuda_runs_evaluation_mode_eagerly_only():
+    """Evaluation mode plans every step on the host: no full decode graph."""
+    config = InfiniGenConfig(eval_dense_prefix=16)
+    assert "--enforce-eager" in refusal_for("cuda", _args(), config)
+    assert refusal_for("cuda", _args(enforce_eager=True), config) is None
+    assert refusal_for("cpu", _args(), config) is None
+
+
 def test_a_platform_without_a_table_line_refuses_nothing():
     assert "cpu" not in REFUSALS
     assert refusal_for("cpu", _args(), InfiniGenConfig(policy="h2o")) is None

@@ -110,7 +110,7 @@ class InfiniGenPolicy(SelectionPolicy):
                 "input; the qkv_proj pre-hook did not run"
             )
         rows = plan.sparse_rows
-        query = partial_query(target, hidden[rows.tokens], rows.context_lens)
+        query = partial_query(target, hidden[rows.tokens], rows.rope_positions)
         return _select(target, plan, query, settings, row_map)
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,

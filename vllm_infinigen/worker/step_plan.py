@@ -75,6 +75,14 @@ class RowSet:
     token_caps: torch.Tensor | None  # [n] int64 the budget in tokens (``token_budget``)
     caps_host: list[int] | None  # host copy of token_caps
     context_host: list[int] | None  # host copy of context_lens
+    # [n] int64 the rows' own positions (RoPE), where they differ from
+    # context_lens (a padding row: context -1, position 0); None: context_lens.
+    positions: torch.Tensor | None = None
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """[n] int64 the position of each row's own token."""
+        return self.context_lens if self.positions is None else self.positions
 
     @property
     def size(self) -> int:
@@ -125,7 +133,8 @@ class StepPlan:
     def sparse_rows(self) -> RowSet:
         """The rows that attend over a selection."""
         if self.on_device:
-            return RowSet(self.tokens, self.context_lens, self.block_table, None, None, None)
+            return RowSet(self.tokens, self.context_lens, self.block_table, None, None, None,
+                          positions=self.context_lens.clamp(min=0))
         return self._subset(self.sparse)
 
     @functools.cached_property

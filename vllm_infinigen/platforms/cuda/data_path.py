@@ -101,7 +101,7 @@ class CudaDataPath:
         self._cache: DeviceBlockCache | None = None  # every layer's bookkeeping, once configured
         self._stream = None
         if self.device.type == "cuda":
-            # Priority 0 is the lowest: the gather yields to the model's kernels.
+            # Priority 0, the lowest (the model's stream has it too unless raised).
             self._stream = torch.cuda.Stream(self.device, priority=0)
         # [4] float64 (``select_ops.SETTINGS``), updated in place by ``configure``.
         self.settings: torch.Tensor | None = None
@@ -369,7 +369,9 @@ def _widening(start: InfiniGenConfig, config: InfiniGenConfig) -> str | None:
     if start.budget_tokens is not None and (config.budget_tokens is None
                                             or config.budget_tokens > start.budget_tokens):
         return flag("budget_tokens")
-    for name in ("sink_tokens", "recent_tokens"):
+    # Kernel arguments and host decisions a captured graph keeps.
+    for name in ("sink_tokens", "recent_tokens", "speculation", "policy",
+                 "eval_dense_prefix"):
         if getattr(config, name) != getattr(start, name):
             return flag(name)
     return None

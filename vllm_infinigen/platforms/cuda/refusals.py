@@ -46,6 +46,11 @@ def refusal(args: EngineArgs, config: InfiniGenConfig) -> str | None:
     if config.transfer != "auto":
         return (f"{flag('transfer')} {config.transfer} applies to the CPU build; on CUDA "
                 f"the device block cache moves the blocks: remove it")
+    graphs = getattr(args.compilation_config, "cudagraph_mode", None)
+    if (config.eval_dense_prefix is not None and not args.enforce_eager
+            and graphs != CUDAGraphMode.NONE):
+        return (f"{flag('eval_dense_prefix')} plans every step on the host, which a full "
+                f"decode CUDA graph would replay without; add --enforce-eager")
     return graph_refusal(args)
 
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_INT32_MIN = -2147483648
-_INT32_MAX = 2147483647
+# Constexpr: a jitted function may read no other global.
+_INT32_MIN = tl.constexpr(-2147483648)
+_INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -328,8 +329,8 @@ def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_
         tl.store(fetch_slots + head * total + rank, head * capacity + victim, mask=miss)
         ranked += tl.sum(miss.to(tl.int32), axis=0)
     tl.store(num_fetch + head, misses.to(tl.int64))
-    attended = 0
-    context = 0
+    attended = tl.zeros([], tl.int64)  # a loop-carried variable keeps its type
+    context = tl.zeros([], tl.int64)
     for start in range(0, num_rows, CHUNK):
         row = start + lanes
         live = row < num_rows

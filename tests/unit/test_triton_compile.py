@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every Triton kernel of the CUDA platform compiles for an H100/H200 (sm_90), on a machine
+without a GPU: Triton's NVIDIA backend and ptxas come with the wheel, so what the
+interpreter tolerates and the compiler refuses (a plain global inside a jitted function,
+a loop-carried variable changing type, a dot of the wrong shape) fails here, not on the
+GPU. The arguments are the launches' at the 8B model's shapes (8 KV heads, 4 query heads
+each, head_dim 128, 16-token blocks), bf16 and float32."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from vllm_infinigen.platforms.cuda import triton_kernels, triton_select  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+HEADS = {"H": 8, "G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16}
+
+
+def _kernel_cases():
+    """(kernel, argument types, constexprs) of each launch."""
+    i32, i64 = "i32", "i64"
+    for dtype, ieee in (("bf16", False), ("fp32", True)):
+        yield (triton_kernels._attend_units,
+               {"query": f"*{dtype}", "units": f"*{dtype}", "table": "*i64", "seq_lens": "*i32",
+                "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
+                "query_row_stride": i64, "table_stride": i64, "blocks_per_split": i32},
+               {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": ieee})
+        yield (triton_kernels._merge_splits,
+               {"partial": "*fp32", "maxima": "*fp32", "sums": "*fp32", "out": f"*{dtype}",
+                "out_row_stride": i64, "num_splits": i32},
+               {"H": 8, "G": 4, "G_PAD": 4, "D": 128, "D_PAD": 128})
+        yield (triton_kernels._attend_prompt,
+               {"query": f"*{dtype}", "units": f"*{dtype}", "table": "*i64", "out": f"*{dtype}",
+                "scale": "fp32", "first": i32, "seq_len": i32, "num_rows": i32,
+                "query_row_stride": i64, "out_row_stride": i64, "table_stride": i64},
+               {"G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16, "BLOCK_M": 64, "BLOCK_N": 64,
+                "IEEE": ieee})
+        yield (triton_kernels._write_tokens,
+               {"pool": f"*{dtype}", "units": f"*{dtype}", "slot_of": "*i32", "key": f"*{dtype}",
+                "value": f"*{dtype}", "slots": "*i64", "key_row_stride": i64,
+                "value_row_stride": i64, "capacity": i32},
+               {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "CACHED": True})
+        bits = 2 if dtype == "bf16" else 4
+        yield (triton_kernels._encode_groups,
+               {"pool": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "slots": "*i64"},
+               {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": bits,
+                "HALF": ((1 << bits) - 1) / 2, "TOP": float((1 << bits) - 1)})
+        yield (triton_select._int_scores,
+               {"query": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "table": "*i32",
+                "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
+                "scale": "fp32", "query_row_stride": i64, "table_stride": i64,
+                "num_tokens": i32, "num_blocks": i32},
+               {**HEADS, "BITS": bits, "HALF": ((1 << bits) - 1) / 2, "TILE": 64,
+                "WRITE_BLOCKS": True})
+    yield (triton_kernels._gather_units,
+           {"pool": "*i32", "cache": "*i32", "fetch_units": "*i64", "fetch_slots": "*i64",
+            "num_fetch": "*i64", "list_len": i32, "programs_per_list": i32},
+           {"UNIT": 2048, "CHUNK": 2048, "PER_STEP": 2})
+    yield (triton_select._alpha_counts,
+           {"token_scores": "*fp32", "block_scores": "*fp32", "context_lens": "*i64",
+            "settings": "*fp64", "counts": "*i32", "num_tokens": i32, "num_blocks": i32},
+           {"H": 8, "BLOCK": 16, "CHUNK": 1024})
+    yield (triton_select._select_blocks,
+           {"block_scores": "*fp32", "counts": "*i32", "context_lens": "*i64", "table": "*i32",
+            "settings": "*fp64", "logical": "*i64", "physical": "*i64", "seq_lens": "*i32",
+            "num_blocks": i32, "table_stride": i32, "width": i32, "sink_blocks": i32,
+            "recent_blocks": i32},
+           {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024})
+    yield (triton_select._lookup_lru,
+           {"ids": "*i64", "slots": "*i64", "slot_of": "*i32", "block_of": "*i64",
+            "last_used": "*i64", "ticks": "*i64", "victims": "*i64", "fetch_units": "*i64",
+            "fetch_slots": "*i64", "num_fetch": "*i64", "counters": "*i64", "seq_lens": "*i32",
+            "context_lens": "*i64", "num_rows": i32, "width": i32, "capacity": i32},
+           {"H": 8, "CHUNK": 1024})
+
+
+CASES = list(_kernel_cases())
+
+
+@pytest.mark.parametrize("kernel,types,constants", CASES,
+                         ids=[f"{case[0].fn.__name__}-{i}" for i, case in enumerate(CASES)])
+def test_each_kernel_compiles_for_sm90(kernel, types, constants):
+    names = kernel.arg_names
+    assert set(names) == set(types) | set(constants), (kernel.fn.__name__, names)
+    signature = {name: types.get(name, "constexpr") for name in names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=SM90)
+    assert "cubin" in compiled.asm and len(compiled.asm["cubin"]) > 0
