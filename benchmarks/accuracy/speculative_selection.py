@@ -5,7 +5,10 @@ Mirrors ``vllm_infinigen/kernels/csrc/select.cpp`` for rows without a
 sink/recent window: per KV head the score is scale x the max over its query
 group; each head counts the tokens within ``alpha`` of its best; a row keeps
 k = min(floor(mean count over KV heads), max(1, floor(budget x context)))
-tokens, each KV head its own top-k. ``rerank`` m > 0 adds a second pass: the
+tokens, each KV head its own top-k; ``token_cap`` bounds the cap in tokens as
+``--infinigen-budget-tokens`` does, and ``floor`` f > 0 raises the count to
+at least floor(f x context) (still under the cap: a floor on the kept
+fraction). ``rerank`` m > 0 adds a second pass: the
 form's top min(m x k, context) candidates are re-scored with the full keys and
 the best k of them kept (k from the first pass). ``block_size`` > 0 selects
 whole blocks instead, as a device block cache would
@@ -72,8 +75,8 @@ def block_mask(scores: torch.Tensor, positions: torch.Tensor, num_chosen: torch.
 
 
 def make_selector(form: KeyForm, *, scale: float, alpha: float, budget: float,
-                  rerank: int = 0, block_size: int = 0,
-                  counts: SelectionCounts | None = None):
+                  rerank: int = 0, block_size: int = 0, token_cap: int | None = None,
+                  floor: float = 0.0, counts: SelectionCounts | None = None):
     """A ``Selector`` applying the rule with ``form``'s scores; tallies into ``counts``."""
 
     def select(layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
@@ -86,6 +89,11 @@ def make_selector(form: KeyForm, *, scale: float, alpha: float, budget: float,
         within = (scores > best - alpha).sum(dim=-1)  # [H_kv, n]
         mean_count = torch.floor(within.double().mean(dim=0)).long()
         caps = torch.floor(positions.double() * budget).long().clamp(min=1)
+        if token_cap is not None:
+            caps = caps.clamp(max=token_cap)
+        if floor:
+            mean_count = torch.maximum(mean_count,
+                                       torch.floor(positions.double() * floor).long())
         num_chosen = torch.minimum(mean_count, caps)  # [n]
         if rerank:
             num_candidates = torch.minimum(num_chosen * rerank, positions)

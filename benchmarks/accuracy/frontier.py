@@ -1,0 +1,269 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The accuracy-speed frontier of InfiniGen's selection rules (issue #33).
+
+Every selection rule that matters, at each budget (and token cap), on the four
+shared models: retrieval on ``recall-llama-12l`` (1K prompts),
+``recall-llama-12l-4k`` (4K prompts) and ``recall-llama-1k``, perplexity on
+``gutenberg-llama-2k``; the density each keeps; and the CPU decode step at
+that density on the 16K benchmark model, read off paired decode runs
+(``decode_latency --paired``, ``--speed``).
+
+The accuracy runs are torch-only (``sparse_llama``: the model in float32, the
+product's rule of ``speculative_selection`` over the product's default
+speculation keys, every key channel in 4 bits with one scale per channel and
+16 tokens as a float32 cache holds them, ``--infinigen-speculation-keys int``),
+so that about 30 settings x 4 models run in one sitting on two cores; the
+chosen default is then checked through the product itself
+(``benchmarks.accuracy.retrieval``). Sparse from the first token
+(``--infinigen-min-context 0``): the recall prompts' last 3 tokens
+(QUERY k ANSWER) attend over their selections, as in ``retrieval.py``'s
+decode steps; the book's rows past a 64-token dense prefix attend over theirs
+(``--infinigen-eval-dense-prefix 64``). A select-all control must equal dense.
+
+Rules (``RULES``): the alpha count (today's default alpha 5, and larger
+alphas), the budget binding (k = budget x context: alpha 1e3), a floor on the
+kept fraction (alpha 5, but at least half the budget), each also over blocks
+of 16 (the CUDA build's block-granular rule), and same-layer speculation with
+the binding as the reference without prefetch. Example (about an hour)::
+
+    OMP_NUM_THREADS=1 python -m benchmarks.accuracy.frontier --threads 2
+
+Results: ``benchmarks/results/frontier.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.accuracy import frontier_report, retrieval, speculation_keys
+from benchmarks.accuracy.key_forms import FormSpec, KeyForm
+from benchmarks.accuracy.sparse_llama import SparseLlama
+from benchmarks.accuracy.speculation_keys import Tally
+from benchmarks.accuracy.speculative_selection import CAP_BINDING_ALPHA, make_selector
+from benchmarks.harness import paths, report
+
+DEFAULT_OUT = paths.RESULTS / "frontier"
+# The product's --infinigen-speculation-keys int in a float32 cache.
+PRODUCT_KEYS = FormSpec("int keys, 4 bits", "identity", "block-int", 1.0, 4)
+CONTROL = speculation_keys.CONTROL
+DEFAULT_SPEED = [paths.RESULTS / "decode_paired_gqa128.json",
+                 paths.RESULTS / "decode_paired_gqa128_density.json"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a row's k and its tokens are chosen (``speculative_selection.make_selector``).
+
+    ``floor``: k is at least this fraction of the budget (x context).
+    """
+
+    name: str
+    alpha: float = 5.0
+    floor: float = 0.0
+    block_size: int = 0
+    speculation: str = "previous-layer"
+
+
+BINDING = CAP_BINDING_ALPHA
+RULES = {rule.name: rule for rule in (
+    Rule("alpha 5 (today)"),
+    Rule("alpha 10", alpha=10.0),
+    Rule("alpha 20", alpha=20.0),
+    Rule("alpha 5, floor budget/2", floor=0.5),
+    Rule("budget binding", alpha=BINDING),
+    Rule("alpha 5, blocks of 16", block_size=16),
+    Rule("budget binding, blocks of 16", alpha=BINDING, block_size=16),
+    Rule("same-layer, budget binding (no prefetch)", alpha=BINDING, speculation="same-layer"),
+)}
+CAP_RULES = ("budget binding", "alpha 5 (today)", "budget binding, blocks of 16")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    model: Path
+    data: Path | None  # recall prompts; None: the book's perplexity
+    metric: str  # accuracy | perplexity
+
+
+TASKS = {task.name: task for task in (
+    Task("recall-llama-12l", paths.shared_path("models/recall-llama-12l"),
+         paths.shared_path("data/recall/recall-1k.jsonl"), "accuracy"),
+    Task("recall-llama-12l-4k", paths.shared_path("models/recall-llama-12l-4k"),
+         paths.shared_path("data/recall/recall-4k.jsonl"), "accuracy"),
+    Task("recall-llama-1k", retrieval.DEFAULT_MODEL, retrieval.DEFAULT_DATA, "accuracy"),
+    Task("gutenberg-llama-2k", paths.GUTENBERG, None, "perplexity"),
+)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    rule: str
+    budget: float
+    token_cap: int | None = None
+
+    @property
+    def label(self) -> str:
+        cap = f", cap {self.token_cap}" if self.token_cap else ""
+        return f"{self.rule} @ {self.budget:g}{cap}"
+
+
+def settings_grid(rules: list[str], budgets: list[float], caps: list[int]) -> list[Setting]:
+    """Every rule at every budget; the token caps at the largest budget, for ``CAP_RULES``."""
+    grid = [Setting(rule, budget) for rule in rules for budget in budgets]
+    grid += [Setting(rule, max(budgets), cap) for rule in rules if rule in CAP_RULES
+             for cap in caps]
+    return grid
+
+
+def sequences(task: Task, args) -> list[dict]:
+    """Token ids, dense rows P and what is scored, per sequence."""
+    if task.metric == "perplexity":
+        return speculation_keys.sequences(speculation_keys.TASKS[task.name], args)
+    rows = retrieval.load_examples(task.data, args.limit)
+    return [{"ids": row["prompt_token_ids"],
+             "num_dense": len(row["prompt_token_ids"]) - speculation_keys.RECALL_DECODE_ROWS,
+             "answer": row["answer_token_ids"][0], "bucket": row["bucket"]} for row in rows]
+
+
+def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(task.model),
+                                                 dtype=torch.float32).eval()
+    sparse_model = SparseLlama(model, args.dense_layers)
+    layers = range(args.dense_layers, sparse_model.num_layers)
+    # The int keys and the control need no calibration: identity projections.
+    shapes = [(torch.zeros(sparse_model.num_heads, 1, sparse_model.head_dim),
+               torch.zeros(sparse_model.num_kv_heads, 1, sparse_model.head_dim))
+              for _ in range(sparse_model.num_layers)]
+    keys = KeyForm(PRODUCT_KEYS, shapes, 1, layers)
+    control = KeyForm(CONTROL, shapes, 1, layers)
+    tallies = [Tally(task.metric) for _ in grid]
+    dense, select_all = Tally(task.metric), Tally(task.metric)
+    max_control_diff = 0.0
+    data = sequences(task, args)
+    start = time.perf_counter()
+    for index, seq in enumerate(data):
+        prefix = sparse_model.dense_pass(seq["ids"])
+        first = seq["num_dense"]
+        dense_logits = prefix.logits[first - 1:]
+        dense.add(seq, dense_logits)
+        runs = [(s, t, keys, RULES[s.rule]) for s, t in zip(grid, tallies)]
+        runs.append((Setting("control", 1.0), select_all, control, Rule("control", BINDING)))
+        for setting, tally, form, rule in runs:
+            began = time.perf_counter()
+            selector = make_selector(form, scale=sparse_model.scale, alpha=rule.alpha,
+                                     budget=setting.budget, block_size=rule.block_size,
+                                     token_cap=setting.token_cap,
+                                     floor=rule.floor * setting.budget, counts=tally.counts)
+            logits = sparse_model.sparse_pass(prefix, first, selector, rule.speculation)
+            logits = torch.cat([prefix.logits[first - 1:first], logits])
+            tally.add(seq, logits)
+            tally.seconds += time.perf_counter() - began
+            if tally is select_all:
+                max_control_diff = max(max_control_diff,
+                                       float((logits - dense_logits).abs().max()))
+        print(f"[{task.name}] {index + 1}/{len(data)} sequences, "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    results = [{"task": task.name, "rule": "dense", **dense.result()},
+               {"task": task.name, "rule": "control", "budget": 1.0, **select_all.result()}]
+    for setting, tally in zip(grid, tallies):
+        results.append({"task": task.name, **asdict(setting), "label": setting.label,
+                        "rule_spec": asdict(RULES[setting.rule]), **tally.result()})
+    info = {"num_sequences": len(data), "sparse_layers": list(layers),
+            "head_dim": sparse_model.head_dim, "num_kv_heads": sparse_model.num_kv_heads,
+            "group": sparse_model.group, "max_control_logit_diff": max_control_diff,
+            "context": len(data[0]["ids"]) if data else 0}
+    return results, info
+
+
+def speed_points(paths_: list[Path], context: int, dtype: str) -> list[dict]:
+    """(selected fraction, ms per step, ÷ dense) of InfiniGen's rows at ``context`` x 1,
+    from paired decode results files that exist (their provenance kept)."""
+    points = []
+    for path in paths_:
+        if not Path(path).exists():
+            print(f"speed: {path} is absent, not used", file=sys.stderr)
+            continue
+        saved = json.loads(Path(path).read_text())
+        for row in saved["results"]:
+            if (row.get("context") != context or row.get("batch") != 1
+                    or row.get("dtype") != dtype or not row.get("paired_speedup")
+                    or row.get("selected_fraction") is None):
+                continue
+            points.append({"density": row["selected_fraction"],
+                           "ms_per_step": row["decode_ms_per_step"],
+                           "vs_dense": 1.0 / row["paired_speedup"], "config": row["config"],
+                           "file": str(Path(path).name),
+                           "commit": saved["meta"].get("repo_commit")})
+    return sorted(points, key=lambda p: p["density"])
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
+    parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    parser.add_argument("--token-caps", type=int, nargs="*", default=[256, 512, 1024],
+                        help="--infinigen-budget-tokens values, at the largest budget")
+    parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=None, help="recall: first N prompts")
+    parser.add_argument("--num-windows", type=int, default=4,
+                        help="gutenberg: windows of 64 + 960 tokens")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--speed", type=Path, nargs="*", default=DEFAULT_SPEED,
+                        help="paired decode results files (decode_latency --paired) whose "
+                        "16K x 1 rows give the step time at a density")
+    parser.add_argument("--speed-context", type=int, default=16384)
+    parser.add_argument("--speed-dtype", default="float32")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--render", action="store_true",
+                        help="only rewrite the .md and .png from the .json at --out "
+                        "(re-reading --speed)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if any(not 0 < b <= 1 for b in args.budget):
+        print("--budget values must be in (0, 1]", file=sys.stderr)
+        return 2
+    if args.render:
+        meta, settings, payload = report.read_results(args.out)
+    else:
+        missing = [str(p) for name in args.tasks for p in (TASKS[name].model, TASKS[name].data)
+                   if p is not None and not Path(p).exists()]
+        if missing:
+            print(f"frontier: missing {', '.join(missing)} (../shared)", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(0)
+        meta = report.run_metadata()
+        grid = settings_grid(args.rules, args.budget, args.token_caps)
+        payload = {"results": [], "tasks": {}}
+        for name in args.tasks:
+            results, info = run_task(TASKS[name], grid, args)
+            payload["results"] += results
+            payload["tasks"][name] = info
+        settings = {k: [str(x) for x in v] if isinstance(v, list) and v
+                    and isinstance(v[0], Path) else str(v) if isinstance(v, Path) else v
+                    for k, v in vars(args).items()}
+    payload["speed"] = speed_points(args.speed, args.speed_context, args.speed_dtype)
+    sections = frontier_report.sections(payload)
+    report.write_results(args.out, meta, "The accuracy-speed frontier of the selection rules",
+                         settings, payload, sections)
+    frontier_report.plot(args.out.with_suffix(".png"), payload)
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
