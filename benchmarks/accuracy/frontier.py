@@ -116,10 +116,13 @@ class Setting:
 
 
 def settings_grid(rules: list[str], budgets: list[float], caps: list[int]) -> list[Setting]:
-    """Every rule at every budget; the token caps at the largest budget, for ``CAP_RULES``."""
+    """Every rule at every budget; the token caps at the largest budget, for ``CAP_RULES``,
+    and alone (budget 1: the budget given in tokens) with the binding."""
     grid = [Setting(rule, budget) for rule in rules for budget in budgets]
     grid += [Setting(rule, max(budgets), cap) for rule in rules if rule in CAP_RULES
              for cap in caps]
+    if "budget binding" in rules:
+        grid += [Setting("budget binding", 1.0, cap) for cap in caps]
     return grid
 
 
