@@ -63,13 +63,13 @@ from typing import Any
 from benchmarks.accuracy import attribution_report, perplexity, retrieval, sweeps
 from benchmarks.harness import paths, report
 from benchmarks.harness.engines import SELECT_ALL
-from vllm_infinigen.config import DEFAULT_ALPHA_ROPE, InfiniGenConfig
+from vllm_infinigen.config import PAPER_ALPHA_ROPE, InfiniGenConfig
 
 FULL_KEYS = 1.0
 DEFAULT_RATIO = InfiniGenConfig.partial_ratio
 DEFAULT_KEYS = InfiniGenConfig.speculation_keys
 FIXED_K_ALPHA = SELECT_ALL["alpha"]  # every score within reach: the budget is the count
-RULES = {"fixed-k": FIXED_K_ALPHA, "alpha": DEFAULT_ALPHA_ROPE}  # every model uses RoPE
+RULES = {"fixed-k": FIXED_K_ALPHA, "alpha": PAPER_ALPHA_ROPE}  # every model uses RoPE
 SPECULATIONS = ("same-layer", "previous-layer")
 CALIBRATIONS = ("in-domain", "book", "story")
 EVERY_COMBO = tuple((spec, rule) for spec in SPECULATIONS for rule in RULES)

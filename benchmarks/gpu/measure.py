@@ -19,6 +19,7 @@ from benchmarks.gpu.decoder import Decoder, DecoderShape
 from benchmarks.gpu.product import Product, cache_slots
 from benchmarks.gpu.variants import Dense, DenseUnits, FullOffload, KVSetup, Streams
 from benchmarks.harness import paths
+from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layout import KEY_GROUP, int_key_bits
 from vllm_infinigen.platforms.cuda import kernels, select_ops
 
@@ -26,7 +27,7 @@ VARIANTS = ("dense", "dense_units", "full", "infinigen")
 MODES = ("eager", "graph")
 CACHE_FACTORS = (2.0, 1.5, 1.25, 1.0)
 KEYS = ("int", "partial")  # --infinigen-speculation-keys (int: the product's default)
-ALPHA = 5.0  # the product's default with RoPE
+ALPHA = InfiniGenConfig().resolved_alpha()  # the product's default (off: the budget binds)
 DEFAULT_OUT = paths.RESULTS / "gpu_decode_step"
 MARGIN = 4 << 30  # device memory left free
 

@@ -10,6 +10,7 @@ import pytest
 
 from vllm_infinigen.config import (
     DEFAULT_MIN_CONTEXT,
+    PAPER_ALPHA_ROPE,
     FLAG_OF_FIELD,
     InfiniGenConfig,
     infinigen_config_of,
@@ -123,10 +124,19 @@ def test_from_dict_bad_value_names_flag():
 
 
 def test_resolved_alpha():
-    assert InfiniGenConfig().resolved_alpha(uses_rope=True) == 5.0
-    assert InfiniGenConfig().resolved_alpha(uses_rope=False) == 4.0
-    assert InfiniGenConfig(alpha=2.5).resolved_alpha(uses_rope=True) == 2.5
-    assert InfiniGenConfig(alpha=2.5).resolved_alpha(uses_rope=False) == 2.5
+    # Off by default: every finite score counts, so each row keeps its budget
+    # (the frontier's choice, README "Accuracy"); the paper's rule when given.
+    assert InfiniGenConfig().alpha is None
+    assert InfiniGenConfig().resolved_alpha() == math.inf
+    assert InfiniGenConfig(alpha=2.5).resolved_alpha() == 2.5
+    assert InfiniGenConfig(alpha=5).resolved_alpha() == PAPER_ALPHA_ROPE
+
+
+def test_selection_defaults():
+    """The defaults the frontier chose (benchmarks/results/frontier.md)."""
+    config = InfiniGenConfig()
+    assert (config.budget, config.budget_tokens, config.min_context) == (0.2, None, 4096)
+    assert (config.speculation, config.speculation_keys) == ("previous-layer", "int")
 
 
 def test_kv_manager_of():

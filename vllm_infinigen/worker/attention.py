@@ -7,6 +7,7 @@ attention to the runtime, and leaves dense layers to the platform's own kernel."
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from vllm.forward_context import get_forward_context
@@ -152,12 +153,13 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
     windowed = [s.layer_idx for s in layers if s.windowed]
     logger.info(
         "InfiniGen: %d layers, dense %s, sparse %s%s, "
-        "alpha %.2f, budget %.2f, speculation keys %s, dense below %d context tokens; "
+        "%s, budget %.2f, speculation keys %s, dense below %d context tokens; "
         "speculation through %s%s",
         len(layers), [s.layer_idx for s in layers if not s.sparse and not s.windowed],
         [s.layer_idx for s in sparse],
         f", sliding-window (left to vLLM) {windowed}" if windowed else "",
-        config.alpha, config.budget,
+        "alpha off (every row keeps its budget)" if math.isinf(config.alpha)
+        else f"alpha {config.alpha:g}", config.budget,
         "int (every channel)" if layers[0].skew is None
         else f"partial (rank {layers[0].rank} of {layers[0].head_size})", config.min_context,
         "the query slice of qkv_proj" if all(s.query_proj is not None for s in sparse)

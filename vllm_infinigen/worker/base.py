@@ -87,10 +87,9 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
             head_dim=layout.head_dim,
         )
         skew = [shard_kv_heads(s, rank, world_size) for s in tables.skew]
-    uses_rope = any(hasattr(m, "rotary_emb") for m in model.modules())
     sources = layer_sources(model, vllm_config, skew, device, query_weights)
     runtime = InfiniGenRuntime(
-        dataclasses.replace(config, alpha=config.resolved_alpha(uses_rope)), sources, device,
+        dataclasses.replace(config, alpha=config.resolved_alpha()), sources, device,
         data_path, layout=layout, rank=rank, prompt_lens_of=prompt_lens_of)
     install(runtime, sources)
     return runtime
