@@ -230,7 +230,8 @@ def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None
         settings += sweeps.selection_grid([], args.policy, select_all_control=True)
     infinigen = None
     if kv_manager == "infinigen":
-        infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"]}
+        infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"],
+                     "min_context": args.min_context}
         if skew_file:  # a calibrated skew: the partial keys it is made for
             infinigen.update(speculation_keys="partial", skew_file=str(skew_file))
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
@@ -298,6 +299,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--streaming-approx", action="store_true",
                         help="also budget 0.001 + sink 4 + recent 128 (StreamingLLM-like, "
                              "sparse layers only)")
+    parser.add_argument("--min-context", type=int, default=None,
+                        help="--infinigen-min-context (default: 0, selecting at every "
+                        "context; the product's default is 4096)")
     parser.add_argument("--decode-prompt-tokens", type=int, default=3,
                         help="prompt tokens forced through decode before the answer "
                              "(3: QUERY k ANSWER)")
@@ -333,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = report.run_metadata(model=str(args.model), data=str(args.data))
     sections = [
-        f"{len(rows)} prompts of {args.data.name} (1,024 tokens; needle = the queried key's "
-        f"position). The last {args.decode_prompt_tokens} prompt tokens and the answer are "
+        f"{len(rows)} prompts of {args.data.name} ({len(rows[0]['prompt_token_ids']):,} "
+        f"tokens; needle = the queried key's position), model {args.model.name}; InfiniGen "
+        f"selects from context {args.min_context or 0} (--infinigen-min-context). The last {args.decode_prompt_tokens} prompt tokens and the answer are "
         "teacher-forced through decode, so the answer is predicted in a decode step under the "
         "selection; correct = argmax is the expected value token.",
         "## Accuracy per needle bucket", results_table(results),
@@ -354,11 +359,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{report.cell(r['acc_needle_outside_window'], '.3f')} outside"
                 for r in streaming) + ".")
     png = report.try_plot(args.out.with_suffix(".png"), plot_panels(results),
-                          f"recall-llama-1k retrieval, {len(rows)} prompts")
+                          f"{args.model.name} retrieval, {len(rows)} prompts")
     if png:
         sections.append(f"![accuracy vs budget]({png.name})")
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    report.write_results(args.out, meta, "Long-range retrieval (recall-llama-1k) under "
+    report.write_results(args.out, meta, f"Long-range retrieval ({args.model.name}) under "
                          "decode-time selection", settings, results, sections)
     print(args.out.with_suffix(".md").read_text())
     return 0

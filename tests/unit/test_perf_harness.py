@@ -537,7 +537,7 @@ def test_vllm_bench_files_get_the_provenance_of_their_txt(tmp_path):
 
 def test_decode_benchmark_windows_at_each_alpha_for_infinigen_only():
     args = decode_latency.parse_args(["--preset", "gqa128"])
-    assert args.alphas == ["default", "10000"] and args.dtype == "float32"
+    assert args.alphas == ["default", "5"] and args.dtype == "float32"
     assert decode_latency.windows(["infinigen", "streaming"], ["default", "10000"]) == [
         ("infinigen", "default"), ("infinigen", "10000"), ("streaming", "default")]
     assert decode_latency.windows([None], ["default", "10000"]) == [(None, "default")]

@@ -49,6 +49,6 @@ def test_instrumented_wraps_the_plugin_and_restores_it():
 
 
 def test_default_alpha_goes_first():
-    assert step_profile.parse_args([]).alphas == ["default", "10000"]
+    assert step_profile.parse_args([]).alphas == ["default", "5"]
     with pytest.raises(SystemExit):
         step_profile.parse_args(["--alphas", "10000", "default"])
