@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Records InfiniGen's block selections on a trained model, and how much consecutive steps reuse.
 
-python -m benchmarks.gpu.record_selections [--model gutenberg-llama-2k] [--budgets 0.1 0.2]
+python -m benchmarks.gpu.record_selections [--models gutenberg-llama-2k ...]
+    [--budgets 0.1 0.2] [--token-caps 256 512] [--keys int|partial] [--alpha A]
 
 HF transformers + torch on the CPU, no vLLM. One request: ``--context``
 tokens of prefill, then ``--steps`` decode steps teacher-forced with the
@@ -9,14 +10,17 @@ text that follows (book text for gutenberg-llama-2k: Frankenstein, held out
 from its training; a recall prompt's own tokens for recall-llama-12l). At
 every step, for every sparse layer (``--dense-layers`` first layers dense),
 the selection is the one InfiniGen on a GPU would make
-(``vllm_infinigen.platforms.cuda.block_selection``): the partial query of
-layer l from layer l-1's attention input (layer l's q_proj, RoPE, the skew
-columns), scored against layer l's partial keys, best over the query heads of
-each KV head and over each block's tokens; the alpha count (alpha 5, the
-default for RoPE models) capped by the budget, rounded up to blocks, plus the
-sink block and the own block. The skew comes from ``compute_skew_tables``
-(r = 0.2) on the bundled calibration text (gutenberg) or on other recall
-prompts (recall).
+(``vllm_infinigen.platforms.cuda.block_selection``): the query of layer l
+from layer l-1's attention input (layer l's q_proj, RoPE), scored against
+layer l's speculation keys, best over the query heads of each KV head and
+over each block's tokens; the budget (``--budgets``, each token cap of
+``--token-caps`` at the largest budget), or with ``--alpha`` the paper's
+count capped by it, rounded up to blocks, plus the sink block and the own
+block. Keys (``--keys``): ``int``, the product's default (every channel in
+4 bits, one scale per channel and 16 tokens, as a float32 cache holds them),
+or ``partial`` (r = 0.2 of the skewed channels, the skew from
+``compute_skew_tables`` on the bundled calibration text for gutenberg, on
+other recall prompts for the recall models).
 
 Writes the trace of ``--trace-budget`` under benchmarks/gpu/traces/ (a few
 KiB, with provenance), and benchmarks/results/selection_reuse.{json,md}:
@@ -46,8 +50,8 @@ from vllm_infinigen.platforms.cuda.block_cache import EVICTION_RULES, DeviceBloc
 MODELS = {
     "gutenberg-llama-2k": ("text", "data/text/gutenberg-frankenstein.txt"),
     "recall-llama-12l": ("recall", "data/recall/recall-1k.jsonl"),
+    "recall-llama-12l-4k": ("recall", "data/recall/recall-4k.jsonl"),
 }
-ALPHA_ROPE = 5.0
 CACHE_FACTORS = (1.0, 1.5, 2.0, 3.0)
 DEFAULT_OUT = paths.RESULTS / "selection_reuse"
 
@@ -108,11 +112,21 @@ def _partial_query(model, target: int, captured, skew: torch.Tensor) -> torch.Te
     return torch.einsum("hgd,hdr->hgr", grouped.float(), skew)[None]
 
 
-def _block_scores(model, target: int, capture: _Capture, skew: torch.Tensor, context: int,
-                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token scores [1, H_kv, NB * bs], block scores [1, H_kv, NB]) of ``target`` at this step."""
-    query = _partial_query(model, target, capture.inputs[target - 1], skew)
+def _block_scores(model, target: int, capture: _Capture, skew: torch.Tensor | None,
+                  context: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token scores [1, H_kv, NB * bs], block scores [1, H_kv, NB]) of ``target`` at this
+    step; ``skew`` None: the int keys (every channel, 4-bit codes per channel and 16 tokens,
+    the row's open block with its full keys)."""
     keys = capture.keys[target][:, :context].float()  # [H_kv, ctx, D]
+    if skew is None:
+        from benchmarks.accuracy.key_forms import quantize_blocks
+
+        num_kv_heads, _, head_dim = keys.shape
+        skew = torch.eye(head_dim).expand(num_kv_heads, head_dim, head_dim)
+        closed = context // 16 * 16
+        keys = torch.cat([torch.stack([quantize_blocks(k[:closed], 4, False) for k in keys]),
+                          keys[:, closed:]], dim=1)
+    query = _partial_query(model, target, capture.inputs[target - 1], skew)
     partial = torch.einsum("htd,hdr->htr", keys, skew)  # [H_kv, ctx, R]
     num_blocks = context // block_size + 1
     padded = torch.zeros(partial.shape[0], num_blocks * block_size, partial.shape[2])
@@ -146,9 +160,19 @@ def _attention_mass(model, target: int, capture: _Capture, context: int,
     return mass.view(num_kv_heads, num_blocks, block_size).sum(-1)
 
 
+def budget_label(budget: float, cap: int | None) -> str:
+    return str(budget) if cap is None else f"{budget} cap {cap}"
+
+
+def budgets_of(args: argparse.Namespace) -> list[tuple[float, int | None]]:
+    """Each budget, then each token cap at the largest."""
+    return ([(b, None) for b in args.budgets]
+            + [(max(args.budgets), cap) for cap in args.token_caps])
+
+
 def record(model_name: str,
-           args: argparse.Namespace) -> tuple[dict[float, np.ndarray], dict[str, Any]]:
-    """{budget: masks [steps, sparse layers, H_kv, max_blocks]} and provenance
+           args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """{budget label: masks [steps, sparse layers, H_kv, max_blocks]} and provenance
     (with the layers' own attention mass the selections cover)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,7 +183,8 @@ def record(model_name: str,
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids, calibration = _inputs(kind, paths.shared_path(source), tokenizer,
                                args.context + args.steps)
-    tables = compute_skew_tables(str(model_dir), 0.2, calibration or None)
+    tables = (compute_skew_tables(str(model_dir), 0.2, calibration or None)
+              if args.keys == "partial" else None)
     torch.manual_seed(0)
     capture = _Capture()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -170,8 +195,10 @@ def record(model_name: str,
     bs = args.block_size
     max_blocks = (args.context + args.steps - 1) // bs + 1
     heads = model.config.num_key_value_heads
-    masks = {b: np.zeros((args.steps, len(sparse), heads, max_blocks), bool) for b in args.budgets}
-    covered = {b: [] for b in args.budgets}
+    settings = budgets_of(args)
+    masks = {budget_label(*s): np.zeros((args.steps, len(sparse), heads, max_blocks), bool)
+             for s in settings}
+    covered = {label: [] for label in masks}
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids[: args.context]]), use_cache=True)
         cache = out.past_key_values
@@ -181,18 +208,22 @@ def record(model_name: str,
             cache = model(input_ids=token, past_key_values=cache, use_cache=True).past_key_values
             lens = torch.tensor([position])  # context tokens before the row's own
             for index, target in enumerate(sparse):
-                tokens, scores = _block_scores(model, target, capture, tables.skew[target],
-                                               position, bs)
+                tokens, scores = _block_scores(
+                    model, target, capture, None if tables is None else tables.skew[target],
+                    position, bs)
                 mass = _attention_mass(model, target, capture, position, bs)
-                for budget in args.budgets:
-                    caps = torch.tensor([max(1, math.floor(position * budget))])
-                    caps = rule.alpha_token_caps(tokens, lens, ALPHA_ROPE, caps)
+                for budget, cap in settings:
+                    label = budget_label(budget, cap)
+                    caps = torch.tensor([max(1, min(math.floor(position * budget),
+                                                    cap or position))])
+                    if args.alpha is not None:
+                        caps = rule.alpha_token_caps(tokens, lens, args.alpha, caps)
                     chosen = rule.select_blocks(scores, lens, caps, block_size=bs,
                                                 width=scores.shape[-1]).logical[0]
                     for head in range(heads):
                         picked = chosen[head][chosen[head] >= 0]
-                        masks[budget][step, index, head, picked.numpy()] = True
-                        covered[budget].append(float(mass[head, picked].sum()))
+                        masks[label][step, index, head, picked.numpy()] = True
+                        covered[label].append(float(mass[head, picked].sum()))
     weights = sorted(model_dir.glob("*.safetensors"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in weights)).hexdigest()[:16]
     provenance = {
@@ -201,11 +232,12 @@ def record(model_name: str,
         "context_tokens": args.context, "decode_steps": args.steps,
         "decode": "teacher-forced with the tokens that follow the context",
         "block_size": bs, "dense_layers": args.dense_layers, "sparse_layers": sparse,
-        "kv_heads": heads, "partial_ratio": 0.2, "alpha": ALPHA_ROPE,
-        "skew_calibration": "bundled calibration text" if not calibration
-        else "recall prompts 2-3", "sink_blocks": 1, "recent_blocks": 1,
+        "kv_heads": heads, "keys": args.keys,
+        "alpha": "off (the budget binds)" if args.alpha is None else args.alpha,
+        "skew_calibration": None if args.keys == "int" else "bundled calibration text"
+        if not calibration else "recall prompts 2-3", "sink_blocks": 1, "recent_blocks": 1,
         "rule": "vllm_infinigen.platforms.cuda.block_selection (speculated from layer l-1)",
-        "attention_mass_covered": {str(b): float(np.mean(v)) for b, v in covered.items()},
+        "attention_mass_covered": {b: float(np.mean(v)) for b, v in covered.items()},
     }
     return masks, provenance
 
@@ -240,17 +272,17 @@ def simulate_cache(masks: np.ndarray, factor: float, eviction: str) -> float:
     return hits / max(hits + misses, 1)
 
 
-def summarize(masks: dict[float, np.ndarray], args: argparse.Namespace,
+def summarize(masks: dict[str, np.ndarray], args: argparse.Namespace,
               provenance: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for budget, mask in masks.items():
         forced = forced_blocks(args.steps, args.context, args.block_size, mask.shape[-1])
         reuse = selection_trace.step_reuse(mask)
         free = selection_trace.step_reuse(mask, skip=forced)
-        results[str(budget)] = {
+        results[budget] = {
             "blocks_per_head_mean": float(mask.sum(axis=-1).mean()),
             "kept_fraction_mean": float(mask.sum(axis=-1).mean() / mask.shape[-1]),
-            "attention_mass_covered": provenance["attention_mass_covered"][str(budget)],
+            "attention_mass_covered": provenance["attention_mass_covered"][budget],
             "reuse_mean": float(reuse.mean()),
             "reuse_without_sink_and_own_mean": float(free.mean()),
             "reuse_by_layer": [float(v) for v in reuse.mean(axis=(0, 2))],
@@ -288,7 +320,8 @@ _INTRO = (
     "heads) that falls in the selected blocks (the kept fraction is what a uniform choice "
     "would cover). Hit rate: the device block cache (`platforms/cuda/block_cache.py`) "
     "replaying the selections, with slots per KV head = factor x the widest step's blocks "
-    "per head; the cold first step left out. Block size 16, r = 0.2, alpha 5, "
+    "per head; the cold first step left out. Block size 16, the keys and alpha of each "
+    "model's settings (the product's defaults: int keys, alpha off so the budget binds), "
     "1 sink block + the own block; `python -m benchmarks.gpu.record_selections` "
     "(HF transformers on the CPU; the trace of gutenberg-llama-2k at budget 0.2 is "
     "`benchmarks/gpu/traces/`, replayed by the GPU benchmark).")
@@ -299,9 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
                         default=["gutenberg-llama-2k", "recall-llama-12l"])
     parser.add_argument("--context", type=int, default=1024,
-                        help="prefill tokens (recall prompts hold 1024: at most 960 there)")
+                        help="prefill tokens (a recall prompt bounds it: at most its length - --steps)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
+    parser.add_argument("--token-caps", type=int, nargs="*", default=[],
+                        help="--infinigen-budget-tokens values, each at the largest budget")
+    parser.add_argument("--keys", choices=("int", "partial"), default="int",
+                        help="--infinigen-speculation-keys (int: the product's default)")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="the paper's count (e.g. 5) capped by the budget (default: off, "
+                        "the product's default: the budget binds)")
     parser.add_argument("--trace-model", default="gutenberg-llama-2k",
                         help="the model whose selections are written as the GPU benchmark's trace")
     parser.add_argument("--trace-budget", type=float, default=0.2)
@@ -313,12 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     meta = gpu_run_metadata()
     settings, results, sections = {}, {}, []
     for name in args.models:
+        kind, source = MODELS[name]
+        prompt = (len(json.loads(paths.shared_path(source).open().readline())["prompt_token_ids"])
+                  if kind == "recall" else None)
         model_args = argparse.Namespace(**{**vars(args), "context": min(
-            args.context, 1024 - args.steps) if MODELS[name][0] == "recall" else args.context})
+            args.context, prompt - args.steps) if prompt else args.context})
         masks, provenance = record(name, model_args)
-        if name == args.trace_model and args.trace_budget in masks:
+        if name == args.trace_model and str(args.trace_budget) in masks:
             path = selection_trace.TRACES / f"{name}_budget{args.trace_budget}.json"
-            selection_trace.save_trace(path, masks[args.trace_budget], {
+            selection_trace.save_trace(path, masks[str(args.trace_budget)], {
                 **provenance, "budget": args.trace_budget, "command": meta["command"],
                 "repo_commit": meta["repo_commit"], "date_utc": meta["date_utc"]})
             print(f"trace: {path} ({path.stat().st_size} bytes)")
