@@ -129,6 +129,10 @@ def test_alpha_counts_are_the_rules_count():
     caps = block_selection.alpha_token_caps(tokens, context_lens, 1.0, torch.full((3,), 99))
     assert caps.tolist() == counts.view(3, 2).long().sum(dim=1).div(2, rounding_mode="floor")\
         .clamp(min=1).tolist()
+    # The default, alpha off (infinity): every encoded token counts, so the budget binds.
+    counts = select_ops.alpha_counts(tokens, blocks, context_lens, _settings(alpha=math.inf),
+                                     block_size=BLOCK)
+    assert counts.view(3, 2).tolist() == [[16, 16], [16, 16], [0, 0]]
 
 
 def _place(cache: DeviceBlockCache, ids: torch.Tensor):

@@ -43,7 +43,8 @@ def test_groups_encode_as_the_reference_once_their_last_token_is_written(bits, d
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("capped", [False, True])
-@pytest.mark.parametrize(("alpha", "budget"), [(2.0, 0.2), (1e4, 0.1), (0.5, 1.0)])
+@pytest.mark.parametrize(("alpha", "budget"), [(2.0, 0.2), (1e4, 0.1), (0.5, 1.0),
+                                             (float("inf"), 0.2)])
 @pytest.mark.parametrize("group", [2, 7])  # 7 query heads per KV head: blocks of 4, 2 and 1
 def test_selection_equals_the_reference(bits, dtype, capped, alpha, budget, group):
     pool = Pool(seed=5, bits=bits, dtype=dtype, num_kv_heads=2, head_size=32,

@@ -146,12 +146,15 @@ def _kept(positions: torch.Tensor, valid: torch.Tensor | None = None) -> list[li
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_kv_heads", "group"), [(4, 1), (2, 4), (1, 8)])
-@pytest.mark.parametrize(("alpha", "budget"), [(1.0, 0.2), (3.0, 0.05), (0.5, 1.0)])
+@pytest.mark.parametrize(("alpha", "budget"), [(1.0, 0.2), (3.0, 0.05), (0.5, 1.0),
+                                             (math.inf, 0.2)])
 def test_select_matches_reference(dtype, num_kv_heads, group, alpha, budget):
     case = Case(seed=3, dtype=dtype, num_kv_heads=num_kv_heads, group=group, head_size=32,
                 context_lens=[300, 17, 1, 129])
     positions, num_selected, want = _selections(case, alpha=alpha, budget=budget)
     assert num_selected.tolist() == want.num_selected.tolist()
+    if math.isinf(alpha):  # the default (alpha off): every row keeps its budget
+        assert num_selected.tolist() == token_budget(case.context_lens, budget).tolist()
     assert positions.shape[-1] == int(want.num_selected.max())  # sized by the count
     assert _kept(positions) == _kept(want.positions, want.valid)
     for row in positions.view(-1, positions.shape[-1]):  # ascending, padding last

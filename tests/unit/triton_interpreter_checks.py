@@ -205,13 +205,16 @@ def test_alpha_counts_equal_the_reference(triton_select):
     tokens = tokens.masked_fill(torch.arange(6 * 32)[None, None] >= encoded[:, None, None],
                                 float("-inf"))
     blocks = block_selection.block_scores(tokens, context_lens, 32)
-    for alpha in (0.5, 2.0):  # 2.0: some scores sit exactly at best - alpha, not above
+    # 2.0: some scores sit exactly at best - alpha, not above; inf: the default (alpha
+    # off), every encoded token counts
+    for alpha in (0.5, 2.0, float("inf")):
         settings = select_ops.settings_tensor(alpha, 0.2, 0, "cpu")
         expected = select_ops.alpha_counts(tokens, blocks, context_lens, settings, block_size=32)
         got = torch.empty_like(expected)
         triton_select.alpha_counts(tokens, blocks, context_lens, settings, got, block_size=32,
                                    chunk=64)
         assert torch.equal(got, expected)
+    assert got.view(4, 2)[:, 0].tolist() == encoded.tolist()
 
 
 @pytest.mark.parametrize("seed", range(4))
