@@ -179,7 +179,9 @@ def setting_label(setting: dict | None, variant: dict | None) -> str:
     """"dense", or the policy (control, streaming approximation) and the engine variant."""
     if setting is None or variant is None:
         return "dense"
-    engine = f"{variant['dense_layers']} dense layers, {variant['calibration']} skew"
+    keys = ("int keys" if variant["calibration"] == "default"  # no skew file: the default
+            else f"partial keys, {variant['calibration']} skew")
+    engine = f"{variant['dense_layers']} dense layers, {keys}"
     if sweeps.is_control(setting):
         return f"select all (control), {engine}"
     if setting.get("recent_tokens"):
