@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The frontier benchmark's pieces: the settings grid, the rule's floor and token cap,
+the speed interpolation and the targets (``benchmarks/accuracy/frontier*.py``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.accuracy import frontier, frontier_report
+from benchmarks.accuracy.key_forms import FormSpec, KeyForm
+from benchmarks.accuracy.speculative_selection import (
+    CAP_BINDING_ALPHA,
+    SelectionCounts,
+    make_selector,
+)
+
+
+def test_grid_has_every_rule_budget_and_the_caps():
+    grid = frontier.settings_grid(["alpha 5 (today)", "budget binding"], [0.1, 0.2], [256])
+    labels = [s.label for s in grid]
+    assert labels == ["alpha 5 (today) @ 0.1", "alpha 5 (today) @ 0.2", "budget binding @ 0.1",
+                      "budget binding @ 0.2", "alpha 5 (today) @ 0.2, cap 256",
+                      "budget binding @ 0.2, cap 256", "budget binding @ 1, cap 256"]
+
+
+def _select(alpha: float, budget: float, token_cap=None, floor=0.0):
+    gen = torch.Generator().manual_seed(0)
+    heads, group, dim, tokens = 2, 2, 8, 200
+    eye = [(torch.zeros(heads * group, 1, dim), torch.zeros(heads, 1, dim))]
+    form = KeyForm(FormSpec("fp32", "identity", "fp32", 1.0), eye, 1, [0])
+    counts = SelectionCounts()
+    select = make_selector(form, scale=1.0, alpha=alpha, budget=budget, token_cap=token_cap,
+                           floor=floor, counts=counts)
+    query = torch.randn(heads * group, 2, dim, generator=gen)
+    keys = torch.randn(heads, tokens, dim, generator=gen)
+    chosen = select(0, query, keys, torch.tensor([100, 200]))
+    return chosen.sum(dim=-1)  # [H_kv, rows]
+
+
+def test_binding_keeps_the_budget_and_the_cap_bounds_it():
+    assert _select(CAP_BINDING_ALPHA, 0.2).tolist() == [[20, 40], [20, 40]]
+    assert _select(CAP_BINDING_ALPHA, 0.2, token_cap=30).tolist() == [[20, 30], [20, 30]]
+    assert _select(CAP_BINDING_ALPHA, 1.0, token_cap=30).tolist() == [[30, 30], [30, 30]]
+
+
+def test_the_floor_raises_the_count_under_the_cap():
+    small = _select(1e-6, 0.2)  # a tiny alpha counts only the best token
+    assert small.max() <= 1
+    floored = _select(1e-6, 0.2, floor=0.1)
+    assert floored.tolist() == [[10, 20], [10, 20]]
+    assert _select(1e-6, 0.05, floor=0.1).tolist() == [[5, 10], [5, 10]]  # the cap wins
+
+
+def test_interpolation_is_linear_between_points_and_says_when_outside():
+    points = [{"density": 0.0, "vs_dense": 0.5}, {"density": 0.2, "vs_dense": 0.9}]
+    value, outside = frontier_report.interpolate(points, 0.1)
+    assert value == pytest.approx(0.7) and not outside
+    value, outside = frontier_report.interpolate(points, 0.3)
+    assert value == pytest.approx(1.1) and outside
+    assert frontier_report.interpolate([], 0.1) is None
+
+
+def _row(task, label, value, first=None, density=0.1, budget=0.2, cap=None):
+    row = {"task": task, "rule": label.split(" @")[0], "label": label, "value": value,
+           "density": density, "budget": budget, "token_cap": cap}
+    if first is not None:
+        row["buckets"] = {"first_quarter": first}
+    return row
+
+
+def _dense(task, value, first=None):
+    row = {"task": task, "rule": "dense", "value": value, "density": math.nan}
+    if first is not None:
+        row["buckets"] = {"first_quarter": first}
+    return row
+
+
+def test_targets_need_both_models_first_quarter_and_the_book():
+    results = [_dense("recall-llama-12l", 1.0, 1.0), _dense("recall-llama-12l-4k", 0.8, 0.8),
+               _dense("gutenberg-llama-2k", 100.0)]
+    results += [_row("recall-llama-12l", "a @ 0.2", 1.0, 1.0),
+                _row("recall-llama-12l-4k", "a @ 0.2", 0.8, 0.78, density=0.2),
+                _row("gutenberg-llama-2k", "a @ 0.2", 101.0),
+                _row("recall-llama-12l", "b @ 0.2", 1.0, 1.0),
+                _row("recall-llama-12l-4k", "b @ 0.2", 0.8, 0.70),  # first quarter lost
+                _row("gutenberg-llama-2k", "b @ 0.2", 101.0),
+                _row("recall-llama-12l", "c @ 0.2, cap 256", 1.0, 1.0, cap=256),
+                _row("recall-llama-12l-4k", "c @ 0.2, cap 256", 0.8, 0.8, density=0.06,
+                     cap=256),
+                _row("gutenberg-llama-2k", "c @ 0.2, cap 256", 103.0, cap=256)]  # 1.03x
+    payload = {"results": results, "speed": [{"density": 0.0, "vs_dense": 0.5},
+                                             {"density": 0.2, "vs_dense": 0.9}]}
+    rows = {e["label"]: e for e in frontier_report.frontier_rows(payload)}
+    assert rows["a @ 0.2"]["meets"] and not rows["b @ 0.2"]["meets"]
+    assert not rows["c @ 0.2, cap 256"]["meets"]
+    assert rows["a @ 0.2"]["vs_dense_16k"] == pytest.approx(0.9)
+    # a token cap bounds the density at 16K to cap / 16K
+    assert rows["c @ 0.2, cap 256"]["density_16k"] == pytest.approx(256 / 16384)
