@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
                         default=["gutenberg-llama-2k", "recall-llama-12l"])
     parser.add_argument("--context", type=int, default=1024,
-                        help="prefill tokens (a recall prompt bounds it: at most its length - --steps)")
+                        help="prefill tokens (at most a recall prompt's length - --steps)")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--token-caps", type=int, nargs="*", default=[],
