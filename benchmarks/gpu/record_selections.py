@@ -369,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = summarize(masks, model_args, provenance)
         about = (f"Context {provenance['context_tokens']} tokens, "
                  f"{provenance['decode_steps']} decode steps ({provenance['decode']}); "
-                 f"input {provenance['input']}; skew from {provenance['skew_calibration']}.")
+                 f"input {provenance['input']}; "
+                 + ("int keys (no skew)" if provenance["keys"] == "int" else
+                    f"partial keys, skew from {provenance['skew_calibration']}")
+                 + f"; alpha {provenance['alpha']}.")
         sections += [f"## {name}", about,
                      *_markdown(results[name], model_args)]
     write_gpu_results(args.out, meta, "Step-to-step reuse of InfiniGen's block selections",
