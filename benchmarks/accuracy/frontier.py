@@ -34,9 +34,9 @@ Results: ``benchmarks/results/frontier.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,7 +45,7 @@ import torch
 from benchmarks.accuracy import frontier_report, retrieval, speculation_keys
 from benchmarks.accuracy.key_forms import FormSpec, KeyForm
 from benchmarks.accuracy.sparse_llama import SparseLlama
-from benchmarks.accuracy.speculation_keys import Tally
+from benchmarks.accuracy.speculation_keys import Run, Tally, tally_sequences
 from benchmarks.accuracy.speculative_selection import CAP_BINDING_ALPHA, make_selector
 from benchmarks.harness import paths, report
 
@@ -126,16 +126,6 @@ def settings_grid(rules: list[str], budgets: list[float], caps: list[int]) -> li
     return grid
 
 
-def sequences(task: Task, args) -> list[dict]:
-    """Token ids, dense rows P and what is scored, per sequence."""
-    if task.metric == "perplexity":
-        return speculation_keys.sequences(speculation_keys.TASKS[task.name], args)
-    rows = retrieval.load_examples(task.data, args.limit)
-    return [{"ids": row["prompt_token_ids"],
-             "num_dense": len(row["prompt_token_ids"]) - speculation_keys.RECALL_DECODE_ROWS,
-             "answer": row["answer_token_ids"][0], "bucket": row["bucket"]} for row in rows]
-
-
 def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
     from transformers import AutoModelForCausalLM
 
@@ -151,31 +141,19 @@ def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
     control = KeyForm(CONTROL, shapes, 1, layers)
     tallies = [Tally(task.metric) for _ in grid]
     dense, select_all = Tally(task.metric), Tally(task.metric)
-    max_control_diff = 0.0
-    data = sequences(task, args)
-    start = time.perf_counter()
-    for index, seq in enumerate(data):
-        prefix = sparse_model.dense_pass(seq["ids"])
-        first = seq["num_dense"]
-        dense_logits = prefix.logits[first - 1:]
-        dense.add(seq, dense_logits)
-        runs = [(s, t, keys, RULES[s.rule]) for s, t in zip(grid, tallies)]
-        runs.append((Setting("control", 1.0), select_all, control, Rule("control", BINDING)))
-        for setting, tally, form, rule in runs:
-            began = time.perf_counter()
-            selector = make_selector(form, scale=sparse_model.scale, alpha=rule.alpha,
-                                     budget=setting.budget, block_size=rule.block_size,
-                                     token_cap=setting.token_cap,
-                                     floor=rule.floor * setting.budget, counts=tally.counts)
-            logits = sparse_model.sparse_pass(prefix, first, selector, rule.speculation)
-            logits = torch.cat([prefix.logits[first - 1:first], logits])
-            tally.add(seq, logits)
-            tally.seconds += time.perf_counter() - began
-            if tally is select_all:
-                max_control_diff = max(max_control_diff,
-                                       float((logits - dense_logits).abs().max()))
-        print(f"[{task.name}] {index + 1}/{len(data)} sequences, "
-              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    data = speculation_keys.sequences(task, args, task.data)
+
+    def run(setting: Setting, tally: Tally, form: KeyForm, rule: Rule,
+            control: bool = False) -> Run:
+        return Run(tally, functools.partial(
+            make_selector, form, scale=sparse_model.scale, alpha=rule.alpha,
+            budget=setting.budget, block_size=rule.block_size, token_cap=setting.token_cap,
+            floor=rule.floor * setting.budget), rule.speculation, control)
+
+    runs = [run(s, t, keys, RULES[s.rule]) for s, t in zip(grid, tallies)]
+    runs.append(run(Setting("control", 1.0), select_all, control, Rule("control", BINDING),
+                    control=True))
+    max_control_diff = tally_sequences(sparse_model, data, runs, dense, task.name)
     results = [{"task": task.name, "rule": "dense", **dense.result()},
                {"task": task.name, "rule": "control", "budget": 1.0, **select_all.result()}]
     for setting, tally in zip(grid, tallies):

@@ -35,10 +35,12 @@ Results: ``benchmarks/results/speculation_keys.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,7 +48,7 @@ import torch
 
 from benchmarks.accuracy import retrieval, speculation_keys_report
 from benchmarks.accuracy.key_forms import FormSpec, KeyForm
-from benchmarks.accuracy.sparse_llama import SparseLlama
+from benchmarks.accuracy.sparse_llama import Selector, SparseLlama
 from benchmarks.accuracy.speculative_selection import (
     CAP_BINDING_ALPHA,
     SelectionCounts,
@@ -121,10 +123,11 @@ def calibration_texts(task: Task, recall_seeds: int = 2,
     return [paths.shared_path("data/text/gutenberg-pride-and-prejudice.txt").read_text()]
 
 
-def sequences(task: Task, args) -> list[dict]:
-    """Token ids, dense rows P, and what is scored, per sequence."""
+def sequences(task: Task, args, data: Path = retrieval.DEFAULT_DATA) -> list[dict]:
+    """Token ids, dense rows P, and what is scored, per sequence (``data``: the recall
+    prompts; the book's windows come from Frankenstein)."""
     if task.metric == "accuracy":
-        rows = retrieval.load_examples(retrieval.DEFAULT_DATA, args.limit)
+        rows = retrieval.load_examples(data, args.limit)
         return [{"ids": row["prompt_token_ids"],
                  "num_dense": len(row["prompt_token_ids"]) - RECALL_DECODE_ROWS,
                  "answer": row["answer_token_ids"][0], "bucket": row["bucket"]}
@@ -134,6 +137,48 @@ def sequences(task: Task, args) -> list[dict]:
     ids = perplexity.tokenize_text(str(task.model), perplexity.FRANKENSTEIN.read_text())
     windows = perplexity.cut_windows(ids, BOOK_PREFIX, BOOK_SCORED, args.num_windows)
     return [{"ids": prompt + scored, "num_dense": BOOK_PREFIX} for prompt, scored in windows]
+
+
+@dataclass
+class Run:
+    """One setting's sparse passes: its tally, its selector (made with ``counts=`` the
+    tally's counts, fresh per sequence) and whose query speculates; ``control`` runs
+    are checked against dense."""
+
+    tally: Tally
+    selector: Callable[[SelectionCounts], Selector]
+    speculation: str
+    control: bool = False
+
+
+def tally_sequences(sparse_model: SparseLlama, data: list[dict], runs: list[Run],
+                    dense: Tally, name: str) -> float:
+    """Per sequence a dense pass (into ``dense``), then every run's sparse pass over the
+    rows past its dense prefix (into the run's tally), with progress on stderr.
+
+    Returns:
+        The control runs' max |logit - dense| over every sequence.
+    """
+    max_control_diff = 0.0
+    start = time.perf_counter()
+    for index, seq in enumerate(data):
+        prefix = sparse_model.dense_pass(seq["ids"])
+        first = seq["num_dense"]
+        dense_logits = prefix.logits[first - 1:]
+        dense.add(seq, dense_logits)
+        for run in runs:
+            began = time.perf_counter()
+            logits = sparse_model.sparse_pass(prefix, first, run.selector(counts=run.tally.counts),
+                                              run.speculation)
+            logits = torch.cat([prefix.logits[first - 1:first], logits])
+            run.tally.add(seq, logits)
+            run.tally.seconds += time.perf_counter() - began
+            if run.control:
+                max_control_diff = max(max_control_diff,
+                                       float((logits - dense_logits).abs().max()))
+        print(f"[{name}] {index + 1}/{len(data)} sequences, "
+              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return max_control_diff
 
 
 class Tally:
@@ -203,27 +248,13 @@ def run_task(task: Task, args) -> tuple[list[dict], dict]:
     settings.append(("control", CONTROL, control, 1.0, "cap"))
     tallies = [Tally(task.metric) for _ in settings]
     dense = Tally(task.metric)
-    max_control_diff = 0.0
     data = sequences(task, args)
-    start = time.perf_counter()
-    for index, seq in enumerate(data):
-        prefix = sparse_model.dense_pass(seq["ids"])
-        first = seq["num_dense"]
-        dense.add(seq, prefix.logits[first - 1:])
-        for (group, spec, form, budget, rule), tally in zip(settings, tallies):
-            began = time.perf_counter()
-            selector = make_selector(form, scale=sparse_model.scale, alpha=RULES[rule],
-                                     budget=budget, rerank=spec.rerank,
-                                     block_size=args.block_size, counts=tally.counts)
-            logits = sparse_model.sparse_pass(prefix, first, selector, args.speculation)
-            logits = torch.cat([prefix.logits[first - 1:first], logits])
-            tally.add(seq, logits)
-            tally.seconds += time.perf_counter() - began
-            if group == "control":
-                diff = float((logits - prefix.logits[first - 1:]).abs().max())
-                max_control_diff = max(max_control_diff, diff)
-        print(f"[{task.name}] {index + 1}/{len(data)} sequences, "
-              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    runs = [Run(tally, functools.partial(
+                make_selector, form, scale=sparse_model.scale, alpha=RULES[rule],
+                budget=budget, rerank=spec.rerank, block_size=args.block_size),
+                args.speculation, control=group == "control")
+            for (group, spec, form, budget, rule), tally in zip(settings, tallies)]
+    max_control_diff = tally_sequences(sparse_model, data, runs, dense, task.name)
     results = [{"task": task.name, "group": "dense", "form": "dense", **dense.result()}]
     for (group, spec, form, budget, rule), tally in zip(settings, tallies):
         results.append({"task": task.name, "group": group, "form": spec.name,
