@@ -37,12 +37,11 @@ V1_RUNNER_REFUSAL = (
 FLAG_PREFIX = "--infinigen-"
 KWARG_PREFIX = "infinigen_"
 
-# The paper's alpha: a margin in logit space (OPT 4, Llama-2 5). Not the
-# default: on the trained models the count on the previous layer's speculated
-# scores keeps too little (at 4K, a third of dense's retrieval), while the
-# budget binding keeps it (benchmarks/results/frontier.md); by default every
-# row keeps its budget (alpha off, resolved to infinity).
-PAPER_ALPHA_NO_ROPE = 4.0
+# The paper's alpha for RoPE models: a margin in logit space (Llama-2 5; OPT,
+# without RoPE, 4). Not the default: on the trained models the count on the
+# previous layer's speculated scores keeps too little (at 4K, half of dense's
+# retrieval), while the budget binding keeps it (benchmarks/results/frontier.md);
+# by default every row keeps its budget (alpha off, resolved to infinity).
 PAPER_ALPHA_ROPE = 5.0
 
 # Below this many context tokens a sparse layer attends densely over the pool:
