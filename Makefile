@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 	$(PY) -m pip install --no-deps --force-reinstall -e .
 	$(VENV)/bin/vllm --version
 	# InfiniGen's CPU kernels (C++, for this machine's instruction set; cached).
-	$(PY) -m vllm_infinigen.kernels
+	$(PY) -m vllm_infinigen.platforms.cpu.kernels
 	touch $@
 
 demo: setup

@@ -11,10 +11,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_infinigen", "vllm_infinigen.*"]),
     # The CPU kernels' C++ sources ship with the package and are compiled on
-    # first use (or by `python -m vllm_infinigen.kernels`), for the machine's ISA.
+    # first use (or by `python -m vllm_infinigen.platforms.cpu.kernels`), for the machine's ISA.
     package_data={"vllm_infinigen": ["assets/*.txt", "assets/stories260k/*",
-                                     "kernels/csrc/*.cpp", "kernels/csrc/cpu/*.cpp",
-                                     "kernels/csrc/cpu/*.h"]},
+                                     "platforms/cpu/kernels/csrc/*.cpp",
+                                     "platforms/cpu/kernels/csrc/*.h"]},
     install_requires=["safetensors", "transformers", "ninja"],
     extras_require={
         # CPU machines: vLLM's CPU wheel, which needs the CPU build of torch.

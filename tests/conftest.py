@@ -55,7 +55,7 @@ def skew_cache(tmp_path_factory, request):
     """Computed skew files go to a per-session cache, not the user's home."""
     import os
 
-    from vllm_infinigen import kernels
+    from vllm_infinigen.platforms.cpu import kernels
 
     # The compiled kernels stay where `make setup` built them.
     os.environ.setdefault("VLLM_INFINIGEN_KERNELS_DIR", str(kernels.cache_dir()))

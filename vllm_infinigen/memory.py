@@ -85,7 +85,7 @@ class PoolPlan:
 
     Uncapped, a row per slot of the dense group, addressed by block id;
     capped, ``num_rows`` rows per (layer, KV head), each mapped to a slot by
-    the pool index (``worker/pool_index.py``), in units of ``block_size`` rows.
+    the pool index (``platforms/cpu/pool_index.py``), in units of ``block_size`` rows.
     """
 
     num_rows: int  # tokens per (sparse layer, KV head)

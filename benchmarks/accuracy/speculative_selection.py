@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """InfiniGen's selection rule over any key form, as a ``sparse_llama.Selector`` (pure torch).
 
-Mirrors ``vllm_infinigen/kernels/csrc/select.cpp`` for rows without a
+Mirrors ``vllm_infinigen/platforms/cpu/kernels/csrc/select.cpp`` for rows without a
 sink/recent window: per KV head the score is scale x the max over its query
 group; each head counts the tokens within ``alpha`` of its best; a row keeps
 k = min(floor(mean count over KV heads), max(1, floor(budget x context)))

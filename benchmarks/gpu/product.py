@@ -53,6 +53,7 @@ class Product(Variant):
     Args:
         weights: The decoder's layers (their qkv projections speculate).
         budget, alpha: ``--infinigen-budget``, ``--infinigen-alpha``.
+        budget_tokens: ``--infinigen-budget-tokens`` (the token cap), or None.
         keys: ``--infinigen-speculation-keys``.
         replay: [steps, sparse layers, B, H_kv, W] int64 logical blocks to
             attend instead of the computed selection, or None.
@@ -63,11 +64,12 @@ class Product(Variant):
 
     def __init__(self, setup: KVSetup, streams: Streams, weights: list[LayerWeights], *,
                  budget: float, alpha: float, keys: str, replay: torch.Tensor | None,
-                 slots_per_head: int):
+                 slots_per_head: int, budget_tokens: int | None = None):
         super().__init__(setup, streams)
         shape, device = self.shape, setup.device
         config = InfiniGenConfig(alpha=alpha, budget=budget, dense_layers=shape.dense_layers,
-                                 min_context=0, speculation_keys=keys)
+                                 min_context=0, speculation_keys=keys,
+                                 budget_tokens=budget_tokens)
         impl = SimpleNamespace(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                                head_size=shape.head_dim, scale=shape.scale)
         sources = []
@@ -129,8 +131,8 @@ class Product(Variant):
         sparse = state.pool_layer
         block_size = self.shape.block_size
 
-        def replayed(rows, query):
-            selector(rows, query)  # the product's selection, paid for
+        def replayed(rows, query, row_map):
+            selector(rows, query, row_map)  # the product's selection, paid for
             steps = self.replay.shape[0]
             logical = self.replay[:, sparse].index_select(0, self.step_index % steps)[0]
             return selection_of_blocks(logical, rows, block_size)

@@ -63,7 +63,7 @@ KV bytes per step: dense attention reads every context token's K/V in every
 layer. A sparse engine reads the dense layers' K/V, the selection metadata of
 every context token (InfiniGen's partial keys: r of the key channels; Quest's
 page min/max; H2O's scores) and the selected K/V the attention reads from the
-pool (``vllm:infinigen_swap_bytes_total``: bytes read, in place on the CPU
+pool (``vllm:infinigen_selected_kv_bytes_total``: bytes read, in place on the CPU
 build). The ideal, as in the paper, is r/2 + budget of the dense bytes in
 each sparse layer (InfiniGen; the baselines: their metadata + budget), dense
 layers reading everything.

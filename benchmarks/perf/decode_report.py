@@ -282,7 +282,7 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         "window (of 2 cores; the largest over the row's configs): rows well above 0 "
         "were measured while other jobs ran.\n"
         "- KV read: dense layers' K/V + selection metadata + selected K/V the "
-        "attention reads from the pool (`vllm:infinigen_swap_bytes_total`), per step, over what "
+        "attention reads from the pool (`vllm:infinigen_selected_kv_bytes_total`), per step, over what "
         "dense attention reads in every layer; ideal = (dense layers + sparse layers x "
         "(metadata + budget)) / layers, metadata being the int keys' bytes or r/2 (partial "
         "keys) for InfiniGen, 1/16 (page "

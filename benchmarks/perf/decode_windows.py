@@ -108,7 +108,7 @@ def measure_row(*, engine_name: str, policy: str | None, context: int, batch: in
             shape.layers, args.dense_layers,
             kv_math.ideal_sparse_fraction(policy, args.budget, args.partial_ratio, shape, keys)),
         selected_fraction=delta.get("selected_tokens", 0.0) / candidates if candidates else None,
-        swap_wait_ms_per_step=delta.get("swap_wait_us", 0.0) / 1000 / len(times),
+        swap_wait_ms_per_step=delta.get("fetch_wait_us", 0.0) / 1000 / len(times),
     )
     return row
 

@@ -114,7 +114,7 @@ class StepBytes:
     dense_equivalent: float  # dense attention in every layer over the same contexts
     dense_layers: float  # the layers InfiniGen keeps dense (full KV)
     metadata: float  # partial keys / page bounds / scores the sparse layers score
-    pool_to_attention: float  # selected K/V the attention reads from the pool (swap_bytes)
+    pool_to_attention: float  # selected K/V the attention reads from the pool (selected_kv_bytes)
 
     @property
     def total(self) -> float:
@@ -139,7 +139,7 @@ def sparse_step_bytes(shape: ModelShape, dense_layers: int, policy: str,
     Args:
         counters: Totals over the sparse layers of ``candidate_tokens`` (context
             tokens each sparse layer would have read, summed over decode rows
-            and steps) and ``swap_bytes`` (selected K/V the attention read).
+            and steps) and ``selected_kv_bytes`` (selected K/V the attention read).
         steps: Decode steps the counters cover.
     """
     sparse_layers = shape.layers - dense_layers
@@ -154,7 +154,7 @@ def sparse_step_bytes(shape: ModelShape, dense_layers: int, policy: str,
         dense_layers=dense_layers * per_layer,
         metadata=sparse_layers * context * metadata_bytes_per_token(
             policy, shape, partial_ratio, speculation_keys),
-        pool_to_attention=counters.get("swap_bytes", 0) / steps,
+        pool_to_attention=counters.get("selected_kv_bytes", 0) / steps,
     )
 
 

@@ -28,7 +28,7 @@ functions named, which run synchronously on the CPU):
     rest of the step   everything else (dense layers' attention, projections,
                        MLPs, sampling, scheduler): step time minus the plugin's
 
-Bytes and GB/s: the selected rows the attention reads (``swap_bytes``
+Bytes and GB/s: the selected rows the attention reads (``selected_kv_bytes``
 counter) over the attend time; the speculation keys scored (every candidate
 token's keys) over the score + select time; against the streaming limit
 measured in the same run (``benchmarks/perf/bandwidth.py``).
@@ -60,12 +60,12 @@ COMPONENTS = ("query projection", "score + select", "attend", "write", "capture"
 # and the capture hook are the plugin's entry points (their time, less the
 # components inside them, is the plugin's own Python).
 TIMED = (("vllm_infinigen.policies.infinigen", "partial_query", "query projection"),
-         ("vllm_infinigen.kernels", "select_tokens_int", "score + select"),
-         ("vllm_infinigen.kernels", "select_tokens", "score + select"),
-         ("vllm_infinigen.kernels", "attend_decode", "attend"),
-         ("vllm_infinigen.kernels", "write_pool", "write"),
-         ("vllm_infinigen.kernels", "write_int_keys", "write"),
-         ("vllm_infinigen.kernels", "write_partial_keys", "write"))
+         ("vllm_infinigen.platforms.cpu.kernels", "select_tokens_int", "score + select"),
+         ("vllm_infinigen.platforms.cpu.kernels", "select_tokens", "score + select"),
+         ("vllm_infinigen.platforms.cpu.kernels", "attend_decode", "attend"),
+         ("vllm_infinigen.platforms.cpu.kernels", "write_pool", "write"),
+         ("vllm_infinigen.platforms.cpu.kernels", "write_int_keys", "write"),
+         ("vllm_infinigen.platforms.cpu.kernels", "write_partial_keys", "write"))
 ENTRY_POINTS = ("begin_step", "begin_layer", "attend", "write")
 TITLE = "Where a decode step's time goes: InfiniGen by component beside dense vLLM"
 
@@ -193,7 +193,7 @@ def run(args, model: Path, dtype: str, manager: str, progress) -> list[dict[str,
                 candidates = delta.get("candidate_tokens", 0.0)
                 row["selected_fraction"] = (delta.get("selected_tokens", 0.0) / candidates
                                             if candidates else None)
-                row["selected_bytes_per_step"] = delta.get("swap_bytes", 0.0) / len(times)
+                row["selected_bytes_per_step"] = delta.get("selected_kv_bytes", 0.0) / len(times)
                 # Every candidate token's speculation keys, per KV head.
                 row["key_bytes_per_step"] = (candidates * shape.kv_heads / len(times)
                                              * kv_math.speculation_key_bytes(shape))

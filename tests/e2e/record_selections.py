@@ -3,7 +3,7 @@
 
 Usage: python -m tests.e2e.record_selections MODEL OUT.pt
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that
-wrapping ``vllm_infinigen.kernels.select_tokens`` sees the worker's calls.
+wrapping ``vllm_infinigen.platforms.cpu.kernels.select_tokens`` sees the worker's calls.
 Calls made by the previous-layer speculation also record what went into the
 partial query (the speculating layer's attention input, the positions, the
 target layer and its skew), so that a test can recompute the query on its own.
@@ -24,7 +24,7 @@ BUDGET = 0.2
 
 def main(model: str, out: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm_infinigen import kernels
+    from vllm_infinigen.platforms.cpu import kernels
     from tests.reference.layouts import partial_keys_of
     from vllm_infinigen.policies import infinigen as infinigen_policy
 

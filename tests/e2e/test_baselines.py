@@ -71,5 +71,5 @@ def _run_counts(llm) -> tuple[list[list[int]], dict[str, float]]:
     after = summarize(llm.get_metrics())
     return outputs, {
         f"{name}.{layer}": after[name][layer] - before.get(name, {}).get(layer, 0)
-        for name in ("selected_tokens", "swap_bytes") for layer in after[name]
+        for name in ("selected_tokens", "selected_kv_bytes") for layer in after[name]
     }

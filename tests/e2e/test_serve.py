@@ -69,13 +69,13 @@ def test_metrics_exported(client, server):
     client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=8, temperature=0.0)
     text = requests.get(f"{server}/metrics", timeout=10).text
     values = {}
-    for name in ("selected_tokens", "candidate_tokens", "swap_bytes"):
+    for name in ("selected_tokens", "candidate_tokens", "selected_kv_bytes"):
         pattern = rf'^vllm:infinigen_{name}_total\{{.*layer="(\d+)".*\}} ([0-9.e+]+)$'
         values[name] = {m[0]: float(m[1]) for m in re.findall(pattern, text, re.M)}
     assert sorted(values["candidate_tokens"]) == ["2", "3", "4"]
     for layer, candidates in values["candidate_tokens"].items():
         assert 0 < values["selected_tokens"][layer] <= 0.2 * candidates
-        assert values["swap_bytes"][layer] > 0
+        assert values["selected_kv_bytes"][layer] > 0
 
 
 @pytest.mark.parametrize("body", [

@@ -79,6 +79,6 @@ def test_copy_transfer_selects_and_outputs_the_same(prompts, eager_run):
                 infinigen_transfer="copy") as llm:
         assert greedy_tokens(llm, prompts, MAX_TOKENS) == tokens
         copied = summarize(llm.get_metrics())
-    for name in ("selected_tokens", "candidate_tokens", "swap_bytes"):
+    for name in ("selected_tokens", "candidate_tokens", "selected_kv_bytes"):
         assert copied[name] == counters[name]
-    assert sum(copied["swap_wait_us"].values()) > 0
+    assert sum(copied["fetch_wait_us"].values()) > 0

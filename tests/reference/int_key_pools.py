@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tests.reference import int_keys as reference
-from vllm_infinigen import kernels
+from vllm_infinigen.platforms.cpu import kernels
 
 BLOCK = 32  # two 16-token groups per block
 GROUPS = BLOCK // reference.GROUP

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pure-torch integer speculation keys: what ``write_int_keys`` stores and what a
-selection over them scores (``vllm_infinigen/kernels/csrc/cpu/int_keys.cpp``)."""
+selection over them scores (``vllm_infinigen/platforms/cpu/kernels/csrc/int_keys.cpp``)."""
 
 from __future__ import annotations
 

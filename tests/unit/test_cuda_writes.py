@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_infinigen import kernels
+from vllm_infinigen.platforms.cpu import kernels
 from vllm_infinigen.layout import int_key_bits
 from vllm_infinigen.platforms.cuda import writes
 

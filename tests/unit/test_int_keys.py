@@ -10,7 +10,7 @@ import torch
 from tests.reference import int_keys as reference
 from tests.reference.int_key_pools import BLOCK, GROUPS, Pool
 from tests.reference.selector import select_tokens as select_reference
-from vllm_infinigen import kernels
+from vllm_infinigen.platforms.cpu import kernels
 from vllm_infinigen.worker.step_plan import token_budget
 
 

@@ -15,8 +15,8 @@ import torch
 from tests.reference import layouts
 from tests.reference.selector import select_tokens as select_reference
 from tests.reference.sparse_attention import attend_gathered
-from vllm_infinigen import kernels
-from vllm_infinigen.kernels import build
+from vllm_infinigen.platforms.cpu import kernels
+from vllm_infinigen.platforms.cpu.kernels import build
 from vllm_infinigen.worker import block_layout
 from vllm_infinigen.worker.step_plan import token_budget
 
@@ -368,7 +368,7 @@ def test_other_instruction_sets_build_and_agree(capability):
 
 
 def test_record_uses_equals_the_pools_own_bookkeeping():
-    from vllm_infinigen.worker.pool_index import CappedPoolIndex
+    from vllm_infinigen.platforms.cpu.pool_index import CappedPoolIndex
 
     gen = torch.Generator().manual_seed(16)
     pools = [CappedPoolIndex(1, 2, num_slots=8 * BLOCK, num_rows=3 * BLOCK, policy="counter",

@@ -26,8 +26,8 @@ PER_ENGINE = {0: ["tiny", "0"], 1: ["tiny", "1"]}
 
 def step_stats():
     return {
-        "selected_tokens.2": 10, "candidate_tokens.2": 40, "swap_bytes.2": 1280,
-        "selected_tokens.3": 6, "candidate_tokens.3": 40, "swap_bytes.3": 768,
+        "selected_tokens.2": 10, "candidate_tokens.2": 40, "selected_kv_bytes.2": 1280,
+        "selected_tokens.3": 6, "candidate_tokens.3": 40, "selected_kv_bytes.3": 768,
     }
 
 
@@ -35,8 +35,8 @@ def test_reduce_exact():
     assert InfiniGenStats(data=step_stats()).reduce() == {
         "selected_tokens": 16,
         "candidate_tokens": 80,
-        "swap_bytes": 2048,
-        "swap_wait_us": 0,
+        "selected_kv_bytes": 2048,
+        "fetch_wait_us": 0,
         "evictions": 0,
         "cache_hits": 0,
         "cache_misses": 0,
@@ -66,7 +66,7 @@ def test_worker_gauges_sum_over_ranks_and_keep_the_latest_step():
 
 def test_reduce_without_candidates():
     assert InfiniGenStats().reduce() == {name: 0 for name in COUNTERS}
-    assert "selected_fraction" not in InfiniGenStats(data={"swap_bytes.2": 5}).reduce()
+    assert "selected_fraction" not in InfiniGenStats(data={"selected_kv_bytes.2": 5}).reduce()
 
 
 def test_reduce_rounds_fraction():
@@ -81,8 +81,8 @@ def test_aggregate_sums_per_key():
     result = first.aggregate(second)
     assert result is first
     assert first.data == {
-        "selected_tokens.2": 15, "candidate_tokens.2": 81, "swap_bytes.2": 1280,
-        "selected_tokens.3": 6, "candidate_tokens.3": 40, "swap_bytes.3": 768,
+        "selected_tokens.2": 15, "candidate_tokens.2": 81, "selected_kv_bytes.2": 1280,
+        "selected_tokens.3": 6, "candidate_tokens.3": 40, "selected_kv_bytes.3": 768,
         "selected_tokens.4": 7,
     }
     assert second.data == {"selected_tokens.2": 5, "candidate_tokens.2": 41,
@@ -91,8 +91,8 @@ def test_aggregate_sums_per_key():
 
 def test_is_empty_and_reset():
     assert InfiniGenStats().is_empty()
-    assert InfiniGenStats(data={"selected_tokens.2": 0, "swap_bytes.2": 0}).is_empty()
-    stats = InfiniGenStats(data={"selected_tokens.2": 0, "swap_bytes.2": 1})
+    assert InfiniGenStats(data={"selected_tokens.2": 0, "selected_kv_bytes.2": 0}).is_empty()
+    stats = InfiniGenStats(data={"selected_tokens.2": 0, "selected_kv_bytes.2": 1})
     assert not stats.is_empty()
     stats.reset()
     assert stats.data == {} and stats.is_empty()
@@ -136,9 +136,9 @@ def test_observe_counts_per_layer_and_engine(prom, registry):
     prom.observe({"selected_tokens.2": 9, "candidate_tokens.2": 0}, engine_idx=1)
     assert sample(registry, "selected_tokens", "2") == 14.0
     assert sample(registry, "candidate_tokens", "2") == 80.0
-    assert sample(registry, "swap_bytes", "2") == 1280.0
+    assert sample(registry, "selected_kv_bytes", "2") == 1280.0
     assert sample(registry, "selected_tokens", "3") == 6.0
-    assert sample(registry, "swap_bytes", "3") == 768.0
+    assert sample(registry, "selected_kv_bytes", "3") == 768.0
     assert sample(registry, "selected_tokens", "2", engine="1") == 9.0
     # A zero increment creates no series.
     assert sample(registry, "candidate_tokens", "2", engine="1") is None

@@ -67,7 +67,7 @@ def test_sparse_step_bytes_from_counters():
     selected_entries = 0.2 * context * SHAPE.kv_heads  # per layer per step
     counters = {
         "candidate_tokens": context * sparse_layers * steps,
-        "swap_bytes": selected_entries * 2 * 32 * 4 * sparse_layers * steps,
+        "selected_kv_bytes": selected_entries * 2 * 32 * 4 * sparse_layers * steps,
     }
     step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, steps,
                                      speculation_keys="partial")
@@ -95,7 +95,7 @@ def test_int_keys_count_their_codes_and_scales():
                                          speculation_keys="int") == pytest.approx(0.2 + 20 / 256)
     with pytest.raises(ValueError):  # the int keys' bytes need the shape
         kv_math.ideal_sparse_fraction("infinigen", 0.2, speculation_keys="int")
-    counters = {"candidate_tokens": 4000.0, "swap_bytes": 0.0}
+    counters = {"candidate_tokens": 4000.0, "selected_kv_bytes": 0.0}
     step = kv_math.sparse_step_bytes(SHAPE, 2, "infinigen", counters, 1,
                                      speculation_keys="int")
     assert step.metadata == pytest.approx(4000 * 8 * 20)  # every candidate's int keys
@@ -113,7 +113,7 @@ def test_decode_benchmark_engines_name_their_keys():
 
 
 def test_streaming_reads_no_metadata_and_bad_inputs_fail():
-    counters = {"candidate_tokens": 400.0, "swap_bytes": 0.0}
+    counters = {"candidate_tokens": 400.0, "selected_kv_bytes": 0.0}
     assert kv_math.sparse_step_bytes(SHAPE, 2, "streaming", counters, 1).metadata == 0
     with pytest.raises(ValueError):
         kv_math.sparse_step_bytes(SHAPE, 2, "streaming", counters, 0)
@@ -122,10 +122,10 @@ def test_streaming_reads_no_metadata_and_bad_inputs_fail():
 
 
 def test_counter_totals_and_delta():
-    before = kv_math.counter_totals({"swap_bytes": {"2": 10, "3": 5}})
-    after = kv_math.counter_totals({"swap_bytes": {"2": 30, "3": 5},
+    before = kv_math.counter_totals({"selected_kv_bytes": {"2": 10, "3": 5}})
+    after = kv_math.counter_totals({"selected_kv_bytes": {"2": 30, "3": 5},
                                    "candidate_tokens": {"2": 7}})
-    assert kv_math.counter_delta(before, after) == {"swap_bytes": 20.0, "candidate_tokens": 7.0}
+    assert kv_math.counter_delta(before, after) == {"selected_kv_bytes": 20.0, "candidate_tokens": 7.0}
 
 
 def test_kv_space_holds_the_tokens_for_each_manager():
@@ -370,7 +370,7 @@ def test_measure_row_records_achieved_bandwidth():
         engine_name="dense", policy=None, context=1000, batch=2, mean_context=1000.0,
         times=times, full=True, prefill_s=1.0, delta={}, shape=SHAPE, args=_args())
     assert dense["achieved_gb_s"] == pytest.approx(6 * 2048 * 2000 / 0.011 / 1e9)
-    counters = {"candidate_tokens": 2000 * 4 * 3, "swap_bytes": 3 * 1e6}
+    counters = {"candidate_tokens": 2000 * 4 * 3, "selected_kv_bytes": 3 * 1e6}
     sparse = decode_latency.measure_row(
         engine_name="in-place", policy="infinigen", context=1000, batch=2,
         mean_context=1000.0, times=times, full=True, prefill_s=1.0, delta=counters,

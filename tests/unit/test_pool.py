@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from vllm_infinigen.worker.pool_index import CappedPoolIndex, IdentityPoolIndex, make_pool_index
+from vllm_infinigen.platforms.cpu.pool_index import CappedPoolIndex, make_pool_index
+from vllm_infinigen.worker.pool_index import IdentityPoolIndex
 
 HEADS = torch.arange(2)
 

@@ -138,7 +138,7 @@ def test_int_keys_encode_only_in_steps_that_close_a_group(monkeypatch):
     """Token by token, one step each as in decode: the codes equal those of one
     write of the whole context, and the encoding kernel runs only in the steps
     whose token is the 16th of its group (none encodes otherwise)."""
-    from vllm_infinigen import kernels
+    from vllm_infinigen.platforms.cpu import kernels
 
     def runtime_with_keys():
         runtime, _, _ = build_step("int", lambda config: CpuDataPath(config.transfer))

@@ -34,7 +34,7 @@ def test_nested_entry_points_count_once_and_components_add_up():
 
 
 def test_instrumented_wraps_the_plugin_and_restores_it():
-    from vllm_infinigen import kernels
+    from vllm_infinigen.platforms.cpu import kernels
     from vllm_infinigen.worker import attention
     from vllm_infinigen.worker.runtime import InfiniGenRuntime
 

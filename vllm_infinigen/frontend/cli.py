@@ -100,7 +100,7 @@ def demo(args: argparse.Namespace) -> int:
     for layer in sorted(counters.get("candidate_tokens", {}), key=int):
         selected = counters["selected_tokens"].get(layer, 0)
         candidate = counters["candidate_tokens"][layer]
-        read = counters.get("swap_bytes", {}).get(layer, 0)  # selected K/V attended
+        read = counters.get("selected_kv_bytes", {}).get(layer, 0)  # selected K/V attended
         print(f"{layer:>6} {selected:>10.0f} {candidate:>11.0f} "
               f"{selected / max(candidate, 1):>9.3f} {read:>12.0f}")
     return 0

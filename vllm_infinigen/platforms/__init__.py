@@ -12,7 +12,7 @@ run, and nothing else::
                   is planned by ``memory.plan_pool``)
 
     cpu/          vLLM's CPU build: host and device memory are one, C++
-                  kernels (``kernels/csrc/cpu/``)
+                  kernels (``platforms/cpu/kernels/csrc/``)
     cuda/         vLLM's CUDA build: a pinned host pool, a device block cache
                   filled by a gather issued one layer ahead, Triton kernels,
                   InfiniGen's rule in blocks (what it refuses: ``cuda/refusals.py``)

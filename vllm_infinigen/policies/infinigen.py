@@ -10,13 +10,12 @@ query projection and rotary embedding, selects for layer i+1, so the entries
 can be on their way before layer i+1 runs. ``same-layer``: each sparse layer
 selects with its own query, in its own attention (no prefetch; where host and
 device memory are one, as on the CPU build, nothing is lost by waiting).
-Either way a compiled kernel scores (``select_tokens_int`` or ``select_tokens``:
-alpha count capped by the budget, per-head top-k, sink/recent window), or,
-where the data path keeps its own granularity (``LayerState.selector``: the
-CUDA platform's device block cache), the data path's own form of the rule
-(CUDA: whole blocks, in kernels on the device). No per-slot state
-besides the speculation keys, which every sparse layer keeps
-(``worker/layer_state.py``).
+Either way the query is the policy's and the rule runs where the data path
+keeps the keys, at its granularity (``LayerState.selector``): the CPU
+platform's compiled kernels select tokens (alpha count capped by the budget,
+per-head top-k, sink/recent window), the CUDA platform's Triton kernels
+select whole blocks on the device. No per-slot state besides the speculation
+keys, which every sparse layer keeps (``worker/layer_state.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen import kernels
 from vllm_infinigen.policies.base import SelectionPolicy
 
 if TYPE_CHECKING:
@@ -111,31 +109,18 @@ class InfiniGenPolicy(SelectionPolicy):
             )
         rows = plan.sparse_rows
         query = partial_query(target, hidden[rows.tokens], rows.rope_positions)
-        return _select(target, plan, query, settings, row_map)
+        return _select(target, plan, query, row_map)
 
     def select(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                settings: InfiniGenConfig, row_map: torch.Tensor | None) -> torch.Tensor:
-        return _select(layer, plan, skewed(layer, query[plan.sparse_rows.tokens]), settings,
-                       row_map)
+        return _select(layer, plan, skewed(layer, query[plan.sparse_rows.tokens]), row_map)
 
 
 def _select(layer: LayerState, plan: StepPlan, query: torch.Tensor,
-            settings: InfiniGenConfig, row_map: torch.Tensor | None) -> object:
-    """The selection of ``layer``'s sparse rows for a query [S, H_kv, G, R] (``skewed``):
-    the data path's own where it keeps its own granularity (``LayerState.selector``),
-    the compiled kernels' positions otherwise."""
-    rows = plan.sparse_rows
-    if layer.selector is not None:
-        return layer.selector(rows, query)
-    window = {"scale": layer.scale, "alpha": settings.alpha,
-              "sink_tokens": settings.sink_tokens, "recent_tokens": settings.recent_tokens,
-              "row_map": row_map}
-    if layer.int_keys:
-        selection, _ = kernels.select_tokens_int(
-            query.float().contiguous(), layer.key_codes, layer.key_scales, layer.kv_pool, rows.block_table,
-            rows.context_lens, rows.token_caps, **window)
-    else:
-        selection, _ = kernels.select_tokens(
-            query, layer.partial_keys, rows.block_table, rows.context_lens, rows.token_caps,
-            **window)
-    return selection
+            row_map: torch.Tensor | None) -> object:
+    """The selection of ``layer``'s sparse rows for a query [S, H_kv, G, R]
+    (``skewed``), by the data path's ``selector`` at its own granularity."""
+    if layer.selector is None:
+        raise RuntimeError(f"layer {layer.layer_idx} has no selector: its data path's "
+                           "allocate did not run")
+    return layer.selector(plan.sparse_rows, query, row_map)

@@ -24,11 +24,9 @@ COUNTERS = {
     "selected_tokens": "Context tokens that InfiniGen's sparse layers attended to.",
     "candidate_tokens": "Context tokens that dense attention would have read "
     "in the same sparse layers.",
-    # The name is older than what it counts: bytes read, not moved (on the CPU
-    # build the attention reads the pool in place; bytes copied: pcie_bytes).
-    "swap_bytes": "Bytes of the selected K/V entries the sparse layers' attention read, "
+    "selected_kv_bytes": "Bytes of the selected K/V entries the sparse layers' attention read, "
     "where they lie (on the CPU build in place in the host pool; copies are pcie_bytes).",
-    "swap_wait_us": "Microseconds sparse layers waited for their selected K/V.",
+    "fetch_wait_us": "Microseconds sparse layers waited for their selected K/V.",
     "evictions": "K/V entries (one layer, one KV head) a capped pool evicted.",
     # The CUDA platform's device block cache (``platforms/cuda/block_cache.py``;
     # 0 on the CPU build, where the pool is read in place).

@@ -7,7 +7,10 @@ which policy selects, when the next layer's selection is made. A platform's
 
     plans_on_device whether decode steps are planned without a host read
                     (``step_plan.build_device_plan``; CUDA)
-    allocate        a sparse layer's host pool and device partial keys
+    allocate        a sparse layer's host pool, device speculation keys and
+                    ``selector`` (InfiniGen's rule at the platform's granularity)
+    pool_index      where each entry lives in the pool (a row per slot, or the
+                    platform's capped pool)
     configure       the selection settings, after every layer is allocated
                     and at each change in a running engine
     write           new tokens: the device write (speculation keys, and
@@ -25,8 +28,8 @@ which policy selects, when the next layer's selection is made. A platform's
                     its device (CUDA), into the runtime's counters
     take_stats      the platform's own counters (CUDA: the block cache's)
 
-The CPU platform's implementation is ``platforms/cpu/data_path.py``; a
-second platform adds its own beside it, and the runtime does not change.
+The implementations are ``platforms/cpu/data_path.py`` and
+``platforms/cuda/data_path.py``; the runtime does not know which it drives.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 if TYPE_CHECKING:
     from vllm_infinigen.memory import PoolPlan
     from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.pool_index import PoolIndex
     from vllm_infinigen.worker.step_plan import RowSet, StepPlan
 
 
@@ -60,7 +64,13 @@ class DataPath(Protocol):
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype) -> None:
         """Sets ``layer.num_blocks``, ``layer.kv_pool`` [units, H_kv, block_size,
-        2 * D] (host) and the layer's speculation keys (device; ``layer_state.py``)."""
+        2 * D] (host), the layer's speculation keys (device; ``layer_state.py``)
+        and its ``selector``."""
+
+    def pool_index(self, num_layers: int, num_heads: int, num_slots: int, num_rows: int,
+                   eviction: str, *, block_size: int) -> PoolIndex:
+        """The index of the sparse layers' pool rows (``worker/pool_index.py``):
+        ``num_rows`` per (layer, KV head) for ``num_slots`` dense slots."""
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, row_map: torch.Tensor | None,

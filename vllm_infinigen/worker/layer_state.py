@@ -15,7 +15,7 @@ the platform's data path allocates and writes (``data_path.py``)::
         partial_keys  [num_blocks, H_kv, R, block_size]  skewed, channel-major
 
 Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
-(layer, KV head) maps its entries to rows of fewer units (``pool_index.py``).
+(layer, KV head) maps its entries to rows of fewer units (``platforms/cpu/pool_index.py``).
 """
 
 from __future__ import annotations
@@ -107,10 +107,11 @@ class LayerState:
         self.partial_keys: torch.Tensor | None = None  # partial keys
         self.key_codes: torch.Tensor | None = None  # int keys
         self.key_scales: torch.Tensor | None = None
-        # The data path's own selection (rows, query) -> selection, where it
-        # keeps its own granularity (CUDA: whole blocks on the device); None:
-        # the policy's kernels select tokens (``policies/infinigen.py``).
-        self.selector: Callable[[RowSet, torch.Tensor], object] | None = None
+        # InfiniGen's rule where the data path keeps the speculation keys, at
+        # its granularity: (rows, query [S, H_kv, G, R], row_map) -> selection
+        # (CPU: token positions; CUDA: whole blocks on the device).
+        self.selector: Callable[[RowSet, torch.Tensor, torch.Tensor | None],
+                                object] | None = None
 
     def capture(self, hidden: torch.Tensor | None) -> None:
         """Copies this step's attention input [T, hidden] into the layer's

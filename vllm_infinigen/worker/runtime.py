@@ -37,7 +37,7 @@ from vllm_infinigen.policies import check_block_size, policy_class
 from vllm_infinigen.policies.base import SelectionPolicy
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.layer_state import LayerSource, LayerState
-from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex, make_pool_index
+from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex
 from vllm_infinigen.worker.step_plan import StepPlan, build_plan
 
 logger = init_logger(__name__)
@@ -88,7 +88,7 @@ class InfiniGenRuntime:
         self.pool_entry_bytes = 0  # one (layer, head) entry: K and V
         self.block_size = 0  # tokens per block of the dense group, once allocated
         self.data_path = data_path
-        self.swap_wait_us = [0] * len(sources)
+        self.fetch_wait_us = [0] * len(sources)
         # Every policy used so far keeps its state up to date (a switch back
         # finds it current); ``policy`` selects.
         self._policies: dict[str, SelectionPolicy] = {}
@@ -156,10 +156,9 @@ class InfiniGenRuntime:
         for state in sparse:
             self.data_path.allocate(state, plan, num_blocks, dtype)
         self.data_path.configure(self.config)
-        self.pool_index = make_pool_index(
-            len(sparse), kv_heads, plan.num_slots, plan.num_rows,
-            self.config.eviction, self.device, block_size=block_size,
-        )
+        self.pool_index = self.data_path.pool_index(
+            len(sparse), kv_heads, plan.num_slots, plan.num_rows, self.config.eviction,
+            block_size=block_size)
         for policy in self._policies.values():
             for state in sparse:
                 policy.allocate(state)
@@ -221,9 +220,9 @@ class InfiniGenRuntime:
                 idx = state.layer_idx
                 out[f"selected_tokens.{idx}"] = entries / self.total_kv_heads
                 out[f"candidate_tokens.{idx}"] = context * state.num_kv_heads / self.total_kv_heads
-                out[f"swap_bytes.{idx}"] = entries * self.pool_entry_bytes
-                out[f"swap_wait_us.{idx}"] = self.swap_wait_us[idx]
-        self.swap_wait_us = [0] * len(self.layers)
+                out[f"selected_kv_bytes.{idx}"] = entries * self.pool_entry_bytes
+                out[f"fetch_wait_us.{idx}"] = self.fetch_wait_us[idx]
+        self.fetch_wait_us = [0] * len(self.layers)
         out.update(self.data_path.take_stats())
         sparse = self.sparse_layers
         for pool_layer, count in enumerate(self.pool_index.take_evictions()):
@@ -352,7 +351,7 @@ class InfiniGenRuntime:
         target = output[rows.tokens] if isinstance(rows.tokens, slice) else None
         out, waited = self.data_path.attend_selected(state, rows, query[rows.tokens], positions,
                                                      row_map, probs, out=target)
-        self.swap_wait_us[state.layer_idx] += int(waited * 1e6)
+        self.fetch_wait_us[state.layer_idx] += int(waited * 1e6)
         if out is not target:
             output[rows.tokens] = out
         if probs is not None:

@@ -1,21 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU worker: the data path where host and device memory are one.
 
-The pool and the partial keys are host tensors; the compiled CPU kernels
-(``kernels/csrc/cpu/``) write them and attend over the selected rows where
-they lie in the pool (``--infinigen-transfer in-place``, the default), or
-over rows staged by a copy worker (``copy``, to measure what staging costs).
+The pool and the speculation keys are host tensors; the compiled CPU kernels
+(``platforms/cpu/kernels/``) write them, select tokens over the speculation
+keys (InfiniGen's rule, each sparse layer's ``selector``), and attend over
+the selected rows where they lie in the pool (``--infinigen-transfer
+in-place``, the default), or over rows staged by a copy worker (``copy``, to
+measure what staging costs). A capped pool (``--infinigen-cpu-pool-gib``)
+keeps its own index of rows (``pool_index.py``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from vllm_infinigen import kernels
 from vllm_infinigen.memory import PoolPlan
+from vllm_infinigen.platforms.cpu import kernels
+from vllm_infinigen.platforms.cpu.pool_index import make_pool_index
 from vllm_infinigen.platforms.cpu.transfer import make_transfer
 from vllm_infinigen.worker.block_layout import entries_of
 from vllm_infinigen.worker.layer_state import LayerState
+from vllm_infinigen.worker.pool_index import PoolIndex
 from vllm_infinigen.worker.step_plan import RowSet, StepPlan
 
 CPU = torch.device("cpu")
@@ -32,12 +39,15 @@ class CpuDataPath:
 
     def __init__(self, transfer: str) -> None:
         self.transfer = make_transfer(transfer, CPU)
+        self._window: dict[str, float] | None = None  # the selection kernels' settings
 
     def describe(self) -> str:
         return f"transfer {self.transfer.name}; CPU kernels for {kernels.load()}"
 
     def configure(self, config) -> None:
-        """The kernels take the settings at each call: nothing to keep."""
+        """Keeps the settings the selection kernels take at each call."""
+        self._window = {"alpha": config.alpha, "sink_tokens": config.sink_tokens,
+                        "recent_tokens": config.recent_tokens}
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype) -> None:
@@ -45,7 +55,35 @@ class CpuDataPath:
         layer.kv_pool = torch.zeros(
             (plan.num_units, layer.num_kv_heads, plan.block_size, 2 * layer.head_size),
             dtype=dtype, device=CPU)
+        layer.selector = functools.partial(self.select, layer)  # tokens, in the kernels
         layer.allocate_speculation_keys(num_blocks, plan.block_size, dtype, CPU)
+
+    def pool_index(self, num_layers: int, num_heads: int, num_slots: int, num_rows: int,
+                   eviction: str, *, block_size: int) -> PoolIndex:
+        return make_pool_index(num_layers, num_heads, num_slots, num_rows, eviction, CPU,
+                               block_size=block_size)
+
+    def select(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+               row_map: torch.Tensor | None) -> torch.Tensor:
+        """InfiniGen's rule in tokens for ``layer``'s rows (its ``selector``):
+        [S, H_kv, W] int32 positions, -1 padded.
+
+        Args:
+            query: [S, H_kv, G, R] (``policies.infinigen.skewed``): every
+                channel for the int keys, the skewed partial query otherwise.
+        """
+        if self._window is None:
+            raise RuntimeError("CpuDataPath.configure was not called")
+        if layer.int_keys:
+            selection, _ = kernels.select_tokens_int(
+                query.float().contiguous(), layer.key_codes, layer.key_scales, layer.kv_pool,
+                rows.block_table, rows.context_lens, rows.token_caps, scale=layer.scale,
+                row_map=row_map, **self._window)
+        else:
+            selection, _ = kernels.select_tokens(
+                query, layer.partial_keys, rows.block_table, rows.context_lens,
+                rows.token_caps, scale=layer.scale, row_map=row_map, **self._window)
+        return selection
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, row_map: torch.Tensor | None,

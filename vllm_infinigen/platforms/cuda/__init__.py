@@ -46,6 +46,6 @@ between the compute stream and the lower-priority transfer stream):
 
 The cache names blocks by the dense group's block ids and fetches pool unit
 ``block_id * H_kv + head``: the uncapped pool. With ``--infinigen-cpu-pool-gib``
-a block's tokens may sit in different pool units (``worker/pool_index.py``),
+a block's tokens may sit in different pool units (``platforms/cpu/pool_index.py``),
 which a block gather cannot read in one unit.
 """

@@ -61,6 +61,7 @@ from vllm_infinigen.platforms.cuda.select_ops import (
     selection_of_blocks,
 )
 from vllm_infinigen.worker.layer_state import LayerState
+from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex
 from vllm_infinigen.worker.step_plan import RowSet, StepPlan
 
 @dataclass
@@ -190,12 +191,23 @@ class CudaDataPath:
         return block_selection.window_blocks(self._start.sink_tokens, self._start.recent_tokens,
                                              block_size)
 
-    def select(self, layer: LayerState, rows: RowSet, query: torch.Tensor) -> DeviceSelection:
+    def pool_index(self, num_layers: int, num_heads: int, num_slots: int, num_rows: int,
+                   eviction: str, *, block_size: int) -> PoolIndex:
+        """A row per dense slot: this platform's pool is never capped (refused
+        at start-up, ``refusals.py``)."""
+        if num_rows < num_slots:
+            raise RuntimeError(f"a capped pool ({num_rows} rows for {num_slots} slots) on "
+                               "CUDA: --infinigen-cpu-pool-gib is refused at start-up")
+        return IdentityPoolIndex(num_slots)
+
+    def select(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+               row_map: torch.Tensor | None = None) -> DeviceSelection:
         """InfiniGen's rule in whole blocks for ``layer``'s rows (its ``selector``).
 
         Args:
             query: [S, H_kv, G, R] (``policies.infinigen.skewed``): every
                 channel for the int keys, the skewed partial query otherwise.
+            row_map: Always None (``pool_index``: a row per slot).
         """
         block_size = layer.block_size
         table = rows.block_table.to(self.device)

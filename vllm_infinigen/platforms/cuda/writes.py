@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side, CUDA platform (pure torch, any device): the writes of a step's new tokens.
 
-The CPU build writes with its compiled kernels (``kernels/csrc/cpu/``); these
+The CPU build writes with its compiled kernels (``platforms/cpu/kernels/csrc/``); these
 are the same three writes in torch, so that they run on a GPU and on the CPU
 in CI, held to the compiled kernels there (``tests/unit/test_cuda_writes.py``)::
 

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``python -m vllm_infinigen.kernels``: builds (or finds) the CPU kernels and says where."""
+"""``python -m vllm_infinigen.platforms.cpu.kernels``: builds (or finds) the CPU kernels and says where."""
 
 from __future__ import annotations
 
 import time
 
-from vllm_infinigen.kernels.build import cache_dir, load
+from vllm_infinigen.platforms.cpu.kernels.build import cache_dir, load
 
 if __name__ == "__main__":
     start = time.monotonic()

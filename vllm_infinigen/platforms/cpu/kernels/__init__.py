@@ -1,17 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: InfiniGen's ops, one wrapper each, the same on every platform.
+"""The CPU platform's kernels: one wrapper per compiled op.
 
-Each op's schema is declared once (``csrc/ops.cpp``) and implemented per
-dispatch key; a call runs the implementation of its tensors' device (the CPU
-ones: ``csrc/cpu/``, built by ``build.py``). The wrappers document shapes;
-the unit tests hold each op to a pure-torch reference (``tests/reference/``).
+Each op's schema is declared in ``csrc/ops.cpp`` and its CPU implementation
+registered under the CPU dispatch key (``csrc/*.cpp``, built by ``build.py``).
+The wrappers document shapes; the unit tests hold each op to a pure-torch
+reference (``tests/reference/``). The CUDA platform's kernels are Triton's
+(``platforms/cuda/kernels.py``, ``triton_kernels.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_infinigen.kernels.build import cache_dir, load
+from vllm_infinigen.platforms.cpu.kernels.build import cache_dir, load
 
 __all__ = ["attend_decode", "attend_prefill", "cache_dir", "load", "record_uses",
            "select_tokens", "select_tokens_int", "write_int_keys", "write_partial_keys",

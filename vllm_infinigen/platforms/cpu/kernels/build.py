@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CPU platform's kernel library: compiled on first use for this machine, cached.
 
-``csrc/ops.cpp`` declares every op's schema once (``torch.ops.vllm_infinigen_C.*``);
-``csrc/cpu/`` holds the CPU implementations and registers them under the CPU
-dispatch key. They are compiled for the instruction set ATen itself
+``csrc/ops.cpp`` declares every op's schema (``torch.ops.vllm_infinigen_C.*``);
+the rest of ``csrc/`` holds their CPU implementations and registers them under
+the CPU dispatch key. They are compiled for the instruction set ATen itself
 dispatches to on this machine (``torch.backends.cpu.get_cpu_capability()``:
 AVX512, AVX2 or DEFAULT; ``ATEN_CPU_CAPABILITY`` overrides it), with ATen's
 portable vector types, so the same source serves every x86 machine; nothing
@@ -12,8 +12,8 @@ is built with ``-march=native``. The build is cached in
 ``VLLM_INFINIGEN_KERNELS_DIR`` for this directory alone), one directory per
 version of the sources, flags and torch (``build_key``), and reused until
 those change. ``make setup`` builds it ahead of time
-(``python -m vllm_infinigen.kernels``). A second platform adds its sources
-beside ``csrc/cpu/`` and registers under its own dispatch key.
+(``python -m vllm_infinigen.platforms.cpu.kernels``). The CUDA platform's kernels are
+Triton's, in ``platforms/cuda/``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ logger = init_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # The schemas, then the CPU implementations and their registration.
-SOURCES = ("ops.cpp", "cpu/register.cpp", "cpu/write.cpp", "cpu/select.cpp", "cpu/int_keys.cpp",
-           "cpu/attend.cpp", "cpu/prefill.cpp", "cpu/uses.cpp")
+SOURCES = ("ops.cpp", "register.cpp", "write.cpp", "select.cpp", "int_keys.cpp", "attend.cpp",
+           "prefill.cpp", "uses.cpp")
 # ATen's CPU capability -> compiler flags and the vector implementation macros.
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
@@ -77,7 +77,7 @@ def _check_toolchain() -> None:
         raise RuntimeError(
             "InfiniGen's CPU kernels are compiled on first use and need "
             + " and ".join(missing) + f"; or build them once elsewhere into {cache_dir()} "
-            "(VLLM_INFINIGEN_CACHE) with `python -m vllm_infinigen.kernels`"
+            "(VLLM_INFINIGEN_CACHE) with `python -m vllm_infinigen.platforms.cpu.kernels`"
         )
 
 
@@ -154,7 +154,7 @@ def load() -> str:
                 sources=[str(CSRC / source) for source in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", "-std=c++17", *ISA_FLAGS[isa]],
                 extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(CSRC / "cpu")],
+                extra_include_paths=[str(CSRC)],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=False,
