@@ -32,25 +32,27 @@ DEFAULT_OUT = paths.RESULTS / "gpu_decode_step"
 MARGIN = 4 << 30  # device memory left free
 
 
-def product_width(setup: KVSetup, budget: float) -> int:
+def product_width(setup: KVSetup, budget: float, budget_tokens: int | None = None) -> int:
     """Blocks per KV head of the product's every selection (its static width)."""
     return select_ops.selection_width(setup.blocks_per_row, setup.shape.block_size,
                                       budget=budget, min_context=0, sink_blocks=1,
-                                      recent_blocks=1)
+                                      recent_blocks=1, budget_tokens=budget_tokens)
 
 
 def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget: float,
                   replay: torch.Tensor | None, cache_factor: float, keys: str = "int",
-                  alpha: float = ALPHA):
+                  alpha: float = ALPHA, budget_tokens: int | None = None):
     if name == "dense":
         return Dense(setup, streams)
     if name == "dense_units":
         return DenseUnits(setup, streams)
     if name == "full":
         return FullOffload(setup, streams)
-    width = max(product_width(setup, budget), replay.shape[-1] if replay is not None else 1)
+    width = max(product_width(setup, budget, budget_tokens),
+                replay.shape[-1] if replay is not None else 1)
     return Product(setup, streams, layers, budget=budget, alpha=alpha, keys=keys,
-                   replay=replay, slots_per_head=cache_slots(setup, width, cache_factor))
+                   replay=replay, slots_per_head=cache_slots(setup, width, cache_factor),
+                   budget_tokens=budget_tokens)
 
 
 def speculation_bytes_per_block(shape: DecoderShape, keys: str, dtype: torch.dtype) -> int:
@@ -219,15 +221,67 @@ def make_pool(shape: DecoderShape, num_bytes: int, device: torch.device,
 
 
 def replay_for(trace: Path, shape: DecoderShape, batch: int, context: int, steps: int,
-               device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+               device: torch.device,
+               fraction: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The trace's blocks replayed at ``context`` (``selection_trace.replay_blocks``),
+    at about ``fraction`` of the context when given (below the recorded one)."""
     masks, provenance = selection_trace.load_trace(trace)
+    context_blocks = context // shape.block_size
+    per_block = (None if fraction is None
+                 else selection_trace.per_block_for(masks, context_blocks, fraction))
     replay = selection_trace.replay_blocks(
         masks, num_layers=shape.num_layers - shape.dense_layers, num_kv_heads=shape.num_kv_heads,
-        num_rows=batch, context_blocks=context // shape.block_size, num_steps=steps)
+        num_rows=batch, context_blocks=context_blocks, num_steps=steps, per_block=per_block)
     kept = float((replay >= 0).sum()) / (replay[:, :, :, :, 0].numel()
                                           * shape.blocks_per_row(context))
     return replay.to(device), {"trace": trace.name, "kept_fraction": kept,
                                "recorded_on": provenance.get("model")}
+
+
+def measure_variant(name: str, setup: KVSetup, decoder: Decoder, x: torch.Tensor, layers, *,
+                    mode: str, args: argparse.Namespace, streams: Streams,
+                    replay: torch.Tensor | None, width: int, limits: dict[str, float] | None,
+                    budget: float | None = None,
+                    budget_tokens: int | None = None) -> dict[str, Any]:
+    """One variant's steps (``run_steps``) at the largest cache factor that fits;
+    what failed or did not fit is said in the result instead.
+
+    Args:
+        args: ``warmup``, ``steps``, ``profile``, ``keys`` and (unless given)
+            ``budget``.
+        width: Blocks per KV head of the widest selection (the cache's size).
+        budget, budget_tokens: The computed selection's budget and token cap.
+    """
+    shape, batch, context = setup.shape, setup.batch, setup.context
+    dtype = setup.pool.dtype
+    budget = args.budget if budget is None else budget
+    factors = CACHE_FACTORS if name == "infinigen" else (1.0,)
+    factor = next((f for f in factors
+                   if fits(name, shape, batch, context, width, f, dtype, args.keys)), None)
+    if factor is None:
+        needed = device_bytes(name, shape, batch, context, width, factors[-1], dtype, args.keys)
+        return {"skipped": f"does not fit ({needed / 2**30:.1f} GiB beside the weights)"}
+    variant = step = None
+    try:
+        variant = build_variant(name, setup, streams, layers, budget=budget, replay=replay,
+                                cache_factor=factor, keys=args.keys,
+                                budget_tokens=budget_tokens)
+        step = Stepper(decoder, variant, x, mode)
+        result = run_steps(step, args.warmup, args.steps, streams)
+        if args.profile and streams.cuda:
+            result.update(profile_steps(step, 3))
+        if name == "infinigen":
+            result["cache_factor"] = factor
+        if limits:
+            result["pcie_bound_ms"] = result["pcie_bytes_per_step"] / limits["copy_GBps"] / 1e6
+        return result
+    except Exception as error:  # noqa: BLE001 -- keep going; the results say what failed
+        return {"error": repr(error), "traceback": traceback.format_exc()[-2000:]}
+    finally:
+        variant = step = None
+        gc.collect()
+        if streams.cuda:
+            torch.cuda.empty_cache()
 
 
 def measure_config(shape, layers, lm_head, pool, device, dtype, *, batch: int, context: int,
@@ -244,36 +298,7 @@ def measure_config(shape, layers, lm_head, pool, device, dtype, *, batch: int, c
     width = max(replay.shape[-1], product_width(setup, args.budget))
     for mode in args.modes:
         for name in args.variants:
-            key = f"{name} ({mode})"
-            factors = CACHE_FACTORS if name == "infinigen" else (1.0,)
-            factor = next((f for f in factors
-                           if fits(name, shape, batch, context, width, f, dtype, args.keys)),
-                          None)
-            if factor is None:
-                needed = device_bytes(name, shape, batch, context, width, factors[-1], dtype,
-                                      args.keys)
-                out["variants"][key] = {"skipped": f"does not fit ({needed / 2**30:.1f} GiB "
-                                                   "beside the weights)"}
-                continue
-            variant = None
-            try:
-                variant = build_variant(name, setup, streams, layers, budget=args.budget,
-                                        replay=replay, cache_factor=factor, keys=args.keys)
-                step = Stepper(decoder, variant, x, mode)
-                result = run_steps(step, args.warmup, args.steps, streams)
-                if args.profile and streams.cuda:
-                    result.update(profile_steps(step, 3))
-                if name == "infinigen":
-                    result["cache_factor"] = factor
-                if limits:
-                    result["pcie_bound_ms"] = (result["pcie_bytes_per_step"]
-                                               / limits["copy_GBps"] / 1e6)
-                out["variants"][key] = result
-            except Exception as error:  # noqa: BLE001 -- keep going; the results say what failed
-                out["variants"][key] = {"error": repr(error),
-                                        "traceback": traceback.format_exc()[-2000:]}
-            variant = step = None
-            gc.collect()
-            if streams.cuda:
-                torch.cuda.empty_cache()
+            out["variants"][f"{name} ({mode})"] = measure_variant(
+                name, setup, decoder, x, layers, mode=mode, args=args, streams=streams,
+                replay=replay, width=width, limits=limits)
     return out

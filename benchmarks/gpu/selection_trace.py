@@ -12,6 +12,9 @@ Replay at a longer context (``replay_blocks``), exactly:
   b * group .. b * group + group - 1, with group = context_blocks // max_blocks,
   so the kept fraction and every step-to-step overlap are the recorded ones
   (a cache of the same size relative to the selection sees the same hits);
+  to replay a smaller fraction (a token cap: ``kept_fraction``), each kept
+  block becomes only the first ``per_block`` blocks of its group: the
+  fraction scales by per_block / group and the overlaps stay the recorded ones;
   the replaying row's own block (index ``context_blocks``) is added to every
   selection, as the rule always keeps the own block;
 - streams: (sparse layer i, KV head h, row b) replays recorded stream
@@ -86,8 +89,21 @@ def replay_order(num_steps: int, length: int, start: int) -> list[int]:
     return order
 
 
+def kept_fraction(masks: np.ndarray) -> float:
+    """The mean fraction of the recorded blocks a selection kept."""
+    return float(masks.mean())
+
+
+def per_block_for(masks: np.ndarray, context_blocks: int, fraction: float) -> int:
+    """Blocks each kept recorded block becomes so that a replay keeps about
+    ``fraction`` of ``context_blocks`` (at most the whole group, at least 1)."""
+    group = context_blocks // masks.shape[-1]
+    return max(1, min(group, round(group * fraction / kept_fraction(masks))))
+
+
 def replay_blocks(masks: np.ndarray, *, num_layers: int, num_kv_heads: int, num_rows: int,
-                  context_blocks: int, num_steps: int, first_step: int = 0) -> torch.Tensor:
+                  context_blocks: int, num_steps: int, first_step: int = 0,
+                  per_block: int | None = None) -> torch.Tensor:
     """[num_steps, num_layers, num_rows, num_kv_heads, W] int32 logical blocks (-1 padded).
 
     Args:
@@ -97,19 +113,25 @@ def replay_blocks(masks: np.ndarray, *, num_layers: int, num_kv_heads: int, num_
         context_blocks: Blocks of context per row (own block excluded); the
             own block is ``context_blocks`` (module docstring).
         num_steps: Steps to replay; ``first_step`` of the replay order first.
+        per_block: Blocks each kept recorded block becomes, the first of its
+            group (``per_block_for``); None: the whole group.
 
     Raises:
-        ValueError: If the context has fewer blocks than the trace.
+        ValueError: If the context has fewer blocks than the trace, or
+            ``per_block`` is not in 1..group.
     """
     recorded_steps, recorded_layers, recorded_heads, max_blocks = masks.shape
     group = context_blocks // max_blocks
     if group < 1:
         raise ValueError(f"a context of {context_blocks} blocks is shorter than the "
                          f"trace's {max_blocks}")
+    per_block = group if per_block is None else per_block
+    if not 1 <= per_block <= group:
+        raise ValueError(f"per_block {per_block} is not in 1..{group}")
     streams = masks.reshape(recorded_steps, recorded_layers * recorded_heads, max_blocks)
-    width = int(streams.sum(axis=-1).max()) * group + 1
+    width = int(streams.sum(axis=-1).max()) * per_block + 1
     out = np.full((num_steps, num_layers, num_rows, num_kv_heads, width), -1, dtype=np.int32)
-    offsets = np.arange(group, dtype=np.int64)
+    offsets = np.arange(per_block, dtype=np.int64)
     for row in range(num_rows):
         order = replay_order(recorded_steps, num_steps, first_step + ROW_STEP_OFFSET * row)
         for layer in range(num_layers):

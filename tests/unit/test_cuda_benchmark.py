@@ -85,6 +85,32 @@ def test_replay_scales_blocks_into_groups_and_adds_the_own_block():
                                       context_blocks=3, num_steps=1)
 
 
+def test_a_thinned_replay_keeps_the_first_blocks_of_each_group_and_the_overlaps():
+    """A token cap's replay: each kept recorded block becomes the first
+    ``per_block`` blocks of its group, so a block kept in two steps replays
+    the same blocks in both (the recorded reuse) at a smaller fraction."""
+    masks = np.zeros((3, 1, 1, 4), bool)
+    masks[0, 0, 0, [0, 2]] = True
+    masks[1, 0, 0, [0, 3]] = True
+    masks[2, 0, 0, [1]] = True
+    replay = selection_trace.replay_blocks(masks, num_layers=1, num_kv_heads=1, num_rows=1,
+                                           context_blocks=16, num_steps=3, per_block=2)
+    # group = 16 // 4 = 4: block b -> 4b, 4b + 1; own block 16
+    assert replay[0, 0, 0, 0].tolist() == [0, 1, 8, 9, 16]
+    assert replay[1, 0, 0, 0].tolist() == [0, 1, 12, 13, 16]
+    assert replay[2, 0, 0, 0].tolist() == [4, 5, 16, -1, -1]
+    # recorded: 5 of 12 blocks kept; wanted 1/8 of 16 blocks per group of 4 -> 1 block
+    assert selection_trace.kept_fraction(masks) == 5 / 12
+    assert selection_trace.per_block_for(masks, 16, 5 / 12) == 4  # the whole group
+    assert selection_trace.per_block_for(masks, 16, 5 / 24) == 2
+    assert selection_trace.per_block_for(masks, 16, 1e-6) == 1  # at least one block
+    assert selection_trace.per_block_for(masks, 16, 1.0) == 4  # at most the group
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="per_block"):
+            selection_trace.replay_blocks(masks, num_layers=1, num_kv_heads=1, num_rows=1,
+                                          context_blocks=16, num_steps=1, per_block=bad)
+
+
 def test_replay_order_runs_back_and_forth():
     assert selection_trace.replay_order(3, 7, 0) == [0, 1, 2, 1, 0, 1, 2]
     assert selection_trace.replay_order(3, 3, 8) == [0, 1, 2]
@@ -93,7 +119,8 @@ def test_replay_order_runs_back_and_forth():
 def test_the_benchmark_imports_without_vllm():
     code = ("import sys\nsys.modules['vllm'] = None\n"
             "import benchmarks.gpu.decode_step, benchmarks.gpu.record_selections\n"
-            "import benchmarks.gpu.checks, benchmarks.gpu.product\nprint('ok')\n")
+            "import benchmarks.gpu.checks, benchmarks.gpu.product\n"
+            "import benchmarks.gpu.throughput\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tokens per second on one GPU: dense at its largest batch, full offload, InfiniGen at larger batches.
+
+python -m benchmarks.gpu.throughput [--contexts 32768 131072] [--batches 8 16 32]
+    [--selections budget=0.2 budget=0.05 cap=2048 cap=4096] [--full-batches 8]
+    [--modes graph] [--host-pool-gib 48]
+python -m benchmarks.gpu.throughput --self-test      # CPU, tiny shapes, references
+python -m benchmarks.gpu.throughput --render benchmarks/results/gpu_throughput.json
+
+What a user of one GPU compares: at each context, dense vLLM-style attention
+at the largest batch whose K/V fits in the device memory left beside the
+weights (found from the free memory, then measured), full offload (every
+layer's K/V copied over PCIe each step), and InfiniGen (the product's runtime
+and CUDA data path, ``product.py``) at each batch of ``--batches`` and each
+selection of ``--selections``: ``budget=F`` (the fraction) or ``cap=N``
+(``--infinigen-budget-tokens N`` at budget 0.2). The same 32-layer
+Llama-3.1-8B-shaped decoder, bf16, one token per row per step, as
+``decode_step.py`` (whose ``measure_variant`` each point is). InfiniGen's
+selections are computed (their cost is in the step) and then replaced by
+blocks recorded on a trained model (``selection_trace.py``), thinned to the
+selection's fraction of the context (``selection_trace.per_block_for``), so
+the device block cache sees recorded step-to-step reuse; each point reports
+its hit rate and PCIe bytes per generated token. Where host memory is
+short, the layers share pool regions (``variants.KVSetup``): the bandwidth
+is real, the contents repeat. A point that does not fit the device says so.
+
+tokens/s = batch x 1000 / ms per step (the median step, CUDA events, one host
+sync per step). Writes benchmarks/results/gpu_throughput.{json,md} (command,
+commit, device, date) and a plot (.png, tokens/s against batch, dense's
+largest batch marked) where matplotlib is installed (``--render`` draws it
+later from the JSON on another machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu import selection_trace, throughput_report
+from benchmarks.gpu.decoder import LLAMA_31_8B, TINY, Decoder, DecoderShape, random_weights
+from benchmarks.gpu.measure import (
+    KEYS,
+    MARGIN,
+    MODES,
+    device_bytes,
+    h2d_limits,
+    make_pool,
+    measure_variant,
+    product_width,
+    replay_for,
+)
+from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+from benchmarks.gpu.variants import KVSetup, Streams
+from benchmarks.harness import paths
+
+DEFAULT_OUT = paths.RESULTS / "gpu_throughput"
+SELF_TEST_OUT = paths.RESULTS / "gpu_throughput_selftest"
+CAP_BUDGET = 0.2  # the fraction beside a token cap (the product's default budget)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """InfiniGen's budget: a fraction of the context, or a cap in tokens beside 0.2."""
+
+    budget: float
+    cap: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Selection:
+        kind, _, value = text.partition("=")
+        try:
+            if kind == "budget" and 0 < float(value) <= 1:
+                return cls(float(value))
+            if kind == "cap" and int(value) > 0:
+                return cls(CAP_BUDGET, int(value))
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(f"{text!r}: budget=F (0 < F <= 1) or cap=N tokens")
+
+    @property
+    def label(self) -> str:
+        return f"cap {self.cap}" if self.cap else f"budget {self.budget:g}"
+
+    def fraction(self, context: int) -> float:
+        """The fraction of ``context`` a row keeps."""
+        return min(self.budget, self.cap / context) if self.cap else self.budget
+
+
+def dense_largest_batch(shape: DecoderShape, context: int, dtype: torch.dtype,
+                        free_bytes: int) -> int:
+    """The largest batch whose dense K/V (with the benchmark's temporaries and
+    ``MARGIN``) fits in ``free_bytes`` beside the weights; 0 when none does."""
+    batch = 0
+    while device_bytes("dense", shape, batch + 1, context, 0, 1.0, dtype) + MARGIN < free_bytes:
+        batch += 1
+    return batch
+
+
+def tokens_per_second(batch: int, ms_per_step: float) -> float:
+    return batch * 1000.0 / ms_per_step
+
+
+def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device, dtype, *,
+                  batch: int, context: int, mode: str, args: argparse.Namespace,
+                  streams: Streams, limits: dict[str, float] | None,
+                  selection: Selection | None = None) -> dict[str, Any]:
+    """One (variant, batch, selection) at ``context``: its step and tokens/s."""
+    point: dict[str, Any] = {"variant": name, "mode": mode, "batch": batch, "context": context,
+                             "selection": selection.label if selection else None}
+    began = time.perf_counter()
+    setup = KVSetup(shape, batch, context, pool, device)
+    decoder = Decoder(shape, layers, lm_head)
+    x = torch.randn(batch, shape.hidden, device=device).to(dtype)
+    replay, width, budget, cap = None, 1, CAP_BUDGET, None
+    if selection is not None:
+        budget, cap = selection.budget, selection.cap
+        fraction = selection.fraction(context)
+        replay, point["replay"] = replay_for(args.trace, shape, batch, context,
+                                             args.warmup + args.steps + 8, device,
+                                             fraction=fraction)
+        point["selected_fraction"] = fraction
+        width = max(replay.shape[-1], product_width(setup, budget, cap))
+    result = measure_variant(name, setup, decoder, x, layers, mode=mode, args=args,
+                             streams=streams, replay=replay, width=width, limits=limits,
+                             budget=budget, budget_tokens=cap)
+    point.update(result)
+    if "ms_per_step" in result:
+        point["tokens_per_s"] = tokens_per_second(batch, result["ms_per_step"])
+        point["pcie_bytes_per_token"] = result["pcie_bytes_per_step"] / batch
+    point["seconds"] = time.perf_counter() - began
+    print(throughput_report.point_line(point), flush=True)
+    return point
+
+
+def measure_context(shape, layers, lm_head, pool, device, dtype, *, context: int,
+                    free_bytes: int, args: argparse.Namespace, streams: Streams,
+                    limits: dict[str, float] | None) -> dict[str, Any]:
+    """Dense at its largest batch, full offload and InfiniGen at one context."""
+    largest = dense_largest_batch(shape, context, dtype, free_bytes)
+    out: dict[str, Any] = {"context": context, "free_bytes": free_bytes,
+                           "dense_largest_batch": largest, "points": []}
+    common = {"context": context, "args": args, "streams": streams, "limits": limits}
+    for mode in args.modes:
+        if largest:
+            out["points"].append(measure_point("dense", shape, layers, lm_head, pool, device,
+                                               dtype, batch=largest, mode=mode, **common))
+        for batch in args.full_batches:
+            out["points"].append(measure_point("full", shape, layers, lm_head, pool, device,
+                                               dtype, batch=batch, mode=mode, **common))
+        for batch in args.batches:
+            for selection in args.selections:
+                out["points"].append(measure_point("infinigen", shape, layers, lm_head, pool,
+                                                   device, dtype, batch=batch, mode=mode,
+                                                   selection=selection, **common))
+    return out
+
+
+def self_test(out: Path | None = SELF_TEST_OUT,
+              trace: Path = selection_trace.DEFAULT_TRACE) -> dict[str, Any]:
+    """Every point of the benchmark on the CPU with tiny shapes and the kernels'
+    references (eager): dense at the batch a made-up free memory allows, full
+    offload, InfiniGen at two batches with a fraction and a cap; each measured
+    point has its tokens/s and the replay keeps about the selection's fraction."""
+    torch.manual_seed(0)
+    shape, device, dtype = TINY, torch.device("cpu"), torch.float32
+    streams = Streams(device)
+    layers, lm_head = random_weights(shape, device, dtype)
+    context, batches = 4 * 68 * shape.block_size, [2, 3]  # four blocks per recorded block
+    free = device_bytes("dense", shape, 2, context, 0, 1.0, dtype) + MARGIN + 1
+    pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(max(batches), context,
+                                                                       dtype), device, dtype)
+    args = argparse.Namespace(trace=trace, warmup=1, steps=3, keys="int", profile=False,
+                              modes=["eager"], batches=batches, full_batches=[2],
+                              selections=[Selection(0.2), Selection(CAP_BUDGET, context // 8)],
+                              budget=CAP_BUDGET)
+    measured = measure_context(shape, layers, lm_head, pool, device, dtype, context=context,
+                               free_bytes=free, args=args, streams=streams, limits=None)
+    points = measured["points"]
+    sparse = [p for p in points if p["variant"] == "infinigen"]
+    checks = {
+        "dense_largest_batch": measured["dense_largest_batch"],
+        "all_measured": all("tokens_per_s" in p for p in points),
+        "replay_fractions": [(p["selected_fraction"], p["replay"]["kept_fraction"])
+                             for p in sparse],
+    }
+    checks["passed"] = bool(
+        checks["dense_largest_batch"] == 2 and checks["all_measured"]
+        and len(points) == 1 + 1 + len(batches) * 2
+        # the replay keeps the selection's fraction, within a recorded block's rounding
+        # and the sink and own blocks it always adds
+        and all(abs(kept - wanted) < 0.05 + wanted / 2
+                for wanted, kept in checks["replay_fractions"]))
+    if out is not None:
+        results = {"checks": checks, "contexts": [measured]}
+        write_gpu_results(out, gpu_run_metadata(), throughput_report.TITLE + ": CPU self-test",
+                          {"shape": "TINY", "dtype": "float32"}, results,
+                          throughput_report.markdown_sections(results))
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--self-test", action="store_true",
+                        help="tiny shapes on the CPU with the references (no GPU needed)")
+    parser.add_argument("--render", type=Path, default=None,
+                        help="rewrite the Markdown and plot of a results JSON, and stop")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--selections", type=Selection.parse, nargs="+",
+                        default=[Selection.parse(s) for s in
+                                 ("budget=0.2", "budget=0.05", "cap=2048", "cap=4096")],
+                        help="budget=F (a fraction of the context) or cap=N (a token cap "
+                        "beside budget 0.2)")
+    parser.add_argument("--full-batches", type=int, nargs="*", default=[8],
+                        help="batches of full offload (its step is the PCIe copy of the K/V)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["graph"])
+    parser.add_argument("--keys", choices=KEYS, default="int")
+    parser.add_argument("--trace", type=Path, default=selection_trace.DEFAULT_TRACE)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--host-pool-gib", type=float, default=48.0,
+                        help="pinned host memory for the K/V; layers share it when it is smaller")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.profile = False
+    if args.render is not None:
+        print(throughput_report.render(args.render))
+        return 0
+    if args.self_test:
+        result = self_test(args.out or SELF_TEST_OUT, args.trace)
+        print(result)
+        return 0 if result["passed"] else 1
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (the CPU self-test: --self-test)")
+    device, dtype, shape = torch.device("cuda"), torch.bfloat16, LLAMA_31_8B
+    streams = Streams(device)
+    torch.cuda.set_stream(streams.main)
+    layers, lm_head = random_weights(shape, device, dtype)
+    largest = max(shape.layer_kv_bytes(b, t, dtype) for b in args.batches for t in args.contexts)
+    pool_bytes = max(largest, int(args.host_pool_gib * 2**30))
+    pool, _ = make_pool(shape, pool_bytes, device, dtype)
+    limits = h2d_limits(pool, device)
+    results: dict[str, Any] = {"h2d_limits": limits, "pool_GiB": pool_bytes / 2**30,
+                               "weights_GiB": shape.weight_bytes(dtype) / 2**30, "contexts": []}
+    for context in args.contexts:
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        results["contexts"].append(measure_context(
+            shape, layers, lm_head, pool, device, dtype, context=context, free_bytes=free,
+            args=args, streams=streams, limits=limits))
+    settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                   if k != "selections"},
+                "selections": [s.label for s in args.selections],
+                "shape": shape.__dict__, "dtype": str(dtype)}
+    out = args.out or DEFAULT_OUT
+    write_gpu_results(out, gpu_run_metadata(), throughput_report.TITLE, settings, results, throughput_report.markdown_sections(results))
+    throughput_report.plot(results, out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

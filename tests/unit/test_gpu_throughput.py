@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tokens/s comparison (``benchmarks/gpu/throughput.py``) on the CPU: its
+self-test, dense's largest batch, the selections and the report's arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from benchmarks.gpu import throughput, throughput_report
+from benchmarks.gpu.decoder import LLAMA_31_8B, TINY
+from benchmarks.gpu.measure import MARGIN, device_bytes
+
+
+def test_self_test_measures_every_point_at_the_selections_fraction(tmp_path):
+    result = throughput.self_test(out=tmp_path / "self")
+    assert result["passed"], result
+    record = json.loads((tmp_path / "self.json").read_text())
+    points = record["results"]["contexts"][0]["points"]
+    assert [p["variant"] for p in points] == ["dense", "full"] + ["infinigen"] * 4
+    assert all(p["tokens_per_s"] == pytest.approx(p["batch"] * 1000 / p["ms_per_step"])
+               for p in points)
+    assert all(0 < p["hit_rate"] < 1 for p in points if p["variant"] == "infinigen")
+    assert "| dense (eager) | - | 2 |" in (tmp_path / "self.md").read_text()
+
+
+def test_dense_largest_batch_is_the_last_that_fits_beside_the_weights():
+    dtype, context = torch.bfloat16, 131072
+
+    def needs(batch):
+        return device_bytes("dense", LLAMA_31_8B, batch, context, 0, 1.0, dtype) + MARGIN
+
+    assert throughput.dense_largest_batch(LLAMA_31_8B, context, dtype, needs(3) + 1) == 3
+    assert throughput.dense_largest_batch(LLAMA_31_8B, context, dtype, needs(3)) == 2
+    assert throughput.dense_largest_batch(LLAMA_31_8B, context, dtype, needs(1) - 1) == 0
+    # 128K tokens of Llama-3.1-8B K/V in bf16: 32 layers x 8 heads x 128 x 2 x 2 bytes
+    assert LLAMA_31_8B.layer_kv_bytes(1, context, dtype) * 32 == pytest.approx(16 * 2**30,
+                                                                               rel=0.01)
+    assert throughput.dense_largest_batch(TINY, 4096, torch.float32, 0) == 0
+
+
+def test_selections_parse_as_a_fraction_or_a_cap_beside_the_default_budget():
+    budget, cap = throughput.Selection.parse("budget=0.05"), throughput.Selection.parse("cap=4096")
+    assert (budget.budget, budget.cap, budget.label) == (0.05, None, "budget 0.05")
+    assert (cap.budget, cap.cap, cap.label) == (0.2, 4096, "cap 4096")
+    assert cap.fraction(131072) == 4096 / 131072 and cap.fraction(8192) == 0.2
+    assert budget.fraction(131072) == 0.05
+    for bad in ("budget=0", "budget=2", "cap=0", "cap=x", "tokens=5", "0.2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            throughput.Selection.parse(bad)
+
+
+def _point(variant, batch, ms, selection=None):
+    return {"variant": variant, "mode": "graph", "batch": batch, "context": 131072,
+            "selection": selection, "ms_per_step": ms,
+            "tokens_per_s": throughput.tokens_per_second(batch, ms),
+            "pcie_bytes_per_step": 1e6 * batch, "pcie_bytes_per_token": 1e6}
+
+
+def test_the_summary_compares_infinigen_with_dense_at_its_largest_batch():
+    results = {"contexts": [{"context": 131072, "free_bytes": 60 << 30,
+                             "dense_largest_batch": 3, "points": [
+                                 _point("dense", 3, 30.0),  # 100 tokens/s
+                                 _point("full", 8, 800.0),
+                                 _point("infinigen", 8, 40.0, "cap 4096"),  # 200
+                                 _point("infinigen", 16, 64.0, "cap 4096"),  # 250
+                                 _point("infinigen", 16, 320.0, "budget 0.2"),  # 50
+                                 {"variant": "infinigen", "mode": "graph", "batch": 32,
+                                  "context": 131072, "selection": "cap 4096",
+                                  "skipped": "does not fit"}]}]}
+    row = throughput_report.summary(results)["131072"]
+    assert row["dense_tokens_per_s"] == pytest.approx(100.0)
+    assert row["best"]["cap 4096"] == {"batch": 16, "tokens_per_s": 250.0,
+                                       "over_dense": 2.5}
+    assert row["best"]["budget 0.2"]["over_dense"] == pytest.approx(0.5)
+    assert row["infinigen_largest_batch"] == 16  # 32 did not fit
+    assert row["batch_ratio"] == pytest.approx(16 / 3)
+    text = "\n\n".join(throughput_report.markdown_sections(results))
+    assert "2.50x (target >= 2x); met" in text and "does not fit" in text
