@@ -156,7 +156,11 @@ def measure(driver: Driver, clock: Clock | None, steps: int, warmup: int,
 def run(args, model: Path, dtype: str, manager: str, progress) -> list[dict[str, Any]]:
     """One engine: dense (one window) or InfiniGen (a window per alpha)."""
     shape = kv_math.model_shape(model, dtype_bytes=2 if dtype == "bfloat16" else 4)
-    tokens = args.batch * (args.context + args.warmup_steps + 3 * args.decode_steps + 64)
+    max_model_len = args.context + 4 * args.decode_steps + 64
+    # vLLM refuses a KV space that cannot hold one request of max_model_len
+    # (with its own rounding: twice that at a short context, a few MiB).
+    tokens = args.batch * max(args.context + args.warmup_steps + 3 * args.decode_steps + 64,
+                              2 * max_model_len)
     kv_bytes = kv_math.kv_space_bytes(shape, tokens, manager, dense_layers=2)
     clock = Clock() if manager == "infinigen" else None
     extra = {"infinigen_budget": args.budget} if manager == "infinigen" else {}
@@ -167,8 +171,8 @@ def run(args, model: Path, dtype: str, manager: str, progress) -> list[dict[str,
             stack.enter_context(instrumented(clock))
         llm = stack.enter_context(engine(
             model, kv_manager=manager, dtype=dtype, kv_cache_memory_bytes=kv_bytes,
-            max_model_len=args.context + 4 * args.decode_steps + 64,
-            enable_prefix_caching=False, max_num_seqs=args.batch, enforce_eager=True, **extra))
+            max_model_len=max_model_len, enable_prefix_caching=False, max_num_seqs=args.batch,
+            enforce_eager=True, **extra))
         driver = Driver(llm, max_tokens=len(args.alphas) * (args.warmup_steps + args.decode_steps)
                         + 8)
         rng = random.Random(0)
