@@ -58,6 +58,23 @@ def test_same_layer_speculation_selects_with_the_layers_own_query(step):
     assert runtime.take_counters()["selected_tokens.2"] == len(IMPORTANT)
 
 
+def test_the_token_rule_is_the_data_paths_selector_and_follows_its_settings(step):
+    """InfiniGen's rule in tokens is the CPU data path's (``LayerState.selector``,
+    as the block rule is CUDA's), with the settings of its ``configure``: a
+    change in the running engine (here a recent window over the whole
+    context) changes what the next selection keeps."""
+    runtime, metadata, new_slot = step
+    layer, speculating = runtime.layers[2], runtime.layers[1]
+    assert layer.selector.func == runtime.data_path.select and layer.selector.args == (layer,)
+    runtime.update_selection(recent_tokens=CONTEXT)
+    speculating.capture(torch.tensor([[10.0, 0.0, 0.0, 0.0]]))
+    runtime.begin_layer(speculating, metadata, new_slot, block_size=BLOCK)
+    selected = sorted(p for p in layer.selection[0, 0].tolist() if p >= 0)
+    assert selected != IMPORTANT and CONTEXT - 1 in selected
+    with pytest.raises(RuntimeError, match="configure was not called"):
+        CpuDataPath("auto").select(layer, None, None, None)
+
+
 def test_a_layer_without_a_selection_fails_naming_the_layer(step):
     runtime, metadata, new_slot = step
     with pytest.raises(RuntimeError, match="sparse layer 2 has no selection"):
