@@ -6,6 +6,7 @@ python -m benchmarks.gpu.throughput [--contexts 32768 131072] [--batches 8 16 32
     [--modes graph] [--host-pool-gib 48]
 python -m benchmarks.gpu.throughput --self-test      # CPU, tiny shapes, references
 python -m benchmarks.gpu.throughput --render benchmarks/results/gpu_throughput.json
+python -m benchmarks.gpu.throughput --plan 79.1 139.8   # what fits, by the estimate (no GPU)
 
 What a user of one GPU compares: at each context, dense vLLM-style attention
 at the largest batch whose K/V fits in the device memory left beside the
@@ -45,6 +46,7 @@ import torch
 from benchmarks.gpu import selection_trace, throughput_report
 from benchmarks.gpu.decoder import LLAMA_31_8B, TINY, Decoder, DecoderShape, random_weights
 from benchmarks.gpu.measure import (
+    CACHE_FACTORS,
     KEYS,
     MARGIN,
     MODES,
@@ -58,9 +60,11 @@ from benchmarks.gpu.measure import (
 from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
 from benchmarks.gpu.variants import KVSetup, Streams
 from benchmarks.harness import paths
+from vllm_infinigen.platforms.cuda import select_ops
 
 DEFAULT_OUT = paths.RESULTS / "gpu_throughput"
 SELF_TEST_OUT = paths.RESULTS / "gpu_throughput_selftest"
+PLAN_OUT = paths.RESULTS / "gpu_throughput_plan"
 CAP_BUDGET = 0.2  # the fraction beside a token cap (the product's default budget)
 
 
@@ -100,6 +104,36 @@ def dense_largest_batch(shape: DecoderShape, context: int, dtype: torch.dtype,
     while device_bytes("dense", shape, batch + 1, context, 0, 1.0, dtype) + MARGIN < free_bytes:
         batch += 1
     return batch
+
+
+def memory_plan(device_gib: list[float], contexts: list[int], batches: list[int],
+                selections: list[Selection], dtype: torch.dtype = torch.bfloat16,
+                shape: DecoderShape = LLAMA_31_8B, context_gib: float = 1.0) -> dict[str, Any]:
+    """What fits, by the benchmark's own estimate (``measure.device_bytes``),
+    on devices of ``device_gib`` (``context_gib`` left to the CUDA context):
+    dense's largest batch, and per InfiniGen point the largest block-cache
+    factor that fits (None: it does not)."""
+    weights = shape.weight_bytes(dtype)
+    plans = []
+    for gib in device_gib:
+        free = int((gib - context_gib) * 2**30) - weights
+        for context in contexts:
+            blocks = shape.blocks_per_row(context)
+            points = {}
+            for batch in batches:
+                for selection in selections:
+                    width = select_ops.selection_width(
+                        blocks, shape.block_size, budget=selection.budget, min_context=0,
+                        sink_blocks=1, recent_blocks=1, budget_tokens=selection.cap)
+                    points[f"x{batch} {selection.label}"] = next(
+                        (f for f in CACHE_FACTORS
+                         if device_bytes("infinigen", shape, batch, context, width, f, dtype,
+                                         "int") + MARGIN < free), None)
+            plans.append({"device_GiB": gib, "context": context, "free_GiB": free / 2**30,
+                          "dense_largest_batch": dense_largest_batch(shape, context, dtype,
+                                                                     free),
+                          "infinigen_cache_factor": points})
+    return {"weights_GiB": weights / 2**30, "context_GiB": context_gib, "plans": plans}
 
 
 def tokens_per_second(batch: int, ms_per_step: float) -> float:
@@ -210,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny shapes on the CPU with the references (no GPU needed)")
     parser.add_argument("--render", type=Path, default=None,
                         help="rewrite the Markdown and plot of a results JSON, and stop")
+    parser.add_argument("--plan", type=float, nargs="+", default=None, metavar="GIB",
+                        help="write what fits on devices of these GiB, by the benchmark's "
+                        "memory estimate (no GPU needed), and stop")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--selections", type=Selection.parse, nargs="+",
@@ -231,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     args.profile = False
     if args.render is not None:
         print(throughput_report.render(args.render))
+        return 0
+    if args.plan:
+        plan = memory_plan(args.plan, args.contexts, args.batches, args.selections)
+        settings = {"device_GiB": args.plan, "contexts": args.contexts,
+                    "batches": args.batches, "selections": [s.label for s in args.selections]}
+        write_gpu_results(args.out or PLAN_OUT, gpu_run_metadata(),
+                          throughput_report.TITLE + ": what fits, by the memory estimate",
+                          settings, plan, throughput_report.plan_sections(plan))
         return 0
     if args.self_test:
         result = self_test(args.out or SELF_TEST_OUT, args.trace)

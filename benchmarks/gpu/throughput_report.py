@@ -123,6 +123,23 @@ def markdown_sections(results: dict[str, Any]) -> list[str]:
     return sections
 
 
+def plan_sections(plan: dict[str, Any]) -> list[str]:
+    """The memory estimate's table: dense's largest batch and, per InfiniGen
+    point, the block cache's factor that fits ("-": it does not fit)."""
+    points = list(plan["plans"][0]["infinigen_cache_factor"]) if plan["plans"] else []
+    lines = [f"Weights {plan['weights_GiB']:.1f} GiB (bf16), {plan['context_GiB']:g} GiB left "
+             "to the CUDA context; estimate `benchmarks/gpu/measure.device_bytes` with its "
+             "margin. An InfiniGen cell is the largest block-cache factor (x the widest "
+             "selection) that fits, \"-\" where none does.", "",
+             "| device GiB | context | free GiB | dense largest batch | "
+             + " | ".join(points) + " |", "|---" * (4 + len(points)) + "|"]
+    for row in plan["plans"]:
+        cells = [_fmt(row["infinigen_cache_factor"][p], "g") for p in points]
+        lines.append(f"| {row['device_GiB']:g} | {row['context']} | {row['free_GiB']:.1f} | "
+                     f"{row['dense_largest_batch']} | " + " | ".join(cells) + " |")
+    return ["\n".join(lines)]
+
+
 def plot(results: dict[str, Any], path: Path) -> Path | None:
     """tokens/s against batch per context, dense's largest batch marked; None
     when matplotlib is not installed (``--render`` draws it elsewhere)."""

@@ -80,3 +80,23 @@ def test_the_summary_compares_infinigen_with_dense_at_its_largest_batch():
     assert row["batch_ratio"] == pytest.approx(16 / 3)
     text = "\n\n".join(throughput_report.markdown_sections(results))
     assert "2.50x (target >= 2x); met" in text and "does not fit" in text
+
+
+def test_the_memory_plan_says_what_fits_by_the_benchmarks_estimate():
+    selections = [throughput.Selection(0.2), throughput.Selection(0.2, 4096)]
+    plan = throughput.memory_plan([79.1, 139.8], [131072], [8, 32], selections)
+    small, large = plan["plans"]
+    assert small["dense_largest_batch"] < large["dense_largest_batch"]
+    assert small["dense_largest_batch"] == throughput.dense_largest_batch(
+        LLAMA_31_8B, 131072, torch.bfloat16, int(small["free_GiB"] * 2**30))
+    # more memory never fits less, and the cap never needs more than the fraction
+    for point, factor in small["infinigen_cache_factor"].items():
+        assert factor is None or large["infinigen_cache_factor"][point] is not None
+    for row in (small, large):
+        factors = row["infinigen_cache_factor"]
+        for batch in (8, 32):
+            if factors[f"x{batch} budget 0.2"] is not None:
+                assert factors[f"x{batch} cap 4096"] is not None
+    assert small["infinigen_cache_factor"]["x32 cap 4096"] is None  # 2 dense layers' K/V
+    text = throughput_report.plan_sections(plan)[0]
+    assert "| 79.1 | 131072 |" in text and text.count("\n| ") == 3  # the header, two rows
