@@ -54,6 +54,7 @@ DEFAULT_MIN_CONTEXT = 4096
 TRANSFERS = ("auto", "in-place", "copy")
 EVICTION_POLICIES = ("counter", "lru", "fifo")
 SPECULATIONS = ("previous-layer", "same-layer")
+RESIDENCIES = ("pool", "device-first")
 # Selection policies: InfiniGen's, and baselines on the same machinery.
 POLICIES = POLICY_NAMES
 
@@ -191,6 +192,14 @@ class InfiniGenConfig:
     min_context: int = setting(
         DEFAULT_MIN_CONTEXT, "Rows with a shorter context attend densely in the sparse "
         "layers, without speculating (0: always select).", check=_count(0), runtime=True)
+    # Dense while memory allows (issue 35): the sparse layers stay in vLLM's
+    # device blocks until they run short (scheduler/spec.py, Residency).
+    residency: str = setting(
+        "pool", "Where the sparse layers' K/V lives: pool (the host pool from the first "
+        "token, attended through InfiniGen's selection) or device-first (vLLM's device "
+        "blocks and kernel while the blocks last, written through to the pool; when a "
+        "step's blocks would not fit, every request moves to the pool and the selection, "
+        "for good). device-first: CPU build only.", choices=RESIDENCIES)
     speculation: str = setting(
         "previous-layer", "Whose query selects a sparse layer's tokens: previous-layer (the "
         "paper: layer i selects for layer i+1 ahead of it) or same-layer (the layer's own "

@@ -26,7 +26,7 @@ def test_defaults():
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
         "eval_dense_prefix": None, "min_context": DEFAULT_MIN_CONTEXT,
-        "speculation": "previous-layer", "speculation_keys": "int",
+        "speculation": "previous-layer", "speculation_keys": "int", "residency": "pool",
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 

@@ -20,10 +20,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_infinigen.config import engine_setup
 from vllm_infinigen.memory import cap_rows
 from vllm_infinigen.scheduler.metrics import InfiniGenPromMetrics, InfiniGenStats
-from vllm_infinigen.scheduler.spec import dense_group_index
+from vllm_infinigen.scheduler.spec import dense_group_index, residency_of
 
 if TYPE_CHECKING:
     from vllm_infinigen.worker.runtime import InfiniGenRuntime
+
+
+class InfiniGenMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers each step: whether the sparse
+    layers are still in the device blocks (``--infinigen-residency device-first``)."""
+
+    def __init__(self, resident: bool) -> None:
+        self.resident = resident
 
 
 class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
@@ -52,6 +60,12 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_runtime(self, runtime: InfiniGenRuntime) -> None:
         """Called by the InfiniGen worker once its runtime is installed."""
         self._runtime = runtime
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Each step, before the forward: the step's residency to the runtime."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._runtime is not None and isinstance(connector_metadata, InfiniGenMetadata):
+            self._runtime.resident = connector_metadata.resident
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None
@@ -107,6 +121,8 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         used = held[dense_group_index(self._kv_cache_config.kv_cache_groups)]
         num_slots = block_pool.num_gpu_blocks * block_size
         gauges = {"device_blocks": sum(held)}
+        if self._setup.config.residency == "device-first":
+            gauges["resident"] = int(self._resident())
         setup = self._setup
         cap = cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token, setup.step_tokens)
         capped = self._workers_report_pool or (cap is not None and cap < num_slots)
@@ -123,7 +139,14 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return KVConnectorMetadata()
+        """After the step's allocations: whether the engine is still resident."""
+        return InfiniGenMetadata(resident=self._resident())
+
+    def _resident(self) -> bool:
+        manager = self._kv_cache_manager
+        if self._setup.config.residency != "device-first" or manager is None:
+            return False
+        return not residency_of(manager.block_pool).moved
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, None]:
         """The pool's slots are the dense group's: vLLM frees both at once."""

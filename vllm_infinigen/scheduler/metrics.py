@@ -42,6 +42,8 @@ GAUGES = {
     "pool_used_bytes": "Bytes of InfiniGen's host pool held by running requests.",
     "pool_capacity_bytes": "Capacity of InfiniGen's host pool in bytes.",
     "device_blocks": "KV-cache blocks on the device held by InfiniGen requests.",
+    "resident": "1 while the sparse layers' K/V is in the device blocks "
+    "(--infinigen-residency device-first), 0 once the engine moved to the pool.",
 }
 
 

@@ -10,6 +10,16 @@ attention. Per request the device holds::
     dense layers   ceil(tokens / block_size) blocks (vLLM's cache, stock)
     sparse layers  0 blocks; partial keys of every token (InfiniGen, by the
                    dense group's slot ids); their K/V in the host pool
+
+With ``--infinigen-residency device-first`` the sparse groups hold device
+blocks too, as full attention's do, while the engine is *resident*: the
+sparse layers attend with vLLM's own kernel over them (their K/V still
+written through to the pool). When a request's next blocks in every group
+would not fit in the free blocks (where vLLM would preempt or keep a request
+waiting), the engine *moves*: every sparse group frees every request's
+blocks, and from then on allocates none; the workers learn it from the
+connector's metadata of the same step (``connector.py``) and select from
+the pool, which already holds everything. A move is for good.
 """
 
 from __future__ import annotations
@@ -24,7 +34,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 @dataclass(frozen=True, kw_only=True)
 class InfiniGenSparseSpec(AttentionSpec):
-    """A layer whose KV is served from InfiniGen's pool (no device blocks)."""
+    """A layer whose KV is served from InfiniGen's pool (no device blocks), or
+    with ``device_first`` from vLLM's device blocks until the engine moves."""
+
+    device_first: bool = False
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -43,21 +56,84 @@ class InfiniGenSparseSpec(AttentionSpec):
         return specs[0]
 
     @classmethod
-    def of(cls, spec: AttentionSpec) -> InfiniGenSparseSpec:
+    def of(cls, spec: AttentionSpec, device_first: bool = False) -> InfiniGenSparseSpec:
         """The sparse counterpart of a layer's stock spec (same page layout)."""
-        names = [f.name for f in dataclasses.fields(cls) if f.init]
-        return cls(**{name: getattr(spec, name) for name in names})
+        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "device_first"]
+        return cls(**{name: getattr(spec, name) for name in names}, device_first=device_first)
+
+
+class Residency:
+    """Whether an engine's sparse layers are still in the device blocks: one
+    per scheduler (its block pool), shared by the sparse groups' managers."""
+
+    def __init__(self) -> None:
+        self.moved = False
+        self.managers: list[InfiniGenSparseManager] = []
+
+    def move(self) -> int:
+        """Frees every sparse group's blocks of every request; for good.
+        Returns the blocks freed."""
+        freed = 0
+        for manager in self.managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                held = [block for block in blocks if not block.is_null]
+                manager.block_pool.free_blocks(reversed(held))
+                freed += len(held)
+                manager.req_to_blocks[request_id] = []
+                if request_id in manager.num_cached_block:
+                    manager.num_cached_block[request_id] = 0
+        self.moved = True
+        return freed
+
+
+def residency_of(block_pool) -> Residency:
+    """The residency of the scheduler owning ``block_pool`` (kept on the pool,
+    which every group's manager shares)."""
+    residency = getattr(block_pool, "infinigen_residency", None)
+    if residency is None:
+        residency = block_pool.infinigen_residency = Residency()
+    return residency
 
 
 class InfiniGenSparseManager(SingleTypeKVCacheManager):
-    """Allocates nothing: a sparse layer reads its KV from the pool."""
+    """Allocates nothing (a sparse layer reads its KV from the pool), or with
+    ``device_first`` full attention's blocks until the engine moves."""
+
+    def __init__(self, kv_cache_spec, block_pool, *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, block_pool, *args, **kwargs)
+        self.residency = residency_of(block_pool)
+        if kv_cache_spec.device_first:
+            self.residency.managers.append(self)
+
+    @property
+    def resident(self) -> bool:
+        return self.kv_cache_spec.device_first and not self.residency.moved
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence, *args, **kwargs) -> int:
-        return 0
+                                   new_computed_blocks: Sequence, *args,
+                                   apply_admission_cap: bool = False, **kwargs) -> int:
+        if not self.resident:
+            return 0
+        needed = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, *args,
+            apply_admission_cap=apply_admission_cap, **kwargs)
+        # The blocks in every group (the dense one and each sparse one need as
+        # many): where they would not fit, move instead of waiting or
+        # preempting, and need none here. An estimate (admission, a
+        # reservation: ``apply_admission_cap``) moves nothing but counts as
+        # moved, so that a request the device cannot hold resident is not kept
+        # waiting for room that only a move makes.
+        groups = len(self.residency.managers) + 1
+        if needed and needed * groups > self.block_pool.get_num_free_blocks():
+            if not apply_admission_cap:
+                self.residency.move()
+            return 0
+        return needed
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list:
+        if self.resident:
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         self.req_to_blocks[request_id]  # creates the (empty) entry
         self.num_cached_block[request_id] = 0
         return []

@@ -53,7 +53,11 @@ class InfiniGenImplMixin:
         runtime = self.infinigen_runtime
         context = get_forward_context()
         if not takes_part(runtime, context.attn_metadata):  # its slots: all PAD_SLOT_ID
+            if runtime.resident:
+                super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return
+        if runtime.resident:  # the device blocks, and the pool through the write below
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         slots = context.slot_mapping[runtime.reference_layer]
         runtime.begin_step(context.attn_metadata[runtime.reference_layer], slots)
         num_tokens = slots.shape[0]
@@ -62,6 +66,9 @@ class InfiniGenImplMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         runtime, state = self.infinigen_runtime, self.infinigen_layer
+        if runtime.resident:  # device-first, before the move: vLLM's kernel and blocks
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                   output, output_scale, output_block_scale)
         if not takes_part(runtime, attn_metadata):
             if state.sparse and attn_metadata is not None:
                 return output  # its metadata is the marker: no stock kernel to run
@@ -140,8 +147,10 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         if state.windowed:
             continue
         if state.sparse:
-            attention.get_kv_cache_spec = _sparse_spec_getter(attention)
-            attention.attn_backend = sparse_backend(attention.attn_backend)
+            device_first = runtime.config.residency == "device-first"
+            attention.get_kv_cache_spec = _sparse_spec_getter(attention, device_first)
+            if not device_first:  # resident layers need vLLM's metadata
+                attention.attn_backend = sparse_backend(attention.attn_backend)
         if state.next is not None:
             if state.next.qkv_proj is None or state.qkv_proj is None:
                 raise ValueError(f"InfiniGen: layer {source.name} has no qkv_proj to hook")
@@ -248,12 +257,12 @@ def _check_query_norm(state: LayerState) -> None:
         )
 
 
-def _sparse_spec_getter(attn: torch.nn.Module):
+def _sparse_spec_getter(attn: torch.nn.Module, device_first: bool):
     """The layer's ``get_kv_cache_spec``, returning the pool-backed sparse spec."""
     original = attn.get_kv_cache_spec
 
     def get_kv_cache_spec(vllm_config):
         spec = original(vllm_config)
-        return None if spec is None else InfiniGenSparseSpec.of(spec)
+        return None if spec is None else InfiniGenSparseSpec.of(spec, device_first)
 
     return get_kv_cache_spec

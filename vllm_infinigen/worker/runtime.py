@@ -89,6 +89,9 @@ class InfiniGenRuntime:
         self.block_size = 0  # tokens per block of the dense group, once allocated
         self.data_path = data_path
         self.fetch_wait_us = [0] * len(sources)
+        # --infinigen-residency device-first: whether the sparse layers are still
+        # in vLLM's device blocks this step (the connector's metadata sets it).
+        self.resident = config.residency == "device-first"
         # Every policy used so far keeps its state up to date (a switch back
         # finds it current); ``policy`` selects.
         self._policies: dict[str, SelectionPolicy] = {}
@@ -311,6 +314,8 @@ class InfiniGenRuntime:
     def speculates(self, attn_metadata: dict) -> bool:
         """Whether any layer may need its attention input in this step
         (``attn_metadata``: the forward context's, by layer name)."""
+        if self.resident:  # every sparse layer attends with vLLM's kernel
+            return False
         plan = self.plan_for(attn_metadata[self.reference_layer], self.block_size)
         return not plan.short_decode_only
 
