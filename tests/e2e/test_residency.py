@@ -4,11 +4,12 @@ layers stay in vLLM's device blocks and kernel while they fit, and the engine
 moves to the pool and InfiniGen's selection when a step's blocks would not.
 
 The bundled stories260K (2 dense + 3 sparse layers, KV-cache groups of 2
-layers: one dense group, two sparse ones) with the selection taking every
-token (``SELECT_ALL``): greedy output equals stock vLLM's whether the engine
-stays resident, or moves in the middle of the batch. Four prompts of ~290
-tokens and 40 generated each hold ~82 blocks in the dense group: resident,
-three times that (every group); moved, the dense group's alone.
+layers: one dense group, two sparse ones; vLLM's CPU blocks of 128 tokens)
+with the selection taking every token (``SELECT_ALL``): greedy output equals
+stock vLLM's whether the engine stays resident, moves while admitting a
+batch, or moves in the middle of a request's decode. A resident request
+holds its blocks in each of the 3 groups; a moved one in the dense group
+alone.
 """
 
 from __future__ import annotations
@@ -22,34 +23,50 @@ from vllm_infinigen.scheduler.metrics import summarize
 pytestmark = pytest.mark.slow
 
 PROMPTS = random_prompts([300, 290, 280, 270], seed=31)
+LONG = random_prompts([200], seed=32)  # 2 blocks per group; a 3rd at token 257
 MAX_TOKENS = 40
 DEVICE_FIRST = {**SELECT_ALL, "infinigen_residency": "device-first"}
 
 
 @pytest.fixture(scope="module")
-def stock(shared_engine) -> list[list[int]]:
-    return greedy_tokens(shared_engine(BUNDLED_MODEL), PROMPTS, MAX_TOKENS)
+def stock(shared_engine) -> dict[str, list[list[int]]]:
+    llm = shared_engine(BUNDLED_MODEL)
+    return {"batch": greedy_tokens(llm, PROMPTS, MAX_TOKENS),
+            "long": greedy_tokens(llm, LONG, 100)}
 
 
-def _run(kv_bytes: int) -> tuple[list[list[int]], dict, float]:
+def _run(kv_bytes: int, prompts, max_tokens: int) -> tuple[list[list[int]], dict, float]:
     with engine(str(BUNDLED_MODEL), kv_cache_memory_bytes=kv_bytes, **DEVICE_FIRST) as llm:
-        outputs = greedy_tokens(llm, PROMPTS, MAX_TOKENS)
+        outputs = greedy_tokens(llm, prompts, max_tokens)
         metrics = llm.get_metrics()
     preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
     return outputs, summarize(metrics), preemptions
 
 
 def test_a_resident_engine_attends_with_vllms_kernel_and_equals_stock(stock):
-    outputs, counters, preemptions = _run(32 << 20)
-    assert outputs == stock
+    outputs, counters, preemptions = _run(32 << 20, PROMPTS, MAX_TOKENS)
+    assert outputs == stock["batch"]
     assert counters["resident"] == {"": 1.0}
     assert sum(counters.get("selected_tokens", {}).values()) == 0  # no InfiniGen step
     assert preemptions == 0
 
 
-def test_an_engine_short_of_blocks_moves_instead_of_preempting_and_equals_stock(stock):
-    outputs, counters, preemptions = _run(5 << 20)
-    assert outputs == stock
+def test_a_batch_the_blocks_cannot_hold_resident_moves_and_equals_stock(stock):
+    """17 blocks of KV space: one request resident (3 blocks in each of 3
+    groups), the second's prompt moves the engine."""
+    outputs, counters, preemptions = _run(5 << 20, PROMPTS, MAX_TOKENS)
+    assert outputs == stock["batch"]
     assert counters["resident"] == {"": 0.0}
     assert sum(counters["selected_tokens"].values()) > 0  # InfiniGen after the move
+    assert preemptions == 0
+
+
+def test_a_request_that_outgrows_the_blocks_moves_mid_decode_and_equals_stock(stock):
+    """8 blocks (7 free): the prompt's 2 blocks in each of the 3 groups fit,
+    the 3rd block its decode needs at token 257 does not: the move is
+    mid-decode, and the tokens after it are InfiniGen's over the pool."""
+    outputs, counters, preemptions = _run(2_500_000, LONG, 100)
+    assert outputs == stock["long"]
+    assert counters["resident"] == {"": 0.0}
+    assert sum(counters["selected_tokens"].values()) > 0
     assert preemptions == 0

@@ -243,7 +243,8 @@ def _wrapped(sparse: bool, block_size: int):
     """A layer's wrapped impl over a runtime that fails if it is asked anything
     (``block_size`` 0: the pool is not allocated yet)."""
     state = _state(1, sparse=sparse, pool_layer=0 if sparse else -1)
-    runtime = SimpleNamespace(reference_layer=NAME.format(0), block_size=block_size)
+    runtime = SimpleNamespace(reference_layer=NAME.format(0), block_size=block_size,
+                              resident=False)
     return InfiniGenImplMixin.wrap(_Impl(), runtime, state), state
 
 

@@ -28,8 +28,11 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +77,7 @@ class Residency:
         """Frees every sparse group's blocks of every request; for good.
         Returns the blocks freed."""
         freed = 0
+        requests = {request_id for manager in self.managers for request_id in manager.req_to_blocks}
         for manager in self.managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 held = [block for block in blocks if not block.is_null]
@@ -83,6 +87,9 @@ class Residency:
                 if request_id in manager.num_cached_block:
                     manager.num_cached_block[request_id] = 0
         self.moved = True
+        logger.info("InfiniGen: the device blocks ran short: %d request(s) moved to the pool "
+                    "and the selection (--infinigen-residency device-first), %d blocks of the "
+                    "sparse layers freed", len(requests), freed)
         return freed
 
 
@@ -124,8 +131,12 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         # moved, so that a request the device cannot hold resident is not kept
         # waiting for room that only a move makes.
         groups = len(self.residency.managers) + 1
-        if needed and needed * groups > self.block_pool.get_num_free_blocks():
+        free = self.block_pool.get_num_free_blocks()
+        if needed and needed * groups > free:
             if not apply_admission_cap:
+                logger.info("InfiniGen: request %s needs %d blocks in each of %d groups, "
+                            "%d free of %d", request_id, needed, groups, free,
+                            self.block_pool.num_gpu_blocks)
                 self.residency.move()
             return 0
         return needed
