@@ -91,7 +91,8 @@ def test_cuda_refuses_a_piecewise_graph_around_host_planning(monkeypatch, kwargs
     ({"cpu_pool_gib": 1.0}, "--infinigen-cpu-pool-gib"),
     ({"policy": "h2o"}, "--infinigen-policy"),
     ({"transfer": "copy"}, "--infinigen-transfer"),
-], ids=["capped-pool", "baseline", "transfer"])
+    ({"residency": "device-first"}, "--infinigen-residency"),
+], ids=["capped-pool", "baseline", "transfer", "residency"])
 def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag):
     """With vLLM's default graphs, through the front end (device type faked)."""
     from vllm.platforms import current_platform
