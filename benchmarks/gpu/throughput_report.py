@@ -102,7 +102,8 @@ def _targets(results: dict[str, Any]) -> list[str]:
         f"{_fmt(ratio)}x (target >= {TARGET_BATCH_RATIO:g}x; a batch that does not fit is "
         "skipped, so this is at most the largest batch asked for)",
         "- 32K x 1 with memory to spare at most 1.05x dense: not measured here (needs the "
-        "residency switch: every InfiniGen point selects)",
+        "residency switch on CUDA, not built: every InfiniGen point selects; the CPU build "
+        "has it, --infinigen-residency device-first)",
     ]
 
 
