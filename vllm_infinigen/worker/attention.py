@@ -51,13 +51,11 @@ class InfiniGenImplMixin:
         if not state.sparse:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         runtime = self.infinigen_runtime
+        if runtime.resident:  # vLLM's blocks (dummy runs too); the pool through the write below
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         context = get_forward_context()
         if not takes_part(runtime, context.attn_metadata):  # its slots: all PAD_SLOT_ID
-            if runtime.resident:
-                super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return
-        if runtime.resident:  # the device blocks, and the pool through the write below
-            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         slots = context.slot_mapping[runtime.reference_layer]
         runtime.begin_step(context.attn_metadata[runtime.reference_layer], slots)
         num_tokens = slots.shape[0]
