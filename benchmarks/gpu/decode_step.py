@@ -29,26 +29,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.gpu import checks, kernel_limits, selection_trace
-from benchmarks.gpu.decoder import LLAMA_31_8B, random_weights
 from benchmarks.gpu.measure import (
     DEFAULT_OUT,
     KEYS,
     MODES,
     VARIANTS,
-    h2d_limits,
-    make_pool,
     measure_config,
+    open_gpu_bench,
 )
 from benchmarks.gpu.report import markdown_sections
 from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
-from benchmarks.gpu.variants import Streams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,19 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["passed"] else 1
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the CPU self-test: --self-test)")
-    device, dtype, shape = torch.device("cuda"), torch.bfloat16, LLAMA_31_8B
-    streams = Streams(device)
-    torch.cuda.set_stream(streams.main)
-    layers, lm_head = random_weights(shape, device, dtype)
-    largest = max(shape.layer_kv_bytes(b, t, dtype) for b in args.batches for t in args.contexts)
-    pool_bytes = max(largest, min(int(args.host_pool_gib * 2**30),
-                                  shape.num_layers * largest))
-    began = time.perf_counter()
-    pool, owner = make_pool(shape, pool_bytes, device, dtype)
-    setup_info = {"pool_GiB": pool_bytes / 2**30, "pinned_by": getattr(owner, "pinned_by", None),
-                  "pin_seconds": getattr(owner, "seconds", None),
-                  "pool_fill_seconds": time.perf_counter() - began}
-    limits = h2d_limits(pool, device)
+    bench = open_gpu_bench(args.batches, args.contexts, args.host_pool_gib)
+    device, dtype, shape, streams = bench.device, bench.dtype, bench.shape, bench.streams
+    layers, lm_head, pool, limits = bench.layers, bench.lm_head, bench.pool, bench.limits
+    setup_info = bench.setup
     small = {"batch": 2, "context": 2048, "streams": streams}
     results: dict[str, Any] = {
         "h2d_limits": limits, "setup": setup_info,

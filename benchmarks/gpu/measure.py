@@ -9,6 +9,7 @@ import gc
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,43 @@ def make_pool(shape: DecoderShape, num_bytes: int, device: torch.device,
         piece.copy_(chunk[: piece.numel()], non_blocking=True)
     torch.cuda.synchronize()
     return units, pool
+
+
+@dataclass
+class GpuBench:
+    """What every GPU benchmark sets up first: the Llama-3.1-8B-shaped decoder's
+    random bf16 weights on the device, the streams, the pinned host pool
+    (sized for the largest layer of the run, at most ``host_pool_gib`` unless
+    one layer needs more) and the H2D limits measured over it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    shape: DecoderShape
+    streams: Streams
+    layers: list
+    lm_head: torch.Tensor
+    pool: torch.Tensor
+    limits: dict[str, float]
+    setup: dict[str, Any]
+
+
+def open_gpu_bench(batches: list[int], contexts: list[int],
+                   host_pool_gib: float) -> GpuBench:
+    from benchmarks.gpu.decoder import LLAMA_31_8B, random_weights
+
+    device, dtype, shape = torch.device("cuda"), torch.bfloat16, LLAMA_31_8B
+    streams = Streams(device)
+    torch.cuda.set_stream(streams.main)
+    layers, lm_head = random_weights(shape, device, dtype)
+    largest = max(shape.layer_kv_bytes(b, t, dtype) for b in batches for t in contexts)
+    pool_bytes = max(largest, min(int(host_pool_gib * 2**30), shape.num_layers * largest))
+    began = time.perf_counter()
+    pool, owner = make_pool(shape, pool_bytes, device, dtype)
+    setup = {"pool_GiB": pool_bytes / 2**30, "pinned_by": getattr(owner, "pinned_by", None),
+             "pin_seconds": getattr(owner, "seconds", None),
+             "pool_fill_seconds": time.perf_counter() - began}
+    return GpuBench(device, dtype, shape, streams, layers, lm_head, pool,
+                    h2d_limits(pool, device), setup)
 
 
 def replay_for(trace: Path, shape: DecoderShape, batch: int, context: int, steps: int,

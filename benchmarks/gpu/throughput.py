@@ -51,9 +51,9 @@ from benchmarks.gpu.measure import (
     MARGIN,
     MODES,
     device_bytes,
-    h2d_limits,
     make_pool,
     measure_variant,
+    open_gpu_bench,
     product_width,
     replay_for,
 )
@@ -283,15 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["passed"] else 1
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (the CPU self-test: --self-test)")
-    device, dtype, shape = torch.device("cuda"), torch.bfloat16, LLAMA_31_8B
-    streams = Streams(device)
-    torch.cuda.set_stream(streams.main)
-    layers, lm_head = random_weights(shape, device, dtype)
-    largest = max(shape.layer_kv_bytes(b, t, dtype) for b in args.batches for t in args.contexts)
-    pool_bytes = max(largest, int(args.host_pool_gib * 2**30))
-    pool, _ = make_pool(shape, pool_bytes, device, dtype)
-    limits = h2d_limits(pool, device)
-    results: dict[str, Any] = {"h2d_limits": limits, "pool_GiB": pool_bytes / 2**30,
+    bench = open_gpu_bench(args.batches, args.contexts, args.host_pool_gib)
+    device, dtype, shape, streams = bench.device, bench.dtype, bench.shape, bench.streams
+    layers, lm_head, pool, limits = bench.layers, bench.lm_head, bench.pool, bench.limits
+    results: dict[str, Any] = {"h2d_limits": limits, "pool_GiB": bench.setup["pool_GiB"],
                                "weights_GiB": shape.weight_bytes(dtype) / 2**30, "contexts": []}
     for context in args.contexts:
         torch.cuda.empty_cache()
