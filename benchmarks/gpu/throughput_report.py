@@ -101,9 +101,9 @@ def _targets(results: dict[str, Any]) -> list[str]:
         f"- {longest} tokens: largest InfiniGen batch measured over dense's largest: "
         f"{_fmt(ratio)}x (target >= {TARGET_BATCH_RATIO:g}x; a batch that does not fit is "
         "skipped, so this is at most the largest batch asked for)",
-        "- 32K x 1 with memory to spare at most 1.05x dense: not measured here (needs the "
-        "residency switch on CUDA, not built: every InfiniGen point selects; the CPU build "
-        "has it, --infinigen-residency device-first)",
+        "- 32K x 1 with memory to spare at most 1.05x dense: not measured here (the "
+        "residency switch, --infinigen-residency device-first, runs vLLM's kernel while "
+        "the blocks last, which needs vLLM's CUDA engine; every InfiniGen point here selects)",
     ]
 
 

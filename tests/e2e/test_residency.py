@@ -9,14 +9,20 @@ with the selection taking every token (``SELECT_ALL``): greedy output equals
 stock vLLM's whether the engine stays resident, moves while admitting a
 batch, or moves in the middle of a request's decode. A resident request
 holds its blocks in each of the 3 groups; a moved one in the dense group
-alone.
+alone. Each case runs with the CPU build's data path and with the CUDA
+platform's (``cuda_path_worker.py``: its block cache, block rule and
+device-planned decode steps on CPU tensors); the CUDA build's graphs of both
+residencies: ``tests/unit/test_cuda_residency.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 
+import contextlib
+
 from benchmarks.harness.paths import BUNDLED_MODEL
+from tests.e2e.cuda_path_worker import with_cuda_data_path
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
 from vllm_infinigen.scheduler.metrics import summarize
 
@@ -35,38 +41,55 @@ def stock(shared_engine) -> dict[str, list[list[int]]]:
             "long": greedy_tokens(llm, LONG, 100)}
 
 
-def _run(kv_bytes: int, prompts, max_tokens: int) -> tuple[list[list[int]], dict, float]:
-    with engine(str(BUNDLED_MODEL), kv_cache_memory_bytes=kv_bytes, **DEVICE_FIRST) as llm:
+DATA_PATHS = pytest.mark.parametrize("data_path", ["cpu", "cuda"])
+
+
+def _run(kv_bytes: int, prompts, max_tokens: int,
+         data_path: str) -> tuple[list[list[int]], dict, float]:
+    worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
+    with worker, engine(str(BUNDLED_MODEL), kv_cache_memory_bytes=kv_bytes,
+                        **DEVICE_FIRST) as llm:
         outputs = greedy_tokens(llm, prompts, max_tokens)
         metrics = llm.get_metrics()
     preemptions = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
     return outputs, summarize(metrics), preemptions
 
 
-def test_a_resident_engine_attends_with_vllms_kernel_and_equals_stock(stock):
-    outputs, counters, preemptions = _run(32 << 20, PROMPTS, MAX_TOKENS)
+@DATA_PATHS
+def test_a_resident_engine_attends_with_vllms_kernel_and_equals_stock(stock, data_path):
+    outputs, counters, preemptions = _run(32 << 20, PROMPTS, MAX_TOKENS, data_path)
     assert outputs == stock["batch"]
     assert counters["resident"] == {"": 1.0}
     assert sum(counters.get("selected_tokens", {}).values()) == 0  # no InfiniGen step
     assert preemptions == 0
 
 
-def test_a_batch_the_blocks_cannot_hold_resident_moves_and_equals_stock(stock):
+@DATA_PATHS
+def test_a_batch_the_blocks_cannot_hold_resident_moves_and_equals_stock(stock, data_path):
     """17 blocks of KV space: one request resident (3 blocks in each of 3
     groups), the second's prompt moves the engine."""
-    outputs, counters, preemptions = _run(5 << 20, PROMPTS, MAX_TOKENS)
+    outputs, counters, preemptions = _run(5 << 20, PROMPTS, MAX_TOKENS, data_path)
     assert outputs == stock["batch"]
     assert counters["resident"] == {"": 0.0}
     assert sum(counters["selected_tokens"].values()) > 0  # InfiniGen after the move
+    _check_data_path(counters, data_path)
     assert preemptions == 0
 
 
-def test_a_request_that_outgrows_the_blocks_moves_mid_decode_and_equals_stock(stock):
+@DATA_PATHS
+def test_a_request_that_outgrows_the_blocks_moves_mid_decode_and_equals_stock(stock, data_path):
     """8 blocks (7 free): the prompt's 2 blocks in each of the 3 groups fit,
     the 3rd block its decode needs at token 257 does not: the move is
     mid-decode, and the tokens after it are InfiniGen's over the pool."""
-    outputs, counters, preemptions = _run(2_500_000, LONG, 100)
+    outputs, counters, preemptions = _run(2_500_000, LONG, 100, data_path)
     assert outputs == stock["long"]
     assert counters["resident"] == {"": 0.0}
     assert sum(counters["selected_tokens"].values()) > 0
+    _check_data_path(counters, data_path)
     assert preemptions == 0
+
+
+def _check_data_path(counters: dict, data_path: str) -> None:
+    """The CUDA data path's block cache filled from the pool after the move."""
+    misses = sum(counters.get("cache_misses", {}).values())
+    assert (misses > 0) == (data_path == "cuda")

@@ -82,3 +82,28 @@ def test_copy_transfer_selects_and_outputs_the_same(prompts, eager_run):
     for name in ("selected_tokens", "candidate_tokens", "selected_kv_bytes"):
         assert copied[name] == counters[name]
     assert sum(copied["fetch_wait_us"].values()) > 0
+
+
+def test_the_cuda_data_path_keeps_the_budget_in_whole_blocks(prompts):
+    """The CUDA platform's data path (``cuda_path_worker.py``, on CPU tensors)
+    in a real engine: each row keeps its budget rounded up to whole blocks
+    plus its first and own blocks (``block_selection.window_blocks``), fills
+    its block cache from the pool, and still writes story text. vLLM's CPU
+    blocks are 128 tokens: a row of 400-508 context tokens has 4 blocks and
+    keeps 3 (0.2 x 508 < 128), so it leaves out one whole block."""
+    from tests.e2e.cuda_path_worker import with_cuda_data_path
+
+    with with_cuda_data_path(), engine(str(BUNDLED_MODEL), kv_manager="infinigen",
+                                       infinigen_budget=BUDGET) as llm:
+        tokens = greedy_tokens(llm, prompts, MAX_TOKENS)
+        counters = summarize(llm.get_metrics())
+        text = llm.get_tokenizer().decode(tokens[0])
+    block_size = 128
+    for layer, candidates in counters["candidate_tokens"].items():
+        assert candidates >= len(PROMPT_TOKENS) * (MAX_TOKENS - 1) * 400
+        selected = counters["selected_tokens"][layer]
+        assert BUDGET * candidates <= selected <= (1 - block_size / 508) * candidates
+        assert counters["cache_misses"][layer] > 0
+    words = [w.strip('.,!?"') for w in text.split()]
+    known = {w.strip('.,!?"') for w in STORY_TEXT.read_text().replace("\n", " ").split()}
+    assert sum(w in known for w in words) >= 0.6 * len(words) >= 12, text

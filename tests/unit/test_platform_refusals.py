@@ -91,20 +91,29 @@ def test_cuda_refuses_a_piecewise_graph_around_host_planning(monkeypatch, kwargs
     ({"cpu_pool_gib": 1.0}, "--infinigen-cpu-pool-gib"),
     ({"policy": "h2o"}, "--infinigen-policy"),
     ({"transfer": "copy"}, "--infinigen-transfer"),
-    ({"residency": "device-first"}, "--infinigen-residency"),
-], ids=["capped-pool", "baseline", "transfer", "residency"])
+    ({"residency": "device-first"}, "--enable-dbo"),
+], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo"])
 def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag):
     """With vLLM's default graphs, through the front end (device type faked)."""
     from vllm.platforms import current_platform
 
     config = InfiniGenConfig(**settings)
-    assert refusal_for("cpu", _args(), config) is None
-    assert flag in refusal_for("cuda", _args(), config)
+    kwargs = {"enable_dbo": True} if "residency" in settings else {}
+    assert refusal_for("cpu", _args(**kwargs), config) is None
+    assert flag in refusal_for("cuda", _args(**kwargs), config)
     monkeypatch.setattr(current_platform, "device_type", "cuda")
     with pytest.raises(ValueError) as info:
-        checks.check_engine_args(_args(), config)
+        checks.check_engine_args(_args(**kwargs), config)
     assert str(info.value).startswith("--kv-manager infinigen: ")
     assert flag in str(info.value)
+
+
+def test_cuda_runs_device_first_with_vllms_default_graphs():
+    """Both residencies' full graphs are captured (``platforms/cuda/residency.py``)."""
+    config = InfiniGenConfig(residency="device-first")
+    for kwargs in ({}, {"enforce_eager": True},
+                   {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}):
+        assert refusal_for("cuda", _args(**kwargs), config) is None
 
 
 def test_cuda_runs_evaluation_mode_eagerly_only():

@@ -105,6 +105,24 @@ Patch index
     Future plan: an attention backend registered through vLLM's backend
     registry once it can wrap another backend per layer.
 
+``vllm_infinigen/platforms/cuda/worker.py`` (the CUDA worker's ``compile_or_warm_up_model``,
+with ``--infinigen-residency device-first`` only)
+    Objects: the worker's model runner instance (``capture_model``) and the
+    full-graph ``CUDAGraphWrapper`` around its model
+    (``concrete_cudagraph_entries``).
+    Why: a full CUDA graph replays the attention its capture ran; a resident
+    engine's sparse layers run vLLM's kernel, a moved one's InfiniGen's
+    selection, and vLLM forbids capturing after start-up.
+    How: for the duration of ``compile_or_warm_up_model`` the runner's
+    ``capture_model`` is wrapped to run the original twice, first with the
+    runtime moved and then resident, keeping the first run's full-graph
+    entries aside (``platforms/cuda/residency.py``); at the move (a step's
+    connector metadata) the wrapper's entries dictionary is replaced by the
+    kept one. Piecewise graphs, pool-mode engines and stock engines are
+    untouched.
+    Related upstream work: none (no per-state graph sets in vLLM 0.32).
+    Future plan: a batch-descriptor key a plugin can extend.
+
 ``vllm_infinigen/scheduler/spec.py`` (from ``register()``)
     File: ``vllm/v1/kv_cache_spec_registry.py`` (``KVCacheSpecRegistry``).
     Why: the sparse layers' KV-cache group must hold no device blocks.

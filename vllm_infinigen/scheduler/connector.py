@@ -65,7 +65,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         """Each step, before the forward: the step's residency to the runtime."""
         super().bind_connector_metadata(connector_metadata)
         if self._runtime is not None and isinstance(connector_metadata, InfiniGenMetadata):
-            self._runtime.resident = connector_metadata.resident
+            self._runtime.set_resident(connector_metadata.resident)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None

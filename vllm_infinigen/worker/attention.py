@@ -147,8 +147,8 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         if state.sparse:
             device_first = runtime.config.residency == "device-first"
             attention.get_kv_cache_spec = _sparse_spec_getter(attention, device_first)
-            if not device_first:  # resident layers need vLLM's metadata
-                attention.attn_backend = sparse_backend(attention.attn_backend)
+            attention.attn_backend = (resident_backend if device_first
+                                      else sparse_backend)(attention.attn_backend)
         if state.next is not None:
             if state.next.qkv_proj is None or state.qkv_proj is None:
                 raise ValueError(f"InfiniGen: layer {source.name} has no qkv_proj to hook")
@@ -235,6 +235,33 @@ def sparse_backend(backend: type) -> type:
         "get_cudagraph_support": classmethod(get_cudagraph_support),
         "get_varlen_cudagraph_max_query_len": classmethod(get_varlen_cudagraph_max_query_len)})
     return type(f"InfiniGenSparse{backend.__name__}", (backend,),
+                {"get_builder_cls": staticmethod(lambda: builder)})
+
+
+@functools.cache
+def resident_backend(backend: type) -> type:
+    """``backend`` for the sparse layers' KV-cache groups with
+    ``--infinigen-residency device-first``: its stock metadata (a resident
+    layer runs the stock kernel over its group's blocks), with the CUDA-graph
+    support of the step after the move declared: at most full graphs of
+    uniform single-token decode batches (``sparse_backend``), so that vLLM
+    captures no full graph that InfiniGen's step could not run in once the
+    engine moved. Both residencies' full graphs are captured at start-up
+    (``platforms/cuda/residency.py``)."""
+    stock = backend.get_builder_cls()
+    moved = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        support = stock.get_cudagraph_support(vllm_config, kv_cache_spec)
+        return support if support.value <= moved.value else moved
+
+    def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec):
+        return None
+
+    builder = type(f"InfiniGenResident{stock.__name__}", (stock,), {
+        "get_cudagraph_support": classmethod(get_cudagraph_support),
+        "get_varlen_cudagraph_max_query_len": classmethod(get_varlen_cudagraph_max_query_len)})
+    return type(f"InfiniGenResident{backend.__name__}", (backend,),
                 {"get_builder_cls": staticmethod(lambda: builder)})
 
 

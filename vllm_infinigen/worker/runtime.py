@@ -90,8 +90,11 @@ class InfiniGenRuntime:
         self.data_path = data_path
         self.fetch_wait_us = [0] * len(sources)
         # --infinigen-residency device-first: whether the sparse layers are still
-        # in vLLM's device blocks this step (the connector's metadata sets it).
+        # in vLLM's device blocks this step (the connector's metadata sets it,
+        # ``set_resident``); called once, at the move (the CUDA worker swaps
+        # its full CUDA graphs there).
         self.resident = config.residency == "device-first"
+        self.on_move: list[Callable[[], None]] = []
         # Every policy used so far keeps its state up to date (a switch back
         # finds it current); ``policy`` selects.
         self._policies: dict[str, SelectionPolicy] = {}
@@ -310,6 +313,17 @@ class InfiniGenRuntime:
                                     on_device=self.data_path.plans_on_device)
             self._plan_source = attn_metadata
         return self._plan
+
+    def set_resident(self, resident: bool) -> None:
+        """The step's residency, from the scheduler; a move is for good
+        (``scheduler/spec.py``), and runs ``on_move`` once."""
+        if self.resident and not resident:
+            self.resident = False
+            for moved in self.on_move:
+                moved()
+        elif resident and not self.resident:
+            raise RuntimeError("InfiniGen: the scheduler sent a resident step after the "
+                               "move to the pool (--infinigen-residency device-first)")
 
     def speculates(self, attn_metadata: dict) -> bool:
         """Whether any layer may need its attention input in this step

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's CUDA build (``platforms.WORKERS["cuda"]``; never run with vLLM on a GPU
-in this project: docs/design.md, "Where CUDA goes"): the worker, its refusals,
+in this project: docs/design.md, "Where CUDA goes"; its data path has run inside
+a vLLM engine of the CPU build, on CPU tensors: ``tests/e2e/cuda_path_worker.py``):
+the worker, its refusals,
 the data path, the device-only selection, the device block cache, the gather
 and attention kernels, and the pinned host pool.
 
@@ -30,6 +32,8 @@ Triton's interpreter)::
     data_path.py        ``CudaDataPath``: the ``DataPath`` over all of the above
     memory.py           the GPU grant split (speculation keys, block cache)
     refusals.py         what CUDA cannot run, naming the flag
+    residency.py        the full CUDA graphs of both residencies
+                        (``--infinigen-residency device-first``)
     worker.py           ``InfiniGenCUDAWorker`` (vLLM's GPU ``Worker``)
 
 What ``CudaDataPath`` orders, per sparse layer (events

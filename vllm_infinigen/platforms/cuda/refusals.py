@@ -40,10 +40,10 @@ def refusal(args: EngineArgs, config: InfiniGenConfig) -> str | None:
     if config.cpu_pool_gib is not None:
         return (f"{flag('cpu_pool_gib')} is not supported on CUDA (the device block cache "
                 f"gathers whole blocks from a pool with a row per slot); remove it")
-    if config.residency != "pool":
-        return (f"{flag('residency')} {config.residency} is built for the CPU build only "
-                f"(a step mixing vLLM's kernel and InfiniGen's is not captured in CUDA "
-                f"graphs yet); remove it")
+    if config.residency == "device-first" and getattr(args, "enable_dbo", False):
+        return (f"{flag('residency')} device-first keeps two sets of full CUDA graphs, which "
+                f"vLLM's micro-batching wrapper does not expose; remove --enable-dbo or "
+                f"{flag('residency')}")
     if config.policy != "infinigen":
         return (f"{flag('policy')} {config.policy} runs on the CPU build only; on CUDA use "
                 f"{flag('policy')} infinigen")

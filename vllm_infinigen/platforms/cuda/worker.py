@@ -16,6 +16,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.platforms.cuda.data_path import CudaDataPath
+from vllm_infinigen.platforms.cuda.residency import ResidencyGraphs
 from vllm_infinigen.platforms.cuda.memory import (
     BLOCK_BOOKKEEPING_BYTES,
     cache_bytes,
@@ -36,6 +37,20 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
 
     def infinigen_data_path(self, config: InfiniGenConfig) -> CudaDataPath:
         return CudaDataPath(self.device, self._cache_slots_per_head(config))
+
+    def compile_or_warm_up_model(self):
+        """vLLM's, with ``--infinigen-residency device-first`` capturing the
+        full CUDA graphs of both residencies (``residency.py``)."""
+        if self.infinigen.config.residency != "device-first" or not self.infinigen.layout.num_sparse:
+            return super().compile_or_warm_up_model()
+        runner = self.model_runner
+        graphs = ResidencyGraphs(self.infinigen_runtime, lambda: runner.model)
+        capture = runner.capture_model
+        runner.capture_model = lambda: graphs.capture_both(capture)
+        try:
+            return super().compile_or_warm_up_model()
+        finally:
+            del runner.capture_model  # the class's again
 
     def _cache_slots_per_head(self, config: InfiniGenConfig) -> int:
         return cache_slots_per_head(
