@@ -32,6 +32,11 @@ ENGINES = {
                  "infinigen": {"transfer": "in-place", "speculation_keys": "int"}},
     "partial-keys": {"kv_manager": "infinigen",
                      "infinigen": {"transfer": "in-place", "speculation_keys": "partial"}},
+    # --infinigen-residency device-first, sized to stay resident: the sparse
+    # layers attend with vLLM's kernel over its blocks (what a step costs
+    # while memory allows).
+    "device-first": {"kv_manager": "infinigen",
+                     "infinigen": {"transfer": "in-place", "residency": "device-first"}},
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Order of the policies inside one window (see decode_latency's docstring).
@@ -158,7 +163,8 @@ def sizing(engine_name: str, shape: kv_math.ModelShape, args) -> tuple[list, int
     kv_bytes = kv_math.kv_space_bytes(
         shape, tokens, setup["kv_manager"], dense_layers=args.dense_layers,
         group_size=kv_cache_group_size(args.dense_layers, shape.layers - args.dense_layers),
-        partial_ratio=args.partial_ratio, speculation_keys=speculation_keys(engine_name))
+        partial_ratio=args.partial_ratio, speculation_keys=speculation_keys(engine_name),
+        resident=(setup["infinigen"] or {}).get("residency") == "device-first")
     return policies, max_tokens, tokens, kv_bytes
 
 

@@ -160,18 +160,25 @@ def sparse_step_bytes(shape: ModelShape, dense_layers: int, policy: str,
 
 def kv_space_bytes(shape: ModelShape, tokens: int, kv_manager: str, *, dense_layers: int = 2,
                    group_size: int | None = None, partial_ratio: float = 0.2,
-                   speculation_keys: str = DEFAULT_KEYS, margin: float = 1.15) -> int:
+                   speculation_keys: str = DEFAULT_KEYS, margin: float = 1.15,
+                   resident: bool = False) -> int:
     """``kv_cache_memory_bytes`` that holds ``tokens`` tokens (with ``margin`` for blocks).
 
     Stock vLLM keeps K/V of every layer; InfiniGen keeps ``group_size`` pages
     per block id (``vllm_infinigen.layout.kv_cache_group_size``; the dense
     layers' count by default) plus every sparse layer's speculation keys, while
-    the sparse layers' K/V live in the host pool outside this space.
+    the sparse layers' K/V live in the host pool outside this space. A
+    ``resident`` engine (``--infinigen-residency device-first`` that never
+    moves) holds a block id in every group: every layer's K/V, as stock does,
+    plus the speculation keys.
     """
     if kv_manager == "vllm":
         per_token = shape.layers * shape.kv_bytes_per_token_layer
     elif kv_manager == "infinigen":
         pages = dense_layers if group_size is None else group_size
+        if resident:
+            pages = shape.layers if group_size is None else group_size * -(
+                -shape.layers // group_size)
         sparse = shape.layers - dense_layers
         per_token = (pages * shape.kv_bytes_per_token_layer + sparse * shape.kv_heads
                      * speculation_key_bytes(shape, partial_ratio, speculation_keys))

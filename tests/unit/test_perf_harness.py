@@ -142,6 +142,10 @@ def test_kv_space_holds_the_tokens_for_each_manager():
     int_keys = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0,
                                       speculation_keys="int")
     assert int_keys == tokens * (2 * 2048 + 4 * 8 * 20)
+    # Resident (device-first): a block id in each of the 3 groups of 2 layers.
+    resident = kv_math.kv_space_bytes(SHAPE, tokens, "infinigen", group_size=2, margin=1.0,
+                                      speculation_keys="int", resident=True)
+    assert resident == tokens * (6 * 2048 + 4 * 8 * 20)
     assert kv_math.kv_space_bytes(SHAPE, tokens, "vllm") > dense  # margin
     with pytest.raises(ValueError):
         kv_math.kv_space_bytes(SHAPE, tokens, "lmcache")

@@ -30,9 +30,11 @@ import torch
 def discarded_generators(runner) -> dict[int, torch.Generator]:
     """{batch row: generator} of the seeded requests whose sampled token this
     step discards (non-final prefill chunks)."""
+    generators = runner.input_batch.generators
+    if not generators:  # no seeded request: every step but those with one
+        return {}
     num_reqs = runner.input_batch.num_reqs
     rows = np.nonzero(runner.discard_request_mask.np[:num_reqs])[0]
-    generators = runner.input_batch.generators
     return {int(row): generators[int(row)] for row in rows if int(row) in generators}
 
 
