@@ -126,3 +126,21 @@ def test_a_failed_capture_leaves_the_engine_resident(engine):
     with pytest.raises(RuntimeError, match="capture failed"):
         engine.graphs.capture_both(fails)
     assert engine.runtime.resident
+
+
+def test_a_resident_engine_reads_no_counters_back_from_the_device(engine, monkeypatch):
+    """Nothing selects while resident, and on a GPU each read would wait for
+    the step: the counters are not drained until the move."""
+    runtime = engine.runtime
+
+    def read_back(*args):
+        raise AssertionError("a resident step read the device counters")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(runtime.data_path, "add_counts", read_back)
+        patched.setattr(runtime.data_path, "take_stats", read_back)
+        patched.setattr(runtime.stats, "tolist", read_back, raising=False)
+        assert runtime.take_counters() == {}
+    runtime.stats[2, 1] = 70  # a moved step's counts
+    runtime.set_resident(False)
+    assert runtime.take_counters()["candidate_tokens.2"] == 70 * 2 / 2

@@ -216,11 +216,15 @@ class InfiniGenRuntime:
         self._plan_source = None
 
     def take_counters(self) -> dict[str, float]:
-        """Drains the counters (one host copy per step, not per layer)."""
+        """Drains the counters (one host copy per step, not per layer; none
+        while resident: no layer selects, and on a GPU the copy would wait for
+        the step, which vLLM overlaps with preparing the next one)."""
         out: dict[str, float] = {}
-        self.data_path.add_counts(self.stats)
-        values = self.stats.tolist()
-        self.stats.zero_()
+        values = []
+        if not self.resident:
+            self.data_path.add_counts(self.stats)
+            values = self.stats.tolist()
+            self.stats.zero_()
         for state, (entries, context) in zip(self.layers, values):
             if state.sparse and context:
                 idx = state.layer_idx
@@ -229,7 +233,8 @@ class InfiniGenRuntime:
                 out[f"selected_kv_bytes.{idx}"] = entries * self.pool_entry_bytes
                 out[f"fetch_wait_us.{idx}"] = self.fetch_wait_us[idx]
         self.fetch_wait_us = [0] * len(self.layers)
-        out.update(self.data_path.take_stats())
+        if not self.resident:
+            out.update(self.data_path.take_stats())
         sparse = self.sparse_layers
         for pool_layer, count in enumerate(self.pool_index.take_evictions()):
             if count:
