@@ -17,14 +17,16 @@ import torch
 
 from benchmarks.gpu import selection_trace
 from benchmarks.gpu.decoder import Decoder, DecoderShape
-from benchmarks.gpu.product import Product, cache_slots
+from benchmarks.gpu.product import Product, Resident, cache_slots
 from benchmarks.gpu.variants import Dense, DenseUnits, FullOffload, KVSetup, Streams
 from benchmarks.harness import paths
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layout import KEY_GROUP, int_key_bits
 from vllm_infinigen.platforms.cuda import kernels, select_ops
 
-VARIANTS = ("dense", "dense_units", "full", "infinigen")
+# infinigen_resident: --infinigen-residency device-first before the move (dense
+# attention plus the product's write-through), what a step costs while memory allows.
+VARIANTS = ("dense", "dense_units", "full", "infinigen", "infinigen_resident")
 MODES = ("eager", "graph")
 CACHE_FACTORS = (2.0, 1.5, 1.25, 1.0)
 KEYS = ("int", "partial")  # --infinigen-speculation-keys (int: the product's default)
@@ -51,7 +53,8 @@ def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget
         return FullOffload(setup, streams)
     width = max(product_width(setup, budget, budget_tokens),
                 replay.shape[-1] if replay is not None else 1)
-    return Product(setup, streams, layers, budget=budget, alpha=alpha, keys=keys,
+    product = Resident if name == "infinigen_resident" else Product
+    return product(setup, streams, layers, budget=budget, alpha=alpha, keys=keys,
                    replay=replay, slots_per_head=cache_slots(setup, width, cache_factor),
                    budget_tokens=budget_tokens)
 
@@ -77,6 +80,8 @@ def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width
     speculation = blocks * speculation_bytes_per_block(shape, keys, dtype)
     held = factor * batch * shape.num_kv_heads * width * shape.unit_bytes(dtype) * sparse
     scores = batch * shape.num_kv_heads * shape.blocks_per_row(context) * shape.block_size * 4
+    if name == "infinigen_resident":  # every layer's K/V beside the product's structures
+        return int(shape.num_layers * layer + layer + sparse * speculation + held)
     return int(shape.dense_layers * layer + sparse * speculation + held + 4 * scores)
 
 
@@ -139,7 +144,7 @@ def run_steps(step: Stepper, warmup: int, steps: int, streams: Streams) -> dict[
     if hasattr(variant, "take_fetched_units"):
         fetched, hits = variant.take_fetched_units()
         result["pcie_bytes_per_step"] = fetched * unit / steps
-        result["hit_rate"] = hits / max(hits + fetched, 1)
+        result["hit_rate"] = hits / (hits + fetched) if hits + fetched else None
         result["cache_slots_per_head"] = variant.data_path.slots_per_head
     else:
         result["pcie_bytes_per_step"] = variant.pcie_units * unit
@@ -308,7 +313,7 @@ def measure_variant(name: str, setup: KVSetup, decoder: Decoder, x: torch.Tensor
         result = run_steps(step, args.warmup, args.steps, streams)
         if args.profile and streams.cuda:
             result.update(profile_steps(step, 3))
-        if name == "infinigen":
+        if name.startswith("infinigen"):
             result["cache_factor"] = factor
         if limits:
             result["pcie_bound_ms"] = result["pcie_bytes_per_step"] / limits["copy_GBps"] / 1e6

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.gpu.decoder import LayerWeights
-from benchmarks.gpu.variants import KVSetup, Streams, Variant
+from benchmarks.gpu.variants import KVSetup, Streams, Variant, dense_attention
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.memory import PoolPlan
@@ -64,12 +64,13 @@ class Product(Variant):
 
     def __init__(self, setup: KVSetup, streams: Streams, weights: list[LayerWeights], *,
                  budget: float, alpha: float, keys: str, replay: torch.Tensor | None,
-                 slots_per_head: int, budget_tokens: int | None = None):
+                 slots_per_head: int, budget_tokens: int | None = None,
+                 residency: str = "pool"):
         super().__init__(setup, streams)
         shape, device = self.shape, setup.device
         config = InfiniGenConfig(alpha=alpha, budget=budget, dense_layers=shape.dense_layers,
                                  min_context=0, speculation_keys=keys,
-                                 budget_tokens=budget_tokens)
+                                 budget_tokens=budget_tokens, residency=residency)
         impl = SimpleNamespace(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                                head_size=shape.head_dim, scale=shape.scale)
         sources = []
@@ -170,6 +171,31 @@ class Product(Variant):
         misses = sum(v for k, v in stats.items() if k.startswith("cache_misses."))
         hits = sum(v for k, v in stats.items() if k.startswith("cache_hits."))
         return int(misses), int(hits)
+
+
+class Resident(Product):
+    """The product's step with ``--infinigen-residency device-first`` before the
+    move: every layer attends densely over its device K/V (the benchmark's
+    dense attention standing in for vLLM's kernel, as in ``Dense``), and each
+    sparse layer's new K/V and speculation keys are written through to the
+    host pool by the product's runtime, as a resident engine's KV-cache update
+    does (``worker/attention.py``). Its time against ``Dense`` is what
+    InfiniGen costs while memory allows."""
+
+    name = "infinigen_resident"
+
+    def __init__(self, setup: KVSetup, streams: Streams, weights: list[LayerWeights], **kwargs):
+        super().__init__(setup, streams, weights, residency="device-first", **kwargs)
+        if not self.runtime.resident:
+            raise AssertionError("a device-first runtime starts resident")
+        self.kv = [setup.dense_kv(layer) for layer in range(self.shape.num_layers)]
+
+    def attend(self, layer, query, key, value) -> torch.Tensor:
+        runtime, state = self.runtime, self.runtime.layers[layer]
+        if state.sparse:
+            runtime.begin_step(self.metadata, self.slot_mapping)
+            runtime.write(state, key, value, self.slot_mapping)
+        return dense_attention(self.kv[layer], query, key, value, self.shape.scale)
 
 
 def cache_slots(setup: KVSetup, width: int, factor: float) -> int:

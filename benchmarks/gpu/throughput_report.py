@@ -102,8 +102,9 @@ def _targets(results: dict[str, Any]) -> list[str]:
         f"{_fmt(ratio)}x (target >= {TARGET_BATCH_RATIO:g}x; a batch that does not fit is "
         "skipped, so this is at most the largest batch asked for)",
         "- 32K x 1 with memory to spare at most 1.05x dense: not measured here (the "
-        "residency switch, --infinigen-residency device-first, runs vLLM's kernel while "
-        "the blocks last, which needs vLLM's CUDA engine; every InfiniGen point here selects)",
+        "residency switch, --infinigen-residency device-first, attends densely while the "
+        "blocks last: benchmarks.gpu.decode_step's infinigen_resident variant; every "
+        "InfiniGen point here selects)",
     ]
 
 

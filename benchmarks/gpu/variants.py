@@ -141,12 +141,18 @@ class Dense(Variant):
         self.kv = [setup.dense_kv(layer) for layer in range(self.shape.num_layers)]
 
     def attend(self, layer, query, key, value):
-        keys, values = self.kv[layer]
-        keys[:, :, -1] = key
-        values[:, :, -1] = value
-        out = F.scaled_dot_product_attention(query[:, :, None], keys, values, enable_gqa=True,
-                                             scale=self.shape.scale)
-        return out.reshape(query.shape[0], -1)
+        return dense_attention(self.kv[layer], query, key, value, self.shape.scale)
+
+
+def dense_attention(kv: tuple[torch.Tensor, torch.Tensor], query, key, value,
+                    scale: float) -> torch.Tensor:
+    """The own token into its layer's device K/V, then SDPA over all of it; [B, H_q * D]."""
+    keys, values = kv
+    keys[:, :, -1] = key
+    values[:, :, -1] = value
+    out = F.scaled_dot_product_attention(query[:, :, None], keys, values, enable_gqa=True,
+                                         scale=scale)
+    return out.reshape(query.shape[0], -1)
 
 
 class DenseUnits(Variant):

@@ -124,3 +124,34 @@ def test_the_benchmark_imports_without_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_resident_variant_attends_densely_and_writes_through_to_the_pool():
+    """``infinigen_resident`` (device-first before the move): dense's logits, its
+    sparse layers' new K/V in the pool after a step, nothing fetched."""
+    import torch
+
+    from benchmarks.gpu.decoder import TINY, Decoder, random_weights
+    from benchmarks.gpu.measure import build_variant, make_pool
+    from benchmarks.gpu.variants import KVSetup, Streams
+
+    torch.manual_seed(0)
+    device, dtype = torch.device("cpu"), torch.float32
+    layers, lm_head = random_weights(TINY, device, dtype)
+    batch, context = 2, 8 * TINY.block_size + 5
+    pool, _ = make_pool(TINY, TINY.num_layers * TINY.layer_kv_bytes(batch, context, dtype),
+                        device, dtype)
+    setup, streams = KVSetup(TINY, batch, context, pool, device), Streams(device)
+    decoder = Decoder(TINY, layers, lm_head)
+    x = torch.randn(batch, TINY.hidden)
+    dense = decoder.step(x, build_variant("dense", setup, streams, layers, budget=0.2,
+                                          replay=None, cache_factor=1.0))
+    resident = build_variant("infinigen_resident", setup, streams, layers, budget=0.2,
+                             replay=None, cache_factor=1.0)
+    sparse = resident.runtime.sparse_layers[0]
+    slot = resident.slot_mapping[0]
+    block, offset = int(slot) // TINY.block_size, int(slot) % TINY.block_size
+    sparse.kv_pool[block, :, offset].zero_()
+    assert torch.equal(decoder.step(x, resident), dense)
+    assert sparse.kv_pool[block, :, offset].abs().sum() > 0  # written through
+    assert resident.runtime.resident and resident.take_fetched_units() == (0, 0)
