@@ -167,7 +167,7 @@ class Product(Variant):
 
     def take_fetched_units(self) -> tuple[int, int]:
         """(units fetched over PCIe, units found in the cache) since the last call."""
-        stats = self.runtime.take_counters()
+        stats = self.runtime.take_counters(wait=True)  # every count, now
         misses = sum(v for k, v in stats.items() if k.startswith("cache_misses."))
         hits = sum(v for k, v in stats.items() if k.startswith("cache_hits."))
         return int(misses), int(hits)

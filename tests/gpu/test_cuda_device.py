@@ -171,3 +171,35 @@ def test_prompt_attention_equals_the_reference(dtype, first, rows):
     tolerance = 2e-3 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.cpu().float(), expected.float(), atol=tolerance,
                                rtol=tolerance)
+
+
+def test_counters_reach_the_host_one_drain_late_and_none_is_lost():
+    """``worker/counters.py`` on CUDA: a drain returns what the previous one
+    copied; ``wait`` returns the rest; the runtime's counts of a device step
+    add up to the CPU run's."""
+    from vllm_infinigen.worker.counters import CounterDrain
+
+    drain, counts = CounterDrain(), torch.zeros(3, 2, dtype=torch.float64, device=CUDA)
+    counts += 1
+    assert drain(counts) is None
+    counts += 2
+    assert drain(counts).tolist() == [[1.0, 1.0]] * 3
+    counts += 4
+    assert drain(counts, wait=True).tolist() == [[6.0, 6.0]] * 3
+    assert counts.abs().sum() == 0
+
+    totals = []
+    for device in ("cpu", "cuda"):
+        step = DecodeStep(config(), device=device)
+        seen: dict[str, float] = {}
+        for seed in range(3):
+            step.run(seed=seed + 1)
+            for key, value in step.runtime.take_counters().items():
+                seen[key] = seen.get(key, 0) + value
+        for key, value in step.runtime.take_counters(wait=True).items():
+            seen[key] = seen.get(key, 0) + value
+        totals.append({"candidates": sum(v for k, v in seen.items()
+                                         if k.startswith("candidate_tokens.")),
+                       "lookups": sum(v for k, v in seen.items()
+                                      if k.startswith(("cache_hits.", "cache_misses.")))})
+    assert totals[0] == totals[1] and totals[0]["lookups"] > 0

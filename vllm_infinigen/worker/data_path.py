@@ -122,8 +122,10 @@ class DataPath(Protocol):
         """Adds what the platform counted on its device to ``stats`` [layers, 2]
         (entries attended besides the rows' own, context tokens), per layer."""
 
-    def take_stats(self) -> dict[str, int]:
-        """The platform's counters since the last call, keyed ``"<counter>.<layer_idx>"``."""
+    def take_stats(self, wait: bool = False) -> dict[str, int]:
+        """The platform's counters since the last call, keyed ``"<counter>.<layer_idx>"``
+        (on a device they may arrive a step late, ``worker/counters.py``;
+        ``wait``: all of them now)."""
 
     def shutdown(self) -> None:
         """Stops whatever the data path runs beside the model."""

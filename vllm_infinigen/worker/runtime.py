@@ -35,6 +35,7 @@ from vllm_infinigen.layout import ModelLayout, closes_key_group
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.policies import check_block_size, policy_class
 from vllm_infinigen.policies.base import SelectionPolicy
+from vllm_infinigen.worker.counters import CounterDrain
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.layer_state import LayerSource, LayerState
 from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex
@@ -83,6 +84,7 @@ class InfiniGenRuntime:
         # counted as the mean over all KV heads of the model: a tensor-parallel
         # rank adds its heads' share, and vLLM sums the ranks.
         self.stats = torch.zeros((len(sources), 2), dtype=torch.float64, device=device)
+        self._stats_drain = CounterDrain()
         self.layers = self._layer_states(sources)
         self.pool_index: PoolIndex = IdentityPoolIndex(0)
         self.pool_entry_bytes = 0  # one (layer, head) entry: K and V
@@ -215,16 +217,17 @@ class InfiniGenRuntime:
         self.policy = self._policy(self.config.policy)
         self._plan_source = None
 
-    def take_counters(self) -> dict[str, float]:
-        """Drains the counters (one host copy per step, not per layer; none
-        while resident: no layer selects, and on a GPU the copy would wait for
-        the step, which vLLM overlaps with preparing the next one)."""
+    def take_counters(self, wait: bool = False) -> dict[str, float]:
+        """Drains the counters: one asynchronous copy per step, not per layer,
+        read a step later on a GPU (``worker/counters.py``: a read now would
+        wait for the step, which vLLM overlaps with preparing the next one;
+        ``wait``: every count now); none while resident (no layer selects)."""
         out: dict[str, float] = {}
         values = []
         if not self.resident:
             self.data_path.add_counts(self.stats)
-            values = self.stats.tolist()
-            self.stats.zero_()
+            drained = self._stats_drain(self.stats, wait=wait)
+            values = [] if drained is None else drained.tolist()
         for state, (entries, context) in zip(self.layers, values):
             if state.sparse and context:
                 idx = state.layer_idx
@@ -234,7 +237,7 @@ class InfiniGenRuntime:
                 out[f"fetch_wait_us.{idx}"] = self.fetch_wait_us[idx]
         self.fetch_wait_us = [0] * len(self.layers)
         if not self.resident:
-            out.update(self.data_path.take_stats())
+            out.update(self.data_path.take_stats(wait=wait))
         sparse = self.sparse_layers
         for pool_layer, count in enumerate(self.pool_index.take_evictions()):
             if count:

@@ -135,7 +135,7 @@ class CpuDataPath:
     def add_counts(self, stats: torch.Tensor) -> None:
         """The kernels count into each layer's row of ``stats`` themselves."""
 
-    def take_stats(self) -> dict[str, int]:
+    def take_stats(self, wait: bool = False) -> dict[str, int]:
         return {}
 
     def shutdown(self) -> None:

@@ -297,10 +297,18 @@ class DeviceBlockCache:
 
     def take_counters(self) -> tuple[list[int], list[int]]:
         """(hits, misses) per sparse layer since the last call: (block, KV head)
-        entries found in the cache and fetched. One host copy per step."""
-        counts = self.counters[:, :, COUNTS.index("hits"):].sum(dim=1).t().tolist()
-        self.counters.zero_()
+        entries found in the cache and fetched. One host copy, which waits for
+        the kernels queued so far (the data path drains ``take_counter_tensor``
+        instead, ``worker/counters.py``)."""
+        counts = self.take_counter_tensor().t().tolist()
         return counts[0], counts[1]
+
+    def take_counter_tensor(self) -> torch.Tensor:
+        """[layers, 2] (hits, misses) on the device since the last call, the
+        counters zeroed (in stream order)."""
+        counts = self.counters[:, :, COUNTS.index("hits"):].sum(dim=1)
+        self.counters[:, :, COUNTS.index("hits"):].zero_()
+        return counts
 
 
 def substitute_block_table(slots: torch.Tensor, context_lens: torch.Tensor,

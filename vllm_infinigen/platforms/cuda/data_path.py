@@ -60,6 +60,7 @@ from vllm_infinigen.platforms.cuda.select_ops import (
     blocks_of_positions,
     selection_of_blocks,
 )
+from vllm_infinigen.worker.counters import CounterDrain
 from vllm_infinigen.worker.layer_state import LayerState
 from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex
 from vllm_infinigen.worker.step_plan import RowSet, StepPlan
@@ -107,6 +108,7 @@ class CudaDataPath:
         # [4] float64 (``select_ops.SETTINGS``), updated in place by ``configure``.
         self.settings: torch.Tensor | None = None
         self._start = None  # the settings at start-up (InfiniGenConfig): the width
+        self._stats_drain = CounterDrain()
 
     def describe(self) -> str:
         where = "pinned host pool, Triton gather on a side stream" if self._stream else \
@@ -348,13 +350,17 @@ class CudaDataPath:
         stats.index_add_(0, layers, counts.to(stats.device))
         self._cache.counters[:, :, :2].zero_()
 
-    def take_stats(self) -> dict[str, int]:
+    def take_stats(self, wait: bool = False) -> dict[str, int]:
         """``block_cache.CACHE_COUNTERS`` since the last call, keyed
-        ``"<counter>.<layer_idx>"`` (hits, misses, bytes over PCIe): one host
-        copy per step, for every layer."""
+        ``"<counter>.<layer_idx>"`` (hits, misses, bytes over PCIe): one
+        asynchronous copy per step for every layer, read a step later on a
+        GPU (``worker/counters.py``; ``wait``: now)."""
         if self._cache is None:
             return {}
-        hits, misses = self._cache.take_counters()
+        counts = self._stats_drain(self._cache.take_counter_tensor(), wait=wait)
+        if counts is None:
+            return {}
+        hits, misses = counts.t().tolist()
         stats: dict[str, int] = {}
         for (layer_idx, entry), hit, miss in zip(self._layers.items(), hits, misses):
             if hit or miss:
