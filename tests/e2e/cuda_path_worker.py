@@ -14,25 +14,18 @@ from __future__ import annotations
 import contextlib
 
 from vllm_infinigen import platforms
-from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.platforms.cpu.worker import InfiniGenCPUWorker
-from vllm_infinigen.platforms.cuda.data_path import CudaDataPath
-from vllm_infinigen.platforms.cuda.memory import cache_slots_per_head
+from vllm_infinigen.platforms.cuda.worker import InfiniGenCUDAWorker
 
 WORKER = f"{__name__}.CudaDataPathCPUWorker"
 
 
 class CudaDataPathCPUWorker(InfiniGenCPUWorker):
-    """``InfiniGenCPUWorker`` whose data path is CUDA's, on the CPU."""
+    """``InfiniGenCPUWorker`` whose data path is the CUDA worker's own (its
+    ``infinigen_data_path`` and cache sizing), on the CPU worker's device."""
 
-    def infinigen_data_path(self, config: InfiniGenConfig) -> CudaDataPath:
-        slots = cache_slots_per_head(
-            max_num_seqs=self.scheduler_config.max_num_seqs,
-            max_model_len=self.model_config.max_model_len,
-            block_size=self.cache_config.block_size, budget=config.budget,
-            min_context=config.min_context, sink_tokens=config.sink_tokens,
-            recent_tokens=config.recent_tokens, budget_tokens=config.budget_tokens)
-        return CudaDataPath("cpu", slots)
+    infinigen_data_path = InfiniGenCUDAWorker.infinigen_data_path
+    _cache_slots_per_head = InfiniGenCUDAWorker._cache_slots_per_head
 
 
 @contextlib.contextmanager

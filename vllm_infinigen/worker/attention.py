@@ -211,8 +211,6 @@ def sparse_backend(backend: type) -> type:
     (``CompilationConfig.resolve_cudagraph_mode_and_sizes``). The CPU build
     captures no graphs.
     """
-    stock = backend.get_builder_cls()
-
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return SPARSE_METADATA
 
@@ -225,17 +223,11 @@ def sparse_backend(backend: type) -> type:
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
         return cls._cudagraph_support
 
-    def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec):
-        return None  # no full graph of variable-length decode batches
-
-    builder = type(f"InfiniGenSparse{stock.__name__}", (stock,), {
+    return _with_builder(backend, "InfiniGenSparse", {
         "build": build, "build_for_cudagraph_capture": build_for_cudagraph_capture,
         "supports_update_block_table": True, "update_block_table": update_block_table,
         "_cudagraph_support": AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-        "get_cudagraph_support": classmethod(get_cudagraph_support),
-        "get_varlen_cudagraph_max_query_len": classmethod(get_varlen_cudagraph_max_query_len)})
-    return type(f"InfiniGenSparse{backend.__name__}", (backend,),
-                {"get_builder_cls": staticmethod(lambda: builder)})
+        "get_cudagraph_support": classmethod(get_cudagraph_support)})
 
 
 @functools.cache
@@ -255,13 +247,23 @@ def resident_backend(backend: type) -> type:
         support = stock.get_cudagraph_support(vllm_config, kv_cache_spec)
         return support if support.value <= moved.value else moved
 
+    return _with_builder(backend, "InfiniGenResident",
+                         {"get_cudagraph_support": classmethod(get_cudagraph_support)})
+
+
+def _with_builder(backend: type, prefix: str, attributes: dict) -> type:
+    """A subclass of ``backend`` whose metadata builder is a subclass of its
+    stock one with ``attributes``, declaring no full graph of variable-length
+    decode batches (InfiniGen's step has none); named ``prefix`` + theirs."""
+    stock = backend.get_builder_cls()
+
     def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec):
         return None
 
-    builder = type(f"InfiniGenResident{stock.__name__}", (stock,), {
-        "get_cudagraph_support": classmethod(get_cudagraph_support),
-        "get_varlen_cudagraph_max_query_len": classmethod(get_varlen_cudagraph_max_query_len)})
-    return type(f"InfiniGenResident{backend.__name__}", (backend,),
+    builder = type(f"{prefix}{stock.__name__}", (stock,), {
+        "get_varlen_cudagraph_max_query_len": classmethod(get_varlen_cudagraph_max_query_len),
+        **attributes})
+    return type(f"{prefix}{backend.__name__}", (backend,),
                 {"get_builder_cls": staticmethod(lambda: builder)})
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 
@@ -27,16 +28,14 @@ from vllm_infinigen.worker.runtime import InfiniGenRuntime
 logger = init_logger(__name__)
 
 
-def full_graph_wrappers(model) -> list:
+def full_graph_wrappers(model) -> list[CUDAGraphWrapper]:
     """vLLM's wrappers of ``model`` (the runner's, outermost first) that
     capture full graphs: ``CUDAGraphWrapper``s of runtime mode FULL."""
-    wrappers, seen = [], set()
-    while model is not None and id(model) not in seen:
-        seen.add(id(model))
-        entries = getattr(model, "concrete_cudagraph_entries", None)
-        if isinstance(entries, dict) and getattr(model, "runtime_mode", None) == CUDAGraphMode.FULL:
+    wrappers = []
+    while isinstance(model, CUDAGraphWrapper):
+        if model.runtime_mode == CUDAGraphMode.FULL:
             wrappers.append(model)
-        model = model.__dict__.get("runnable") if hasattr(model, "__dict__") else None
+        model = model.runnable
     return wrappers
 
 
@@ -51,7 +50,7 @@ class ResidencyGraphs:
         """
         self._runtime = runtime
         self._model_of = model_of
-        self._moved: list[tuple[object, dict]] = []  # (wrapper, its moved entries)
+        self._moved: list[tuple[CUDAGraphWrapper, dict]] = []  # (wrapper, its moved entries)
         runtime.on_move.append(self.move)
 
     def capture_both(self, capture_model: Callable[[], int]) -> int:
