@@ -79,8 +79,13 @@ def test_lookup_lru_equals_the_reference_over_steps():
             count = int(got[0].num_fetch[head])
             assert torch.equal(got[1].fetch_units[head, :count].cpu(),
                                got[0].fetch_units[head, :count])
-    for name in ("slot_of", "block_of", "last_used", "ticks", "counters"):
+    for name in ("slot_of", "ticks", "counters"):
         assert torch.equal(getattr(caches[1], name).cpu(), getattr(caches[0], name)), name
+    # Per-slot tables: the real slots (the last column is scratch: duplicate
+    # writes land there in an order CUDA does not fix, and nothing reads it).
+    for name in ("block_of", "last_used"):
+        assert torch.equal(getattr(caches[1], name)[..., :-1].cpu(),
+                           getattr(caches[0], name)[..., :-1]), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

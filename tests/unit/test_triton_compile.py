@@ -57,6 +57,14 @@ def _kernel_cases():
                 "num_tokens": i32, "num_blocks": i32},
                {**HEADS, "BITS": bits, "HALF": ((1 << bits) - 1) / 2, "TILE": 64,
                 "WRITE_BLOCKS": True})
+    # A float32 query over bf16 units (the GPU tests' case): the dot's operands in bf16.
+    yield (triton_kernels._attend_units,
+           {"query": "*fp32", "units": "*bf16", "table": "*i64", "seq_lens": "*i32",
+            "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
+            "query_row_stride": i64, "table_stride": i64, "blocks_per_split": i32},
+           {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": False})
+    yield (triton_kernels._read_bytes, {"source": "*u8", "offsets": "*i64", "out": "*u8"},
+           {"N": 2})
     yield (triton_kernels._gather_units,
            {"pool": "*i32", "cache": "*i32", "fetch_units": "*i64", "fetch_slots": "*i64",
             "num_fetch": "*i64", "list_len": i32, "programs_per_list": i32},

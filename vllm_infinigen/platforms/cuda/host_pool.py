@@ -12,7 +12,10 @@ Pinning: ``cudaHostRegister`` on anonymous memory advised for transparent
 huge pages pinned 4 GiB in 0.12 s on an H100 host, where ``pin_memory``
 (cudaHostAlloc) took 2.7 s, with the same bandwidth afterwards
 (shared/docs/GPU_DATA_PATH.md). If registering fails, the pool falls back
-to ``pin_memory`` and says so in the log. Without CUDA, allocation refuses.
+to ``pin_memory`` and says so in the log; so it does where a GPU kernel
+cannot read the registered memory (``unreadable_by_kernels``: a one-kernel
+probe of its first and last bytes), and a pool no kernel can read is an
+error. Without CUDA, allocation refuses.
 """
 
 from __future__ import annotations
@@ -99,14 +102,42 @@ def allocate_host_pool(num_units: int, num_kv_heads: int, block_size: int, head_
     if register:
         try:
             pool = _registered_pool(shape, dtype, num_bytes)
-            pool.seconds = time.perf_counter() - start
-            return pool
         except (RuntimeError, OSError, ValueError) as error:
             logger.info("InfiniGen: cudaHostRegister of a %.2f GiB pool failed (%s); "
                         "pinning with pin_memory instead (slower to allocate)",
                         num_bytes / 2**30, error)
+        else:
+            problem = unreadable_by_kernels(pool.tensor)
+            if problem is None:
+                pool.seconds = time.perf_counter() - start
+                return pool
+            pool.close()
+            logger.warning("InfiniGen: a %.2f GiB pool registered with cudaHostRegister is "
+                           "not readable by the GPU's kernels (%s); pinning with pin_memory "
+                           "instead (slower to allocate)", num_bytes / 2**30, problem)
     tensor = torch.empty(shape, dtype=dtype, pin_memory=True)
+    problem = unreadable_by_kernels(tensor)
+    if problem is not None:
+        raise RuntimeError(f"InfiniGen: the pinned host pool ({num_bytes / 2**30:.2f} GiB, "
+                           f"pin_memory) is not readable by the GPU's kernels: {problem}")
     return HostPool(tensor, "pin_memory", time.perf_counter() - start)
+
+
+def unreadable_by_kernels(tensor: torch.Tensor) -> str | None:
+    """None when a GPU kernel reads ``tensor``'s first and last bytes as they
+    are in host memory (its pointer resolves to a device address); else why not."""
+    from vllm_infinigen.platforms.cuda import triton_kernels
+
+    flat = tensor.view(-1).view(torch.uint8)
+    ends = torch.tensor([0, flat.numel() - 1], dtype=torch.int64)
+    flat[ends] = torch.tensor([0x5A, 0xA5], dtype=torch.uint8)
+    try:
+        got = triton_kernels.read_bytes(flat, ends.to("cuda")).cpu()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    if got.tolist() != [0x5A, 0xA5]:
+        return f"a kernel read {got.tolist()} where the host wrote [90, 165]"
+    return None
 
 
 def _registered_pool(shape: tuple[int, ...], dtype: torch.dtype, num_bytes: int) -> HostPool:

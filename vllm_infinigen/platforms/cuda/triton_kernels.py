@@ -105,6 +105,8 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
     if IEEE:
         q = q.to(tl.float32)
+    else:  # the dot's operands in the units' 16-bit type (a float32 query too)
+        q = q.to(units.dtype.element_ty)
     running_max = tl.full([G_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -139,6 +141,22 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
              mask=head_ok[:, None] & dim_ok[None, :])
     tl.store(out_max + slot * G + heads, running_max, mask=head_ok)
     tl.store(out_sum + slot * G + heads, running_sum, mask=head_ok)
+
+
+@triton.jit
+def _read_bytes(source, offsets, out, N: tl.constexpr):
+    """out[i] = source[offsets[i]]: a kernel's read of (pinned host) memory."""
+    i = tl.arange(0, N)
+    tl.store(out + i, tl.load(source + tl.load(offsets + i)))
+
+
+def read_bytes(source_bytes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``source_bytes[offsets]`` (uint8, offsets a power of two of int64 on the
+    GPU) read by a kernel; Triton's launcher raises ValueError where the GPU
+    cannot address ``source_bytes``."""
+    out = torch.empty(offsets.shape, dtype=torch.uint8, device=offsets.device)
+    _read_bytes[(1,)](source_bytes, offsets, out, N=offsets.numel())
+    return out
 
 
 @triton.jit
@@ -312,6 +330,8 @@ def _attend_prompt(query, units, table, out, scale, first, seq_len, num_rows,
                 + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if IEEE:
         q = q.to(tl.float32)
+    else:  # the dot's operands in the units' 16-bit type
+        q = q.to(units.dtype.element_ty)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
