@@ -242,6 +242,9 @@ class GpuBench:
     pool: torch.Tensor
     limits: dict[str, float]
     setup: dict[str, Any]
+    # The pool's HostPool: collecting it unregisters the pinned memory that
+    # ``pool`` (a view of it) still addresses, and kernels can no longer read it.
+    pool_owner: object = None
 
 
 def open_gpu_bench(batches: list[int], contexts: list[int],
@@ -260,7 +263,7 @@ def open_gpu_bench(batches: list[int], contexts: list[int],
              "pin_seconds": getattr(owner, "seconds", None),
              "pool_fill_seconds": time.perf_counter() - began}
     return GpuBench(device, dtype, shape, streams, layers, lm_head, pool,
-                    h2d_limits(pool, device), setup)
+                    h2d_limits(pool, device), setup, owner)
 
 
 def replay_for(trace: Path, shape: DecoderShape, batch: int, context: int, steps: int,

@@ -105,8 +105,11 @@ def test_gather_from_a_pinned_pool_and_attention_equal_the_references(dtype):
     expected = kernels.attend_units_reference(query, units.to(dtype), table, seq_lens,
                                               num_kv_heads=1, scale=0.3)
     got = kernels.attend_units(query.to(CUDA), units.to(dtype).to(CUDA), table.to(CUDA),
-                               seq_lens.to(CUDA), num_kv_heads=1, scale=0.3)
-    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+                               seq_lens.to(CUDA), num_kv_heads=1, scale=0.3).cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    else:  # the dots' operands in bf16 (query and weights rounded): relative L2
+        assert float((got - expected).norm() / expected.norm()) < 1e-2
 
 
 def test_registered_pool_is_pinned_and_readable_by_the_gather():
