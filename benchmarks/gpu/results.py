@@ -46,12 +46,14 @@ def gpu_run_metadata(**extra: Any) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        # A lent GPU machine gets a copy of the working tree without .git: the
-        # caller names the commit there (INFINIGEN_COMMIT=$(git rev-parse HEAD)).
-        "repo_commit": (report._git("rev-parse", "HEAD", cwd=REPO)
-                        or os.environ.get("INFINIGEN_COMMIT")),
-        "uncommitted_changes": bool(report._git("status", "--porcelain",
-                                                "--untracked-files=no", cwd=REPO)),
+        # A lent GPU machine gets a copy of the working tree whose .git may be
+        # missing or stale: the caller names the commit there
+        # (INFINIGEN_COMMIT=$(git rev-parse HEAD), a clean tree).
+        **({"repo_commit": os.environ["INFINIGEN_COMMIT"], "uncommitted_changes": False}
+           if os.environ.get("INFINIGEN_COMMIT") else
+           {"repo_commit": report._git("rev-parse", "HEAD", cwd=REPO),
+            "uncommitted_changes": bool(report._git("status", "--porcelain",
+                                                    "--untracked-files=no", cwd=REPO))}),
         **device_description(),
         **extra,
     }
