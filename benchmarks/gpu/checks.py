@@ -37,7 +37,19 @@ def compare(logits: dict[str, torch.Tensor], reference: str = "dense") -> dict[s
 
 
 def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-4 if dtype == torch.float32 else 3e-2
+    """Relative L2 of the logits allowed between two attention kernels over the same
+    K/V. In bf16, 32 random layers amplify a kernel's rounding: on an H200 (2048 x 2)
+    InfiniGen's Triton kernel over every block (``dense_units``) differed from SDPA by
+    0.028-0.031 in two runs, and SDPA from itself (eager against a graph) by 0.006
+    (``results/gpu_decode_step*.md``). The data path's own check is the next one."""
+    return 1e-4 if dtype == torch.float32 else 5e-2
+
+
+# Variants that attend with InfiniGen's Triton kernel over the same K/V as
+# dense_units: at select-all they must give dense_units' logits almost exactly
+# (the same kernel; only the data path's gather, cache and tables differ).
+SAME_KERNEL = ("full", "infinigen")
+SAME_KERNEL_TOLERANCE = 1e-3
 
 
 def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, batch: int,
@@ -57,9 +69,13 @@ def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, 
     if streams.cuda:
         torch.cuda.synchronize()
     errors = compare(logits)
+    same = compare({name: logits[name] for name in ("dense_units", *SAME_KERNEL)},
+                   reference="dense_units")
     return {"batch": batch, "context": context, "keys": keys, "relative_l2_vs_dense": errors,
-            "tolerance": _tolerance(dtype),
-            "passed": all(e < _tolerance(dtype) for e in errors.values())}
+            "tolerance": _tolerance(dtype), "relative_l2_vs_dense_units": same,
+            "same_kernel_tolerance": SAME_KERNEL_TOLERANCE,
+            "passed": (all(e < _tolerance(dtype) for e in errors.values())
+                       and all(e < SAME_KERNEL_TOLERANCE for e in same.values()))}
 
 
 def graph_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, batch: int,
