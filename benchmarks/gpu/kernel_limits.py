@@ -8,7 +8,9 @@ of device memory (a reduction over 1 GiB) and one pinned host-to-device copy:
 
     attend_units   decode attention over a whole context (select-all), and
                    torch SDPA over the same K/V (what dense attention costs)
-    int_scores     the int keys of a whole context scored, block maxima too
+    int_scores     the int keys of a whole context scored, block maxima too;
+                   on CUDA at 8 rows too, and the kernel it replaced
+                   (``baseline_kernels.py``) at 1 and 8 rows
     select         the block rule over the block scores (no sort)
     place          the cache placement of one step's selection
     gather         a selection's units from the pinned pool
@@ -105,6 +107,8 @@ def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32
     rows.append(_row("int_scores", key_bytes, timed(
         lambda: select_ops.int_scores(speculation, codes, scales, block_table, context_lens,
                                       scale=scale), device)))
+    if device.type == "cuda":
+        rows.extend(_int_scores_rows(codes, scales, speculation, context, block, scale, gen))
     tokens, block_scores = select_ops.int_scores(speculation, codes, scales, block_table,
                                                  context_lens, scale=scale)
     settings = select_ops.settings_tensor(5.0, budget, 0, device)
@@ -129,6 +133,37 @@ def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32
     rows.append(_prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen))
     return {"context": context, "dtype": str(dtype), "pinned_copy_GBps": pinned_copy_GBps,
             "streaming_read_GBps": rows[0]["GBps"], "rows": rows}
+
+
+def _int_scores_rows(codes: torch.Tensor, scales: torch.Tensor, speculation: torch.Tensor,
+                     context: int, block: int, scale: float,
+                     gen: torch.Generator) -> list[dict[str, Any]]:
+    """The int-key scoring at 8 rows (each its own context's keys), and the kernel
+    it replaced (``baseline_kernels.int_scores_per_token``) at 1 and 8 rows."""
+    from benchmarks.gpu.baseline_kernels import int_scores_per_token
+
+    device, out = codes.device, []
+    blocks = codes.shape[0]
+    for batch in (1, 8):
+        many_codes = codes.repeat(batch, 1, 1, 1, 1)
+        many_scales = scales.repeat(batch, 1, 1, 1)
+        table = torch.arange(batch * blocks, dtype=torch.int32, device=device).view(batch, -1)
+        query = torch.randn((batch,) + tuple(speculation.shape[1:]), device=device,
+                            generator=gen).to(speculation.dtype)
+        lens = torch.full((batch,), context, device=device)
+        tokens = torch.empty((batch, codes.shape[1], blocks * block), dtype=torch.float32,
+                             device=device)
+        block_scores = torch.empty((batch, codes.shape[1], blocks), dtype=torch.float32,
+                                   device=device)
+        key_bytes = many_codes.numel() + many_scales.numel() * 2
+        if batch > 1:
+            out.append(_row(f"int_scores x{batch}", key_bytes, timed(
+                lambda: select_ops.int_scores(query, many_codes, many_scales, table, lens,
+                                              scale=scale), device)))
+        out.append(_row(f"int_scores x{batch}, per token (the kernel before)", key_bytes, timed(
+            lambda: int_scores_per_token(query, many_codes, many_scales, table, lens, tokens,
+                                         block_scores, scale=scale), device)))
+    return out
 
 
 def _prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen):

@@ -51,7 +51,7 @@ def _kernel_cases():
                {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": bits,
                 "HALF": ((1 << bits) - 1) / 2, "TOP": float((1 << bits) - 1)})
         yield (triton_select._int_scores,
-               {"query": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "table": "*i32",
+               {"query": f"*{dtype}", "codes": "*i32", "scales": "*fp16", "table": "*i32",
                 "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
                 "scale": "fp32", "query_row_stride": i64, "table_stride": i64,
                 "num_tokens": i32, "num_blocks": i32},

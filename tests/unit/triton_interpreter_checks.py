@@ -197,6 +197,36 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_select, bits, d
     assert (got_tokens[2] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
+                                                  (2, torch.bfloat16, 24)])
+def test_the_replaced_int_scoring_kept_for_the_benchmark_equals_the_new_one(
+        triton_select, bits, dtype, head_size):
+    """``benchmarks/gpu/baseline_kernels.py`` (the per-token kernel a GPU run measures
+    the new one against) computes the same scores; its benchmark rows run."""
+    from benchmarks.gpu import baseline_kernels, kernel_limits
+
+    pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
+                context_lens=[95, 16, 7, 64])
+    query = torch.randn(4, 2, 3, head_size, generator=torch.Generator().manual_seed(8))
+    num_blocks = pool.block_table.shape[1]
+    results = []
+    for launch in (triton_select.int_scores, baseline_kernels.int_scores_per_token):
+        tokens = torch.empty(4, 2, num_blocks * POOL_BLOCK)
+        blocks = torch.empty(4, 2, num_blocks)
+        launch(query, pool.codes, pool.scales, pool.block_table, pool.context_lens, tokens,
+               blocks, scale=0.25)
+        results.append((tokens, blocks))
+    for new, old in zip(*results):
+        assert torch.equal(new == float("-inf"), old == float("-inf"))
+        torch.testing.assert_close(new, old, atol=1e-5, rtol=1e-5)
+    rows = kernel_limits._int_scores_rows(pool.codes, pool.scales, query[:1], 64, POOL_BLOCK,
+                                          0.25, torch.Generator().manual_seed(1))
+    assert [row["kernel"] for row in rows] == [
+        "int_scores x1, per token (the kernel before)", "int_scores x8",
+        "int_scores x8, per token (the kernel before)"]
+    assert all(row["ms"] > 0 for row in rows)
+
+
 def test_alpha_counts_equal_the_reference(triton_select):
     gen = torch.Generator().manual_seed(3)
     context_lens = torch.tensor([95, 16, -1, 40])

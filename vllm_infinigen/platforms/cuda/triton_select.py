@@ -25,6 +25,7 @@ read from a device tensor, so a captured graph follows them.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -43,36 +44,53 @@ def _int_scores(query, codes, scales, table, context_lens, token_out, block_out,
 
     Grid (rows x KV heads, token tiles). Token t of the row lies in block
     ``table[row, t // BLOCK]``, group (t % BLOCK) // 16, whose channel c keeps
-    its code in bits [BITS * (t % 16), + BITS) of 2 * BITS bytes; its key is
-    (code - HALF) x scale[c]. The score is the best over the G query heads of
-    q . k, times ``scale``; tokens of the row's open group (from its context
-    rounded down to 16) and later score -inf and read nothing. With
-    WRITE_BLOCKS, each block's best token score too (TILE a multiple of BLOCK).
+    the codes of the group's 16 tokens in one run of 2 * BITS bytes, token i's
+    in bits [BITS * i, + BITS); its key is (code - HALF) x scale[c]. ``codes``
+    is that layout seen as words of min(32, 16 * BITS) bits (the caller's
+    view), so a tile reads each group's codes and scales once, in runs of D
+    words and D halves, and unpacks its 16 tokens from them (a load per token
+    and channel re-read each word 16 / (32 / BITS) times). The score is the
+    best over the G query heads of q . k, times ``scale``; groups at or past
+    the row's context rounded down to 16 (its open group) score -inf and read
+    nothing. With WRITE_BLOCKS, each block's best token score too (TILE a
+    multiple of BLOCK).
     """
+    GROUPS: tl.constexpr = TILE // 16
+    WORD: tl.constexpr = 32 if BITS * 16 >= 32 else BITS * 16  # bits per word
+    WORDS: tl.constexpr = BITS * 16 // WORD  # words per channel of a group (1 or 2)
     sequence = tl.program_id(0)
     row = sequence // H
     head = sequence % H
-    tokens = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    live = tokens < num_tokens
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    first = groups * 16  # each group's first token
     encoded = tl.maximum(tl.load(context_lens + row), 0) // 16 * 16
-    read = live & (tokens < encoded)
-    block = tl.load(table + row * table_stride + tokens // BLOCK, mask=read, other=0).to(tl.int64)
-    cell = ((block * H + head) * (BLOCK // 16) + (tokens % BLOCK) // 16) * D  # [TILE]
-    in_group = tokens % 16
+    read = (first < num_tokens) & (first < encoded)
+    block = tl.load(table + row * table_stride + first // BLOCK, mask=read, other=0).to(tl.int64)
+    cell = (block * H + head) * (BLOCK // 16) + (first % BLOCK) // 16  # [GROUPS]
     dims = tl.arange(0, D_PAD)
     mask = read[:, None] & (dims < D)[None, :]
-    packed = tl.load(codes + (cell[:, None] + dims[None, :]) * (2 * BITS)
-                     + (BITS * in_group // 8)[:, None], mask=mask, other=0)
-    code = (packed.to(tl.int32) >> (BITS * in_group % 8)[:, None]) & ((1 << BITS) - 1)
-    step = tl.load(scales + cell[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    keys = (code.to(tl.float32) - HALF) * step  # [TILE, D_PAD]
-    best = tl.full([TILE], float("-inf"), tl.float32)
+    channel = cell[:, None] * D + dims[None, :]  # [GROUPS, D_PAD]
+    step = tl.load(scales + channel, mask=mask, other=0.0).to(tl.float32)
+    lanes = tl.arange(0, 16)
+    shift = (BITS * lanes) % WORD  # token i's bits within its word
+    if WORDS == 1:
+        word = tl.load(codes + channel, mask=mask, other=0).to(tl.int32)
+        packed = word[:, :, None]  # [GROUPS, D_PAD, 1]: every token's word
+    else:  # two words: tokens 0-7 in the first, 8-15 in the second
+        low = tl.load(codes + channel * 2, mask=mask, other=0).to(tl.int32)
+        high = tl.load(codes + channel * 2 + 1, mask=mask, other=0).to(tl.int32)
+        packed = tl.where((lanes < 8)[None, None, :], low[:, :, None], high[:, :, None])
+    code = (packed >> shift[None, None, :]) & ((1 << BITS) - 1)  # [GROUPS, D_PAD, 16]
+    keys = (code.to(tl.float32) - HALF) * step[:, :, None]
+    best = tl.full([GROUPS, 16], float("-inf"), tl.float32)
     query_row = query + row.to(tl.int64) * query_row_stride + head * G * D
     for group in tl.static_range(G):
         q = tl.load(query_row + group * D + dims, mask=dims < D, other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.sum(keys * q[None, :], axis=1))
-    scores = tl.where(read, best * scale, float("-inf"))
-    tl.store(token_out + sequence.to(tl.int64) * num_tokens + tokens, scores, mask=live)
+        best = tl.maximum(best, tl.sum(keys * q[None, :, None], axis=1))
+    scores = tl.where(read[:, None], best * scale, float("-inf"))  # [GROUPS, 16]
+    tokens = first[:, None] + lanes[None, :]
+    tl.store(token_out + sequence.to(tl.int64) * num_tokens + tokens, scores,
+             mask=tokens < num_tokens)
     if WRITE_BLOCKS:
         per_block = tl.max(tl.reshape(scores, (TILE // BLOCK, BLOCK)), axis=1)
         index = tl.program_id(1) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
@@ -83,15 +101,17 @@ def _int_scores(query, codes, scales, table, context_lens, token_out, block_out,
 def int_scores(query, codes, scales, table, context_lens, token_out, block_out, *,
                scale: float, tile: int = 64, num_warps: int = 4) -> None:
     """Launches ``_int_scores`` on the current stream (arguments:
-    ``select_ops.int_scores``; query [S, H_kv, G, D] with unit strides but the row's)."""
+    ``select_ops.int_scores``; query [S, H_kv, G, D] with unit strides but the row's;
+    codes [blocks, H_kv, block_size / 16, D, 2 * bits] uint8, bits 1, 2 or 4)."""
     rows, heads, group, head_size = query.shape
     num_tokens = token_out.shape[-1]
     block_size = codes.shape[2] * 16
     if block_out is not None:
         tile = max(tile, block_size)  # whole blocks per tile
     bits = codes.shape[-1] // 2
+    words = codes.view(torch.int16 if bits == 1 else torch.int32)  # the kernel's words
     _int_scores[(rows * heads, triton.cdiv(num_tokens, tile))](
-        query, codes, scales, table, context_lens, token_out, block_out, scale,
+        query, words, scales, table, context_lens, token_out, block_out, scale,
         query.stride(0), table.stride(0), num_tokens,
         block_out.shape[-1] if block_out is not None else 0,
         H=heads, G=group, D=head_size, D_PAD=triton.next_power_of_2(head_size),
