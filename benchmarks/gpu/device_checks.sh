@@ -1,25 +1,56 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for a lent GPU machine (torch and Triton, no vLLM):
-# the GPU tests, the decode-step benchmark in eager and graph modes with the
-# profile, and the tokens/s comparison (throughput.py). CHECKS picks some of them
-# (default all three; a device call runs at most 10 minutes, so a short lease
-# runs them in two calls: CHECKS="tests decode", then CHECKS=throughput).
-# Usage: [CHECKS="tests decode throughput"] bash benchmarks/gpu/device_checks.sh OUT_DIR [decode_step args]
+# the GPU tests, the decode-step benchmark (32K x 1 and 8, 128K x 1; eager and
+# graph, with the per-kernel profile and each kernel against the limits) and the
+# tokens/s comparison (128K and 32K). On an H200 on 2026-11-26 the whole took
+# about 5 minutes (tests 40 s, decode 2 min, throughput 2 min).
+#
+# Usage, from the repository root:
+#   INFINIGEN_COMMIT=$(git rev-parse HEAD) [CHECKS="tests decode throughput"] \
+#       bash benchmarks/gpu/device_checks.sh OUT_DIR
+# INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
+# tree carries a stale .git). CHECKS picks some of the three. Everything lands
+# in OUT_DIR/gpu_checks.tgz (rewritten after each check, so a run stopped by its
+# time limit keeps what finished; a lent machine returns at most 8 files) and
+# the summaries on stdout. HOST_POOL_GIB (default 32): the pinned pool, which
+# took ~0.5 s per GiB to register on the lent H200.
 set -uo pipefail
-out=${1:?usage: device_checks.sh OUT_DIR [decode_step args]}
-shift
+out=${1:?usage: device_checks.sh OUT_DIR}
 checks=" ${CHECKS:-tests decode throughput} "
-mkdir -p "$out"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+pool=${HOST_POOL_GIB:-32}
+export PYTHONUNBUFFERED=1
+[[ -n ${INFINIGEN_COMMIT:-} ]] || echo "warning: INFINIGEN_COMMIT unset: the results name the tree's .git" >&2
+work=$(mktemp -d)/gpu_checks
+mkdir -p "$out" "$work"
+pack() { tar czf "$out/gpu_checks.tgz" -C "$(dirname "$work")" gpu_checks; }
+nvidia-smi > "$work/nvidia-smi.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    >> "$work/nvidia-smi.txt" 2>&1
 if [[ $checks == *" tests "* ]]; then
-    timeout 240 python -m pytest -q -rs -m gpu tests/gpu 2>&1 | tee "$out/pytest_gpu.txt"
+    timeout 180 python3 -m pytest -q -rs -m gpu tests/gpu -p no:cacheprovider \
+        > "$work/pytest_gpu.txt" 2>&1
+    echo "tests: rc=$?"; tail -3 "$work/pytest_gpu.txt"; pack
 fi
 if [[ $checks == *" decode "* ]]; then
-    timeout 420 python -m benchmarks.gpu.decode_step --profile --kernels \
-        --out "$out/gpu_decode_step" "$@" 2>&1 | tail -40 > "$out/decode_step.log"
+    timeout 300 python3 -m benchmarks.gpu.decode_step --contexts 32768 --batches 1 8 \
+        --profile --kernels --host-pool-gib "$pool" --out "$work/gpu_decode_step" \
+        > "$work/decode_step.log" 2>&1
+    echo "decode 32K: rc=$?"; pack
+    timeout 200 python3 -m benchmarks.gpu.decode_step --contexts 131072 --batches 1 \
+        --profile --host-pool-gib "$pool" --out "$work/gpu_decode_step_128k" \
+        > "$work/decode_step_128k.log" 2>&1
+    echo "decode 128K: rc=$?"; pack
+    grep -h "x dense\|issue 35" "$work"/gpu_decode_step*.md 2>/dev/null | head -4
 fi
 if [[ $checks == *" throughput "* ]]; then
-    timeout 540 python -m benchmarks.gpu.throughput --out "$out/gpu_throughput" \
-        2>&1 | tail -80 > "$out/throughput.log"
+    timeout 240 python3 -m benchmarks.gpu.throughput --contexts 131072 --batches 8 16 32 \
+        --selections cap=4096 budget=0.2 --full-batches --host-pool-gib "$pool" \
+        --out "$work/gpu_throughput" > "$work/throughput.log" 2>&1
+    echo "throughput 128K: rc=$?"; pack
+    timeout 180 python3 -m benchmarks.gpu.throughput --contexts 32768 --batches 8 16 32 \
+        --selections cap=2048 budget=0.2 --full-batches --host-pool-gib "$pool" \
+        --out "$work/gpu_throughput_32k" > "$work/throughput_32k.log" 2>&1
+    echo "throughput 32K: rc=$?"; pack
+    grep -h "tokens/s\|does not fit" "$work"/throughput*.log | head -16
 fi
-ls -l "$out"
+ls -l "$work"

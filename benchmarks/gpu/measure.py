@@ -152,16 +152,46 @@ def run_steps(step: Stepper, warmup: int, steps: int, streams: Streams) -> dict[
     return result
 
 
-def profile_steps(step: Stepper, steps: int) -> dict[str, float]:
-    """Kernel launches and host synchronizations per step (torch profiler, CPU side)."""
+TOP_KERNELS = 12
+
+
+def profile_steps(step: Stepper, steps: int) -> dict[str, Any]:
+    """Kernel launches and host synchronizations per step (torch profiler, CPU side),
+    and the device time per step of the kernels that took most (CUDA side: where
+    the step's time goes on the device, a graph's kernels included where the
+    profiler sees them)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()  # a captured graph is made before the profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    result: dict[str, Any] = _launches_and_syncs(prof, steps)
+    result.update(_device_kernels(prof, steps))
+    return result
+
+
+def _device_kernels(prof, steps: int) -> dict[str, Any]:
+    """{device_ms_per_step, top_kernels: [{kernel, ms_per_step, calls_per_step}]}
+    over the profiler's device-side kernel events."""
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        us = event.device_time_total  # a device event: its own duration
+        entry = kernels.setdefault(event.name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    top = sorted(kernels.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
+    return {"device_ms_per_step": sum(v[0] for v in kernels.values()) / 1e3 / steps,
+            "top_kernels": [{"kernel": name[:90], "ms_per_step": us / 1e3 / steps,
+                             "calls_per_step": calls / steps}
+                            for name, (us, calls) in top]}
+
+
+def _launches_and_syncs(prof, steps: int) -> dict[str, float]:
     launches = syncs = 0
     for event in prof.events():
         name = event.name

@@ -77,12 +77,35 @@ def markdown_sections(results: dict[str, Any], *, self_test: bool) -> list[str]:
                         "move: dense attention plus the product's write-through), ms per step "
                         "over dense's (issue 35's target at 32K x 1: at most 1.05x): "
                         + "; ".join(resident) + ".")
+    breakdown = kernel_breakdown(results["configs"])
+    if breakdown:
+        sections.append(breakdown)
     for limits in results.get("kernel_limits") or []:
         from benchmarks.gpu.kernel_limits import markdown
 
         sections.append(markdown(limits))
     sections.append("Replayed selections: " + "; ".join(replay) + ".")
     return sections
+
+
+def kernel_breakdown(configs: list[dict[str, Any]]) -> str:
+    """Where each InfiniGen step's device time goes (``--profile``): the kernels
+    that took most, ms and calls per step, per (context, batch, mode)."""
+    parts = []
+    for config in configs:
+        for key, result in config["variants"].items():
+            if not key.startswith("infinigen (") or not result.get("top_kernels"):
+                continue
+            rows = [[k["kernel"], f"{k['ms_per_step']:.3f}", f"{k['calls_per_step']:g}"]
+                    for k in result["top_kernels"]]
+            parts.append(f"{_context(config['context'])} x {config['batch']}, {key}: "
+                         f"{result['device_ms_per_step']:.2f} ms of kernels per step "
+                         f"({result.get('ms_per_step', float('nan')):.2f} ms per step)\n\n"
+                         + markdown_table(["kernel", "ms / step", "calls / step"], rows))
+    if not parts:
+        return ""
+    return ("Device time per step by kernel (torch profiler, 3 steps; the kernels that "
+            "took most):\n\n" + "\n\n".join(parts))
 
 
 def resident_lines(configs: list[dict[str, Any]]) -> list[str]:

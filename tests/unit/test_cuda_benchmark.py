@@ -157,3 +157,31 @@ def test_the_resident_variant_attends_densely_and_writes_through_to_the_pool():
     assert torch.equal(decoder.step(x, resident), dense)
     assert sparse.kv_pool[block, :, offset].abs().sum() > 0  # written through
     assert resident.runtime.resident and resident.take_fetched_units() == (0, 0)
+
+
+def test_the_profile_adds_device_time_by_kernel_and_the_report_shows_it():
+    """``--profile`` on a GPU: device kernel events summed per name, per step (CPU
+    events left out), the largest first; the Markdown lists them per InfiniGen step."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu.measure import _device_kernels
+    from benchmarks.gpu.report import kernel_breakdown
+
+    def event(name, us, device):
+        return SimpleNamespace(name=name, device_time_total=us, device_type=device)
+
+    prof = SimpleNamespace(events=lambda: [
+        event("_int_scores", 300.0, "DeviceType.CUDA"), event("gemv", 100.0, "DeviceType.CUDA"),
+        event("_int_scores", 300.0, "DeviceType.CUDA"), event("aten::mm", 5e3, "DeviceType.CPU")])
+    got = _device_kernels(prof, steps=2)
+    assert got["device_ms_per_step"] == 0.35
+    assert got["top_kernels"] == [
+        {"kernel": "_int_scores", "ms_per_step": 0.3, "calls_per_step": 1.0},
+        {"kernel": "gemv", "ms_per_step": 0.05, "calls_per_step": 0.5}]
+    configs = [{"context": 32768, "batch": 8, "variants": {
+        "dense (graph)": {"ms_per_step": 14.0},
+        "infinigen (graph)": {"ms_per_step": 35.7, **got}}}]
+    text = kernel_breakdown(configs)
+    assert "32K x 8, infinigen (graph): 0.35 ms of kernels" in text and "| _int_scores |" in text
+    assert kernel_breakdown([{"context": 32768, "batch": 1, "variants": {
+        "infinigen (eager)": {"ms_per_step": 50.0}}}]) == ""
