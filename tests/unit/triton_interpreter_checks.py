@@ -197,6 +197,34 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_select, bits, d
     assert (got_tokens[2] == float("-inf")).all()
 
 
+def test_token_scores_are_written_only_while_alpha_is_on(triton_select):
+    """Gated by the settings (the data path's call): alpha off writes no token score
+    (alpha_counts reads none then) and the same block scores; alpha on writes them."""
+    pool = Pool(seed=7, bits=2, dtype=torch.bfloat16, num_kv_heads=2, head_size=24,
+                context_lens=[95, 16, 7, 64])
+    query = torch.randn(4, 2, 3, 24, generator=torch.Generator().manual_seed(8))
+    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                              pool.context_lens, scale=0.25)
+    blocks = block_selection.block_scores(tokens, pool.context_lens, POOL_BLOCK)
+    for alpha, written in ((float("inf"), False), (5.0, True)):
+        settings = select_ops.settings_tensor(alpha, 0.2, 0, "cpu")
+        got_tokens, got_blocks = torch.full_like(tokens, 7.0), torch.empty_like(blocks)
+        triton_select.int_scores(query, pool.codes, pool.scales, pool.block_table,
+                                 pool.context_lens, got_tokens, got_blocks, scale=0.25,
+                                 settings=settings)
+        torch.testing.assert_close(got_blocks, blocks, atol=1e-5, rtol=1e-5)
+        if written:
+            torch.testing.assert_close(got_tokens, tokens, atol=1e-5, rtol=1e-5)
+        else:
+            assert (got_tokens == 7.0).all()
+        counts = torch.empty(8, dtype=torch.int32)
+        triton_select.alpha_counts(got_tokens, got_blocks, pool.context_lens, settings, counts,
+                                   block_size=POOL_BLOCK)
+        expected = select_ops.alpha_counts(tokens, blocks, pool.context_lens, settings,
+                                           block_size=POOL_BLOCK)
+        assert torch.equal(counts, expected)
+
+
 @pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
                                                   (2, torch.bfloat16, 24)])
 def test_the_replaced_int_scoring_kept_for_the_benchmark_equals_the_new_one(

@@ -217,7 +217,8 @@ class CudaDataPath:
         query = query.to(self.device)
         if layer.int_keys:
             tokens, blocks = select_ops.int_scores(query, layer.key_codes, layer.key_scales,
-                                                   table, context_lens, scale=layer.scale)
+                                                   table, context_lens, scale=layer.scale,
+                                                   settings=self.settings)
         else:
             tokens = block_selection.partial_token_scores(query, layer.partial_keys, table,
                                                           scale=layer.scale)

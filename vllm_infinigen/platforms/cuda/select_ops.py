@@ -105,8 +105,8 @@ def selection_width(table_blocks: int, block_size: int, *, budget: float, min_co
 
 
 def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-               table: torch.Tensor, context_lens: torch.Tensor, *,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               table: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
+               settings: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token scores [S, H_kv, MB * block_size], block scores [S, H_kv, MB]) float32.
 
     Args:
@@ -114,6 +114,11 @@ def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         codes, scales: a layer's int keys (``layer_state.py``).
         table: [S, MB] block ids of each row.
         context_lens: [S] tokens before each row's own (< 0: padding).
+        settings: The selection's (``settings_tensor``), for ``alpha_counts``
+            alone: given, on CUDA the token scores are written only while alpha
+            is finite (off, the default, ``alpha_counts`` reads none: 4 bytes
+            per token and KV head not written and not read back); their
+            contents are undefined otherwise.
     """
     block_size = codes.shape[2] * 16
     if not codes.is_cuda:
@@ -130,7 +135,7 @@ def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                          device=codes.device)
     blocks = torch.empty((rows, heads, num_blocks), dtype=torch.float32, device=codes.device)
     triton_select.int_scores(query, codes, scales, table, context_lens, tokens, blocks,
-                             scale=scale)
+                             scale=scale, settings=settings)
     return tokens, blocks
 
 

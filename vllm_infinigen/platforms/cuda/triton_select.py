@@ -35,11 +35,11 @@ _INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _int_scores(query, codes, scales, table, context_lens, token_out, block_out, scale,
-                query_row_stride, table_stride, num_tokens, num_blocks,
+def _int_scores(query, codes, scales, table, context_lens, token_out, block_out, settings,
+                scale, query_row_stride, table_stride, num_tokens, num_blocks,
                 H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                 BLOCK: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
-                TILE: tl.constexpr, WRITE_BLOCKS: tl.constexpr):
+                TILE: tl.constexpr, WRITE_BLOCKS: tl.constexpr, GATED: tl.constexpr):
     """Speculated scores of TILE tokens of one (row, KV head), the int keys read in place.
 
     Grid (rows x KV heads, token tiles). Token t of the row lies in block
@@ -53,7 +53,9 @@ def _int_scores(query, codes, scales, table, context_lens, token_out, block_out,
     best over the G query heads of q . k, times ``scale``; groups at or past
     the row's context rounded down to 16 (its open group) score -inf and read
     nothing. With WRITE_BLOCKS, each block's best token score too (TILE a
-    multiple of BLOCK).
+    multiple of BLOCK). GATED: the token scores are written only while alpha
+    (``settings[0]``) is finite (``_alpha_counts``, their reader, reads none
+    when it is off).
     """
     GROUPS: tl.constexpr = TILE // 16
     WORD: tl.constexpr = 32 if BITS * 16 >= 32 else BITS * 16  # bits per word
@@ -89,8 +91,11 @@ def _int_scores(query, codes, scales, table, context_lens, token_out, block_out,
         best = tl.maximum(best, tl.sum(keys * q[None, :, None], axis=1))
     scores = tl.where(read[:, None], best * scale, float("-inf"))  # [GROUPS, 16]
     tokens = first[:, None] + lanes[None, :]
+    limit = num_tokens
+    if GATED:  # alpha off: no token written
+        limit = tl.where(tl.load(settings) < float("inf"), num_tokens, 0)
     tl.store(token_out + sequence.to(tl.int64) * num_tokens + tokens, scores,
-             mask=tokens < num_tokens)
+             mask=tokens < limit)
     if WRITE_BLOCKS:
         per_block = tl.max(tl.reshape(scores, (TILE // BLOCK, BLOCK)), axis=1)
         index = tl.program_id(1) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
@@ -99,10 +104,11 @@ def _int_scores(query, codes, scales, table, context_lens, token_out, block_out,
 
 
 def int_scores(query, codes, scales, table, context_lens, token_out, block_out, *,
-               scale: float, tile: int = 64, num_warps: int = 4) -> None:
+               scale: float, settings=None, tile: int = 64, num_warps: int = 4) -> None:
     """Launches ``_int_scores`` on the current stream (arguments:
     ``select_ops.int_scores``; query [S, H_kv, G, D] with unit strides but the row's;
-    codes [blocks, H_kv, block_size / 16, D, 2 * bits] uint8, bits 1, 2 or 4)."""
+    codes [blocks, H_kv, block_size / 16, D, 2 * bits] uint8, bits 1, 2 or 4;
+    settings given: the token scores gated by alpha)."""
     rows, heads, group, head_size = query.shape
     num_tokens = token_out.shape[-1]
     block_size = codes.shape[2] * 16
@@ -111,35 +117,43 @@ def int_scores(query, codes, scales, table, context_lens, token_out, block_out, 
     bits = codes.shape[-1] // 2
     words = codes.view(torch.int16 if bits == 1 else torch.int32)  # the kernel's words
     _int_scores[(rows * heads, triton.cdiv(num_tokens, tile))](
-        query, words, scales, table, context_lens, token_out, block_out, scale,
+        query, words, scales, table, context_lens, token_out, block_out, settings, scale,
         query.stride(0), table.stride(0), num_tokens,
         block_out.shape[-1] if block_out is not None else 0,
         H=heads, G=group, D=head_size, D_PAD=triton.next_power_of_2(head_size),
         BLOCK=block_size, BITS=bits, HALF=((1 << bits) - 1) / 2, TILE=tile,
-        WRITE_BLOCKS=block_out is not None, num_warps=num_warps)
+        WRITE_BLOCKS=block_out is not None, GATED=settings is not None,
+        num_warps=num_warps)
 
 
 @triton.jit
 def _alpha_counts(token_scores, block_scores, context_lens, settings, counts, num_tokens,
                   num_blocks, H: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """counts[row, head] = the row's encoded tokens scoring above best - alpha
-    (``settings[0]``), best over its blocks. Grid (rows x KV heads)."""
+    (``settings[0]``), best over its blocks. Grid (rows x KV heads). Alpha off
+    (infinite, the default): every encoded token counts (their scores are
+    finite), so neither score is read (``_int_scores`` gated by the settings
+    has not written the token scores then)."""
     sequence = tl.program_id(0).to(tl.int64)
     encoded = tl.maximum(tl.load(context_lens + sequence // H), 0) // 16 * 16
-    lanes = tl.arange(0, CHUNK)
-    best = tl.full([CHUNK], float("-inf"), tl.float32)
-    for start in range(0, (encoded + BLOCK - 1) // BLOCK, CHUNK):
-        index = start + lanes
-        best = tl.maximum(best, tl.load(block_scores + sequence * num_blocks + index,
-                                        mask=index < num_blocks, other=float("-inf")))
-    floor = tl.max(best, axis=0) - tl.load(settings).to(tl.float32)
-    total = tl.zeros([CHUNK], tl.int32)
-    for start in range(0, encoded, CHUNK):
-        index = start + lanes
-        score = tl.load(token_scores + sequence * num_tokens + index, mask=index < encoded,
-                        other=float("-inf"))
-        total += (score > floor).to(tl.int32)
-    tl.store(counts + sequence, tl.sum(total, axis=0))
+    alpha = tl.load(settings)
+    if alpha == float("inf"):
+        tl.store(counts + sequence, encoded.to(tl.int32))
+    else:
+        lanes = tl.arange(0, CHUNK)
+        best = tl.full([CHUNK], float("-inf"), tl.float32)
+        for start in range(0, (encoded + BLOCK - 1) // BLOCK, CHUNK):
+            index = start + lanes
+            best = tl.maximum(best, tl.load(block_scores + sequence * num_blocks + index,
+                                            mask=index < num_blocks, other=float("-inf")))
+        floor = tl.max(best, axis=0) - alpha.to(tl.float32)
+        total = tl.zeros([CHUNK], tl.int32)
+        for start in range(0, encoded, CHUNK):
+            index = start + lanes
+            score = tl.load(token_scores + sequence * num_tokens + index, mask=index < encoded,
+                            other=float("-inf"))
+            total += (score > floor).to(tl.int32)
+        tl.store(counts + sequence, tl.sum(total, axis=0))
 
 
 def alpha_counts(token_scores, block_scores, context_lens, settings, counts, *,
