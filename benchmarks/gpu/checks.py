@@ -45,6 +45,12 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 5e-2
 
 
+def _graph_tolerance(dtype: torch.dtype) -> float:
+    """A captured step against the eager one: the same kernels, so only their own
+    run-to-run differences (SDPA's in bf16: 0.006-0.012 relative L2 on the H200)."""
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
 # Variants that attend with InfiniGen's Triton kernel over the same K/V as
 # dense_units: at select-all they must give dense_units' logits almost exactly
 # (the same kernel; only the data path's gather, cache and tables differ).
@@ -99,8 +105,9 @@ def graph_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, ba
             del variant, step
         errors[name] = float((logits[1].float() - logits[0].float()).norm()
                              / logits[0].float().norm())
+    tolerance = _graph_tolerance(dtype)
     return {"batch": batch, "context": context, "relative_l2_graph_vs_eager": errors,
-            "passed": all(e < _tolerance(dtype) for e in errors.values())}
+            "tolerance": tolerance, "passed": all(e < tolerance for e in errors.values())}
 
 
 def self_test(out: Path | None = SELF_TEST_OUT,

@@ -175,11 +175,13 @@ def profile_steps(step: Stepper, steps: int) -> dict[str, Any]:
 
 def _device_kernels(prof, steps: int) -> dict[str, Any]:
     """{device_ms_per_step, top_kernels: [{kernel, ms_per_step, calls_per_step}]}
-    over the profiler's device-side kernel events."""
+    over the profiler's device events (kernels, copies and fills; summed over
+    streams, so overlapping work counts twice)."""
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
-        if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
-            continue
+        if (str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA"
+                or getattr(event, "is_user_annotation", False)):
+            continue  # host events, and ranges annotated around device work
         us = event.device_time_total  # a device event: its own duration
         entry = kernels.setdefault(event.name, [0.0, 0])
         entry[0] += us

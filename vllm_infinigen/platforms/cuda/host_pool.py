@@ -112,6 +112,7 @@ def allocate_host_pool(num_units: int, num_kv_heads: int, block_size: int, head_
                 pool.seconds = time.perf_counter() - start
                 return pool
             pool.close()
+            del pool  # its pages (all resident once registered) go before pin_memory's
             logger.warning("InfiniGen: a %.2f GiB pool registered with cudaHostRegister is "
                            "not readable by the GPU's kernels (%s); pinning with pin_memory "
                            "instead (slower to allocate)", num_bytes / 2**30, problem)

@@ -330,7 +330,7 @@ def _attend_prompt(query, units, table, out, scale, first, seq_len, num_rows,
                 + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if IEEE:
         q = q.to(tl.float32)
-    else:  # the dot's operands in the units' 16-bit type
+    else:  # the dot's operands in the units' type
         q = q.to(units.dtype.element_ty)
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
