@@ -61,6 +61,32 @@ def test_int_scores_alpha_counts_and_select_equal_the_references(bits, dtype):
         assert torch.equal(part.cpu(), reference)
 
 
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float32), (2, torch.bfloat16)])
+def test_the_data_paths_gated_scoring_and_counts_equal_the_references(bits, dtype):
+    """As ``CudaDataPath.select`` calls them (the settings given): alpha off writes
+    no token score and counts every encoded token; alpha on writes and counts them."""
+    pool = Pool(seed=5, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
+                context_lens=[95, 16, 7, 64])
+    query = torch.randn(4, 2, 4, 128, generator=torch.Generator().manual_seed(3))
+    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                              pool.context_lens, scale=0.09)
+    blocks = block_selection.block_scores(tokens, pool.context_lens, POOL_BLOCK)
+    for alpha in (float("inf"), 2.0):
+        settings = select_ops.settings_tensor(alpha, 0.3, 0, "cpu")
+        got_tokens, got_blocks = select_ops.int_scores(
+            query.to(CUDA), pool.codes.to(CUDA), pool.scales.to(CUDA),
+            pool.block_table.to(CUDA), pool.context_lens.to(CUDA), scale=0.09,
+            settings=settings.to(CUDA))
+        _close(got_blocks, blocks)
+        if alpha < float("inf"):
+            _close(got_tokens, tokens)
+        got_counts = select_ops.alpha_counts(got_tokens, got_blocks, pool.context_lens.to(CUDA),
+                                             settings.to(CUDA), block_size=POOL_BLOCK)
+        counts = select_ops.alpha_counts(tokens, blocks, pool.context_lens, settings,
+                                         block_size=POOL_BLOCK)
+        assert torch.equal(got_counts.cpu(), counts)
+
+
 def test_lookup_lru_equals_the_reference_over_steps():
     from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 
