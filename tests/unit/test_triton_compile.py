@@ -57,6 +57,15 @@ def _kernel_cases():
                 "num_tokens": i32, "num_blocks": i32},
                {**HEADS, "BITS": bits, "HALF": ((1 << bits) - 1) / 2, "TILE": 64,
                 "WRITE_BLOCKS": True, "GATED": True})
+    # 1-bit int keys (the reference supports them): 16-bit words, 64-token blocks,
+    # ungated (the benchmark's and the references' call).
+    yield (triton_select._int_scores,
+           {"query": "*bf16", "codes": "*i16", "scales": "*fp16", "table": "*i32",
+            "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
+            "settings": "*fp64", "scale": "fp32", "query_row_stride": i64, "table_stride": i64,
+            "num_tokens": i32, "num_blocks": i32},
+           {**HEADS, "BLOCK": 64, "BITS": 1, "HALF": 0.5, "TILE": 64, "WRITE_BLOCKS": True,
+            "GATED": False})
     # A float32 query over bf16 units (the GPU tests' case): the dot's operands in bf16.
     yield (triton_kernels._attend_units,
            {"query": "*fp32", "units": "*bf16", "table": "*i64", "seq_lens": "*i32",
