@@ -160,6 +160,14 @@ def _int_scores_rows(codes: torch.Tensor, scales: torch.Tensor, speculation: tor
             out.append(_row(f"int_scores x{batch}", key_bytes, timed(
                 lambda: select_ops.int_scores(query, many_codes, many_scales, table, lens,
                                               scale=scale), device)))
+            if device.type == "cuda":  # tokens per program, against the default 64
+                from vllm_infinigen.platforms.cuda import triton_select
+
+                for tile in (128, 256):
+                    out.append(_row(f"int_scores x{batch}, tile {tile}", key_bytes, timed(
+                        lambda tile=tile: triton_select.int_scores(
+                            query, many_codes, many_scales, table, lens, tokens, block_scores,
+                            scale=scale, tile=tile), device)))
         out.append(_row(f"int_scores x{batch}, per token (the kernel before)", key_bytes, timed(
             lambda: int_scores_per_token(query, many_codes, many_scales, table, lens, tokens,
                                          block_scores, scale=scale), device)))

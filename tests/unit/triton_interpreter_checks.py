@@ -145,7 +145,7 @@ def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype,
 
 @pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
                                                   (2, torch.bfloat16, 24)])
-@pytest.mark.parametrize("tile", [16, 64])
+@pytest.mark.parametrize("tile", [16, 64, 256])
 def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head_size, tile):
     """The int keys read in place: the torch form's scores (it dequantizes every
     block), open groups -inf, 3 query heads per KV head, a padded head size."""
