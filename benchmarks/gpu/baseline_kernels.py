@@ -16,6 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vllm_infinigen.platforms.cuda import triton_select
+
 
 @triton.jit
 def _int_scores_per_token(query, codes, scales, table, context_lens, token_out, block_out, scale,
@@ -67,16 +69,7 @@ def _int_scores_per_token(query, codes, scales, table, context_lens, token_out, 
 def int_scores_per_token(query, codes, scales, table, context_lens, token_out, block_out, *,
                          scale: float, tile: int = 64, num_warps: int = 4) -> None:
     """Launches ``_int_scores_per_token`` (``triton_select.int_scores``'s arguments)."""
-    rows, heads, group, head_size = query.shape
-    num_tokens = token_out.shape[-1]
-    block_size = codes.shape[2] * 16
-    if block_out is not None:
-        tile = max(tile, block_size)  # whole blocks per tile
-    bits = codes.shape[-1] // 2
-    _int_scores_per_token[(rows * heads, triton.cdiv(num_tokens, tile))](
-        query, codes, scales, table, context_lens, token_out, block_out, scale,
-        query.stride(0), table.stride(0), num_tokens,
-        block_out.shape[-1] if block_out is not None else 0,
-        H=heads, G=group, D=head_size, D_PAD=triton.next_power_of_2(head_size),
-        BLOCK=block_size, BITS=bits, HALF=((1 << bits) - 1) / 2, TILE=tile,
-        WRITE_BLOCKS=block_out is not None, num_warps=num_warps)
+    grid, sizes, constants = triton_select.int_scores_launch(query, codes, table, token_out,
+                                                             block_out, tile)
+    _int_scores_per_token[grid](query, codes, scales, table, context_lens, token_out, block_out,
+                                scale, *sizes, **constants, num_warps=num_warps)

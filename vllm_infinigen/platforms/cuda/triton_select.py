@@ -109,21 +109,30 @@ def int_scores(query, codes, scales, table, context_lens, token_out, block_out, 
     ``select_ops.int_scores``; query [S, H_kv, G, D] with unit strides but the row's;
     codes [blocks, H_kv, block_size / 16, D, 2 * bits] uint8, bits 1, 2 or 4;
     settings given: the token scores gated by alpha)."""
+    grid, sizes, constants = int_scores_launch(query, codes, table, token_out, block_out, tile)
+    words = codes.view(torch.int16 if constants["BITS"] == 1 else torch.int32)  # the kernel's
+    _int_scores[grid](query, words, scales, table, context_lens, token_out, block_out, settings,
+                      scale, *sizes, **constants, GATED=settings is not None,
+                      num_warps=num_warps)
+
+
+def int_scores_launch(query, codes, table, token_out, block_out,
+                      tile: int) -> tuple[tuple[int, int], tuple[int, ...], dict]:
+    """(grid, the size arguments after ``scale``, the constexprs) of an int-scoring
+    launch (``int_scores``'s arguments; the benchmarks' kept kernel shares them)."""
     rows, heads, group, head_size = query.shape
     num_tokens = token_out.shape[-1]
     block_size = codes.shape[2] * 16
     if block_out is not None:
         tile = max(tile, block_size)  # whole blocks per tile
     bits = codes.shape[-1] // 2
-    words = codes.view(torch.int16 if bits == 1 else torch.int32)  # the kernel's words
-    _int_scores[(rows * heads, triton.cdiv(num_tokens, tile))](
-        query, words, scales, table, context_lens, token_out, block_out, settings, scale,
-        query.stride(0), table.stride(0), num_tokens,
-        block_out.shape[-1] if block_out is not None else 0,
-        H=heads, G=group, D=head_size, D_PAD=triton.next_power_of_2(head_size),
-        BLOCK=block_size, BITS=bits, HALF=((1 << bits) - 1) / 2, TILE=tile,
-        WRITE_BLOCKS=block_out is not None, GATED=settings is not None,
-        num_warps=num_warps)
+    sizes = (query.stride(0), table.stride(0), num_tokens,
+             block_out.shape[-1] if block_out is not None else 0)
+    constants = {"H": heads, "G": group, "D": head_size,
+                 "D_PAD": triton.next_power_of_2(head_size), "BLOCK": block_size, "BITS": bits,
+                 "HALF": ((1 << bits) - 1) / 2, "TILE": tile,
+                 "WRITE_BLOCKS": block_out is not None}
+    return (rows * heads, triton.cdiv(num_tokens, tile)), sizes, constants
 
 
 @triton.jit
