@@ -25,14 +25,18 @@ from benchmarks.harness.paths import REPO
 from tests.e2e.record_selections import MAX_TOKENS, PROMPT_LENGTHS
 from tests.reference.token_rule import kept_sets, reference_selection
 from vllm_infinigen.layout import read_hf_config
+from vllm_infinigen.platforms.cpu.query_weights import SPECULATION_WEIGHT_DTYPE
 from vllm_infinigen.worker.step_plan import token_budget
 
 pytestmark = pytest.mark.slow
 
 # vLLM's float32 kernels against transformers': the partial query starts from
-# the same recorded input (one projection apart); the keys come out of two
+# the same recorded input (one projection apart: the speculation's bfloat16
+# copy of W_q, which the reference rounds as it does, but whose float32 sums
+# run in another order, so an element can round one bfloat16 step, 2^-8,
+# apart: ~1.6e-3 seen on Gemma 3 after its q_norm); the keys come out of two
 # whole model runs.
-QUERY_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+QUERY_TOLERANCE = dict(rtol=8e-3, atol=1e-3)
 KEY_TOLERANCE = dict(rtol=2e-3, atol=2e-3)
 
 
@@ -82,7 +86,14 @@ class HFReference:
     def query(self, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor):
         """[S, H_q, D] query of layer ``layer_idx`` from its attention input [S, hidden]."""
         attn = self.model.model.layers[layer_idx].self_attn
-        query = attn.q_proj(hidden).view(hidden.shape[0], -1, attn.head_dim)
+        # As the speculation's copy of W_q computes it: in bfloat16 for a
+        # float32 model (input, weight and product rounded; float32 sums).
+        dtype = SPECULATION_WEIGHT_DTYPE.get(torch.float32, torch.float32)
+        query = torch.nn.functional.linear(
+            hidden.to(dtype).float(), attn.q_proj.weight.to(dtype).float()).to(dtype).float()
+        if attn.q_proj.bias is not None:
+            query = query + attn.q_proj.bias
+        query = query.view(hidden.shape[0], -1, attn.head_dim)
         if hasattr(attn, "q_norm"):
             query = attn.q_norm(query)
         query = query.transpose(0, 1)[None]  # [1, H_q, S, D]
