@@ -47,11 +47,28 @@ def test_groups_encode_as_the_reference_once_their_last_token_is_written(bits, d
                                              (float("inf"), 0.2)])
 @pytest.mark.parametrize("group", [2, 7])  # 7 query heads per KV head: blocks of 4, 2 and 1
 def test_selection_equals_the_reference(bits, dtype, capped, alpha, budget, group):
-    pool = Pool(seed=5, bits=bits, dtype=dtype, num_kv_heads=2, head_size=32,
+    _check_selection(bits, dtype, capped, alpha, budget, group, head_size=32)
+
+
+# The product's shape (head 128, 4 query heads per KV head) and odd ones, every
+# bit width: each vectorized unpack (whole 16-byte loads, the masked last rows,
+# query heads taken 4, 2 and 1 at a time) against the reference.
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize(("head_size", "group", "dtype"), [(128, 4, torch.float32),
+                                                            (128, 4, torch.bfloat16),
+                                                            (13, 3, torch.float32),
+                                                            (5, 5, torch.float16)])
+@pytest.mark.parametrize("budget", [0.1, 0.4])
+def test_selection_equals_the_reference_at_every_width(bits, head_size, group, dtype, budget):
+    _check_selection(bits, dtype, False, float("inf"), budget, group, head_size=head_size)
+
+
+def _check_selection(bits, dtype, capped, alpha, budget, group, *, head_size):
+    pool = Pool(seed=5, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
                 context_lens=[95, 16, 7, 64], capped=capped)
     gen = torch.Generator().manual_seed(9)
     num_rows = 4
-    query = torch.randint(-3, 4, (num_rows, 2, group, 32), generator=gen).float()
+    query = torch.randint(-3, 4, (num_rows, 2, group, head_size), generator=gen).float()
     caps = token_budget(pool.context_lens, budget)
     positions, num_selected = kernels.select_tokens_int(
         query, pool.codes, pool.scales, pool.kv_pool, pool.block_table, pool.context_lens,
@@ -64,7 +81,7 @@ def test_selection_equals_the_reference(bits, dtype, capped, alpha, budget, grou
         from tests.reference.layouts import present_of
 
         present = present_of(pool.row_map, pool.block_table, width)
-    want = select_reference(query.reshape(num_rows, -1, 32), keys, pool.context_lens,
+    want = select_reference(query.reshape(num_rows, -1, head_size), keys, pool.context_lens,
                             scale=0.25, alpha=alpha, budget=budget, width=width,
                             sink_tokens=1, recent_tokens=2, present=present)
     assert num_selected.tolist() == want.num_selected.tolist()

@@ -201,8 +201,8 @@ def _random_positions(case: Case, fraction: float, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_size", [32, 64, 128])
-@pytest.mark.parametrize(("num_kv_heads", "group"), [(4, 1), (2, 4)])
+@pytest.mark.parametrize("head_size", [32, 36, 64, 128])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(4, 1), (2, 4), (1, 12)])
 def test_attend_selected_matches_reference(dtype, head_size, num_kv_heads, group):
     case = Case(seed=8, dtype=dtype, num_kv_heads=num_kv_heads, group=group,
                 head_size=head_size, context_lens=[130, 3, 64, 257])
@@ -236,16 +236,25 @@ def test_attend_dense_matches_reference(dtype, capped):
     _assert_close(got, want, dtype)
 
 
-def test_attend_returns_each_positions_probability():
-    case = Case(seed=11, dtype=torch.float32, num_kv_heads=2, group=4, head_size=64,
-                context_lens=[90, 33])
+# (dtype, group, head size): the compiled groups (4: the common GQA ratio, at the
+# common head size, in bfloat16 too), a group of the generic path past one
+# register tile (12), and head sizes that end in a partial vector.
+@pytest.mark.parametrize(("dtype", "group", "head_size"), [
+    (torch.float32, 4, 64), (torch.bfloat16, 4, 128), (torch.float32, 1, 40),
+    (torch.bfloat16, 2, 36), (torch.float32, 8, 40), (torch.float32, 12, 36)])
+def test_attend_returns_each_positions_probability(dtype, group, head_size):
+    # Contexts over several 16-row chunks, with partial last chunks and vectors of probs.
+    case = Case(seed=11, dtype=dtype, num_kv_heads=2, group=group, head_size=head_size,
+                context_lens=[90, 33, 211])
     positions = _random_positions(case, 0.5, seed=12)
     probs = torch.full(positions.shape, -1.0)
-    kernels.attend_decode(case.query, case.kv_pool, case.block_table, case.context_lens,
-                          positions, scale=case.scale, probs=probs)
+    got = kernels.attend_decode(case.query, case.kv_pool, case.block_table, case.context_lens,
+                                positions, scale=case.scale, probs=probs)
     keys, values = case.entries(positions.to(torch.int64))
-    _, want = attend_gathered(case.query, keys, values, positions >= 0, *case.current(),
-                              case.scale, return_probs=True)
+    out, want = attend_gathered(case.query.float(), keys.float(), values.float(),
+                                positions >= 0, *[t.float() for t in case.current()],
+                                case.scale, return_probs=True)
+    _assert_close(got, out, dtype)
     torch.testing.assert_close(probs, want.masked_fill(positions < 0, 0.0), atol=1e-6,
                                rtol=1e-5)
 

@@ -10,6 +10,68 @@ namespace {
 constexpr int64_t kChunk = 16;  // rows per online-softmax update
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head
 constexpr int64_t kGroupTile = 8;  // query heads kept in registers at once
+// Rows ahead of the one being read whose K|V lines are prefetched, one row per
+// row read: a whole chunk's rows prefetched at once (as before) stalled the
+// kernel on the prefetches themselves (the line-fill buffers full, most
+// rows on pages the TLB misses); 4-8 rows ahead measured best, 16 and more
+// worse than none.
+constexpr int64_t kPrefetchRows = 8;
+
+static_assert(kChunk % kVecSize == 0, "a chunk's weights are whole vectors");
+
+// logits[r] = the sum of acc[r]'s lanes, for the kChunk rows of a chunk.
+//
+// One reduce_add per (row, query head) costs as many shuffles as the row's
+// FMAs; reducing the chunk's accumulators together, as a transpose in which
+// every step adds two half-reduced vectors, takes about a third of them and
+// leaves the logits in one vector per kVecSize rows.
+inline void sum_lanes_of_rows(const fVec* acc, float* logits) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static_assert(kVecSize == 16 && kChunk == 16, "a 16 x 16 reduction");
+  // Pairs (a, b): per 128-bit lane, [a0+a2, b0+b2, a1+a3, b1+b3].
+  __m512 pairs[8];
+  for (int p = 0; p < 8; ++p) {
+    const __m512 a = acc[2 * p], b = acc[2 * p + 1];
+    pairs[p] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  // Quads: per 128-bit lane, rows 4q..4q+3 each summed over the lane.
+  __m512 quads[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * q]), b = _mm512_castps_pd(pairs[2 * q + 1]);
+    quads[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Across the four 128-bit lanes: 0x88 takes lanes 0 and 2 of each source, 0xDD lanes 1 and 3.
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  _mm512_storeu_ps(logits, _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88),
+                                         _mm512_shuffle_f32x4(lo, hi, 0xDD)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  static_assert(kVecSize == 8 && kChunk % 8 == 0, "8 x 8 reductions");
+  for (int64_t base = 0; base < kChunk; base += 8) {
+    const fVec* rows = acc + base;
+    __m256 pairs[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m256 a = rows[2 * p], b = rows[2 * p + 1];
+      pairs[p] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    }
+    __m256 quads[2];
+    for (int q = 0; q < 2; ++q) {
+      const __m256d a = _mm256_castps_pd(pairs[2 * q]), b = _mm256_castps_pd(pairs[2 * q + 1]);
+      quads[q] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                               _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    // [rows 0-3 | rows 4-7], each the sum of its two 128-bit halves.
+    _mm256_storeu_ps(logits + base,
+                     _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                                   _mm256_permute2f128_ps(quads[0], quads[1], 0x31)));
+  }
+#else
+  for (int64_t r = 0; r < kChunk; ++r) logits[r] = sum_lanes(acc[r]);
+#endif
+}
 
 // Online-softmax attention of `group` queries (scale folded in, float [group, D])
 // over `count` K|V rows (K at rows[i], V at rows[i] + D). Writes the normalised
@@ -26,22 +88,26 @@ void attend_rows(const T* const* rows, int64_t count, const float* query, int64_
   const int64_t group = kGroup > 0 ? kGroup : dyn_group;
   float running_max[kMaxGroup], running_sum[kMaxGroup];
   alignas(64) float weights[kMaxGroup][kChunk];
+  // A tile's accumulators of the chunk's rows, before their lanes are summed.
+  fVec partial[kGroupTile][kChunk];
   for (int64_t g = 0; g < group; ++g) {
     running_max[g] = kNegInf;
     running_sum[g] = 0.f;
     std::fill(out + g * head_size, out + (g + 1) * head_size, 0.f);
   }
   const int64_t full = head_size - head_size % kVecSize;
+  const int64_t row_bytes = 2 * head_size * static_cast<int64_t>(sizeof(T));
   for (int64_t begin = 0; begin < count; begin += kChunk) {
     const int64_t n = std::min(kChunk, count - begin);
-    for (int64_t i = begin + kChunk; i < std::min(count, begin + 2 * kChunk); ++i)
-      for (int64_t byte = 0; byte < 2 * head_size * (int64_t)sizeof(T); byte += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(rows[i]) + byte);
     // Logits: each K row is loaded once for a tile of query heads.
-    for (int64_t i = 0; i < n; ++i) {
-      const T* key = rows[begin + i];
-      for (int64_t g0 = 0; g0 < group; g0 += kGroupTile) {
-        const int64_t tile = kGroup > 0 ? kGroup : std::min(kGroupTile, group - g0);
+    for (int64_t g0 = 0; g0 < group; g0 += kGroupTile) {
+      const int64_t tile = kGroup > 0 ? kGroup : std::min(kGroupTile, group - g0);
+      for (int64_t i = 0; i < n; ++i) {
+        if (g0 == 0 && begin + i + kPrefetchRows < count) {
+          const char* ahead = reinterpret_cast<const char*>(rows[begin + i + kPrefetchRows]);
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + byte);
+        }
+        const T* key = rows[begin + i];
         fVec acc[kGroupTile];
         for (int64_t g = 0; g < tile; ++g) acc[g] = fVec(0.f);
         int64_t d = 0;
@@ -56,33 +122,46 @@ void attend_rows(const T* const* rows, int64_t count, const float* query, int64_
             acc[g] = at::vec::fmadd(fVec::loadu(query + (g0 + g) * head_size + d, head_size - d),
                                     k, acc[g]);
         }
-        for (int64_t g = 0; g < tile; ++g)
-          weights[g0 + g][i] =
-              sum_lanes(acc[g]);
+        for (int64_t g = 0; g < tile; ++g) partial[g][i] = acc[g];
+      }
+      for (int64_t g = 0; g < tile; ++g) {
+        for (int64_t i = n; i < kChunk; ++i) partial[g][i] = fVec(0.f);
+        sum_lanes_of_rows(partial[g], weights[g0 + g]);
       }
     }
-    // Online softmax: rescale once per chunk, then the chunk's weights.
+    // Online softmax, a chunk's weights as whole vectors: rescale once per chunk.
     for (int64_t g = 0; g < group; ++g) {
       float* w = weights[g];
-      if (logits != nullptr) std::copy(w, w + n, logits + g * count + begin);
+      if (logits != nullptr) {
+        // Whole vectors (std::copy of a few floats becomes a slow `rep movs`).
+        float* dst = logits + g * count + begin;
+        int64_t i = 0;
+        for (; i + kVecSize <= n; i += kVecSize) fVec::loadu(w + i).store(dst + i);
+        if (i < n) fVec::loadu(w + i).store(dst + i, n - i);
+      }
       for (int64_t i = n; i < kChunk; ++i) w[i] = kNegInf;
-      float chunk_max = running_max[g];
-      for (int64_t i = 0; i < n; ++i) chunk_max = std::max(chunk_max, w[i]);
+      fVec top_lanes = fVec::loadu(w);
+      for (int64_t i = kVecSize; i < kChunk; i += kVecSize)
+        top_lanes = at::vec::maximum(top_lanes, fVec::loadu(w + i));
+      const float chunk_max = std::max(running_max[g], max_lanes(top_lanes));
       if (chunk_max > running_max[g]) {
-        const fVec correction(std::exp(running_max[g] - chunk_max));
-        running_sum[g] *= std::exp(running_max[g] - chunk_max);
+        const float scale = std::exp(running_max[g] - chunk_max);
+        const fVec correction(scale);
+        running_sum[g] *= scale;
         float* o = out + g * head_size;
         int64_t d = 0;
         for (; d < full; d += kVecSize) (fVec::loadu(o + d) * correction).store(o + d);
-        for (; d < head_size; ++d) o[d] *= std::exp(running_max[g] - chunk_max);
+        for (; d < head_size; ++d) o[d] *= scale;
         running_max[g] = chunk_max;
       }
       const fVec top(chunk_max);
-      for (int64_t i = 0; i < kChunk; i += kVecSize)
-        (fVec::loadu(w + i) - top).exp_u20().store(w + i);
-      float sum = 0.f;
-      for (int64_t i = 0; i < n; ++i) sum += w[i];
-      running_sum[g] += sum;
+      fVec sum(0.f);
+      for (int64_t i = 0; i < kChunk; i += kVecSize) {
+        const fVec e = (fVec::loadu(w + i) - top).exp_u20();
+        e.store(w + i);
+        sum = sum + e;
+      }
+      running_sum[g] += sum_lanes(sum);
     }
     // Values: accumulators of a tile of query heads stay in registers over the chunk.
     for (int64_t d = 0; d < full; d += kVecSize) {
@@ -248,14 +327,30 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
         scalar_t* o = out_data + (b * num_q_heads + h * group) * head_size;
         for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<scalar_t>(acc[i]);
         if (probs_out != nullptr) {
+          // Each selected row's probability summed over the group, a vector of
+          // rows at a time (a scalar exp per (row, query head) costs about as
+          // much as the attention itself), into the first logits row (each
+          // vector after it is read), then scattered to the rows' positions.
           float* p = probs_out + index * width;
           std::fill(p, p + width, 0.f);
-          for (int64_t i = 0; i + 1 < count; ++i) {
-            float total = 0.f;
-            for (int64_t g = 0; g < group; ++g)
-              total += std::exp(logits[g * count + i] - max_g[g]) / sum_g[g];
-            p[row_index[i]] = total;
+          const int64_t selected_rows = count - 1;  // the last row is the current token
+          float* total = logits.data();
+          int64_t i = 0;
+          for (; i + kVecSize <= selected_rows; i += kVecSize) {
+            fVec sum(0.f);
+            for (int64_t g = 0; g < group; ++g) {
+              const fVec logit = fVec::loadu(logits.data() + g * count + i);
+              sum = at::vec::fmadd((logit - fVec(max_g[g])).exp(), fVec(1.f / sum_g[g]), sum);
+            }
+            sum.store(total + i);
           }
+          for (; i < selected_rows; ++i) {
+            float sum = 0.f;
+            for (int64_t g = 0; g < group; ++g)
+              sum += std::exp(logits[g * count + i] - max_g[g]) / sum_g[g];
+            total[i] = sum;
+          }
+          for (int64_t r = 0; r < selected_rows; ++r) p[row_index[r]] = total[r];
         }
       }
     });

@@ -55,6 +55,17 @@ inline float sum_lanes(const fVec& vec) {
 #endif
 }
 
+// The largest lane (ATen's generic reduce_max does not compile for DEFAULT).
+inline float max_lanes(const fVec& vec) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return vec.reduce_max();
+#else
+  alignas(64) float lanes[kVecSize];
+  vec.store(lanes);
+  return *std::max_element(lanes, lanes + kVecSize);
+#endif
+}
+
 // The first `count` (< kVecSize) elements of p as floats, zeros after.
 template <typename T>
 inline fVec load_float_partial(const T* p, int64_t count) {
