@@ -3,8 +3,9 @@
 
 At one context (default 32K) and the 8B model's attention shapes (8 KV heads,
 4 query heads each, head_dim 128, 16-token blocks), per kernel: the bytes it
-must read, its time (CUDA events, median) and GB/s, beside a streaming read
-of device memory (a reduction over 1 GiB) and one pinned host-to-device copy:
+must read, its time (median; on CUDA, events over replays of a CUDA graph
+of 10 calls, per call: the device alone, see ``timed``) and GB/s, beside a
+streaming read of device memory (a reduction over 1 GiB) and one pinned host-to-device copy:
 
     attend_units   decode attention over a whole context (select-all), and
                    torch SDPA over the same K/V (what dense attention costs)
@@ -38,29 +39,71 @@ from vllm_infinigen.platforms.cuda import kernels, select_ops
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int = 7) -> float:
-    """Median ms of ``fn`` after one warm-up call (CUDA events; wall clock on the CPU)."""
-    times = []
-    for index in range(repeats + 1):
-        if device.type == "cuda":
+class Timing(float):
+    """Median ms of one call, and how it was taken (``method``)."""
+
+    method: str
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = 7,
+          graph_calls: int = 10) -> Timing:
+    """Median ms of ``fn`` after one warm-up call.
+
+    On CUDA, ``graph_calls`` calls are captured in one CUDA graph and each
+    replay is timed by CUDA events, divided by the calls: the device's time
+    alone. Events around a single eager call would also time the host's
+    launch (a Triton launch from Python takes tens of microseconds, longer
+    than a decode-sized kernel runs), and so understate a short kernel's
+    GB/s: the rows before 2026-11-27 were taken that way. ``graph_calls=0``
+    times eager calls (for work a graph cannot hold, such as host syncs), and
+    a capture that fails falls back to it; ``method`` says which, and the
+    table prints it. On the CPU: wall clock."""
+    times: list[float] = []
+    method = "eager"
+    if device.type == "cuda":
+        fn()  # compile and allocate outside any capture
+        torch.cuda.synchronize(device)
+        graph, failure = _captured(fn, graph_calls, device) if graph_calls else (None, "")
+        method = "graph" if graph is not None else (
+            f"eager, host launch included ({failure})" if failure else "eager")
+        for index in range(repeats + 1):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            graph.replay() if graph is not None else fn()
             end.record()
             end.synchronize()
-            elapsed = start.elapsed_time(end)
-        else:
+            if index:
+                times.append(start.elapsed_time(end) / (graph_calls if graph is not None else 1))
+    else:
+        for index in range(repeats + 1):
             began = time.perf_counter()
             fn()
             elapsed = (time.perf_counter() - began) * 1e3
-        if index:
-            times.append(elapsed)
-    return statistics.median(times)
+            if index:
+                times.append(elapsed)
+    result = Timing(statistics.median(times))
+    result.method = method
+    return result
+
+
+def _captured(fn: Callable[[], object], calls: int, device: torch.device):
+    """(a CUDA graph of ``calls`` calls of ``fn``, "") or (None, why it failed)."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        torch.cuda.synchronize(device)
+    except Exception as error:  # the row then says it timed eager calls, and why
+        torch.cuda.synchronize(device)
+        return None, f"{type(error).__name__}: {str(error)[:60]}"
+    return graph, ""
 
 
 def _row(name: str, num_bytes: float, ms: float, **extra: Any) -> dict[str, Any]:
-    return {"kernel": name, "MB": num_bytes / 1e6, "ms": ms,
-            "GBps": num_bytes / ms / 1e6 if ms > 0 else None, **extra}
+    timing = {"timing": ms.method} if isinstance(ms, Timing) else {}
+    return {"kernel": name, "MB": num_bytes / 1e6, "ms": float(ms),
+            "GBps": num_bytes / ms / 1e6 if ms > 0 else None, **timing, **extra}
 
 
 def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32768,
@@ -204,12 +247,13 @@ def _prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen):
         kernels.attend_prompt_units(query, staged, table, first=0, seq_len=context,
                                     scale=head_size ** -0.5)
 
-    product_ms = timed(product, device, repeats=3)
+    product_ms = timed(product, device, repeats=3, graph_calls=0)  # host copies, ~30 ms
     q = query.view(1, context, -1, head_size).transpose(1, 2)
     k, v = key.view(1, context, kv_heads, head_size).transpose(1, 2), None
     v = value.view(1, context, kv_heads, head_size).transpose(1, 2)
     dense_ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                            enable_gqa=True), device, repeats=3)
+                                                            enable_gqa=True), device, repeats=3,
+                     graph_calls=0)
     if owner is not None:
         owner.close()
     kv_bytes = 2 * context * kv_heads * head_size * key.element_size()
@@ -218,7 +262,8 @@ def _prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen):
 
 
 def markdown(limits: dict[str, Any]) -> str:
-    """The table, each kernel's GB/s also as a fraction of the streaming read."""
+    """The table, each kernel's GB/s also as a fraction of the streaming read
+    (the note says how each row was timed: ``timed``)."""
     stream = limits["streaming_read_GBps"] or 0
     lines = [f"Kernels at {limits['context']} tokens ({limits['dtype']}), against a streaming "
              f"read of {stream:.0f} GB/s and a pinned copy of "
@@ -230,6 +275,8 @@ def markdown(limits: dict[str, Any]) -> str:
         note = (f"SDPA causal {row['sdpa_causal_ms']:.2f} ms: {row['ratio_to_sdpa']:.2f}x"
                 if "ratio_to_sdpa" in row else (f"width {row['width']}" if "width" in row
                                                 else ""))
+        if row.get("timing"):
+            note = f"{note}; {row['timing']}" if note else row["timing"]
         lines.append(f"| {row['kernel']} | {row['MB']:.1f} | {row['ms']:.3f} | "
                      f"{row['GBps'] or 0:.1f} | {share if share is not None else 0:.2f} | "
                      f"{note} |")
