@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu import selection_trace
+from benchmarks.gpu import kernel_limits, selection_trace
 from benchmarks.gpu.decoder import Decoder, DecoderShape
 from benchmarks.gpu.product import Product, Resident, cache_slots
 from benchmarks.gpu.variants import Dense, DenseUnits, FullOffload, KVSetup, Streams
@@ -219,19 +219,11 @@ def h2d_limits(pool: torch.Tensor, device: torch.device) -> dict[str, float]:
     slots = torch.arange(unit_count, device=device)
     number = torch.tensor([unit_count], device=device)
 
-    def timed(fn) -> float:
-        times = []
-        for _ in range(6):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times[1:])
-
-    copy_ms = timed(lambda: target.copy_(flat[:count], non_blocking=True))
-    gather_ms = timed(lambda: kernels.gather_units(pool, cache, units, slots, number))
+    # Eager calls: each moves ~1 GiB, so the host's launch is no part of the time.
+    copy_ms = kernel_limits.timed(lambda: target.copy_(flat[:count], non_blocking=True),
+                                  device, repeats=5, graph_calls=0)
+    gather_ms = kernel_limits.timed(lambda: kernels.gather_units(pool, cache, units, slots, number),
+                                    device, repeats=5, graph_calls=0)
     return {"copy_GBps": count * flat.element_size() / copy_ms / 1e6,
             "gather_GBps": unit_count * cache[0].numel() * cache.element_size() / gather_ms / 1e6,
             "gather_ctas": kernels.gather_ctas(
