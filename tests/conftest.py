@@ -67,3 +67,23 @@ def skew_cache(tmp_path_factory, request):
         os.environ.pop("VLLM_INFINIGEN_CACHE", None)
     else:
         os.environ["VLLM_INFINIGEN_CACHE"] = previous
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The machine's CPU beside the result (CI shows only the end of its output):
+    a failure that depends on the instruction set names it."""
+    import os
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip()
+                  for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown") \
+        if Path("/proc/cpuinfo").exists() else "unknown"
+    extras = [name for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"),
+                                       ("amx_tile", "_is_amx_tile_supported"))
+              if getattr(torch.cpu, probe, lambda: False)()]
+    terminalreporter.write_line(
+        f"machine: {model}, {os.cpu_count()} cores, ATen CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+        + (f" ({', '.join(extras)})" if extras else ""))

@@ -141,6 +141,15 @@ def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
 
+def _largest_diffs(a: list[list[float]], b: list[list[float]], count: int = 4) -> str:
+    """Where two score lists differ most (for a failure message): window, token, both values."""
+    diffs = sorted(((abs(x - y), w, i, x, y) for w, (row_a, row_b) in enumerate(zip(a, b))
+                    for i, (x, y) in enumerate(zip(row_a, row_b))), reverse=True)
+    median = diffs[len(diffs) // 2][0]
+    return (f"median |diff| {median:.2e}; largest: "
+            + ", ".join(f"window {w} token {i}: {x:.6f} vs {y:.6f}" for _, w, i, x, y in diffs[:count]))
+
+
 def test_dense_teacher_forcing_equals_prefill_logprobs(dense):
     # The same conditional log-probabilities, once by decode and once by prefill:
     # the forced tokens are fed back and the logprobs are read unmasked.
@@ -162,11 +171,13 @@ def test_small_budget_changes_decode_logprobs(dense, infinigen):
 
 def test_selecting_everything_equals_dense(dense, infinigen):
     assert infinigen["full_fraction"] == 1.0
-    assert _max_abs_diff(infinigen["full"], dense["forced"]) < 1e-3
+    assert _max_abs_diff(infinigen["full"], dense["forced"]) < 1e-3, \
+        _largest_diffs(infinigen["full"], dense["forced"])
 
 
 def test_prompt_logprobs_are_dense_outside_the_evaluation_mode(dense, infinigen):
-    assert _max_abs_diff(infinigen["plain_prefill"], dense["prefill"]) < 1e-3
+    assert _max_abs_diff(infinigen["plain_prefill"], dense["prefill"]) < 1e-3, \
+        _largest_diffs(infinigen["plain_prefill"], dense["prefill"])
 
 
 def test_evaluation_mode_equals_teacher_forcing(dense, infinigen):
