@@ -18,6 +18,7 @@ import torch
 
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.platforms.cpu import kernels
+from vllm_infinigen.platforms.cpu.huge_pages import zeros_on_huge_pages
 from vllm_infinigen.platforms.cpu.pool_index import make_pool_index
 from vllm_infinigen.platforms.cpu.transfer import make_transfer
 from vllm_infinigen.worker.block_layout import entries_of
@@ -40,9 +41,11 @@ class CpuDataPath:
     def __init__(self, transfer: str) -> None:
         self.transfer = make_transfer(transfer, CPU)
         self._window: dict[str, float] | None = None  # the selection kernels' settings
+        self._pages: str | None = None  # the pools' pages, for the log (``huge_pages``)
 
     def describe(self) -> str:
-        return f"transfer {self.transfer.name}; CPU kernels for {kernels.load()}"
+        pages = "" if self._pages is None else f"; pool on {self._pages}"
+        return f"transfer {self.transfer.name}; CPU kernels for {kernels.load()}{pages}"
 
     def configure(self, config) -> None:
         """Keeps the settings the selection kernels take at each call."""
@@ -52,9 +55,8 @@ class CpuDataPath:
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype) -> None:
         layer.num_blocks = num_blocks
-        layer.kv_pool = torch.zeros(
-            (plan.num_units, layer.num_kv_heads, plan.block_size, 2 * layer.head_size),
-            dtype=dtype, device=CPU)
+        layer.kv_pool, self._pages = zeros_on_huge_pages(
+            (plan.num_units, layer.num_kv_heads, plan.block_size, 2 * layer.head_size), dtype)
         layer.selector = functools.partial(self.select, layer)  # tokens, in the kernels
         layer.allocate_speculation_keys(num_blocks, plan.block_size, dtype, CPU)
 
