@@ -259,3 +259,30 @@ def test_the_sparse_layer_writes_nothing_in_its_kv_update_and_all_in_its_forward
     assert torch.equal(fused_out, out) and out[1].eq(7.0).all()
     assert torch.equal(fused_pool, pool)
     assert fused_counts == counts and counts["selected_tokens.2"] == CONTEXT
+
+
+# -- vLLM's per-step slot mappings of the sparse groups ---------------------------------
+
+def test_the_sparse_groups_compute_no_slot_mapping_with_pool_residency():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
+
+    from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
+    from vllm_infinigen.worker.short_path import skip_sparse_slot_mappings
+
+    dense = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=DIM, dtype=torch.float32)
+    specs = [dense, InfiniGenSparseSpec.of(dense), InfiniGenSparseSpec.of(dense),
+             InfiniGenSparseSpec.of(dense, device_first=True)]
+    tables = MultiGroupBlockTable(max_num_reqs=2, max_num_batched_tokens=8, pin_memory=False,
+                                  device=torch.device("cpu"), block_sizes=[16] * 4,
+                                  max_num_blocks=[4] * 4)
+    runner = SimpleNamespace(input_batch=SimpleNamespace(block_table=tables))
+    groups = [SimpleNamespace(kv_cache_spec=spec) for spec in specs]
+    assert skip_sparse_slot_mappings(runner, groups) == [1, 2]
+    modes = [table.slot_mapping_mode for table in tables.block_tables]
+    assert modes == [SlotMappingMode.TOKEN_TO_KV_SLOT, SlotMappingMode.NONE,
+                     SlotMappingMode.NONE, SlotMappingMode.TOKEN_TO_KV_SLOT]
+    tables[1].slot_mapping.cpu.fill_(5)
+    tables[1].compute_slot_mapping(1, torch.tensor([0, 1], dtype=torch.int32),
+                                   torch.tensor([3]))
+    assert tables[1].slot_mapping.cpu.eq(5).all()  # returned at once

@@ -73,3 +73,32 @@ class ShortPathMixin:
         plan = self.plan_for(attn_metadata, self.block_size)
         self.data_path.decode_short(state, plan.dense_rows, query, key, value, slot_mapping,
                                     self.row_map(state), output)
+
+
+def skip_sparse_slot_mappings(model_runner, kv_cache_groups) -> list[int]:
+    """Stops vLLM's runner computing a slot mapping per step for the sparse
+    layers' KV-cache groups (pool residency; ``docs/short_path.md``, option a).
+
+    Their groups hold no blocks and the sparse layers write by the dense
+    group's slots (``runtime.reference_layer``), so the per-group slot mapping
+    is never read; vLLM's mode for groups without one (Mamba's,
+    ``SlotMappingMode.NONE``) makes ``BlockTable.compute_slot_mapping`` return
+    at once. Their buffers keep zeros (-1 in a padded tail), which the sparse
+    layers' KV update receives and ignores. Not with
+    ``--infinigen-residency device-first``: the resident layers write vLLM's
+    blocks by it.
+
+    Returns:
+        The KV-cache group ids changed.
+    """
+    from vllm.v1.worker.block_table import SlotMappingMode
+
+    from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
+
+    changed = []
+    for gid, group in enumerate(kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, InfiniGenSparseSpec) and not spec.device_first:
+            model_runner.input_batch.block_table[gid].slot_mapping_mode = SlotMappingMode.NONE
+            changed.append(gid)
+    return changed
