@@ -65,8 +65,10 @@ TIMED = (("vllm_infinigen.policies.infinigen", "partial_query", "query projectio
          ("vllm_infinigen.platforms.cpu.kernels", "attend_decode", "attend"),
          ("vllm_infinigen.platforms.cpu.kernels", "write_pool", "write"),
          ("vllm_infinigen.platforms.cpu.kernels", "write_int_keys", "write"),
-         ("vllm_infinigen.platforms.cpu.kernels", "write_partial_keys", "write"))
-ENTRY_POINTS = ("begin_step", "begin_layer", "attend", "write")
+         ("vllm_infinigen.platforms.cpu.kernels", "write_partial_keys", "write"),
+         # The short path's one op (a step below min-context): its write counted as attend.
+         ("vllm_infinigen.platforms.cpu.kernels", "decode_short", "attend"))
+ENTRY_POINTS = ("begin_step", "begin_layer", "attend", "write", "decode_short")
 TITLE = "Where a decode step's time goes: InfiniGen by component beside dense vLLM"
 
 

@@ -56,8 +56,11 @@ class InfiniGenImplMixin:
         context = get_forward_context()
         if not takes_part(runtime, context.attn_metadata):  # its slots: all PAD_SLOT_ID
             return
+        dense_metadata = context.attn_metadata[runtime.reference_layer]
+        if runtime.fuses_short(dense_metadata):
+            return  # the forward writes and attends in one op (``runtime.decode_short``)
         slots = context.slot_mapping[runtime.reference_layer]
-        runtime.begin_step(context.attn_metadata[runtime.reference_layer], slots)
+        runtime.begin_step(dense_metadata, slots)
         num_tokens = slots.shape[0]
         runtime.write(state, key[:num_tokens], value[:num_tokens], slots)
 
@@ -79,7 +82,13 @@ class InfiniGenImplMixin:
             if not state.sparse:
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                        output, output_scale, output_block_scale)
-            runtime.attend_decode(state, plan, query, output)  # its dense rows
+            if key is not None and runtime.fuses_short(dense_metadata):
+                # Its write (skipped by its KV update) and its dense rows, in one op.
+                runtime.decode_short(state, dense_metadata,
+                                     context.slot_mapping[runtime.reference_layer],
+                                     query, key, value, output)
+            else:
+                runtime.attend_decode(state, plan, query, output)  # its dense rows
             return output
         plan = runtime.begin_layer(state, dense_metadata,
                                    context.slot_mapping[runtime.reference_layer],

@@ -38,6 +38,7 @@ from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, mod
 from vllm_infinigen.worker.attention import install, layer_sources
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.runtime import InfiniGenRuntime, PromptLengths
+from vllm_infinigen.worker.short_path import skip_sparse_slot_mappings
 
 
 def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -181,6 +182,8 @@ class InfiniGenWorkerMixin:
                          setup.step_tokens),
             budget=budget, sized_by=sized_by, free=psutil.virtual_memory().available)
         runtime.allocate_pool(plan, kv_cache_config.num_blocks, self.model_config.dtype)
+        if not runtime.data_path.plans_on_device:  # (the CPU's; CUDA's graphs left as they are)
+            skip_sparse_slot_mappings(self.model_runner, kv_cache_config.kv_cache_groups)
         self._dense_group = dense_group_index(kv_cache_config.kv_cache_groups)
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 

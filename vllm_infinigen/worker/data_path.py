@@ -20,6 +20,9 @@ which policy selects, when the next layer's selection is made. A platform's
                     the attention (CPU: nothing to move)
     attend_selected layer i+1: waits for its own fetch, attends over it
     attend_dense    rows with a short context, over their whole context
+    decode_short    optional (the CPU's): a short decode-only step's write and
+                    dense attention of a layer in one call (``runtime.fuses_short``);
+                    a data path without it runs ``write`` + ``attend_dense``
     attend_prompt   prompt rows, causally over the pool and the step's tokens
                     (the pool need not be addressable by the attention kernel)
     release_blocks  a finished or preempted request's block ids (a device

@@ -39,6 +39,7 @@ from vllm_infinigen.worker.counters import CounterDrain
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.layer_state import LayerSource, LayerState
 from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex
+from vllm_infinigen.worker.short_path import ShortPathMixin
 from vllm_infinigen.worker.step_plan import StepPlan, build_plan
 
 logger = init_logger(__name__)
@@ -48,8 +49,9 @@ logger = init_logger(__name__)
 PromptLengths = Callable[[int], torch.Tensor]
 
 
-class InfiniGenRuntime:
-    """Owns every layer's state, the pool index and the per-step plan on one worker.
+class InfiniGenRuntime(ShortPathMixin):
+    """Owns every layer's state, the pool index and the per-step plan on one
+    worker; a short decode-only step in one call per layer (``short_path.py``).
 
     Args:
         config: The engine's settings with ``alpha`` resolved for the model.

@@ -125,6 +125,22 @@ class CpuDataPath:
                                      None, scale=layer.scale, row_map=row_map,
                                      stats=layer.stats)
 
+    def decode_short(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+                     key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                     row_map: torch.Tensor | None, out: torch.Tensor) -> None:
+        """``write`` and ``attend_dense`` of a short decode-only step in one
+        kernel call (``kernels.decode_short``; ``runtime.decode_short``):
+        ``rows`` are the step's first rows, their output written into ``out``.
+
+        Args:
+            query, out: [T, H_q, D]; key, value: [T, H_kv, D]; slots: [T].
+        """
+        kernels.decode_short(query, key, value, layer.kv_pool, slots, rows.block_table,
+                             rows.context_lens, scale=layer.scale, row_map=row_map,
+                             key_codes=layer.key_codes, key_scales=layer.key_scales,
+                             partial_keys=layer.partial_keys, skew=layer.skew,
+                             stats=layer.stats, out=out)
+
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
         kernels.attend_prefill(query, output, layer.kv_pool, plan.all_block_table,

@@ -14,7 +14,7 @@ import torch
 
 from vllm_infinigen.platforms.cpu.kernels.build import cache_dir, load
 
-__all__ = ["attend_decode", "attend_prefill", "cache_dir", "load", "record_uses",
+__all__ = ["attend_decode", "attend_prefill", "cache_dir", "decode_short", "load", "record_uses",
            "select_tokens", "select_tokens_int", "write_int_keys", "write_partial_keys",
            "write_pool"]
 
@@ -143,6 +143,39 @@ def attend_decode(query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch
     """
     return _ops().attend_decode(query, kv_pool, block_table, context_lens, positions, row_map,
                                 float(scale), probs, stats)
+
+
+def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 kv_pool: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, *, scale: float,
+                 row_map: torch.Tensor | None = None, key_codes: torch.Tensor | None = None,
+                 key_scales: torch.Tensor | None = None,
+                 partial_keys: torch.Tensor | None = None, skew: torch.Tensor | None = None,
+                 stats: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """A sparse layer's short decode step in one call (every row below
+    ``--infinigen-min-context``): ``write_pool``, then ``write_int_keys`` (int
+    keys; only when a slot closes a 16-token group) or ``write_partial_keys``,
+    then ``attend_decode`` with ``positions`` None over the first
+    ``len(context_lens)`` rows of ``query``. The same kernels, called from C++:
+    the same pool, keys, output and ``stats``.
+
+    Args:
+        query: [T, H_q, D] the step's queries; row b attends for ``context_lens[b]``.
+        key, value: [T, H_kv, D] the step's new entries (``write_pool``).
+        slot_mapping: [T] slot ids of the dense group (< 0: padding).
+        key_codes, key_scales: The layer's int keys (``write_int_keys``), or
+        partial_keys, skew: its partial keys (``write_partial_keys``); neither:
+            the pool alone.
+        stats: [2] float64 counters (``attend_decode``).
+        out: [T, H_q, D] whose first rows receive the output, or None.
+
+    Returns:
+        [len(context_lens), H_q, D] in the query's dtype.
+    """
+    return _ops().decode_short(query, key, value, kv_pool, slot_mapping, block_table,
+                               context_lens, row_map, float(scale), key_codes, key_scales,
+                               partial_keys, skew, stats, out)
 
 
 def attend_prefill(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,

@@ -23,7 +23,7 @@
 namespace infinigen {
 namespace {
 
-constexpr int64_t kGroupTokens = 16;
+constexpr int64_t kGroupTokens = kKeyGroupTokens;
 static_assert(kGroupTokens % kVecSize == 0, "a group is whole vectors");
 constexpr int64_t kGroupVecs = kGroupTokens / kVecSize;
 

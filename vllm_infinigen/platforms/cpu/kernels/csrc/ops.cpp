@@ -34,6 +34,13 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
       "attend_prefill(Tensor query, Tensor(a!) output, Tensor kv_pool, Tensor block_table, "
       "Tensor query_start, Tensor seq_lens, Tensor requests, Tensor? row_map, "
       "float scale) -> ()");
+  // The short path in one call: write_pool, the speculation keys' write,
+  // attend_decode over every position (a decode step below min_context).
+  m.def(
+      "decode_short(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_pool, "
+      "Tensor slot_mapping, Tensor block_table, Tensor context_lens, Tensor? row_map, "
+      "float scale, Tensor(b!)? key_codes, Tensor(c!)? key_scales, Tensor(d!)? partial_keys, "
+      "Tensor? skew, Tensor(e!)? stats, Tensor(f!)? out) -> Tensor");
   m.def(
       "record_uses(Tensor positions, Tensor block_table, Tensor row_map, Tensor(a!) count, "
       "Tensor(b!) last_used, int tick) -> ()");

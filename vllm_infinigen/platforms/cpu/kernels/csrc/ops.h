@@ -22,6 +22,8 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
 
 // Integer speculation keys (int_keys.cpp): every key channel in `bits` bits per
 // 16-token group, one float16 scale per channel and group.
+constexpr int64_t kKeyGroupTokens = 16;  // tokens per group (layout.KEY_GROUP)
+
 void write_int_keys(at::Tensor& codes, at::Tensor& scales, const at::Tensor& kv_pool,
                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map);
 
@@ -54,6 +56,22 @@ void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tenso
                     const at::Tensor& block_table, const at::Tensor& query_start,
                     const at::Tensor& seq_lens, const at::Tensor& requests,
                     const std::optional<at::Tensor>& row_map, double scale);
+
+// The short path of a sparse layer in one call (short.cpp): write_pool, then
+// write_int_keys (when a slot closes a group; key_codes/key_scales given) or
+// write_partial_keys (partial_keys/skew given), then attend_decode in dense
+// mode over the first context_lens.size(0) query rows; copied into `out`'s
+// first rows when given.
+at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        at::Tensor& kv_pool, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_table, const at::Tensor& context_lens,
+                        const std::optional<at::Tensor>& row_map, double scale,
+                        const std::optional<at::Tensor>& key_codes,
+                        const std::optional<at::Tensor>& key_scales,
+                        const std::optional<at::Tensor>& partial_keys,
+                        const std::optional<at::Tensor>& skew,
+                        const std::optional<at::Tensor>& stats,
+                        const std::optional<at::Tensor>& out);
 
 void record_uses(const at::Tensor& positions, const at::Tensor& block_table,
                  const at::Tensor& row_map, at::Tensor& count, at::Tensor& last_used,

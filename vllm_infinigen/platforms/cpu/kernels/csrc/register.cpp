@@ -12,5 +12,6 @@ TORCH_LIBRARY_IMPL(vllm_infinigen_C, CPU, m) {
   m.impl("select_tokens_int", &infinigen::select_tokens_int);
   m.impl("attend_decode", &infinigen::attend_decode);
   m.impl("attend_prefill", &infinigen::attend_prefill);
+  m.impl("decode_short", &infinigen::decode_short);
   m.impl("record_uses", &infinigen::record_uses);
 }
