@@ -147,6 +147,10 @@ def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
     return settings
 
 
+# The largest KV-cache block vLLM's CPU backend uses (its default there: 128 tokens).
+VLLM_BLOCK_TOKENS = 128
+
+
 def sizing(engine_name: str, shape: kv_math.ModelShape, args) -> tuple[list, int, int, int]:
     """(policies, max_tokens per request, tokens to hold, ``kv_cache_memory_bytes``)."""
     from vllm_infinigen.layout import kv_cache_group_size
@@ -159,7 +163,11 @@ def sizing(engine_name: str, shape: kv_math.ModelShape, args) -> tuple[list, int
     # prefill): room for those tokens, so that no request ends inside a window.
     ahead = max(batch * context for context, batch in points) // args.max_num_batched_tokens
     max_tokens = 2 + len(policies) * per_policy * (1 + args.retries) + ahead + 8
-    tokens = max(batch * (context + max_tokens + 64) for context, batch in points)
+    # Each request's last block rounded up, and the null block vLLM keeps apart
+    # (blocks of up to VLLM_BLOCK_TOKENS): at 256 tokens x 1 the margin alone
+    # left vLLM 3 usable blocks of 128 for a 490-token max_model_len.
+    tokens = max(batch * (context + max_tokens + 64 + VLLM_BLOCK_TOKENS)
+                 for context, batch in points) + VLLM_BLOCK_TOKENS
     kv_bytes = kv_math.kv_space_bytes(
         shape, tokens, setup["kv_manager"], dense_layers=args.dense_layers,
         group_size=kv_cache_group_size(args.dense_layers, shape.layers - args.dense_layers),

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.harness import models, paths
-from benchmarks.perf import (bandwidth, decode_latency, decode_report, gpu_projection, kv_math,
-                             latency_stats, machine, memory_pressure)
+from benchmarks.perf import (bandwidth, decode_latency, decode_report, decode_windows,
+                             gpu_projection, kv_math, latency_stats, machine,
+                             memory_pressure)
 from vllm_infinigen import layout
 from vllm_infinigen.config import InfiniGenConfig
 
@@ -358,7 +359,8 @@ def test_gqa128_kv_space_for_16k_by_4():
     args = decode_latency.parse_args(["--preset", "gqa128"])
     shape = kv_math.ModelShape(layers=16, kv_heads=2, head_dim=128)
     _, max_tokens, tokens, kv_bytes = decode_latency.sizing("dense", shape, args)
-    assert tokens == 4 * (16384 + max_tokens + 64)
+    block = decode_windows.VLLM_BLOCK_TOKENS
+    assert tokens == 4 * (16384 + max_tokens + 64 + block) + block
     assert kv_bytes == math.ceil(tokens * 16 * 2048 * 1.15)
     assert 2.0 * 2**30 < kv_bytes < 2.6 * 2**30
 
