@@ -186,6 +186,11 @@ void write_int_keys(at::Tensor& codes, at::Tensor& scales, const at::Tensor& kv_
               "kv_pool does not match codes: [units, H_kv, 16 * G, 2 * D]");
   const int64_t num_tokens = slot_mapping.size(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto closes_group = [](int64_t slot) {
+    return slot >= 0 && slot % kGroupTokens == kGroupTokens - 1;
+  };
+  // Most decode steps close no group (1 in 16): nothing to encode, no parallel region.
+  if (std::none_of(slots, slots + num_tokens, closes_group)) return;
   const float half = half_range(bits);
   const float max_code = static_cast<float>((1 << bits) - 1);
   uint8_t* code_data = codes.data_ptr<uint8_t>();
@@ -198,7 +203,7 @@ void write_int_keys(at::Tensor& codes, at::Tensor& scales, const at::Tensor& kv_
       for (int64_t index = begin; index < end; ++index) {
         const int64_t token = index / num_heads, head = index % num_heads;
         const int64_t slot = slots[token];
-        if (slot < 0 || slot % kGroupTokens != kGroupTokens - 1) continue;
+        if (!closes_group(slot)) continue;
         const int64_t block_id = slot / block_size, offset = slot % block_size;
         TORCH_CHECK(block_id < num_blocks, "slot ", slot, " beyond the speculation keys");
         const int64_t group = offset / kGroupTokens, first = group * kGroupTokens;

@@ -35,16 +35,10 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
   // row attends over its own new entry.
   write_pool(kv_pool, key, value, slots, row_map);
   if (key_codes.has_value()) {
-    // Only a step that writes the last token of a 16-token group encodes
-    // (write_int_keys skips every other slot; a step without one needs no call).
-    const int64_t* ids = slots.data_ptr<int64_t>();
-    bool closes = false;
-    for (int64_t t = 0; t < slots.size(0) && !closes; ++t)
-      closes = ids[t] >= 0 && ids[t] % kKeyGroupTokens == kKeyGroupTokens - 1;
-    if (closes) {
-      at::Tensor codes = *key_codes, scales = *key_scales;
-      write_int_keys(codes, scales, kv_pool, slots, row_map);
-    }
+    // Encodes only where a slot closes a 16-token group (write_int_keys returns
+    // at once in a step without one).
+    at::Tensor codes = *key_codes, scales = *key_scales;
+    write_int_keys(codes, scales, kv_pool, slots, row_map);
   } else if (partial_keys.has_value()) {
     at::Tensor partial = *partial_keys;
     write_partial_keys(partial, key, *skew, slots);
