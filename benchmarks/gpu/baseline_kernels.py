@@ -7,7 +7,7 @@ against them (``kernel_limits.py``).
                            its code's byte and its group's scale, so a group's
                            bytes are loaded 16 times (4 % of an H200's
                            streaming read at 32K x 1, gpu_decode_step.md).
-                           Its replacement, ``triton_select._int_scores``,
+                           Its replacement, ``triton_scoring._int_scores_sums``,
                            reads each group's words and scales once.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_infinigen.platforms.cuda import triton_select
+from vllm_infinigen.platforms.cuda import triton_scoring
 
 
 @triton.jit
@@ -68,8 +68,8 @@ def _int_scores_per_token(query, codes, scales, table, context_lens, token_out, 
 
 def int_scores_per_token(query, codes, scales, table, context_lens, token_out, block_out, *,
                          scale: float, tile: int = 64, num_warps: int = 4) -> None:
-    """Launches ``_int_scores_per_token`` (``triton_select.int_scores``'s arguments)."""
-    grid, sizes, constants = triton_select.int_scores_launch(query, codes, table, token_out,
-                                                             block_out, tile)
+    """Launches ``_int_scores_per_token`` (``triton_scoring.int_scores``' arguments)."""
+    grid, sizes, constants = triton_scoring.int_scores_launch(query, codes, table, token_out,
+                                                              block_out, tile)
     _int_scores_per_token[grid](query, codes, scales, table, context_lens, token_out, block_out,
                                 scale, *sizes, **constants, num_warps=num_warps)

@@ -10,9 +10,11 @@ streaming read of device memory (a reduction over 1 GiB) and one pinned host-to-
     attend_units   decode attention over a whole context (select-all), and
                    torch SDPA over the same K/V (what dense attention costs)
     int_scores     the int keys of a whole context scored, block maxima too;
-                   on CUDA at 8 rows too, and the kernel it replaced
+                   on CUDA at 8 rows too, the tensor-core form
+                   (``triton_scoring``'s dot) and the kernel it replaced
                    (``baseline_kernels.py``) at 1 and 8 rows
-    select         the block rule over the block scores (no sort)
+    select         the block rule over the block scores (no sort); on CUDA
+                   at 8 rows too, and the chunked search at 1 and 8 rows
     place          the cache placement of one step's selection
     gather         a selection's units from the pinned pool
     prompt         a prompt of the context's length: the write-through, the
@@ -167,6 +169,8 @@ def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32
         lambda: select_ops.select(block_scores, counts, context_lens, block_table, settings,
                                   block_size=block, width=width, sink_blocks=1,
                                   recent_blocks=1), device), width=width))
+    if device.type == "cuda":
+        rows.extend(_select_rows(block_scores, counts, context_lens, settings, width, block))
     _, physical, selected = select_ops.select(block_scores, counts, context_lens, block_table,
                                               settings, block_size=block, width=width,
                                               sink_blocks=1, recent_blocks=1)
@@ -203,17 +207,41 @@ def _int_scores_rows(codes: torch.Tensor, scales: torch.Tensor, speculation: tor
             out.append(_row(f"int_scores x{batch}", key_bytes, timed(
                 lambda: select_ops.int_scores(query, many_codes, many_scales, table, lens,
                                               scale=scale), device)))
-            if device.type == "cuda":  # tokens per program, against the default 64
-                from vllm_infinigen.platforms.cuda import triton_select
+        if device.type == "cuda":  # the tensor-core form, against the default (sums)
+            from vllm_infinigen.platforms.cuda import triton_scoring
 
-                for tile in (128, 256):
-                    out.append(_row(f"int_scores x{batch}, tile {tile}", key_bytes, timed(
-                        lambda tile=tile: triton_select.int_scores(
-                            query, many_codes, many_scales, table, lens, tokens, block_scores,
-                            scale=scale, tile=tile), device)))
+            out.append(_row(f"int_scores x{batch}, dot (tf32x3), tile 64", key_bytes, timed(
+                lambda: triton_scoring.int_scores(query, many_codes, many_scales, table, lens,
+                                                  tokens, block_scores, scale=scale,
+                                                  method="dot"), device)))
         out.append(_row(f"int_scores x{batch}, per token (the kernel before)", key_bytes, timed(
             lambda: int_scores_per_token(query, many_codes, many_scales, table, lens, tokens,
                                          block_scores, scale=scale), device)))
+    return out
+
+
+def _select_rows(block_scores: torch.Tensor, counts: torch.Tensor, context_lens: torch.Tensor,
+                 settings: torch.Tensor, width: int, block: int) -> list[dict[str, Any]]:
+    """The block choice at 8 rows, and the chunked threshold search it replaced (each
+    pass re-reading the scores) at 1 and 8 rows."""
+    from vllm_infinigen.platforms.cuda import triton_select
+
+    out, device = [], block_scores.device
+    for batch in (1, 8):
+        scores = block_scores.repeat(batch, 1, 1)
+        many_counts, lens = counts.repeat(batch), context_lens.repeat(batch)
+        table = torch.arange(batch * scores.shape[-1], dtype=torch.int32,
+                             device=device).view(batch, -1)
+        got = (torch.empty(scores.shape[:2] + (width,), dtype=torch.int64, device=device),
+               torch.empty(scores.shape[:2] + (width,), dtype=torch.int64, device=device),
+               torch.empty(scores.shape[0] * scores.shape[1], dtype=torch.int32, device=device))
+        forms = ((f"select x{batch}", triton_select.RESIDENT_BLOCKS),
+                 (f"select x{batch}, chunked (the kernel before)", 0))
+        for name, resident in forms[batch == 1:]:
+            out.append(_row(name, scores.numel() * 4, timed(
+                lambda resident=resident: triton_select.select_blocks(
+                    scores, many_counts, lens, table, settings, *got, block_size=block,
+                    sink_blocks=1, recent_blocks=1, resident=resident), device), width=width))
     return out
 
 

@@ -15,7 +15,11 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vllm_infinigen.platforms.cuda import triton_kernels, triton_select  # noqa: E402
+from vllm_infinigen.platforms.cuda import (  # noqa: E402
+    triton_kernels,
+    triton_scoring,
+    triton_select,
+)
 
 SM90 = GPUTarget("cuda", 90, 32)
 HEADS = {"H": 8, "G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16}
@@ -50,22 +54,24 @@ def _kernel_cases():
                {"pool": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "slots": "*i64"},
                {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": bits,
                 "HALF": ((1 << bits) - 1) / 2, "TOP": float((1 << bits) - 1)})
-        yield (triton_select._int_scores,
-               {"query": f"*{dtype}", "codes": "*i32", "scales": "*fp16", "table": "*i32",
+        for method, heads_pad in (("sums", 4), ("dot", 16), ("fma", 4)):
+            yield (triton_scoring.KERNELS[method], {
+                "query": f"*{dtype}", "codes": "*i32", "scales": "*fp16", "table": "*i32",
                 "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
-                "settings": "*fp64", "scale": "fp32", "query_row_stride": i64, "table_stride": i64,
-                "num_tokens": i32, "num_blocks": i32},
-               {**HEADS, "BITS": bits, "HALF": ((1 << bits) - 1) / 2, "TILE": 64,
-                "WRITE_BLOCKS": True, "GATED": True})
+                "settings": "*fp64", "scale": "fp32", "query_row_stride": i64,
+                "table_stride": i64, "num_tokens": i32, "num_blocks": i32},
+                {**HEADS, "HEADS_PAD": heads_pad, "BITS": bits, "HALF": ((1 << bits) - 1) / 2,
+                 "TILE": 64, "WRITE_BLOCKS": True, "GATED": True, "PRECISION": "tf32x3"})
     # 1-bit int keys (the reference supports them): 16-bit words, 64-token blocks,
     # ungated (the benchmark's and the references' call).
-    yield (triton_select._int_scores,
-           {"query": "*bf16", "codes": "*i16", "scales": "*fp16", "table": "*i32",
-            "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
-            "settings": "*fp64", "scale": "fp32", "query_row_stride": i64, "table_stride": i64,
-            "num_tokens": i32, "num_blocks": i32},
-           {**HEADS, "BLOCK": 64, "BITS": 1, "HALF": 0.5, "TILE": 64, "WRITE_BLOCKS": True,
-            "GATED": False})
+    for method, heads_pad in (("sums", 4), ("dot", 16), ("fma", 4)):
+        yield (triton_scoring.KERNELS[method],
+               {"query": "*bf16", "codes": "*i16", "scales": "*fp16", "table": "*i32",
+                "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
+                "settings": "*fp64", "scale": "fp32", "query_row_stride": i64,
+                "table_stride": i64, "num_tokens": i32, "num_blocks": i32},
+               {**HEADS, "HEADS_PAD": heads_pad, "BLOCK": 64, "BITS": 1, "HALF": 0.5,
+                "TILE": 64, "WRITE_BLOCKS": True, "GATED": False, "PRECISION": "tf32x3"})
     # A float32 query over bf16 units (the GPU tests' case): the dot's operands in bf16.
     yield (triton_kernels._attend_units,
            {"query": "*fp32", "units": "*bf16", "table": "*i64", "seq_lens": "*i32",
@@ -88,6 +94,12 @@ def _kernel_cases():
             "num_blocks": i32, "table_stride": i32, "width": i32, "sink_blocks": i32,
             "recent_blocks": i32},
            {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024})
+    yield (triton_select._select_resident,
+           {"block_scores": "*fp32", "counts": "*i32", "context_lens": "*i64", "table": "*i32",
+            "settings": "*fp64", "logical": "*i64", "physical": "*i64", "seq_lens": "*i32",
+            "num_blocks": i32, "table_stride": i32, "width": i32, "sink_blocks": i32,
+            "recent_blocks": i32},
+           {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024, "BLOCKS_PAD": 16384})
     yield (triton_select._lookup_lru,
            {"ids": "*i64", "slots": "*i64", "slot_of": "*i32", "block_of": "*i64",
             "last_used": "*i64", "ticks": "*i64", "victims": "*i64", "fetch_units": "*i64",

@@ -36,6 +36,13 @@ def triton_kernels():
 
 
 @pytest.fixture(scope="module")
+def triton_scoring():
+    from vllm_infinigen.platforms.cuda import triton_scoring
+
+    return triton_scoring
+
+
+@pytest.fixture(scope="module")
 def triton_select():
     from vllm_infinigen.platforms.cuda import triton_select
 
@@ -145,8 +152,10 @@ def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype,
 
 @pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
                                                   (2, torch.bfloat16, 24)])
-@pytest.mark.parametrize("tile", [16, 64, 256])
-def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head_size, tile):
+@pytest.mark.parametrize("method,tile", [("sums", 16), ("sums", 64), ("sums", 256),
+                                         ("dot", 32), ("dot", 64), ("fma", 16), ("fma", 64)])
+def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head_size, method,
+                                               tile):
     """The int keys read in place: the torch form's scores (it dequantizes every
     block), open groups -inf, 3 query heads per KV head, a padded head size."""
     from tests.reference.int_key_pools import Pool
@@ -159,10 +168,10 @@ def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head
                                                 pool.block_table, pool.context_lens, scale=0.25)
     got = torch.empty_like(expected)
     table = pool.block_table if tile == 16 else pool.block_table.long()  # either index dtype
-    from vllm_infinigen.platforms.cuda import triton_select
+    from vllm_infinigen.platforms.cuda import triton_scoring
 
-    triton_select.int_scores(query, pool.codes, pool.scales, table, pool.context_lens, got, None,
-                             scale=0.25, tile=tile)
+    triton_scoring.int_scores(query, pool.codes, pool.scales, table, pool.context_lens, got, None,
+                              scale=0.25, tile=tile, method=method)
     assert torch.equal(got == float("-inf"), expected == float("-inf"))
     finite = expected > float("-inf")
     assert finite.sum() > 0
@@ -173,8 +182,10 @@ def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head
 
 
 @pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
-                                                  (2, torch.bfloat16, 24)])
-def test_int_scores_and_block_maxima_equal_the_torch_form(triton_select, bits, dtype, head_size):
+                                                  (2, torch.bfloat16, 24), (1, torch.float32, 16)])
+@pytest.mark.parametrize("method", ["sums", "dot", "fma"])
+def test_int_scores_and_block_maxima_equal_the_torch_form(triton_scoring, bits, dtype, head_size,
+                                                          method):
     """Token scores and each block's best, a padding row (context -1) all -inf,
     the query a strided view (a row of a wider tensor)."""
     pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
@@ -187,8 +198,8 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_select, bits, d
                                               context_lens, scale=0.25)
     blocks = block_selection.block_scores(tokens, context_lens, POOL_BLOCK)
     got_tokens, got_blocks = torch.empty_like(tokens), torch.empty_like(blocks)
-    triton_select.int_scores(query, pool.codes, pool.scales, pool.block_table, context_lens,
-                             got_tokens, got_blocks, scale=0.25)
+    triton_scoring.int_scores(query, pool.codes, pool.scales, pool.block_table, context_lens,
+                              got_tokens, got_blocks, scale=0.25, method=method)
     for got, expected in ((got_tokens, tokens), (got_blocks, blocks)):
         assert torch.equal(got == float("-inf"), expected == float("-inf"))
         finite = expected > float("-inf")
@@ -197,7 +208,8 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_select, bits, d
     assert (got_tokens[2] == float("-inf")).all()
 
 
-def test_token_scores_are_written_only_while_alpha_is_on(triton_select):
+@pytest.mark.parametrize("method", ["sums", "dot", "fma"])
+def test_token_scores_are_written_only_while_alpha_is_on(triton_select, triton_scoring, method):
     """Gated by the settings (the data path's call): alpha off writes no token score
     (alpha_counts reads none then) and the same block scores; alpha on writes them."""
     pool = Pool(seed=7, bits=2, dtype=torch.bfloat16, num_kv_heads=2, head_size=24,
@@ -209,9 +221,9 @@ def test_token_scores_are_written_only_while_alpha_is_on(triton_select):
     for alpha, written in ((float("inf"), False), (5.0, True)):
         settings = select_ops.settings_tensor(alpha, 0.2, 0, "cpu")
         got_tokens, got_blocks = torch.full_like(tokens, 7.0), torch.empty_like(blocks)
-        triton_select.int_scores(query, pool.codes, pool.scales, pool.block_table,
-                                 pool.context_lens, got_tokens, got_blocks, scale=0.25,
-                                 settings=settings)
+        triton_scoring.int_scores(query, pool.codes, pool.scales, pool.block_table,
+                                  pool.context_lens, got_tokens, got_blocks, scale=0.25,
+                                  settings=settings, method=method)
         torch.testing.assert_close(got_blocks, blocks, atol=1e-5, rtol=1e-5)
         if written:
             torch.testing.assert_close(got_tokens, tokens, atol=1e-5, rtol=1e-5)
@@ -228,7 +240,7 @@ def test_token_scores_are_written_only_while_alpha_is_on(triton_select):
 @pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
                                                   (2, torch.bfloat16, 24)])
 def test_the_replaced_int_scoring_kept_for_the_benchmark_equals_the_new_one(
-        triton_select, bits, dtype, head_size):
+        triton_scoring, bits, dtype, head_size):
     """``benchmarks/gpu/baseline_kernels.py`` (the per-token kernel a GPU run measures
     the new one against) computes the same scores; its benchmark rows run."""
     from benchmarks.gpu import baseline_kernels, kernel_limits
@@ -238,7 +250,7 @@ def test_the_replaced_int_scoring_kept_for_the_benchmark_equals_the_new_one(
     query = torch.randn(4, 2, 3, head_size, generator=torch.Generator().manual_seed(8))
     num_blocks = pool.block_table.shape[1]
     results = []
-    for launch in (triton_select.int_scores, baseline_kernels.int_scores_per_token):
+    for launch in (triton_scoring.int_scores, baseline_kernels.int_scores_per_token):
         tokens = torch.empty(4, 2, num_blocks * POOL_BLOCK)
         blocks = torch.empty(4, 2, num_blocks)
         launch(query, pool.codes, pool.scales, pool.block_table, pool.context_lens, tokens,
@@ -279,9 +291,12 @@ def test_alpha_counts_equal_the_reference(triton_select):
 @pytest.mark.parametrize("budget,min_context,sink,recent,cap", [
     (0.2, 0, 1, 1, None), (0.05, 30, 2, 1, None), (0.5, 0, 1, 3, None), (1.0, 0, 1, 1, None),
     (0.5, 0, 1, 1, 20)])
-def test_select_equals_the_reference(triton_select, seed, budget, min_context, sink, recent, cap):
+@pytest.mark.parametrize("resident", [0, 64])
+def test_select_equals_the_reference(triton_select, seed, budget, min_context, sink, recent, cap,
+                                     resident):
     """Random scores with ties (rounded), -inf blocks, a padding row, rows below
-    min_context, a chunk smaller than the row (the threshold search crosses chunks)."""
+    min_context, a chunk smaller than the row (the threshold search crosses chunks), or
+    the row's keys held at once (resident: 64 >= the 40 blocks, padded)."""
     gen = torch.Generator().manual_seed(seed)
     block, table_blocks, heads = 4, 40, 3
     context_lens = torch.tensor([159, 100, 3, -1, 29, 64])
@@ -300,7 +315,7 @@ def test_select_equals_the_reference(triton_select, seed, budget, min_context, s
            torch.empty_like(expected[2]))
     triton_select.select_blocks(scores, counts, context_lens, table.int(), settings, *got,
                                 block_size=block, sink_blocks=sink, recent_blocks=recent,
-                                chunk=16)
+                                chunk=16, resident=resident)
     for got_part, expected_part in zip(got, expected):
         assert torch.equal(got_part, expected_part)
 

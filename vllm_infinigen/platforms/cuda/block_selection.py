@@ -70,7 +70,7 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     inside it: not encoded yet) scores -inf: it lies in the row's own block,
     which the block rule always keeps, so no score of it is needed there (the
     alpha count leaves its at most 15 tokens out). On CUDA (float32) one Triton
-    kernel reads the codes in place (``triton_select.int_scores``);
+    kernel reads the codes in place (``triton_scoring.int_scores``);
     elsewhere this torch form materializes the dequantized keys of the rows'
     blocks (the kernel's reference).
 
@@ -93,15 +93,15 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     if bits not in (1, 2, 4):
         raise ValueError(f"int keys of {bits} bits: 1, 2 or 4 are supported")
     if codes.is_cuda and compute_dtype == torch.float32:
-        from vllm_infinigen.platforms.cuda import triton_select
+        from vllm_infinigen.platforms.cuda import triton_scoring
 
         num_rows, num_heads = query.shape[:2]
         out = torch.empty((num_rows, num_heads, block_table.shape[1] * codes.shape[2] * KEY_GROUP),
                           dtype=torch.float32, device=codes.device)
-        triton_select.int_scores(query.float().contiguous(), codes, scales,
-                                 block_table.to(codes.device).contiguous(),
-                                 context_lens.to(codes.device, torch.int64), out, None,
-                                 scale=scale)
+        triton_scoring.int_scores(query.float().contiguous(), codes, scales,
+                                  block_table.to(codes.device).contiguous(),
+                                  context_lens.to(codes.device, torch.int64), out, None,
+                                  scale=scale)
         return out
     table = block_table.to(torch.int64)
     per_byte = 8 // bits  # byte i holds tokens i * per_byte .. i * per_byte + per_byte - 1

@@ -14,8 +14,9 @@ run without a host read and inside a CUDA graph::
 
 ``settings`` is a float64 device tensor (``SETTINGS``: alpha, budget,
 min_context) that a running engine updates in place. On CUDA each function
-launches its Triton kernel (``triton_select.py``); elsewhere it runs the
-torch reference below, which reads nothing back to the host either.
+launches its Triton kernel (``triton_scoring.py``, ``triton_select.py``);
+elsewhere it runs the torch reference below, which reads nothing back to the
+host either.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         tokens = block_selection.int_token_scores(query, codes, scales, table, context_lens,
                                                   scale=scale)
         return tokens, block_selection.block_scores(tokens, context_lens, block_size)
-    from vllm_infinigen.platforms.cuda import triton_select
+    from vllm_infinigen.platforms.cuda import triton_scoring
 
     rows, heads, group, head_size = query.shape
     if query.stride(3) != 1 or query.stride(2) != head_size or query.stride(1) != group * head_size:
@@ -134,8 +135,8 @@ def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     tokens = torch.empty((rows, heads, num_blocks * block_size), dtype=torch.float32,
                          device=codes.device)
     blocks = torch.empty((rows, heads, num_blocks), dtype=torch.float32, device=codes.device)
-    triton_select.int_scores(query, codes, scales, table, context_lens, tokens, blocks,
-                             scale=scale, settings=settings)
+    triton_scoring.int_scores(query, codes, scales, table, context_lens, tokens, blocks,
+                              scale=scale, settings=settings)
     return tokens, blocks
 
 

@@ -7,13 +7,15 @@ selection's static width), so that a decode step can be captured in a CUDA
 graph (``select_ops.py`` holds the dispatch and the torch references)::
 
     int_scores     token scores from the int keys, read in place, and each
-                   block's best (grid: rows x KV heads, token tiles)
+                   block's best (grid: rows x KV heads, token tiles;
+                   ``triton_scoring.py``)
     alpha_counts   per (row, KV head): tokens within alpha of the best
     select_blocks  per (row, KV head): the budget in blocks (alpha count
                    averaged over the row's KV heads, capped by the budget,
                    plus the sink and recent blocks; every block below
                    ``min_context``), chosen by a threshold search on the
-                   block scores (no sort), written ascending with their
+                   block scores (no sort; the row's keys in registers
+                   up to RESIDENT_BLOCKS), written ascending with their
                    block ids and the tokens the row then attends
     lookup_lru     per KV head: hits, least recently used victims for the
                    misses (a threshold search on the last-use ticks), the
@@ -25,114 +27,15 @@ read from a device tensor, so a captured graph follows them.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 # Constexpr: a jitted function may read no other global.
 _INT32_MIN = tl.constexpr(-2147483648)
 _INT32_MAX = tl.constexpr(2147483647)
-
-
-@triton.jit
-def _int_scores(query, codes, scales, table, context_lens, token_out, block_out, settings,
-                scale, query_row_stride, table_stride, num_tokens, num_blocks,
-                H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                BLOCK: tl.constexpr, BITS: tl.constexpr, HALF: tl.constexpr,
-                TILE: tl.constexpr, WRITE_BLOCKS: tl.constexpr, GATED: tl.constexpr):
-    """Speculated scores of TILE tokens of one (row, KV head), the int keys read in place.
-
-    Grid (rows x KV heads, token tiles). Token t of the row lies in block
-    ``table[row, t // BLOCK]``, group (t % BLOCK) // 16, whose channel c keeps
-    the codes of the group's 16 tokens in one run of 2 * BITS bytes, token i's
-    in bits [BITS * i, + BITS); its key is (code - HALF) x scale[c]. ``codes``
-    is that layout seen as words of min(32, 16 * BITS) bits (the caller's
-    view), so a tile reads each group's codes and scales once, in runs of D
-    words and D halves, and unpacks its 16 tokens from them (a load per token
-    and channel re-read each word 16 / (32 / BITS) times). The score is the
-    best over the G query heads of q . k, times ``scale``; groups at or past
-    the row's context rounded down to 16 (its open group) score -inf and read
-    nothing. With WRITE_BLOCKS, each block's best token score too (TILE a
-    multiple of BLOCK). GATED: the token scores are written only while alpha
-    (``settings[0]``) is finite (``_alpha_counts``, their reader, reads none
-    when it is off).
-    """
-    GROUPS: tl.constexpr = TILE // 16
-    WORD: tl.constexpr = 32 if BITS * 16 >= 32 else BITS * 16  # bits per word
-    WORDS: tl.constexpr = BITS * 16 // WORD  # words per channel of a group (1 or 2)
-    sequence = tl.program_id(0)
-    row = sequence // H
-    head = sequence % H
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    first = groups * 16  # each group's first token
-    encoded = tl.maximum(tl.load(context_lens + row), 0) // 16 * 16
-    read = (first < num_tokens) & (first < encoded)
-    block = tl.load(table + row * table_stride + first // BLOCK, mask=read, other=0).to(tl.int64)
-    cell = (block * H + head) * (BLOCK // 16) + (first % BLOCK) // 16  # [GROUPS]
-    dims = tl.arange(0, D_PAD)
-    mask = read[:, None] & (dims < D)[None, :]
-    channel = cell[:, None] * D + dims[None, :]  # [GROUPS, D_PAD]
-    step = tl.load(scales + channel, mask=mask, other=0.0).to(tl.float32)
-    lanes = tl.arange(0, 16)
-    shift = (BITS * lanes) % WORD  # token i's bits within its word
-    if WORDS == 1:
-        word = tl.load(codes + channel, mask=mask, other=0).to(tl.int32)
-        packed = word[:, :, None]  # [GROUPS, D_PAD, 1]: every token's word
-    else:  # two words: tokens 0-7 in the first, 8-15 in the second
-        low = tl.load(codes + channel * 2, mask=mask, other=0).to(tl.int32)
-        high = tl.load(codes + channel * 2 + 1, mask=mask, other=0).to(tl.int32)
-        packed = tl.where((lanes < 8)[None, None, :], low[:, :, None], high[:, :, None])
-    code = (packed >> shift[None, None, :]) & ((1 << BITS) - 1)  # [GROUPS, D_PAD, 16]
-    keys = (code.to(tl.float32) - HALF) * step[:, :, None]
-    best = tl.full([GROUPS, 16], float("-inf"), tl.float32)
-    query_row = query + row.to(tl.int64) * query_row_stride + head * G * D
-    for group in tl.static_range(G):
-        q = tl.load(query_row + group * D + dims, mask=dims < D, other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.sum(keys * q[None, :, None], axis=1))
-    scores = tl.where(read[:, None], best * scale, float("-inf"))  # [GROUPS, 16]
-    tokens = first[:, None] + lanes[None, :]
-    limit = num_tokens
-    if GATED:  # alpha off: no token written
-        limit = tl.where(tl.load(settings) < float("inf"), num_tokens, 0)
-    tl.store(token_out + sequence.to(tl.int64) * num_tokens + tokens, scores,
-             mask=tokens < limit)
-    if WRITE_BLOCKS:
-        per_block = tl.max(tl.reshape(scores, (TILE // BLOCK, BLOCK)), axis=1)
-        index = tl.program_id(1) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
-        tl.store(block_out + sequence.to(tl.int64) * num_blocks + index, per_block,
-                 mask=index < num_blocks)
-
-
-def int_scores(query, codes, scales, table, context_lens, token_out, block_out, *,
-               scale: float, settings=None, tile: int = 64, num_warps: int = 4) -> None:
-    """Launches ``_int_scores`` on the current stream (arguments:
-    ``select_ops.int_scores``; query [S, H_kv, G, D] with unit strides but the row's;
-    codes [blocks, H_kv, block_size / 16, D, 2 * bits] uint8, bits 1, 2 or 4;
-    settings given: the token scores gated by alpha)."""
-    grid, sizes, constants = int_scores_launch(query, codes, table, token_out, block_out, tile)
-    words = codes.view(torch.int16 if constants["BITS"] == 1 else torch.int32)  # the kernel's
-    _int_scores[grid](query, words, scales, table, context_lens, token_out, block_out, settings,
-                      scale, *sizes, **constants, GATED=settings is not None,
-                      num_warps=num_warps)
-
-
-def int_scores_launch(query, codes, table, token_out, block_out,
-                      tile: int) -> tuple[tuple[int, int], tuple[int, ...], dict]:
-    """(grid, the size arguments after ``scale``, the constexprs) of an int-scoring
-    launch (``int_scores``'s arguments; the benchmarks' kept kernel shares them)."""
-    rows, heads, group, head_size = query.shape
-    num_tokens = token_out.shape[-1]
-    block_size = codes.shape[2] * 16
-    if block_out is not None:
-        tile = max(tile, block_size)  # whole blocks per tile
-    bits = codes.shape[-1] // 2
-    sizes = (query.stride(0), table.stride(0), num_tokens,
-             block_out.shape[-1] if block_out is not None else 0)
-    constants = {"H": heads, "G": group, "D": head_size,
-                 "D_PAD": triton.next_power_of_2(head_size), "BLOCK": block_size, "BITS": bits,
-                 "HALF": ((1 << bits) - 1) / 2, "TILE": tile,
-                 "WRITE_BLOCKS": block_out is not None}
-    return (rows * heads, triton.cdiv(num_tokens, tile)), sizes, constants
+# The most blocks of a row whose keys ``select_blocks`` holds in registers (512K
+# tokens of 32-token blocks; 256K of 16-token ones).
+RESIDENT_BLOCKS = 16384
 
 
 @triton.jit
@@ -196,6 +99,42 @@ def _take(beyond, at, tied, ties, taken):
 
 
 @triton.jit
+def _selection_size(counts, context_lens, settings, row, width, sink_blocks, recent_blocks,
+                    H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """(context, the row's blocks, n) of a row: ``_select_blocks``' docstring."""
+    context = tl.load(context_lens + row).to(tl.int64)
+    blocks = tl.where(context >= 0, tl.maximum(context, 0) // BLOCK + 1, 0)
+    heads = tl.arange(0, H_PAD)
+    summed = tl.sum(tl.load(counts + row * H + heads, mask=heads < H, other=0).to(tl.int64),
+                    axis=0)
+    cap = tl.floor(context.to(tl.float64) * tl.load(settings + 1)).to(tl.int64)
+    limit = tl.load(settings + 3).to(tl.int64)
+    cap = tl.maximum(tl.where(limit > 0, tl.minimum(cap, limit), cap), 1)
+    wanted = tl.maximum(tl.minimum(summed // H, cap), 1)
+    num_selected = tl.minimum((wanted + BLOCK - 1) // BLOCK
+                              + tl.minimum(blocks, sink_blocks + recent_blocks), blocks)
+    below = context < tl.load(settings + 2).to(tl.int64)
+    num_selected = tl.minimum(tl.where(below, blocks, num_selected), width)
+    return context, blocks, num_selected
+
+
+@triton.jit
+def _write_rest(logical, physical, seq_lens, out, num_selected, context, width,
+                BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """-1 after the n chosen blocks of a (row, KV head) (its entries from ``out``),
+    and the tokens it attends."""
+    lanes = tl.arange(0, CHUNK)
+    for start in range(0, width, CHUNK):
+        index = start + lanes
+        pad = (index >= num_selected) & (index < width)
+        tl.store(logical + out + index, tl.full([CHUNK], -1, tl.int64), mask=pad)
+        tl.store(physical + out + index, tl.full([CHUNK], -1, tl.int64), mask=pad)
+    length = tl.where(num_selected > 0,
+                      (num_selected - 1) * BLOCK + tl.maximum(context, 0) % BLOCK + 1, 0)
+    tl.store(seq_lens + tl.program_id(0), length.to(tl.int32))
+
+
+@triton.jit
 def _select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
                    seq_lens, num_blocks, table_stride, width, sink_blocks, recent_blocks,
                    H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -213,19 +152,8 @@ def _select_blocks(block_scores, counts, context_lens, table, settings, logical,
     """
     sequence = tl.program_id(0).to(tl.int64)
     row = sequence // H
-    context = tl.load(context_lens + row).to(tl.int64)
-    blocks = tl.where(context >= 0, tl.maximum(context, 0) // BLOCK + 1, 0)
-    heads = tl.arange(0, H_PAD)
-    summed = tl.sum(tl.load(counts + row * H + heads, mask=heads < H, other=0).to(tl.int64),
-                    axis=0)
-    cap = tl.floor(context.to(tl.float64) * tl.load(settings + 1)).to(tl.int64)
-    limit = tl.load(settings + 3).to(tl.int64)
-    cap = tl.maximum(tl.where(limit > 0, tl.minimum(cap, limit), cap), 1)
-    wanted = tl.maximum(tl.minimum(summed // H, cap), 1)
-    num_selected = tl.minimum((wanted + BLOCK - 1) // BLOCK
-                              + tl.minimum(blocks, sink_blocks + recent_blocks), blocks)
-    below = context < tl.load(settings + 2).to(tl.int64)
-    num_selected = tl.minimum(tl.where(below, blocks, num_selected), width)
+    context, blocks, num_selected = _selection_size(counts, context_lens, settings, row, width,
+                                                    sink_blocks, recent_blocks, H, H_PAD, BLOCK)
     lanes = tl.arange(0, CHUNK)
     scores = block_scores + sequence * num_blocks
     # The n-th best key: the largest t with count(key >= t) >= n (bisection).
@@ -262,26 +190,62 @@ def _select_blocks(block_scores, counts, context_lens, table, settings, logical,
         tl.store(physical + out + place, block_id.to(tl.int64), mask=chosen)
         taken += tl.sum(chosen.to(tl.int32), axis=0)
         tied += tl.sum(equal.to(tl.int32), axis=0)
-    for start in range(0, width, CHUNK):
-        index = start + lanes
-        pad = (index >= num_selected) & (index < width)
-        tl.store(logical + out + index, tl.full([CHUNK], -1, tl.int64), mask=pad)
-        tl.store(physical + out + index, tl.full([CHUNK], -1, tl.int64), mask=pad)
-    length = tl.where(num_selected > 0,
-                      (num_selected - 1) * BLOCK + tl.maximum(context, 0) % BLOCK + 1, 0)
-    tl.store(seq_lens + sequence, length.to(tl.int32))
+    _write_rest(logical, physical, seq_lens, out, num_selected, context, width, BLOCK,
+                CHUNK)
+
+
+@triton.jit
+def _select_resident(block_scores, counts, context_lens, table, settings, logical, physical,
+                     seq_lens, num_blocks, table_stride, width, sink_blocks, recent_blocks,
+                     H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+    """``_select_blocks`` with the row's keys read once and held in registers
+    (num_blocks <= BLOCKS_PAD): each pass of the threshold search is one sum
+    over them, the choice one prefix sum. Grid (rows x KV heads)."""
+    sequence = tl.program_id(0).to(tl.int64)
+    row = sequence // H
+    context, blocks, num_selected = _selection_size(counts, context_lens, settings, row, width,
+                                                    sink_blocks, recent_blocks, H, H_PAD, BLOCK)
+    index = tl.arange(0, BLOCKS_PAD)
+    in_row = index < blocks
+    key = _block_keys(block_scores + sequence * num_blocks, index, blocks, sink_blocks,
+                      recent_blocks)  # [BLOCKS_PAD] int64
+    low = tl.full([], _INT32_MIN, tl.int64)
+    high = tl.full([], _INT32_MAX, tl.int64) + 1
+    if num_selected < blocks:
+        for _ in range(33):
+            middle = (low + high) >> 1
+            enough = tl.sum((key >= middle).to(tl.int32), axis=0) >= num_selected
+            low = tl.where(enough, middle, low)
+            high = tl.where(enough, high, middle)
+    beyond = in_row & (key > low)
+    ties = num_selected - tl.sum(beyond.to(tl.int32), axis=0)
+    chosen, place = _take(beyond, in_row & (key == low), 0, ties, 0)
+    block_id = tl.load(table + row * table_stride + index, mask=chosen, other=0)
+    out = sequence * width
+    tl.store(logical + out + place, index.to(tl.int64), mask=chosen)
+    tl.store(physical + out + place, block_id.to(tl.int64), mask=chosen)
+    _write_rest(logical, physical, seq_lens, out, num_selected, context, width, BLOCK, CHUNK)
 
 
 def select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
                   seq_lens, *, block_size: int, sink_blocks: int, recent_blocks: int,
-                  chunk: int = 1024, num_warps: int = 4) -> None:
-    """Launches ``_select_blocks`` (logical, physical: [S, H, W] int64)."""
+                  chunk: int = 1024, num_warps: int | None = None,
+                  resident: int = RESIDENT_BLOCKS) -> None:
+    """Launches ``_select_resident`` when a row's blocks fit ``resident`` (a power of
+    two; 0: never), else ``_select_blocks`` (logical, physical: [S, H, W] int64).
+    num_warps: None picks by the blocks (4 for the chunked kernel)."""
     rows, heads, num_blocks = block_scores.shape
-    _select_blocks[(rows * heads,)](
+    padded = triton.next_power_of_2(max(num_blocks, 16))
+    kernel, extra, warps = _select_blocks, {}, 4
+    if padded <= resident:
+        kernel, extra = _select_resident, {"BLOCKS_PAD": padded}
+        warps = 4 if padded <= 1024 else 8  # 8: 0.051 ms at 8193 blocks on an H200
+    kernel[(rows * heads,)](
         block_scores, counts, context_lens, table, settings, logical, physical, seq_lens,
         num_blocks, table.stride(0), logical.shape[-1], sink_blocks, recent_blocks, H=heads,
-        H_PAD=triton.next_power_of_2(heads), BLOCK=block_size, CHUNK=chunk,
-        num_warps=num_warps)
+        H_PAD=triton.next_power_of_2(heads), BLOCK=block_size, CHUNK=chunk, **extra,
+        num_warps=num_warps or warps)
 
 
 @triton.jit

@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Candidate forms of the selection's int scoring and block choice, each checked against
+its torch reference on the device and then timed, in one short GPU run.
+
+    int_scores   ``triton_scoring``'s forms (sums, the default; dot; fma) at a
+                 few tiles and warps, at 1 and 8 rows (2-bit keys) and 1 row
+                 (4-bit keys)
+    select       the chunked threshold search (the kernel before) and the
+                 register-resident one at a few warps, at 1 and 8 rows
+
+``python -m benchmarks.gpu.kernel_candidates --out DIR`` writes
+candidates.json and candidates.md (needs torch and Triton only, no vLLM);
+``--self-test`` runs the same code at tiny sizes in Triton's interpreter on
+the CPU (to check the code, not to time it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# (method, tokens per program, warps) of the int scoring
+SCORING = (("sums", 64, 4), ("sums", 32, 4), ("sums", 64, 8), ("dot", 64, 4), ("dot", 32, 4),
+           ("fma", 128, 4))
+SELECT_WARPS = (4, 8, 16, 32)
+REPEATS = {"cuda": 5, "cpu": 1}  # the CPU runs the interpreter: checks, not timings
+
+
+def _int_case(torch, device, *, rows, context, heads, group, head_size, bits, gen):
+    """(query, codes, scales, table, context_lens) of ``rows`` rows of ``context`` tokens,
+    each with its own blocks, the first row's context cut to a non-multiple of 16."""
+    blocks = context // 16 + 1
+    codes = torch.randint(0, 256, (rows * blocks, heads, 1, head_size, 2 * bits),
+                          dtype=torch.uint8, device=device, generator=gen)
+    scales = (torch.rand((rows * blocks, heads, 1, head_size), device=device,
+                         generator=gen) / 16).half()
+    table = torch.randperm(rows * blocks, device=device, generator=gen).view(rows, blocks)
+    table = table.to(torch.int32)
+    query = torch.randn(rows, heads, group, head_size, device=device, generator=gen)
+    context_lens = torch.full((rows,), context, device=device)
+    context_lens[0] = context - 5
+    return query.to(torch.bfloat16), codes, scales, table, context_lens
+
+
+def _agrees(torch, got, expected, tolerance=1e-4) -> tuple[bool, float]:
+    """(same -inf pattern and within tolerance, max abs error)."""
+    same = torch.equal(got.isinf(), expected.isinf())
+    finite = ~expected.isinf()
+    error = (got[finite].double() - expected[finite]).abs()
+    bound = tolerance * (1 + expected[finite].abs())
+    return same and bool((error <= bound).all()), float(error.max()) if error.numel() else 0.0
+
+
+def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen):
+    """Each candidate's rows: checked on the device, then timed."""
+    from benchmarks.gpu.kernel_limits import timed
+    from vllm_infinigen.platforms.cuda import block_selection, triton_scoring
+
+    out = []
+    for rows in rows_list:
+        query, codes, scales, table, lens = _int_case(torch, device, rows=rows, bits=bits,
+                                                      gen=gen, **sizes)
+        expected = block_selection.int_token_scores(query, codes, scales, table, lens,
+                                                    scale=0.09, compute_dtype=torch.float64)
+        expected_blocks = block_selection.block_scores(expected, lens, 16)
+        tokens = torch.empty(expected.shape, dtype=torch.float32, device=device)
+        blocks = torch.empty(expected_blocks.shape, dtype=torch.float32, device=device)
+        key_bytes = codes.numel() + scales.numel() * 2
+        launches = [(f"{method}, tile {tile}, {warps} warps",
+                     lambda m=method, t=tile, w=warps: triton_scoring.int_scores(
+                         query, codes, scales, table, lens, tokens, blocks, scale=0.09,
+                         method=m, tile=t, num_warps=w))
+                    for method, tile, warps in SCORING]
+        del expected_blocks
+        for name, launch in launches:
+            row = {"kernel": "int_scores", "form": name, "rows": rows, "bits": bits,
+                   "MB": key_bytes / 1e6}
+            try:
+                tokens.fill_(7.0)
+                launch()
+                ok, error = _agrees(torch, tokens, expected)
+                ok_blocks, _ = _agrees(torch, blocks, block_selection.block_scores(
+                    expected, lens, 16))
+                row.update(correct=ok and ok_blocks, max_abs_error=error)
+                if row["correct"]:
+                    ms = timed(launch, device, repeats=REPEATS[device.type])
+                    row.update(ms=float(ms), GBps=key_bytes / ms / 1e6, timing=ms.method)
+            except Exception as error:  # a candidate that fails to compile is reported
+                row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
+            out.append(row)
+        del expected
+    return out
+
+
+def select_rows(torch, device, context: int, heads: int, rows_list, gen):
+    """The chunked and the register-resident threshold search, checked, then timed."""
+    from benchmarks.gpu.kernel_limits import timed
+    from vllm_infinigen.platforms.cuda import select_ops, triton_select
+
+    out = []
+    blocks = context // 16 + 1
+    for rows in rows_list:
+        scores = (torch.randn(rows, heads, blocks, device=device, generator=gen) * 8).round()
+        table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
+        lens = torch.full((rows,), context, device=device)
+        counts = torch.full((rows * heads,), context, dtype=torch.int32, device=device)
+        settings = select_ops.settings_tensor(5.0, 0.2, 0, device)
+        width = select_ops.selection_width(blocks, 16, budget=0.2, min_context=0,
+                                           sink_blocks=1, recent_blocks=1)
+        expected = select_ops.select_reference(scores, counts, lens, table, settings,
+                                                block_size=16, width=width, sink_blocks=1,
+                                                recent_blocks=1)
+        got = tuple(torch.empty_like(part) for part in expected)
+        forms = [("before (chunked, 1024), 4 warps", 0, 4)] + [
+            (f"resident, {warps} warps", triton_select.RESIDENT_BLOCKS, warps)
+            for warps in SELECT_WARPS]
+        for name, resident, warps in forms:
+            def launch(resident=resident, warps=warps):
+                triton_select.select_blocks(scores, counts, lens, table, settings, *got,
+                                            block_size=16, sink_blocks=1, recent_blocks=1,
+                                            num_warps=warps, resident=resident)
+            row = {"kernel": "select", "form": name, "rows": rows, "width": width,
+                   "MB": scores.numel() * 4 / 1e6}
+            try:
+                launch()
+                row["correct"] = all(torch.equal(a, b) for a, b in zip(got, expected))
+                if row["correct"]:
+                    ms = timed(launch, device, repeats=REPEATS[device.type])
+                    row.update(ms=float(ms), timing=ms.method)
+            except Exception as error:
+                row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
+            out.append(row)
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"Candidates on {result['device']} at {result['context']} tokens "
+             f"(8B shapes: {result['sizes']}):", "",
+             "| kernel | form | rows | bits | MB | correct | max abs error | ms | GB/s | timing |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for row in result["rows"]:
+        ms = f"{row['ms']:.4f}" if "ms" in row else row.get("error", "")
+        lines.append(f"| {row['kernel']} | {row['form']} | {row['rows']} | {row.get('bits', '')} "
+                     f"| {row['MB']:.1f} | {row['correct']} | {row.get('max_abs_error', '')} | "
+                     f"{ms} | {row.get('GBps', 0):.0f} | {row.get('timing', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("kernel_candidates"))
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--self-test", action="store_true",
+                        help="tiny sizes in Triton's interpreter on the CPU")
+    args = parser.parse_args(argv)
+    if args.self_test:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is first imported
+        if "triton" in sys.modules:
+            raise RuntimeError("--self-test must start before Triton is imported")
+    import torch
+
+    device = torch.device("cpu" if args.self_test else "cuda")
+    sizes = ({"context": 75, "heads": 2, "group": 3, "head_size": 24} if args.self_test else
+             {"context": args.context, "heads": 8, "group": 4, "head_size": 128})
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = scoring_rows(torch, device, sizes, (1, 2) if args.self_test else (1, 8), 2, gen)
+    rows += scoring_rows(torch, device, sizes, (1,), 4, gen)
+    rows += select_rows(torch, device, sizes["context"], sizes["heads"],
+                        (1, 2) if args.self_test else (1, 8), gen)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    result = {"device": name, "context": sizes["context"], "sizes": sizes, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "candidates.json").write_text(json.dumps(result, indent=1))
+    (args.out / "candidates.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0 if all(row["correct"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
