@@ -23,9 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# (method, tokens per program, warps) of the int scoring
-SCORING = (("sums", 64, 4), ("sums", 32, 4), ("sums", 64, 8), ("dot", 64, 4), ("dot", 32, 4),
-           ("fma", 128, 4))
+# (method, tokens per program, warps, the dot's precision) of the int scoring
+SCORING = (("sums", 64, 4, None), ("sums", 32, 4, None), ("sums", 64, 8, None),
+           ("dot", 64, 4, "tf32x3"), ("dot", 32, 4, "tf32x3"), ("dot", 64, 4, "tf32"),
+           ("dot", 64, 4, "fp16"), ("dot", 128, 8, "fp16"), ("fma", 128, 4, None))
+# Tolerance against the float64 reference: one float16 or TF32 product is ~1e-3 off.
+TOLERANCE = {None: 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "fp16": 5e-3}
 SELECT_WARPS = (4, 8, 16, 32)
 REPEATS = {"cuda": 5, "cpu": 1}  # the CPU runs the interpreter: checks, not timings
 
@@ -70,21 +73,22 @@ def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen
         tokens = torch.empty(expected.shape, dtype=torch.float32, device=device)
         blocks = torch.empty(expected_blocks.shape, dtype=torch.float32, device=device)
         key_bytes = codes.numel() + scales.numel() * 2
-        launches = [(f"{method}, tile {tile}, {warps} warps",
-                     lambda m=method, t=tile, w=warps: triton_scoring.int_scores(
+        launches = [(f"{method}{f' ({precision})' if precision else ''}, tile {tile}, "
+                     f"{warps} warps", TOLERANCE[precision],
+                     lambda m=method, t=tile, w=warps, p=precision: triton_scoring.int_scores(
                          query, codes, scales, table, lens, tokens, blocks, scale=0.09,
-                         method=m, tile=t, num_warps=w))
-                    for method, tile, warps in SCORING]
+                         method=m, tile=t, num_warps=w, precision=p or "tf32x3"))
+                    for method, tile, warps, precision in SCORING]
         del expected_blocks
-        for name, launch in launches:
+        for name, tolerance, launch in launches:
             row = {"kernel": "int_scores", "form": name, "rows": rows, "bits": bits,
                    "MB": key_bytes / 1e6}
             try:
                 tokens.fill_(7.0)
                 launch()
-                ok, error = _agrees(torch, tokens, expected)
+                ok, error = _agrees(torch, tokens, expected, tolerance)
                 ok_blocks, _ = _agrees(torch, blocks, block_selection.block_scores(
-                    expected, lens, 16))
+                    expected, lens, 16), tolerance)
                 row.update(correct=ok and ok_blocks, max_abs_error=error)
                 if row["correct"]:
                     ms = timed(launch, device, repeats=REPEATS[device.type])

@@ -54,14 +54,16 @@ def _kernel_cases():
                {"pool": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "slots": "*i64"},
                {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": bits,
                 "HALF": ((1 << bits) - 1) / 2, "TOP": float((1 << bits) - 1)})
-        for method, heads_pad in (("sums", 4), ("dot", 16), ("fma", 4)):
+        for method, heads_pad, precision in (("sums", 4, "tf32x3"), ("dot", 16, "tf32x3"),
+                                             ("dot", 16, "tf32"), ("dot", 16, "fp16"),
+                                             ("fma", 4, "tf32x3")):
             yield (triton_scoring.KERNELS[method], {
                 "query": f"*{dtype}", "codes": "*i32", "scales": "*fp16", "table": "*i32",
                 "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
                 "settings": "*fp64", "scale": "fp32", "query_row_stride": i64,
                 "table_stride": i64, "num_tokens": i32, "num_blocks": i32},
                 {**HEADS, "HEADS_PAD": heads_pad, "BITS": bits, "HALF": ((1 << bits) - 1) / 2,
-                 "TILE": 64, "WRITE_BLOCKS": True, "GATED": True, "PRECISION": "tf32x3"})
+                 "TILE": 64, "WRITE_BLOCKS": True, "GATED": True, "PRECISION": precision})
     # 1-bit int keys (the reference supports them): 16-bit words, 64-token blocks,
     # ungated (the benchmark's and the references' call).
     for method, heads_pad in (("sums", 4), ("dot", 16), ("fma", 4)):

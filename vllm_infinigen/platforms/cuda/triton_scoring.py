@@ -161,7 +161,10 @@ def _int_scores_dot(query, codes, scales, table, context_lens, token_out, block_
     query_row = query + row.to(tl.int64) * query_row_stride + head * G * D
     q = tl.load(query_row + heads[None, :] * D + dims[:, None],
                 mask=(heads < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
-    products = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS_PAD]
+    if PRECISION == "fp16":  # one float16 product (a candidate: about 1e-3 off)
+        products = tl.dot(keys.to(tl.float16), q.to(tl.float16), out_dtype=tl.float32)
+    else:
+        products = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS_PAD]
     best = tl.max(tl.where((heads < G)[None, :], products, float("-inf")), axis=1)
     _store_scores(tl.reshape(best, (GROUPS, 16)), read, first, token_out, block_out, settings,
                   scale, num_tokens, num_blocks, BLOCK, TILE, WRITE_BLOCKS, GATED)
@@ -219,7 +222,8 @@ def int_scores(query, codes, scales, table, context_lens, token_out, block_out, 
         settings: Given, the token scores are gated by alpha (``select_ops``).
         method: "sums", "dot" or "fma" (the module docstring); tile: tokens per
             program;
-            precision: the dot's ``input_precision``.
+            precision: the dot's ``input_precision`` ("tf32x3", "tf32", "ieee"), or
+                "fp16": its operands in float16 (a timing candidate, ~1e-3 off).
     """
     grid, sizes, constants = int_scores_launch(query, codes, table, token_out, block_out, tile)
     words = codes.view(torch.int16 if constants["BITS"] == 1 else torch.int32)  # the kernel's
