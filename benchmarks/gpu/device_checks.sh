@@ -7,11 +7,12 @@
 # up to 540 s, inside a lent machine's 600 s per call.
 #
 # Usage, from the repository root:
-#   INFINIGEN_COMMIT=$(git rev-parse HEAD) [CHECKS="tests decode throughput"] \
+#   INFINIGEN_COMMIT=$(git rev-parse HEAD) [CHECKS="tests kernels decode throughput"] \
 #       bash benchmarks/gpu/device_checks.sh OUT_DIR
 # INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
-# tree carries a stale .git). CHECKS picks some of the three. Everything lands
-# in OUT_DIR/gpu_checks.tgz (rewritten after each check, so a run stopped by its
+# tree carries a stale .git). CHECKS picks some of them (kernels, not in the
+# default: the selection kernels' candidate forms, kernel_candidates.py, ~1 min).
+# Everything lands in OUT_DIR/gpu_checks.tgz (rewritten after each check, so a run stopped by its
 # time limit keeps what finished; a lent machine returns at most 8 files) and
 # the summaries on stdout. HOST_POOL_GIB (default 32): the pinned pool, which
 # took ~0.5 s per GiB to register on the lent H200.
@@ -31,6 +32,12 @@ if [[ $checks == *" tests "* ]]; then
     timeout 90 python3 -m pytest -q -rs -m gpu tests/gpu -p no:cacheprovider \
         > "$work/pytest_gpu.txt" 2>&1
     echo "tests: rc=$?"; tail -3 "$work/pytest_gpu.txt"; pack
+fi
+if [[ $checks == *" kernels "* ]]; then  # the selection kernels' candidate forms, ~1 min
+    timeout 150 python3 -m benchmarks.gpu.kernel_candidates \
+        --out "$work/kernel_candidates" > "$work/kernel_candidates.log" 2>&1
+    echo "kernels: rc=$?"; grep -h "^| select\|^| int_scores" "$work/kernel_candidates.md" \
+        2>/dev/null | cut -d'|' -f3-5,9 | head -40; pack
 fi
 if [[ $checks == *" decode "* ]]; then
     timeout 150 python3 -m benchmarks.gpu.decode_step --contexts 32768 --batches 1 8 \

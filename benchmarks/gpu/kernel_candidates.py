@@ -8,8 +8,8 @@ its torch reference on the device and then timed, in one short GPU run.
     select       the chunked threshold search (the kernel before) and the
                  register-resident one at a few warps, at 1 and 8 rows
 
-``python -m benchmarks.gpu.kernel_candidates --out DIR`` writes
-candidates.json and candidates.md (needs torch and Triton only, no vLLM);
+``python -m benchmarks.gpu.kernel_candidates --out PATH`` writes PATH.json and
+PATH.md (command, commit, device, date: ``results.py``) (needs torch and Triton only, no vLLM);
 ``--self-test`` runs the same code at tiny sizes in Triton's interpreter on
 the CPU (to check the code, not to time it).
 """
@@ -17,7 +17,6 @@ the CPU (to check the code, not to time it).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -156,7 +155,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("kernel_candidates"))
+    parser.add_argument("--out", type=Path, default=Path("kernel_candidates"),
+                        help="results path without suffix (.json and .md are written)")
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--self-test", action="store_true",
                         help="tiny sizes in Triton's interpreter on the CPU")
@@ -175,11 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     rows += scoring_rows(torch, device, sizes, (1,), 4, gen)
     rows += select_rows(torch, device, sizes["context"], sizes["heads"],
                         (1, 2) if args.self_test else (1, 8), gen)
+    from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     result = {"device": name, "context": sizes["context"], "sizes": sizes, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "candidates.json").write_text(json.dumps(result, indent=1))
-    (args.out / "candidates.md").write_text(markdown(result))
+    write_gpu_results(args.out, gpu_run_metadata(), "Selection kernels: candidate forms",
+                      {"context": sizes["context"], "sizes": sizes}, result,
+                      [markdown(result)])
     print(markdown(result))
     return 0 if all(row["correct"] for row in rows) else 1
 

@@ -185,3 +185,20 @@ def test_the_profile_adds_device_time_by_kernel_and_the_report_shows_it():
     assert "32K x 8, infinigen (graph): 0.35 ms of kernels" in text and "| _int_scores |" in text
     assert kernel_breakdown([{"context": 32768, "batch": 1, "variants": {
         "infinigen (eager)": {"ms_per_step": 50.0}}}]) == ""
+
+
+def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp_path):
+    """``kernel_candidates --self-test``: every scoring form and both block searches
+    run in Triton's interpreter and agree with the references (its exit status);
+    the results name their command and commit."""
+    out = tmp_path / "candidates"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.kernel_candidates",
+                           "--self-test", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    text = out.with_suffix(".md").read_text()
+    assert "- command: `python -m benchmarks.gpu.kernel_candidates --self-test" in text
+    assert "repository commit:" in text
+    forms = [line for line in text.splitlines() if line.startswith("| int_scores")]
+    assert len(forms) == 27 and all("| True |" in line for line in forms)
+    assert sum(line.startswith("| select") for line in text.splitlines()) == 10
