@@ -10,9 +10,9 @@ streaming read of device memory (a reduction over 1 GiB) and one pinned host-to-
     attend_units   decode attention over a whole context (select-all), and
                    torch SDPA over the same K/V (what dense attention costs)
     int_scores     the int keys of a whole context scored, block maxima too;
-                   on CUDA at 8 rows too, the tensor-core form
-                   (``triton_scoring``'s dot) and the kernel it replaced
-                   (``baseline_kernels.py``) at 1 and 8 rows
+                   on CUDA at 8 rows too, and the forms it replaced at 1 and
+                   8 rows: float32 channel sums (``triton_scoring``'s
+                   "sums") and the per-token kernel (``baseline_kernels.py``)
     select         the block rule over the block scores (no sort); on CUDA
                    at 8 rows too, and the chunked search at 1 and 8 rows
     place          the cache placement of one step's selection
@@ -185,8 +185,9 @@ def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32
 def _int_scores_rows(codes: torch.Tensor, scales: torch.Tensor, speculation: torch.Tensor,
                      context: int, block: int, scale: float,
                      gen: torch.Generator) -> list[dict[str, Any]]:
-    """The int-key scoring at 8 rows (each its own context's keys), and the kernel
-    it replaced (``baseline_kernels.int_scores_per_token``) at 1 and 8 rows."""
+    """The int-key scoring at 8 rows (each its own context's keys), and the kernels
+    it replaced at 1 and 8 rows: the float32 channel sums (on CUDA) and the
+    per-token kernel (``baseline_kernels.int_scores_per_token``)."""
     from benchmarks.gpu.baseline_kernels import int_scores_per_token
 
     device, out = codes.device, []
@@ -207,13 +208,14 @@ def _int_scores_rows(codes: torch.Tensor, scales: torch.Tensor, speculation: tor
             out.append(_row(f"int_scores x{batch}", key_bytes, timed(
                 lambda: select_ops.int_scores(query, many_codes, many_scales, table, lens,
                                               scale=scale), device)))
-        if device.type == "cuda":  # the tensor-core form, against the default (sums)
+        if device.type == "cuda":  # the exact form (channel sums), against the default
             from vllm_infinigen.platforms.cuda import triton_scoring
 
-            out.append(_row(f"int_scores x{batch}, dot (tf32x3), tile 64", key_bytes, timed(
+            out.append(_row(f"int_scores x{batch}, channel sums (float32, the form before)",
+                            key_bytes, timed(
                 lambda: triton_scoring.int_scores(query, many_codes, many_scales, table, lens,
                                                   tokens, block_scores, scale=scale,
-                                                  method="dot"), device)))
+                                                  method="sums"), device)))
         out.append(_row(f"int_scores x{batch}, per token (the kernel before)", key_bytes, timed(
             lambda: int_scores_per_token(query, many_codes, many_scales, table, lens, tokens,
                                          block_scores, scale=scale), device)))

@@ -47,6 +47,15 @@ def test_int_scores_alpha_counts_and_select_equal_the_references(bits, dtype):
                                                    on["table"], on["context"], scale=0.09)
     _close(got_tokens, tokens)
     _close(got_blocks, blocks)
+    # The exact form (float32 channel sums) against the float32 torch form.
+    from vllm_infinigen.platforms.cuda import triton_scoring
+
+    exact = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                             context_lens, scale=0.09, operands=None)
+    got_exact = torch.empty(exact.shape, device=CUDA)
+    triton_scoring.int_scores(on["query"], on["codes"], on["scales"], on["table"],
+                              on["context"], got_exact, None, scale=0.09, method="sums")
+    _close(got_exact, exact)
     settings = select_ops.settings_tensor(2.0, 0.3, 0, "cpu")
     counts = select_ops.alpha_counts(tokens, blocks, context_lens, settings, block_size=POOL_BLOCK)
     got_counts = select_ops.alpha_counts(got_tokens, got_blocks, on["context"],

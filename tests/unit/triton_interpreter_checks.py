@@ -11,6 +11,7 @@ it. The kernels see the same arguments as on a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -22,6 +23,11 @@ from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
 from tests.reference.int_key_pools import Pool
 from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops
 from vllm_infinigen.platforms.cuda.place_reference import place_reference
+
+# The int scoring's forms (method, the dot's precision), and the torch form's operands
+# that each matches: float16 for the default's (its product rounds keys and query).
+FORMS = [("dot", "fp16"), ("sums", None), ("dot", "tf32x3"), ("fma", None)]
+OPERANDS = {None: None, "tf32x3": None, "fp16": torch.float16}
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run with TRITON_INTERPRET=1 from the start of the process "
@@ -152,12 +158,14 @@ def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype,
 
 @pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
                                                   (2, torch.bfloat16, 24)])
-@pytest.mark.parametrize("method,tile", [("sums", 16), ("sums", 64), ("sums", 256),
-                                         ("dot", 32), ("dot", 64), ("fma", 16), ("fma", 64)])
+@pytest.mark.parametrize("method,precision,tile", [
+    ("sums", None, 16), ("sums", None, 64), ("sums", None, 256), ("dot", "tf32x3", 32),
+    ("dot", "fp16", 32), ("dot", "fp16", 64), ("fma", None, 16), ("fma", None, 64)])
 def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head_size, method,
-                                               tile):
+                                               precision, tile):
     """The int keys read in place: the torch form's scores (it dequantizes every
-    block), open groups -inf, 3 query heads per KV head, a padded head size."""
+    block; its operands rounded as the form's: float16 for the default), open
+    groups -inf, 3 query heads per KV head, a padded head size."""
     from tests.reference.int_key_pools import Pool
     from vllm_infinigen.platforms.cuda import block_selection
 
@@ -165,13 +173,15 @@ def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head
                 context_lens=[95, 16, 7, 64])
     query = torch.randn(4, 2, 3, head_size, generator=torch.Generator().manual_seed(8))
     expected = block_selection.int_token_scores(query, pool.codes, pool.scales,
-                                                pool.block_table, pool.context_lens, scale=0.25)
+                                                pool.block_table, pool.context_lens, scale=0.25,
+                                                operands=OPERANDS[precision])
     got = torch.empty_like(expected)
     table = pool.block_table if tile == 16 else pool.block_table.long()  # either index dtype
     from vllm_infinigen.platforms.cuda import triton_scoring
 
     triton_scoring.int_scores(query, pool.codes, pool.scales, table, pool.context_lens, got, None,
-                              scale=0.25, tile=tile, method=method)
+                              scale=0.25, tile=tile, method=method,
+                              precision=precision or "tf32x3")
     assert torch.equal(got == float("-inf"), expected == float("-inf"))
     finite = expected > float("-inf")
     assert finite.sum() > 0
@@ -183,9 +193,9 @@ def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head
 
 @pytest.mark.parametrize("bits,dtype,head_size", [(4, torch.float32, 32),
                                                   (2, torch.bfloat16, 24), (1, torch.float32, 16)])
-@pytest.mark.parametrize("method", ["sums", "dot", "fma"])
+@pytest.mark.parametrize("method,precision", FORMS)
 def test_int_scores_and_block_maxima_equal_the_torch_form(triton_scoring, bits, dtype, head_size,
-                                                          method):
+                                                          method, precision):
     """Token scores and each block's best, a padding row (context -1) all -inf,
     the query a strided view (a row of a wider tensor)."""
     pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
@@ -195,11 +205,13 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_scoring, bits, 
     wide = torch.randn(4, 2 * 3 * head_size + 5, generator=torch.Generator().manual_seed(8))
     query = wide[:, : 2 * 3 * head_size].view(4, 2, 3, head_size)
     tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                              context_lens, scale=0.25)
+                                              context_lens, scale=0.25,
+                                              operands=OPERANDS[precision])
     blocks = block_selection.block_scores(tokens, context_lens, POOL_BLOCK)
     got_tokens, got_blocks = torch.empty_like(tokens), torch.empty_like(blocks)
     triton_scoring.int_scores(query, pool.codes, pool.scales, pool.block_table, context_lens,
-                              got_tokens, got_blocks, scale=0.25, method=method)
+                              got_tokens, got_blocks, scale=0.25, method=method,
+                              precision=precision or "tf32x3")
     for got, expected in ((got_tokens, tokens), (got_blocks, blocks)):
         assert torch.equal(got == float("-inf"), expected == float("-inf"))
         finite = expected > float("-inf")
@@ -208,22 +220,25 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_scoring, bits, 
     assert (got_tokens[2] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("method", ["sums", "dot", "fma"])
-def test_token_scores_are_written_only_while_alpha_is_on(triton_select, triton_scoring, method):
+@pytest.mark.parametrize("method,precision", FORMS)
+def test_token_scores_are_written_only_while_alpha_is_on(triton_select, triton_scoring, method,
+                                                         precision):
     """Gated by the settings (the data path's call): alpha off writes no token score
     (alpha_counts reads none then) and the same block scores; alpha on writes them."""
     pool = Pool(seed=7, bits=2, dtype=torch.bfloat16, num_kv_heads=2, head_size=24,
                 context_lens=[95, 16, 7, 64])
     query = torch.randn(4, 2, 3, 24, generator=torch.Generator().manual_seed(8))
     tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                              pool.context_lens, scale=0.25)
+                                              pool.context_lens, scale=0.25,
+                                              operands=OPERANDS[precision])
     blocks = block_selection.block_scores(tokens, pool.context_lens, POOL_BLOCK)
     for alpha, written in ((float("inf"), False), (5.0, True)):
         settings = select_ops.settings_tensor(alpha, 0.2, 0, "cpu")
         got_tokens, got_blocks = torch.full_like(tokens, 7.0), torch.empty_like(blocks)
         triton_scoring.int_scores(query, pool.codes, pool.scales, pool.block_table,
                                   pool.context_lens, got_tokens, got_blocks, scale=0.25,
-                                  settings=settings, method=method)
+                                  settings=settings, method=method,
+                                  precision=precision or "tf32x3")
         torch.testing.assert_close(got_blocks, blocks, atol=1e-5, rtol=1e-5)
         if written:
             torch.testing.assert_close(got_tokens, tokens, atol=1e-5, rtol=1e-5)
@@ -250,7 +265,8 @@ def test_the_replaced_int_scoring_kept_for_the_benchmark_equals_the_new_one(
     query = torch.randn(4, 2, 3, head_size, generator=torch.Generator().manual_seed(8))
     num_blocks = pool.block_table.shape[1]
     results = []
-    for launch in (triton_scoring.int_scores, baseline_kernels.int_scores_per_token):
+    exact = functools.partial(triton_scoring.int_scores, method="sums")
+    for launch in (exact, baseline_kernels.int_scores_per_token):
         tokens = torch.empty(4, 2, num_blocks * POOL_BLOCK)
         blocks = torch.empty(4, 2, num_blocks)
         launch(query, pool.codes, pool.scales, pool.block_table, pool.context_lens, tokens,

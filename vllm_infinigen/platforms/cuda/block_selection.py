@@ -60,7 +60,8 @@ def num_row_blocks(context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      block_table: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
-                     compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     compute_dtype: torch.dtype = torch.float32,
+                     operands: torch.dtype | None = torch.float16) -> torch.Tensor:
     """Speculated scores of the tokens of every block in the rows' tables, from
     the int keys (the layout ``write_int_keys`` stores, CPU and CUDA alike).
 
@@ -72,7 +73,9 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     alpha count leaves its at most 15 tokens out). On CUDA (float32) one Triton
     kernel reads the codes in place (``triton_scoring.int_scores``);
     elsewhere this torch form materializes the dequantized keys of the rows'
-    blocks (the kernel's reference).
+    blocks (the kernel's reference). The keys are dequantized in float32 and,
+    as the kernel's product takes them, rounded with the query to
+    ``operands`` (float16: ~5e-4 of each, far below the codes' own step).
 
     Args:
         query: [S, H_kv, G, D] the target layer's query (G query heads per KV head).
@@ -81,7 +84,10 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
         block_table: [S, MB] block ids of each row.
         context_lens: [S] tokens before each row's own.
         scale: The attention scale, so that scores are logits.
-        compute_dtype: Dtype of the keys and the product.
+        compute_dtype: Dtype of the product (float64: a reference for the kernels).
+        operands: Keys and query rounded to it before the product, as the CUDA
+            kernel's float16 product rounds them (the default); None: float32
+            keys and query (the exact form, ``triton_scoring``'s "sums").
 
     Returns:
         [S, H_kv, MB * block_size] float32, token t of row s at index t.
@@ -98,10 +104,11 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
         num_rows, num_heads = query.shape[:2]
         out = torch.empty((num_rows, num_heads, block_table.shape[1] * codes.shape[2] * KEY_GROUP),
                           dtype=torch.float32, device=codes.device)
+        exact = {} if operands == torch.float16 else {"method": "sums"}  # float32 sums
         triton_scoring.int_scores(query.float().contiguous(), codes, scales,
                                   block_table.to(codes.device).contiguous(),
                                   context_lens.to(codes.device, torch.int64), out, None,
-                                  scale=scale)
+                                  scale=scale, **exact)
         return out
     table = block_table.to(torch.int64)
     per_byte = 8 // bits  # byte i holds tokens i * per_byte .. i * per_byte + per_byte - 1
@@ -109,8 +116,10 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     row_codes = codes[table]  # [S, MB, H_kv, G16, D, 2 * bits]
     tokens = ((row_codes[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)  # [..., D, 16]
     half = ((1 << bits) - 1) / 2
-    keys = (tokens.to(compute_dtype) - half) * scales[table].to(compute_dtype)[..., None]
-    scores = torch.einsum("shgd,smhjdt->shgmjt", query.to(compute_dtype), keys)
+    keys = (tokens.float() - half) * scales[table].float()[..., None]
+    if operands is not None:  # the kernel's operands: keys and query rounded to them
+        keys, query = keys.to(operands), query.to(operands)
+    scores = torch.einsum("shgd,smhjdt->shgmjt", query.to(compute_dtype), keys.to(compute_dtype))
     out = scores.amax(dim=2).flatten(2).float() * scale  # [S, H_kv, MB * block_size]
     encoded = context_lens.to(torch.int64) // KEY_GROUP * KEY_GROUP
     positions = torch.arange(out.shape[-1], device=out.device)

@@ -3,15 +3,21 @@
 
 ``int_scores`` is the first launch of a device-only selection
 (``triton_select.py`` holds the others, ``select_ops.py`` the dispatch and
-the torch references). Three forms compute the same scores::
+the torch references). Three forms compute the scores::
 
-    sums  (the default) a tile's keys [groups, D, 16] dequantised in float32,
-          times each query head and summed over the channels
-    dot   a tile of TILE tokens x D channels dequantised in float32, times the
-          query heads as one [D, HEADS_PAD] matrix on the tensor cores
-          (tf32x3: three TF32 products, about float32's precision)
+    dot   (the default) a tile of TILE tokens x D channels dequantised in
+          float32, times the query heads as one [D, HEADS_PAD] matrix on the
+          tensor cores, with both operands in float16 (``precision`` "fp16";
+          "tf32" / "tf32x3" / "ieee" keep them in float32 for one, three
+          TF32 products or none)
+    sums  a tile's keys [groups, D, 16] in float32, times each query head and
+          summed over the channels (exact in float32)
     fma   a loop over the channels, each thread keeping its tokens' sums of
           every query head in registers (no reduction across threads)
+
+The float16 operands put each key and query value within 2^-11 of its
+float32 value (the torch form rounds them alike: ``block_selection``); the
+2-bit codes of a bfloat16 cache are a step of a third of a channel's range.
 
 A group of 16 tokens keeps, per channel, its 16 codes in one run of 2 x
 BITS bytes, token i's in bits [BITS x i, + BITS) (``block_selection``
@@ -22,10 +28,10 @@ states the layout and dequantises it in torch: the reference)::
     key    (code - HALF) x scale[c], HALF = (2^BITS - 1) / 2
 
 On an H200 at 131072 tokens x 1 row (8 KV heads, 4 query heads each, head
-dim 128; ``benchmarks/gpu/kernel_candidates.py``, CUDA graphs), 2-bit keys:
-sums 0.140 ms, dot 0.171 ms (tile 64), fma 0.364 ms (tile 128); 4-bit keys:
-sums 0.171, dot 0.166, fma 0.500. All three are bound by their arithmetic
-(0.09 - 0.12 of the streaming read), not by the bytes.
+dim 128, 2-bit keys; ``benchmarks/results/kernel_candidates_h200.md``, CUDA
+graphs): dot in float16 0.079 ms (x8 rows: 0.59), one TF32 product 0.108,
+three 0.169; sums 0.142 (tile 32: 0.122); fma 0.364. Each is bound by its
+arithmetic (the float16 dot reads 0.15 of the streaming read), not the bytes.
 """
 
 from __future__ import annotations
@@ -161,7 +167,7 @@ def _int_scores_dot(query, codes, scales, table, context_lens, token_out, block_
     query_row = query + row.to(tl.int64) * query_row_stride + head * G * D
     q = tl.load(query_row + heads[None, :] * D + dims[:, None],
                 mask=(heads < G)[None, :] & (dims < D)[:, None], other=0.0).to(tl.float32)
-    if PRECISION == "fp16":  # one float16 product (a candidate: about 1e-3 off)
+    if PRECISION == "fp16":  # one float16 product (the default)
         products = tl.dot(keys.to(tl.float16), q.to(tl.float16), out_dtype=tl.float32)
     else:
         products = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS_PAD]
@@ -209,8 +215,8 @@ KERNELS = {"sums": _int_scores_sums, "dot": _int_scores_dot, "fma": _int_scores_
 
 
 def int_scores(query, codes, scales, table, context_lens, token_out, block_out, *,
-               scale: float, settings=None, method: str = "sums", tile: int = 64,
-               num_warps: int = 4, precision: str = "tf32x3") -> None:
+               scale: float, settings=None, method: str = "dot", tile: int = 64,
+               num_warps: int = 4, precision: str = "fp16") -> None:
     """Launches the int-key scoring on the current stream.
 
     Args:
@@ -220,10 +226,10 @@ def int_scores(query, codes, scales, table, context_lens, token_out, block_out, 
         table: [S, MB] block ids; context_lens: [S] (< 0: padding).
         token_out: [S, H_kv, T] float32; block_out: [S, H_kv, MB] or None.
         settings: Given, the token scores are gated by alpha (``select_ops``).
-        method: "sums", "dot" or "fma" (the module docstring); tile: tokens per
-            program;
-            precision: the dot's ``input_precision`` ("tf32x3", "tf32", "ieee"), or
-                "fp16": its operands in float16 (a timing candidate, ~1e-3 off).
+        method: "dot" (the default), "sums" or "fma" (the module docstring);
+            tile: tokens per program;
+            precision: the dot's operands: "fp16" (the default: float16), or its
+                ``input_precision`` over float32 ("tf32x3", "tf32", "ieee").
     """
     grid, sizes, constants = int_scores_launch(query, codes, table, token_out, block_out, tile)
     words = codes.view(torch.int16 if constants["BITS"] == 1 else torch.int32)  # the kernel's
