@@ -2,7 +2,8 @@
 """Candidate forms of the selection's int scoring and block choice, each checked against
 its torch reference on the device and then timed, in one short GPU run.
 
-    int_scores   ``triton_scoring``'s forms (sums, the default; dot; fma) at a
+    int_scores   ``triton_scoring``'s forms (dot in float16, the default; dot in
+                 TF32 / TF32x3; float32 sums, the exact form; fma) at a
                  few tiles and warps, at 1 and 8 rows (2-bit keys) and 1 row
                  (4-bit keys)
     select       the chunked threshold search (the kernel before) and the
@@ -26,8 +27,11 @@ from typing import Any
 SCORING = (("sums", 64, 4, None), ("sums", 32, 4, None), ("sums", 64, 8, None),
            ("dot", 64, 4, "tf32x3"), ("dot", 32, 4, "tf32x3"), ("dot", 64, 4, "tf32"),
            ("dot", 64, 4, "fp16"), ("dot", 128, 8, "fp16"), ("fma", 128, 4, None))
-# Tolerance against the float64 reference: one float16 or TF32 product is ~1e-3 off.
-TOLERANCE = {None: 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "fp16": 5e-3}
+# Each form against the float64 reference of the operands it multiplies (float16 for
+# "fp16", float32 else: ``block_selection.int_token_scores``' operands), and the
+# tolerance: one TF32 product rounds its float32 operands to 10 bits (~1e-3 off).
+OPERANDS = {None: None, "tf32x3": None, "tf32": None, "fp16": "float16"}
+TOLERANCE = {None: 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "fp16": 1e-4}
 SELECT_WARPS = (4, 8, 16, 32)
 REPEATS = {"cuda": 5, "cpu": 1}  # the CPU runs the interpreter: checks, not timings
 
@@ -66,20 +70,21 @@ def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen
     for rows in rows_list:
         query, codes, scales, table, lens = _int_case(torch, device, rows=rows, bits=bits,
                                                       gen=gen, **sizes)
-        expected = block_selection.int_token_scores(query, codes, scales, table, lens,
-                                                    scale=0.09, compute_dtype=torch.float64)
-        expected_blocks = block_selection.block_scores(expected, lens, 16)
-        tokens = torch.empty(expected.shape, dtype=torch.float32, device=device)
-        blocks = torch.empty(expected_blocks.shape, dtype=torch.float32, device=device)
+        references = {operands: block_selection.int_token_scores(
+            query, codes, scales, table, lens, scale=0.09, compute_dtype=torch.float64,
+            operands=getattr(torch, operands) if operands else None)
+            for operands in set(OPERANDS.values())}
+        shape = references[None].shape
+        tokens = torch.empty(shape, dtype=torch.float32, device=device)
+        blocks = torch.empty(shape[:-1] + (table.shape[1],), dtype=torch.float32, device=device)
         key_bytes = codes.numel() + scales.numel() * 2
         launches = [(f"{method}{f' ({precision})' if precision else ''}, tile {tile}, "
-                     f"{warps} warps", TOLERANCE[precision],
+                     f"{warps} warps", TOLERANCE[precision], references[OPERANDS[precision]],
                      lambda m=method, t=tile, w=warps, p=precision: triton_scoring.int_scores(
                          query, codes, scales, table, lens, tokens, blocks, scale=0.09,
                          method=m, tile=t, num_warps=w, precision=p or "tf32x3"))
                     for method, tile, warps, precision in SCORING]
-        del expected_blocks
-        for name, tolerance, launch in launches:
+        for name, tolerance, expected, launch in launches:
             row = {"kernel": "int_scores", "form": name, "rows": rows, "bits": bits,
                    "MB": key_bytes / 1e6}
             try:
@@ -95,7 +100,7 @@ def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen
             except Exception as error:  # a candidate that fails to compile is reported
                 row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
             out.append(row)
-        del expected
+        del references, launches
     return out
 
 

@@ -220,6 +220,32 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_scoring, bits, 
     assert (got_tokens[2] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_each_form_rounds_what_its_torch_form_rounds(triton_scoring, bits):
+    """Scales that float16 keys cannot hold exactly (random halves, not the test pools'
+    powers of two): the float16 dot equals the torch form with float16 operands,
+    the float32 forms the exact one, and the two differ."""
+    from benchmarks.gpu.kernel_candidates import _int_case
+
+    gen = torch.Generator().manual_seed(11)
+    query, codes, scales, table, lens = _int_case(torch, "cpu", rows=2, context=75, heads=2,
+                                                  group=3, head_size=32, bits=bits, gen=gen)
+    references = {operands: block_selection.int_token_scores(
+        query, codes, scales, table, lens, scale=0.25, compute_dtype=torch.float64,
+        operands=operands) for operands in (torch.float16, None)}
+    finite = references[None] > float("-inf")
+    assert not torch.allclose(references[torch.float16][finite], references[None][finite],
+                              rtol=1e-5, atol=1e-5)
+    for method, precision in FORMS:
+        got = torch.empty(references[None].shape)
+        triton_scoring.int_scores(query, codes, scales, table, lens, got, None, scale=0.25,
+                                  method=method, precision=precision or "tf32x3")
+        expected = references[OPERANDS[precision]]
+        assert torch.equal(got == float("-inf"), expected == float("-inf")), method
+        torch.testing.assert_close(got[finite], expected[finite], rtol=1e-5,
+                                   atol=1e-5, msg=f"{method} {precision}")
+
+
 @pytest.mark.parametrize("method,precision", FORMS)
 def test_token_scores_are_written_only_while_alpha_is_on(triton_select, triton_scoring, method,
                                                          precision):

@@ -93,18 +93,21 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
         [S, H_kv, MB * block_size] float32, token t of row s at index t.
 
     Raises:
-        ValueError: If bits do not divide 8 (a code would straddle two bytes).
+        ValueError: If bits do not divide 8 (a code would straddle two bytes), or
+            ``operands`` is neither float16 nor None.
     """
     bits = codes.shape[-1] // 2
     if bits not in (1, 2, 4):
         raise ValueError(f"int keys of {bits} bits: 1, 2 or 4 are supported")
+    if operands not in (torch.float16, None):
+        raise ValueError(f"operands {operands}: torch.float16 (the kernel's) or None (exact)")
     if codes.is_cuda and compute_dtype == torch.float32:
         from vllm_infinigen.platforms.cuda import triton_scoring
 
         num_rows, num_heads = query.shape[:2]
         out = torch.empty((num_rows, num_heads, block_table.shape[1] * codes.shape[2] * KEY_GROUP),
                           dtype=torch.float32, device=codes.device)
-        exact = {} if operands == torch.float16 else {"method": "sums"}  # float32 sums
+        exact = {} if operands is torch.float16 else {"method": "sums"}  # float32 sums
         triton_scoring.int_scores(query.float().contiguous(), codes, scales,
                                   block_table.to(codes.device).contiguous(),
                                   context_lens.to(codes.device, torch.int64), out, None,

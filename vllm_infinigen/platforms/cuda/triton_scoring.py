@@ -16,7 +16,7 @@ the torch references). Three forms compute the scores::
           every query head in registers (no reduction across threads)
 
 The float16 operands put each key and query value within 2^-11 of its
-float32 value (the torch form rounds them alike: ``block_selection``); the
+float32 value, relatively (below float16's normal range, 6e-5, within 2^-25) (the torch form rounds them alike: ``block_selection``); the
 2-bit codes of a bfloat16 cache are a step of a third of a channel's range.
 
 A group of 16 tokens keeps, per channel, its 16 codes in one run of 2 x
