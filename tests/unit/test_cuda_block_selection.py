@@ -161,7 +161,7 @@ def test_int_token_scores_equal_the_int_keys_reference(bits, dtype):
                 context_lens=[95, 16, 7, 64])
     query = torch.randint(-3, 4, (4, 2, 3, 32), generator=torch.Generator().manual_seed(4)).float()
     got = rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                pool.context_lens, scale=0.25)
+                                pool.context_lens, scale=0.25, operands=None)  # exact
     assert got.shape == (4, 2, pool.block_table.shape[1] * BLOCK)
     keys = reference.keys_for_scoring(pool.kv_pool, pool.codes, pool.scales, pool.block_table,
                                       pool.context_lens)  # [S, N, H, D]
@@ -171,6 +171,9 @@ def test_int_token_scores_equal_the_int_keys_reference(bits, dtype):
         assert torch.equal(got[row, :, :encoded], want[row, :, :encoded]), row
         assert bool((got[row, :, encoded:] == float("-inf")).all()), row
     assert (pool.context_lens % 16 != 0).any() and (pool.context_lens % 16 == 0).any()
+    with pytest.raises(ValueError, match="operands"):  # the kernels multiply float16 or float32
+        rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                              pool.context_lens, scale=0.25, operands=torch.bfloat16)
 
 
 def _loop_positions(token_scores, context_lens, caps, alpha, block, sink_tokens, recent_tokens):
