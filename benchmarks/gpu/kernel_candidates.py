@@ -3,7 +3,7 @@
 its torch reference on the device and then timed, in one short GPU run.
 
     int_scores   ``triton_scoring``'s forms (dot in float16, the default; dot in
-                 TF32 / TF32x3; float32 sums, the exact form; fma) at a
+                 TF32 / TF32x3; float32 sums, the exact form) at a
                  few tiles and warps, at 1 and 8 rows (2-bit keys) and 1 row
                  (4-bit keys)
     select       the chunked threshold search (the kernel before) and the
@@ -26,7 +26,7 @@ from typing import Any
 # (method, tokens per program, warps, the dot's precision) of the int scoring
 SCORING = (("sums", 64, 4, None), ("sums", 32, 4, None), ("sums", 64, 8, None),
            ("dot", 64, 4, "tf32x3"), ("dot", 32, 4, "tf32x3"), ("dot", 64, 4, "tf32"),
-           ("dot", 64, 4, "fp16"), ("dot", 128, 8, "fp16"), ("fma", 128, 4, None))
+           ("dot", 64, 4, "fp16"), ("dot", 128, 8, "fp16"))
 # Each form against the float64 reference of the operands it multiplies (float16 for
 # "fp16", float32 else: ``block_selection.int_token_scores``' operands), and the
 # tolerance: one TF32 product rounds its float32 operands to 10 bits (~1e-3 off).

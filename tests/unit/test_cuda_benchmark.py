@@ -200,5 +200,5 @@ def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp
     assert "- command: `python -m benchmarks.gpu.kernel_candidates --self-test" in text
     assert "repository commit:" in text
     forms = [line for line in text.splitlines() if line.startswith("| int_scores")]
-    assert len(forms) == 27 and all("| True |" in line for line in forms)
+    assert len(forms) == 24 and all("| True |" in line for line in forms)
     assert sum(line.startswith("| select") for line in text.splitlines()) == 10

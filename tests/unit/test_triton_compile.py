@@ -55,8 +55,7 @@ def _kernel_cases():
                {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": bits,
                 "HALF": ((1 << bits) - 1) / 2, "TOP": float((1 << bits) - 1)})
         for method, heads_pad, precision in (("sums", 4, "tf32x3"), ("dot", 16, "tf32x3"),
-                                             ("dot", 16, "tf32"), ("dot", 16, "fp16"),
-                                             ("fma", 4, "tf32x3")):
+                                             ("dot", 16, "tf32"), ("dot", 16, "fp16")):
             yield (triton_scoring.KERNELS[method], {
                 "query": f"*{dtype}", "codes": "*i32", "scales": "*fp16", "table": "*i32",
                 "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",
@@ -66,7 +65,7 @@ def _kernel_cases():
                  "TILE": 64, "WRITE_BLOCKS": True, "GATED": True, "PRECISION": precision})
     # 1-bit int keys (the reference supports them): 16-bit words, 64-token blocks,
     # ungated (the benchmark's and the references' call).
-    for method, heads_pad in (("sums", 4), ("dot", 16), ("fma", 4)):
+    for method, heads_pad in (("sums", 4), ("dot", 16)):
         yield (triton_scoring.KERNELS[method],
                {"query": "*bf16", "codes": "*i16", "scales": "*fp16", "table": "*i32",
                 "context_lens": "*i64", "token_out": "*fp32", "block_out": "*fp32",

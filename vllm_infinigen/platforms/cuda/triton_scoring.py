@@ -3,7 +3,7 @@
 
 ``int_scores`` is the first launch of a device-only selection
 (``triton_select.py`` holds the others, ``select_ops.py`` the dispatch and
-the torch references). Three forms compute the scores::
+the torch references). Two forms compute the scores::
 
     dot   (the default) a tile of TILE tokens x D channels dequantised in
           float32, times the query heads as one [D, HEADS_PAD] matrix on the
@@ -12,8 +12,6 @@ the torch references). Three forms compute the scores::
           TF32 products or none)
     sums  a tile's keys [groups, D, 16] in float32, times each query head and
           summed over the channels (exact in float32)
-    fma   a loop over the channels, each thread keeping its tokens' sums of
-          every query head in registers (no reduction across threads)
 
 The float16 operands put each key and query value within 2^-11 of its
 float32 value, relatively (below float16's normal range, 6e-5, within 2^-25) (the torch form rounds them alike: ``block_selection``); the
@@ -30,8 +28,9 @@ states the layout and dequantises it in torch: the reference)::
 On an H200 at 131072 tokens x 1 row (8 KV heads, 4 query heads each, head
 dim 128, 2-bit keys; ``benchmarks/results/kernel_candidates_h200.md``, CUDA
 graphs): dot in float16 0.079 ms (x8 rows: 0.59), one TF32 product 0.108,
-three 0.169; sums 0.142 (tile 32: 0.122); fma 0.364. Each is bound by its
-arithmetic (the float16 dot reads 0.15 of the streaming read), not the bytes.
+three 0.169; sums 0.142 (tile 32: 0.122); a per-thread loop over the
+channels (no reduction across threads; dropped since) 0.364. Each is bound
+by its arithmetic (the float16 dot reads 0.15 of the streaming read), not the bytes.
 """
 
 from __future__ import annotations
@@ -64,9 +63,10 @@ def _tile_groups(context_lens, table, table_stride, num_tokens,
 
 
 @triton.jit
-def _group_words(codes, scales, cell, read, dims, D: tl.constexpr, WORDS: tl.constexpr):
+def _group_words(codes, scales, cell, read, dims, D: tl.constexpr, BITS: tl.constexpr):
     """(scales, first words, second words) [GROUPS, D_PAD] of the groups ``cell``
     (the second: tokens 8-15 when a channel takes two words, else the first)."""
+    WORDS: tl.constexpr = 2 if BITS == 4 else 1  # words of min(32, 16 x BITS) bits
     mask = read[:, None] & (dims < D)[None, :]
     channel = cell[:, None] * D + dims[None, :]  # [GROUPS, D_PAD]
     step = tl.load(scales + channel, mask=mask, other=0.0).to(tl.float32)
@@ -78,11 +78,11 @@ def _group_words(codes, scales, cell, read, dims, D: tl.constexpr, WORDS: tl.con
 
 
 @triton.jit
-def _codes_minus_half(word, low_half, lanes, BITS: tl.constexpr, HALF: tl.constexpr,
-                      WORD: tl.constexpr):
+def _codes_minus_half(word, low_half, lanes, BITS: tl.constexpr, HALF: tl.constexpr):
     """code - HALF of token ``lanes`` (exact in float32) from its channel's words
     (``word`` its first or only one, ``low_half`` its second: tokens 8-15 when
     a channel takes two words; broadcastable shapes)."""
+    WORD: tl.constexpr = 32 if BITS * 16 >= 32 else BITS * 16  # bits per word
     if BITS == 4:
         word = tl.where(lanes < 8, word, low_half)
     code = (word >> ((BITS * lanes) % WORD)) & ((1 << BITS) - 1)
@@ -118,14 +118,12 @@ def _int_scores_sums(query, codes, scales, table, context_lens, token_out, block
     """``_int_scores_dot``'s scores as sums: the tile's keys [GROUPS, D_PAD, 16]
     times each query head, summed over the channels (HEADS_PAD, PRECISION unused)."""
     GROUPS: tl.constexpr = TILE // 16
-    WORD: tl.constexpr = 32 if BITS * 16 >= 32 else BITS * 16
-    WORDS: tl.constexpr = BITS * 16 // WORD
     row, head, first, read, cell = _tile_groups(context_lens, table, table_stride, num_tokens,
                                                 H, BLOCK, GROUPS)
     dims = tl.arange(0, D_PAD)
-    step, word, second = _group_words(codes, scales, cell, read, dims, D, WORDS)
+    step, word, second = _group_words(codes, scales, cell, read, dims, D, BITS)
     lanes = tl.arange(0, 16)[None, None, :]
-    keys = _codes_minus_half(word[:, :, None], second[:, :, None], lanes, BITS, HALF, WORD)
+    keys = _codes_minus_half(word[:, :, None], second[:, :, None], lanes, BITS, HALF)
     keys = keys * step[:, :, None]  # [GROUPS, D_PAD, 16]
     best = tl.full([GROUPS, 16], float("-inf"), tl.float32)
     query_row = query + row.to(tl.int64) * query_row_stride + head * G * D
@@ -154,14 +152,12 @@ def _int_scores_dot(query, codes, scales, table, context_lens, token_out, block_
     (``settings[0]``) is finite.
     """
     GROUPS: tl.constexpr = TILE // 16
-    WORD: tl.constexpr = 32 if BITS * 16 >= 32 else BITS * 16  # bits per word
-    WORDS: tl.constexpr = BITS * 16 // WORD  # words per channel of a group (1 or 2)
     row, head, first, read, cell = _tile_groups(context_lens, table, table_stride, num_tokens,
                                                 H, BLOCK, GROUPS)
     dims = tl.arange(0, D_PAD)
-    step, word, second = _group_words(codes, scales, cell, read, dims, D, WORDS)
+    step, word, second = _group_words(codes, scales, cell, read, dims, D, BITS)
     lanes = tl.arange(0, 16)[None, :, None]
-    value = _codes_minus_half(word[:, None, :], second[:, None, :], lanes, BITS, HALF, WORD)
+    value = _codes_minus_half(word[:, None, :], second[:, None, :], lanes, BITS, HALF)
     keys = tl.reshape(value * step[:, None, :], (TILE, D_PAD))  # token-major
     heads = tl.arange(0, HEADS_PAD)
     query_row = query + row.to(tl.int64) * query_row_stride + head * G * D
@@ -176,42 +172,7 @@ def _int_scores_dot(query, codes, scales, table, context_lens, token_out, block_
                   scale, num_tokens, num_blocks, BLOCK, TILE, WRITE_BLOCKS, GATED)
 
 
-@triton.jit
-def _int_scores_fma(query, codes, scales, table, context_lens, token_out, block_out, settings,
-                    scale, query_row_stride, table_stride, num_tokens, num_blocks,
-                    H: tl.constexpr, G: tl.constexpr, HEADS_PAD: tl.constexpr, D: tl.constexpr,
-                    D_PAD: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                    HALF: tl.constexpr, TILE: tl.constexpr, WRITE_BLOCKS: tl.constexpr,
-                    GATED: tl.constexpr, PRECISION: tl.constexpr):
-    """``_int_scores_dot``'s scores by a loop over the channels: per channel, each
-    thread's tokens' keys times the G query heads' values, summed in registers
-    (accumulator [GROUPS, 16, HEADS_PAD]); D_PAD and PRECISION unused."""
-    GROUPS: tl.constexpr = TILE // 16
-    WORD: tl.constexpr = 32 if BITS * 16 >= 32 else BITS * 16
-    WORDS: tl.constexpr = BITS * 16 // WORD
-    row, head, first, read, cell = _tile_groups(context_lens, table, table_stride, num_tokens,
-                                                H, BLOCK, GROUPS)
-    heads = tl.arange(0, HEADS_PAD)
-    query_row = query + row.to(tl.int64) * query_row_stride + head * G * D + heads * D
-    lanes = tl.arange(0, 16)[None, :]
-    total = tl.zeros([GROUPS, 16, HEADS_PAD], tl.float32)
-    for dim in range(D):
-        channel = cell * D + dim  # [GROUPS]
-        step = tl.load(scales + channel, mask=read, other=0.0).to(tl.float32)
-        word = tl.load(codes + channel * WORDS, mask=read, other=0).to(tl.int32)
-        second = word
-        if WORDS == 2:
-            second = tl.load(codes + channel * 2 + 1, mask=read, other=0).to(tl.int32)
-        key = _codes_minus_half(word[:, None], second[:, None], lanes, BITS, HALF, WORD)
-        key = key * step[:, None]  # [GROUPS, 16]
-        q = tl.load(query_row + dim, mask=heads < G, other=0.0).to(tl.float32)
-        total += key[:, :, None] * q[None, None, :]
-    best = tl.max(tl.where((heads < G)[None, None, :], total, float("-inf")), axis=2)
-    _store_scores(best, read, first, token_out, block_out, settings, scale, num_tokens,
-                  num_blocks, BLOCK, TILE, WRITE_BLOCKS, GATED)
-
-
-KERNELS = {"sums": _int_scores_sums, "dot": _int_scores_dot, "fma": _int_scores_fma}
+KERNELS = {"sums": _int_scores_sums, "dot": _int_scores_dot}
 
 
 def int_scores(query, codes, scales, table, context_lens, token_out, block_out, *,
@@ -226,7 +187,7 @@ def int_scores(query, codes, scales, table, context_lens, token_out, block_out, 
         table: [S, MB] block ids; context_lens: [S] (< 0: padding).
         token_out: [S, H_kv, T] float32; block_out: [S, H_kv, MB] or None.
         settings: Given, the token scores are gated by alpha (``select_ops``).
-        method: "dot" (the default), "sums" or "fma" (the module docstring);
+        method: "dot" (the default) or "sums" (the module docstring);
             tile: tokens per program;
             precision: the dot's operands: "fp16" (the default: float16), or its
                 ``input_precision`` over float32 ("tf32x3", "tf32", "ieee").
