@@ -224,3 +224,54 @@ def test_worker_gauges_win_over_the_schedulers_in_one_interval():
     reduced = stats.reduce()
     assert reduced["pool_used_bytes"] == 120 and reduced["pool_capacity_bytes"] == 400
     assert reduced["device_blocks"] == 3
+
+
+def test_the_worker_connector_spares_vllm_its_per_layer_calls():
+    """vLLM's attention wrapper calls ``wait_for_layer_load``/``save_kv_layer``
+    in every layer while the connector says it has metadata; InfiniGen has no
+    per-layer work, so it says no, and keeps the step's metadata all the same."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.model_executor.layers.attention import kv_transfer_utils
+
+    from vllm_infinigen.scheduler.connector import InfiniGenConnector, InfiniGenMetadata
+
+    connector = object.__new__(InfiniGenConnector)
+    connector._runtime = None
+    connector._connector_metadata = None
+    metadata = InfiniGenMetadata(resident=False)
+    connector.bind_connector_metadata(metadata)
+    assert KVConnectorBase_V1.has_connector_metadata(connector)  # the base would say yes
+    assert not connector.has_connector_metadata()
+    assert connector._get_connector_metadata() is metadata
+
+    calls = []
+    connector.wait_for_layer_load = lambda name: calls.append(("wait", name))
+    connector.save_kv_layer = lambda *args, **kwargs: calls.append(("save", args[0]))
+    import vllm.model_executor.layers.attention.attention as attention_module
+
+    # A layer's step as vLLM runs it with a v1 connector and attention metadata.
+    patches = {(kv_transfer_utils, "has_kv_transfer_group"): lambda: True,
+               (kv_transfer_utils, "is_v1_kv_transfer_group"): lambda: True,
+               (kv_transfer_utils, "get_kv_transfer_group"): lambda: connector,
+               (kv_transfer_utils, "_resolve_layer_name"): lambda name: name,
+               (attention_module, "get_attention_context"):
+                   lambda name: (object(), None, None, None)}
+    saved = {key: getattr(*key) for key in patches}
+    try:
+        for (module, name), value in patches.items():
+            setattr(module, name, value)
+
+        @kv_transfer_utils.maybe_transfer_kv_layer
+        def attention(query: torch.Tensor, layer_name: str) -> torch.Tensor:
+            return query
+
+        query = torch.zeros(1)
+        assert attention(query, "layers.2.attn") is query
+        assert calls == []
+        connector.has_connector_metadata = lambda: True  # the base's answer: both calls
+        assert attention(query, "layers.2.attn") is query
+        assert calls == [("wait", "layers.2.attn"), ("save", "layers.2.attn")]
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)

@@ -11,6 +11,7 @@ the GPU projection's arithmetic, and the decode sweep's derived numbers
 from __future__ import annotations
 
 import json
+import os
 import math
 from types import SimpleNamespace
 
@@ -552,3 +553,26 @@ def test_decode_benchmark_windows_at_each_alpha_for_infinigen_only():
     assert decode_latency.config_label("copy", "infinigen") == "infinigen (copy)"
     assert decode_latency.config_label("in-place", "streaming", "10000") == "streaming"
     assert decode_latency.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+@pytest.mark.skipif("avx512_vnni" not in open("/proc/cpuinfo").read().split()
+                    if os.path.exists("/proc/cpuinfo") else True,
+                    reason="int_scoring_micro needs AVX-512 VNNI (avx512_vnni in /proc/cpuinfo)")
+def test_the_int_scoring_micro_benchmark_builds_and_its_forms_agree(capfd):
+    """The micro-benchmark behind benchmarks/README.md's int8 finding: it
+    compiles against the product's header, and its VNNI form scores as the
+    float form within the int8 rounding of the weights."""
+    import re
+    import shutil
+
+    from benchmarks.perf import int_scoring_micro
+
+    if shutil.which("g++") is None:
+        pytest.skip("int_scoring_micro needs g++")
+    assert int_scoring_micro.main(["--groups", "128"]) == 0
+    out = capfd.readouterr().out
+    for bits in (4, 2):
+        diff, largest = map(float, re.search(
+            rf"bits {bits}: max \|base - vnni\| (\S+) of max \|score\| (\S+)", out).groups())
+        assert 0 < diff < 0.02 * largest
+        assert len(re.findall(rf"bits {bits} .* ns per group", out)) == 3

@@ -48,3 +48,24 @@ def test_a_uniform_decode_step_is_planned_on_the_device_when_the_data_path_does(
     evaluating = InfiniGenConfig(alpha=1.0, eval_dense_prefix=4)
     assert not build_plan(metadata, evaluating, 16, None, on_device=True).on_device
     assert build_device_plan(metadata, 16).num_decodes == 3
+
+
+def test_the_host_plan_slices_the_rows_that_are_the_steps_first():
+    """Rows that are the step's first rows in order come as a slice (each
+    layer's query[tokens] a view, not a gather); others as their indices."""
+    config = InfiniGenConfig(min_context=20)
+    decode = build_plan(_metadata([41, 9, 30], [0, 1, 2, 3]), config, 16, None)
+    assert not decode.on_device
+    assert decode.sparse_rows.tokens.tolist() == [0, 2]  # row 1 is short
+    assert decode.dense_rows.tokens.tolist() == [1]
+    every = build_plan(_metadata([41, 29, 30], [0, 1, 2, 3]), config, 16, None)
+    assert every.sparse_rows.tokens == slice(0, 3) and every.dense_rows.size == 0
+    short = build_plan(_metadata([4, 9, 3], [0, 1, 2, 3]), config, 16, None)
+    assert short.short_decode_only and short.dense_rows.tokens == slice(0, 3)
+    query = torch.arange(12.0).view(3, 4)
+    for rows, plan in ((every.sparse_rows, every), (short.dense_rows, short)):
+        assert torch.equal(query[rows.tokens], query[plan.tokens])
+    # a prompt (rows 0-9) before a decode row: the decode row is token 10
+    mixed = build_plan(_metadata([10, 30], [0, 10, 11]), config, 16,
+                       lambda n: torch.tensor([10, 5])[:n])
+    assert mixed.sparse_rows.tokens.tolist() == [10]

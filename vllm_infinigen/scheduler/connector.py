@@ -67,6 +67,14 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         if self._runtime is not None and isinstance(connector_metadata, InfiniGenMetadata):
             self._runtime.set_resident(connector_metadata.resident)
 
+    def has_connector_metadata(self) -> bool:
+        """False: InfiniGen has no work per layer (``wait_for_layer_load`` and
+        ``save_kv_layer`` do nothing), so vLLM's attention wrapper
+        (``maybe_transfer_kv_layer``, the only caller) skips both calls and its
+        lookups in every layer of every step. The step's metadata is read in
+        ``bind_connector_metadata``."""
+        return False
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None
 

@@ -10,6 +10,7 @@ over ranks): the workers drain their counters once per step, vLLM sums the ranks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,7 @@ class InfiniGenStats(KVConnectorStats):
         return not any(value or is_gauge(key) for key, value in self.data.items())
 
 
+@functools.lru_cache(maxsize=4096)  # the keys are few (counters x layers, gauges x ranks)
 def is_gauge(key: str) -> bool:
     return key.split(".", 1)[0] in GAUGES
 

@@ -236,7 +236,8 @@ class InfiniGenRuntime(ShortPathMixin):
                 out[f"selected_tokens.{idx}"] = entries / self.total_kv_heads
                 out[f"candidate_tokens.{idx}"] = context * state.num_kv_heads / self.total_kv_heads
                 out[f"selected_kv_bytes.{idx}"] = entries * self.pool_entry_bytes
-                out[f"fetch_wait_us.{idx}"] = self.fetch_wait_us[idx]
+                if self.fetch_wait_us[idx]:  # (the CPU build never waits)
+                    out[f"fetch_wait_us.{idx}"] = self.fetch_wait_us[idx]
         self.fetch_wait_us = [0] * len(self.layers)
         if not self.resident:
             out.update(self.data_path.take_stats(wait=wait))
