@@ -260,6 +260,11 @@ def render(path: Path) -> int:
     shape = kv_math.ModelShape(**settings["model_shape"])
     out = Path(path).with_suffix("")
     title = f"Decode latency and KV bytes per step: {Path(args.model).name} ({args.preset})"
+    # Files before 2026-11-27 hold the checkpoint's size: recomputed in the run's
+    # dtype where the model is at hand.
+    weights = kv_math.weight_bytes(Path(args.model), shape.dtype_bytes)
+    if weights is not None:
+        meta["model_weight_bytes"] = weights
     report.write_results(out, meta, title, settings, rows, decode_report.sections(
         rows, args, shape, meta.get("bandwidth"), meta.get("model_weight_bytes")))
     decode_report.plot(rows, out.with_suffix(".png"), Path(args.model).name)
@@ -283,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: model directory {args.model} is absent (pass --model)")
         return 0
     meta = report.run_metadata(model=str(args.model), load_average_start=machine.load_average())
-    weights = Path(args.model) / "model.safetensors"
-    meta["model_weight_bytes"] = weights.stat().st_size if weights.is_file() else None
+    # The weights a step reads, in the run's dtype (before 2026-11-27: the
+    # checkpoint file's size, a float32 model's also in bfloat16 runs).
+    meta["model_weight_bytes"] = kv_math.weight_bytes(Path(args.model), DTYPE_BYTES[args.dtype])
     if args.bandwidth_mib > 0:
         if args.quiet_wait > 0:
             machine.wait_for_quiet(args.contention_cores, args.quiet_wait)

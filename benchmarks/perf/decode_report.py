@@ -76,7 +76,8 @@ def context_cost(rows: Sequence[Mapping[str, Any]],
 
 
 def bytes_bound(rows: Sequence[Mapping[str, Any]],
-                streaming_gb_s: float | None = None) -> list[dict[str, Any]]:
+                streaming_gb_s: float | None = None,
+                weight_bytes: int | None = None) -> list[dict[str, Any]]:
     """Per batch, each sparse config's step time if only its KV bytes set it apart.
 
     At the batch's longest context: dense's step at the shortest context (what a
@@ -85,6 +86,9 @@ def bytes_bound(rows: Sequence[Mapping[str, Any]],
     x ``kv_read_vs_dense``) and, given ``streaming_gb_s``, at the streaming
     limit. ``bound_vs_dense`` above a target puts it out of reach of kernels
     as fast as dense's; ``streaming_vs_dense`` above it, out of reach of any.
+    Given ``weight_bytes`` (the weights a step reads, in the run's dtype),
+    ``bytes_vs_dense`` = (weights + the config's KV reads) / (weights + dense's):
+    the ratio of the bytes alone, whatever the kernels' rates.
     Rows without dense at both contexts, or a single context, give nothing.
     """
     out = []
@@ -110,23 +114,32 @@ def bytes_bound(rows: Sequence[Mapping[str, Any]],
                 "streaming_vs_dense": None if streaming is None else streaming / entry["long_ms"],
                 "measured_vs_dense": row["decode_ms_per_step"] / entry["long_ms"],
                 "measured_vs_bound": row["decode_ms_per_step"] / bound,
+                "bytes_vs_dense": None if weight_bytes is None else (
+                    (weight_bytes + row["kv_bytes_per_step"])
+                    / (weight_bytes + row["dense_kv_bytes_per_step"])),
             })
     return out
 
 
 def _bytes_bound_table(rows: Sequence[Mapping[str, Any]],
-                       bandwidth: Mapping[str, Any] | None) -> str:
+                       bandwidth: Mapping[str, Any] | None,
+                       weight_bytes: int | None = None) -> str:
     streaming = (bandwidth or {}).get("read_gb_s_1_thread")
-    table = [[str(e["batch"]), str(e["context"]), e["config"], f"{e['fixed_ms']:.1f}",
+    table = [[str(e["batch"]), str(e["context"]), e["config"],
+              report.cell(e["bytes_vs_dense"], ".3f"), f"{e['fixed_ms']:.1f}",
               f"{e['dense_context_ms']:.1f}", f"{e['kv_read_vs_dense']:.3f}",
               f"{e['bound_ms']:.1f}", f"{e['bound_vs_dense']:.2f}",
               report.cell(e["streaming_ms"], ".1f"), report.cell(e["streaming_vs_dense"], ".2f"),
               f"{e['measured_vs_dense']:.2f}", f"{e['measured_vs_bound']:.2f}"]
-             for e in bytes_bound(rows, streaming)]
+             for e in bytes_bound(rows, streaming, weight_bytes)]
     if not table:
         return ""
     return (
         "## What the bytes allow (longest context of each batch)\n\n"
+        "bytes / dense = (weights + the config's KV reads) / (weights + dense's KV "
+        "reads), the weights in the run's dtype: a ratio target below it is out of reach "
+        "whatever the kernels (every byte read as fast as dense reads its own, nothing "
+        "computed beyond). "
         "fixed = dense's step at the shortest context (what a step costs whatever its "
         "context: weights, Python, sampling); bound = fixed + the config's KV reads at "
         "dense's rate (dense's context ms x reads vs dense); at streaming = fixed + the "
@@ -134,7 +147,8 @@ def _bytes_bound_table(rows: Sequence[Mapping[str, Any]],
         "ratio target below `bound / dense` needs kernels faster than dense's; below "
         "`at streaming / dense`, it is out of reach on this model.\n\n"
         + report.markdown_table(
-            ["batch", "context", "config", "fixed ms", "dense context ms", "reads vs dense",
+            ["batch", "context", "config", "bytes / dense", "fixed ms", "dense context ms",
+             "reads vs dense",
              "bound ms", "bound / dense", "at streaming ms", "at streaming / dense",
              "measured / dense", "measured / bound"], table))
 
@@ -309,7 +323,8 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         "(the weights and activations a step also reads are not counted).\n\n"
         + report.markdown_table(["context", "batch", *labels], achieved),
         _context_cost_table(rows),
-        *[section for section in [_bytes_bound_table(rows, bandwidth)] if section],
+        *[section for section in [_bytes_bound_table(rows, bandwidth, weight_bytes)]
+          if section],
         "## KV bytes read per decode step (MiB, whole batch)\n\n" + report.markdown_table(
             ["context", "batch", "config", "dense reads", "reads", "vs dense", "ideal",
              "metadata", "pool->attention", "ideal pool->attention", "selected"],

@@ -10,6 +10,7 @@ metadata + budget (baselines). Plain arithmetic, unit-tested in ``tests/unit/tes
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,6 +46,28 @@ def model_shape(model_dir: Path, dtype_bytes: int = 4) -> ModelShape:
     layout = ModelLayout.of_model_dir(model_dir)
     return ModelShape(layers=layout.num_layers, kv_heads=layout.num_kv_heads,
                       head_dim=layout.head_dim, dtype_bytes=dtype_bytes)
+
+
+def weight_bytes(model_dir: Path, dtype_bytes: int) -> int | None:
+    """Bytes of ``model_dir``'s ``model.safetensors`` weights as an engine of
+    ``dtype_bytes`` per value holds them (floating tensors cast, the rest as
+    stored): what a decode step reads of the weights. None without the file.
+    Read from the file's header (8-byte length, then JSON), not its data."""
+    path = Path(model_dir) / "model.safetensors"
+    if not path.is_file():
+        return None
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    stored = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+              "I8": 1, "U8": 1, "BOOL": 1}
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        count = math.prod(entry["shape"])
+        floating = entry["dtype"] in ("F64", "F32", "F16", "BF16")
+        total += count * (dtype_bytes if floating else stored[entry["dtype"]])
+    return total
 
 
 def speculation_key_bytes(shape: ModelShape, partial_ratio: float = 0.2,

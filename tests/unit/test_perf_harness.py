@@ -443,6 +443,10 @@ def test_bytes_bound_is_the_fixed_step_plus_the_configs_bytes():
     assert entry["measured_vs_dense"] == pytest.approx(0.6)
     assert entry["measured_vs_bound"] == pytest.approx(1.5)
     assert decode_report.bytes_bound(rows)[0]["streaming_ms"] is None  # no limit measured
+    assert entry["bytes_vs_dense"] is None  # no weights given
+    rows[3]["dense_kv_bytes_per_step"] = 512e6
+    (weighed,) = decode_report.bytes_bound(rows, weight_bytes=100e6)
+    assert weighed["bytes_vs_dense"] == pytest.approx((100e6 + 128e6) / (100e6 + 512e6))
     # One context, or no dense row: nothing to bound.
     assert decode_report.bytes_bound([row("dense", 256, 10.0, 1.0, 8e6),
                                       row("infinigen", 256, 12.0, 1.07, 8.5e6)]) == []
@@ -576,3 +580,16 @@ def test_the_int_scoring_micro_benchmark_builds_and_its_forms_agree(capfd):
             rf"bits {bits}: max \|base - vnni\| (\S+) of max \|score\| (\S+)", out).groups())
         assert 0 < diff < 0.02 * largest
         assert len(re.findall(rf"bits {bits} .* ns per group", out)) == 3
+
+
+def test_weight_bytes_are_the_weights_in_the_runs_dtype(tmp_path):
+    """Floating tensors at the run's bytes per value, others as stored; read
+    from the safetensors header alone."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float16),
+               "ids": torch.zeros(2, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+    assert kv_math.weight_bytes(tmp_path, 4) == (12 + 5) * 4 + 2 * 8
+    assert kv_math.weight_bytes(tmp_path, 2) == (12 + 5) * 2 + 2 * 8
+    assert kv_math.weight_bytes(tmp_path / "absent", 2) is None
