@@ -227,7 +227,9 @@ class _StockImpl:
 def test_the_sparse_layer_writes_nothing_in_its_kv_update_and_all_in_its_forward(keys):
     """In a short step the wrapped impl's KV update returns at once and its
     forward makes the one call; on a data path without the op (the fallback)
-    the update writes and the forward attends: the same output and pool."""
+    the update writes and the forward attends; where vLLM makes no update call
+    (the backend says the forward writes) the forward writes, fused or not:
+    the same output and pool."""
     from vllm.forward_context import ForwardContext, override_forward_context
 
     from vllm_infinigen.worker.attention import SPARSE_METADATA, InfiniGenImplMixin
@@ -238,8 +240,13 @@ def test_the_sparse_layer_writes_nothing_in_its_kv_update_and_all_in_its_forward
     gen = torch.Generator().manual_seed(6)
     query, key, value = (torch.randn((2, 1, DIM), generator=gen) for _ in range(3))
     slots = torch.tensor([CONTEXT, -1])
+    # The vLLM layer whose backend says its forward writes (``sparse_backend`` on
+    # the CPU): vLLM makes no KV-update call, the forward writes.
+    writing = SimpleNamespace(attn_backend=SimpleNamespace(forward_includes_kv_cache_update=True))
     results = []
-    for data_path in (None, lambda config: Unfused(config.transfer)):
+    for data_path, vllm_layer in ((None, None), (lambda config: Unfused(config.transfer), None),
+                                  (None, writing),
+                                  (lambda config: Unfused(config.transfer), writing)):
         runtime, metadata, _ = _short_step(keys, data_path)
         layer = runtime.layers[2]
         impl = InfiniGenImplMixin.wrap(_StockImpl(), runtime, layer)
@@ -250,15 +257,18 @@ def test_the_sparse_layer_writes_nothing_in_its_kv_update_and_all_in_its_forward
                                layer.layer_name: SPARSE_METADATA},
                 slot_mapping={runtime.reference_layer: slots, layer.layer_name: slots})):
             before = layer.kv_pool.clone()
-            impl.do_kv_cache_update(None, key, value, None, slots)
-            assert torch.equal(layer.kv_pool, before) == (data_path is None)
-            assert impl.forward(None, query, key, value, None, SPARSE_METADATA,
+            if vllm_layer is None:
+                impl.do_kv_cache_update(None, key, value, None, slots)
+                assert torch.equal(layer.kv_pool, before) == (data_path is None)
+            assert impl.forward(vllm_layer, query, key, value, None, SPARSE_METADATA,
                                 output) is output
+            assert not torch.equal(layer.kv_pool, before)  # written exactly once (below)
         results.append((output, layer.kv_pool, runtime.take_counters()))
-    (fused_out, fused_pool, fused_counts), (out, pool, counts) = results
-    assert torch.equal(fused_out, out) and out[1].eq(7.0).all()
-    assert torch.equal(fused_pool, pool)
-    assert fused_counts == counts and counts["selected_tokens.2"] == CONTEXT
+    fused_out, fused_pool, fused_counts = results[0]
+    for out, pool, counts in results[1:]:
+        assert torch.equal(fused_out, out) and out[1].eq(7.0).all()
+        assert torch.equal(fused_pool, pool)
+        assert fused_counts == counts and counts["selected_tokens.2"] == CONTEXT
 
 
 # -- vLLM's per-step slot mappings of the sparse groups ---------------------------------

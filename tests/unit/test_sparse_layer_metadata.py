@@ -20,3 +20,22 @@ def test_sparse_backend_builds_a_marker_and_reuses_it_across_groups():
     assert builder.build(0, object()) is SPARSE_METADATA
     assert builder_cls.supports_update_block_table
     assert builder.update_block_table(SPARSE_METADATA, None, None) is SPARSE_METADATA
+
+
+def test_on_the_cpu_vllm_makes_no_kv_update_call_and_the_forward_writes():
+    """``writes_in_forward`` (the CPU): the backend declares that its forward
+    writes, so vLLM's Attention skips ``unified_kv_cache_update``; the impl's
+    forward reads the same declaration. Without it (CUDA) vLLM's call stays."""
+    from types import SimpleNamespace
+
+    from vllm_infinigen.worker.attention import writes_in_forward
+
+    writing = sparse_backend(CPUAttentionBackend, writes_in_forward=True)
+    separate = sparse_backend(CPUAttentionBackend)
+    assert writing is not separate and writing.get_name() == separate.get_name()
+    assert not CPUAttentionBackend.forward_includes_kv_cache_update
+    assert writing.forward_includes_kv_cache_update
+    assert not separate.forward_includes_kv_cache_update
+    assert writes_in_forward(SimpleNamespace(attn_backend=writing))
+    assert not writes_in_forward(SimpleNamespace(attn_backend=separate))
+    assert not writes_in_forward(None)  # no layer (tests driving the impl alone)

@@ -59,10 +59,7 @@ class InfiniGenImplMixin:
         dense_metadata = context.attn_metadata[runtime.reference_layer]
         if runtime.fuses_short(dense_metadata):
             return  # the forward writes and attends in one op (``runtime.decode_short``)
-        slots = context.slot_mapping[runtime.reference_layer]
-        runtime.begin_step(dense_metadata, slots)
-        num_tokens = slots.shape[0]
-        runtime.write(state, key[:num_tokens], value[:num_tokens], slots)
+        _write(runtime, state, context, dense_metadata, key, value)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -78,11 +75,15 @@ class InfiniGenImplMixin:
         context = get_forward_context()
         dense_metadata = context.attn_metadata[runtime.reference_layer]
         plan = runtime.plan_for(dense_metadata, runtime.block_size)
+        fused = (state.sparse and key is not None and plan.short_decode_only
+                 and runtime.fuses_short(dense_metadata))
+        if state.sparse and key is not None and not fused and writes_in_forward(layer):
+            _write(runtime, state, context, dense_metadata, key, value)
         if plan.short_decode_only:  # nothing speculates, nothing is captured
             if not state.sparse:
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                        output, output_scale, output_block_scale)
-            if key is not None and runtime.fuses_short(dense_metadata):
+            if fused:
                 # Its write (skipped by its KV update) and its dense rows, in one op.
                 runtime.decode_short(state, dense_metadata,
                                      context.slot_mapping[runtime.reference_layer],
@@ -109,6 +110,24 @@ def takes_part(runtime: InfiniGenRuntime, attn_metadata) -> bool:
     inside ``determine_available_memory``, before the worker allocates the
     pool in ``initialize_from_config``; ``runtime.block_size`` is 0 until then)."""
     return attn_metadata is not None and runtime.block_size > 0
+
+
+def writes_in_forward(layer) -> bool:
+    """Whether vLLM makes no KV-update call for ``layer`` (its backend says its
+    forward writes: ``sparse_backend`` on the CPU), so that the sparse
+    layer's forward writes its new K/V to the pool itself (before its
+    attention, as the update call would have)."""
+    return getattr(getattr(layer, "attn_backend", None), "forward_includes_kv_cache_update",
+                   False)
+
+
+def _write(runtime: InfiniGenRuntime, state: LayerState, context, dense_metadata,
+           key: torch.Tensor, value: torch.Tensor) -> None:
+    """A sparse layer's new K/V [T, H_kv, D] into the pool, at the dense group's slots."""
+    slots = context.slot_mapping[runtime.reference_layer]
+    runtime.begin_step(dense_metadata, slots)
+    num_tokens = slots.shape[0]
+    runtime.write(state, key[:num_tokens], value[:num_tokens], slots)
 
 
 def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor | None],
@@ -156,8 +175,10 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         if state.sparse:
             device_first = runtime.config.residency == "device-first"
             attention.get_kv_cache_spec = _sparse_spec_getter(attention, device_first)
-            attention.attn_backend = (resident_backend if device_first
-                                      else sparse_backend)(attention.attn_backend)
+            attention.attn_backend = (
+                resident_backend(attention.attn_backend) if device_first
+                else sparse_backend(attention.attn_backend,
+                                    writes_in_forward=not runtime.data_path.plans_on_device))
         if state.next is not None:
             if state.next.qkv_proj is None or state.qkv_proj is None:
                 raise ValueError(f"InfiniGen: layer {source.name} has no qkv_proj to hook")
@@ -196,9 +217,14 @@ SPARSE_METADATA = SparseLayerMetadata()
 
 
 @functools.cache
-def sparse_backend(backend: type) -> type:
+def sparse_backend(backend: type, writes_in_forward: bool = False) -> type:
     """``backend`` with a metadata builder that builds nothing, for the sparse
-    layers' KV-cache groups.
+    layers' KV-cache groups; with ``writes_in_forward`` (the CPU: a data path
+    planning on the host, no CUDA graphs), also declaring that its forward
+    writes the layer's K/V (``forward_includes_kv_cache_update``), so that
+    vLLM skips the layer's ``unified_kv_cache_update`` call (a custom op and
+    its Python per sparse layer and step) and the forward writes to the pool
+    (``writes_in_forward``). CUDA keeps vLLM's separate update call.
 
     vLLM builds attention metadata for every KV-cache group at every step;
     the sparse layers' groups (one per ``group_size`` layers,
@@ -236,7 +262,8 @@ def sparse_backend(backend: type) -> type:
         "build": build, "build_for_cudagraph_capture": build_for_cudagraph_capture,
         "supports_update_block_table": True, "update_block_table": update_block_table,
         "_cudagraph_support": AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-        "get_cudagraph_support": classmethod(get_cudagraph_support)})
+        "get_cudagraph_support": classmethod(get_cudagraph_support)},
+        {"forward_includes_kv_cache_update": True} if writes_in_forward else {})
 
 
 @functools.cache
@@ -260,10 +287,12 @@ def resident_backend(backend: type) -> type:
                          {"get_cudagraph_support": classmethod(get_cudagraph_support)})
 
 
-def _with_builder(backend: type, prefix: str, attributes: dict) -> type:
-    """A subclass of ``backend`` whose metadata builder is a subclass of its
-    stock one with ``attributes``, declaring no full graph of variable-length
-    decode batches (InfiniGen's step has none); named ``prefix`` + theirs."""
+def _with_builder(backend: type, prefix: str, attributes: dict,
+                  backend_attributes: dict | None = None) -> type:
+    """A subclass of ``backend`` (with ``backend_attributes``) whose metadata
+    builder is a subclass of its stock one with ``attributes``, declaring no
+    full graph of variable-length decode batches (InfiniGen's step has none);
+    named ``prefix`` + theirs."""
     stock = backend.get_builder_cls()
 
     def get_varlen_cudagraph_max_query_len(cls, vllm_config, kv_cache_spec):
@@ -273,7 +302,7 @@ def _with_builder(backend: type, prefix: str, attributes: dict) -> type:
         "get_varlen_cudagraph_max_query_len": classmethod(get_varlen_cudagraph_max_query_len),
         **attributes})
     return type(f"{prefix}{backend.__name__}", (backend,),
-                {"get_builder_cls": staticmethod(lambda: builder)})
+                {"get_builder_cls": staticmethod(lambda: builder), **(backend_attributes or {})})
 
 
 def _check_query_norm(state: LayerState) -> None:
