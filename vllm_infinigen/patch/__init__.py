@@ -86,7 +86,7 @@ Patch index
 
 ``vllm_infinigen/worker/attention.py`` (the InfiniGen worker's ``load_model``)
     Objects: each full-attention ``Attention`` layer of the loaded model
-    (``.impl``, ``.get_kv_cache_spec``; sliding-window layers, as in Gemma 3,
+    (``.impl``, ``.get_kv_cache_spec``, ``.attn_backend``; sliding-window layers, as in Gemma 3,
     are left as they are) and the ``qkv_proj`` module of each layer that
     speculates.
     Why: the sparse layers attend over InfiniGen's pool and selection, and
@@ -96,7 +96,10 @@ Patch index
     impl's own class (``InfiniGenImplMixin``) carrying the same attributes,
     whose ``forward`` and ``do_kv_cache_update`` call the original for
     dense layers; a sparse layer's ``get_kv_cache_spec`` wraps the original
-    and returns ``InfiniGenSparseSpec.of(spec)``; a forward pre-hook on
+    and returns ``InfiniGenSparseSpec.of(spec)``, and its ``attn_backend``
+    becomes a subclass (``attention.sparse_backend``: a metadata builder that
+    builds nothing; on the CPU ``forward_includes_kv_cache_update``, so that
+    vLLM makes no KV-update call and the forward writes); a forward pre-hook on
     ``qkv_proj`` routes its input through the custom op
     ``torch.ops.vllm_infinigen.capture_attention_input`` (``worker/capture.py``),
     which stays in place under torch.compile. Only the InfiniGen worker's
