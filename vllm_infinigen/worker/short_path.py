@@ -5,11 +5,14 @@ Below ``--infinigen-min-context`` every row of a decode step attends densely
 over the pool (``StepPlan.short_decode_only``): nothing selects, speculates
 or is captured. A sparse layer's step is then its write and that attention,
 which the glue of the general path (``InfiniGenRuntime.write`` from the KV
-update, ``attend_decode`` from the forward) spreads over four kernel calls and
-their Python. Where the data path has ``decode_short`` (the CPU's: one
-compiled op calling the same kernels), the layer's KV update does nothing and
-its forward makes that one call (``attention.InfiniGenImplMixin``): the same
-pool, speculation keys, output and counters. Elsewhere (CUDA), or where a
+update, or from the forward where vLLM makes no update call:
+``attention.writes_in_forward``; ``attend_decode`` from the forward) spreads
+over four kernel calls and their Python. Where the data path has
+``decode_short`` (the CPU's: one compiled op calling the same kernels), the
+layer's forward makes that one call and writes nothing else, and a KV update
+that vLLM still calls (device-first residency after the move) does nothing
+(``attention.InfiniGenImplMixin``): the same pool, speculation keys, output
+and counters. Elsewhere (CUDA), or where a
 policy keeps state of the writes (``on_write``: H2O, Quest), the general path
 runs.
 """

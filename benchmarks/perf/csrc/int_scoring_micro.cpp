@@ -40,7 +40,8 @@ __attribute__((noinline)) __m512 base_group(const uint8_t* rows, const uint16_t*
   return best;
 }
 
-// VNNI: int8 weights per (group, head), exact amax
+// The codes of 4 channels (rows) as bytes of 16 dword lanes, one per position
+// (phase-major, as the product's unpack): vpdpbusd's u8 operand.
 template <int B>
 struct VSpread {  // 4 channels' codes of 16 positions -> dword lanes, bytes = channels
   __m512i idx_a, idx_b, shifts, mask;
@@ -74,6 +75,8 @@ struct VSpread {  // 4 channels' codes of 16 positions -> dword lanes, bytes = c
   }
 };
 
+// VNNI: int8 weights per (group, query head), scaled by the exact max |weight|
+// (kBound false) or by the bound max|q| x max(scale) (kBound true).
 template <int B, bool kBound>
 __attribute__((noinline)) __m512 vnni_group(const uint8_t* rows, const uint16_t* s16, const float* q, const float* qmax) {
   static const VSpread<B> sp;
@@ -130,7 +133,7 @@ void run(int groups) {
   for (int g = 0; g < G; ++g) for (int c = 0; c < D; ++c) qmax[g] = std::max(qmax[g], std::fabs(q[g*D+c]));
   for (size_t i = 0; i < sc.size(); ++i) sc[i] = _cvtss_sh(0.05f + 0.1f * ((gen() % 100) / 100.f), 0);
   std::vector<float> out(16 * (size_t)groups);
-  // correctness: compare to scalar exact on a few groups
+  // agreement: the VNNI form (exact max) against the product's float form, 64 groups
   double maxerr = 0, maxval = 0;
   for (int gi = 0; gi < 64; ++gi) {
     __m512 a = base_group<B>(codes.data() + (size_t)gi * rowb, sc.data() + (size_t)gi * D, q.data());
