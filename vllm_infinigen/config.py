@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_infinigen.architectures import AttentionPlan
-from vllm_infinigen.layout import SPECULATION_KEYS, ModelLayout
+from vllm_infinigen.layout import BOUND_BITS, BOUND_UNIT, SPECULATION_KEYS, ModelLayout
 from vllm_infinigen.policies import POLICY_NAMES, POLICY_TRAITS
 
 KV_MANAGERS = ("vllm", "infinigen")
@@ -129,15 +129,21 @@ class InfiniGenConfig:
         "Default: off, every row keeps its budget (--infinigen-budget, "
         "--infinigen-budget-tokens), which keeps retrieval on trained models where the "
         "paper's count loses it (README, 'Accuracy').", check=_positive, runtime=True)
-    # What the speculation scores: every key channel in a few bits (int: more
-    # accurate than the partial keys on every model and budget measured, at the
-    # same bytes per token, with no calibration; docs/measured.md), or the
-    # paper's partial keys, r of the skewed channels (partial).
+    # What the speculation scores: each unit's upper bound of q . k from its
+    # keys' per-channel max and min (bounds: the int keys' accuracy at a third
+    # of their bytes, benchmarks/results/frontier.md), every key channel in a few
+    # bits (int: more accurate than the partial keys on every model and budget
+    # measured, at the same bytes per token; docs/measured.md), or the paper's
+    # partial keys, r of the skewed channels (partial).
     speculation_keys: str = setting(
-        "int", "Keys the speculation scores: int (every key channel, 4 bits per token in "
-        "a float32 cache, 2 in a 16-bit one, one scale per channel and 16 tokens; needs no "
-        "skew) or partial (the paper's partial keys: --infinigen-partial-ratio of the "
-        "skewed channels, calibrated by a skew file).", choices=SPECULATION_KEYS)
+        "bounds", "Keys the speculation scores: bounds (per unit of "
+        f"{BOUND_UNIT} tokens, each channel's max and min key in {BOUND_BITS} bits: a unit "
+        "scores its upper bound of q.k, Quest's, and whole units are selected; needs no "
+        "skew), int (every key "
+        "channel, 4 bits per token in a float32 cache, 2 in a 16-bit one, one scale per "
+        "channel and 16 tokens; needs no skew) or partial (the paper's partial keys: "
+        "--infinigen-partial-ratio of the skewed channels, calibrated by a skew file).",
+        choices=SPECULATION_KEYS)
     # The paper's r: channels kept in the partial query weight and partial keys.
     partial_ratio: float = setting(
         0.2, "Fraction of head channels in the partial query/key (--infinigen-speculation-keys "

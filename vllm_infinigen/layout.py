@@ -27,17 +27,23 @@ from dataclasses import dataclass
 from typing import Any
 
 
-# Speculation keys: "int" (every key channel, a few bits per token, a scale per
-# channel and 16-token group) or "partial" (the paper's partial keys: r of the
-# skewed channels in the cache's dtype).
-SPECULATION_KEYS = ("int", "partial")
+# Speculation keys: "bounds" (per unit of BOUND_UNIT tokens, each channel's
+# max and min key in BOUND_BITS bits and one float16 scale: Quest's page
+# summary; whole units selected by their upper bound of q . k), "int" (every
+# key channel, a few bits per token, a scale per channel and 16-token group)
+# or "partial" (the paper's partial keys: r of the skewed channels in the
+# cache's dtype).
+SPECULATION_KEYS = ("bounds", "int", "partial")
 KEY_GROUP = 16  # tokens sharing one scale per channel in the int form
+BOUND_UNIT = 16  # tokens per unit of the bounds: a multiple of KEY_GROUP
+BOUND_BITS = 8  # bits per channel of each bound (8 or 4)
 
 
 def closes_key_group(slots) -> bool:
     """Whether any of ``slots`` ([T] int64 slot ids, < 0: padding) is the last
     of its 16-token group: the int keys encode a group when it is written, so
-    a step without one has nothing to encode."""
+    a step without one has nothing to encode (nor do the bounds, whose units
+    are whole groups)."""
     return bool(((slots >= 0) & (slots % KEY_GROUP == KEY_GROUP - 1)).any())
 
 
@@ -161,8 +167,13 @@ class ModelLayout:
         return self.num_sparse * self.kv_bytes_per_token_layer(dtype_bytes, kv_heads)
 
     def key_bytes_per_group(self, dtype_bytes: int) -> int:
-        """Speculation keys of one KV head for ``KEY_GROUP`` tokens: int codes and
-        float16 scales, or partial channels in the cache's dtype."""
+        """Speculation keys of one KV head for ``KEY_GROUP`` tokens: the bounds'
+        codes and float16 scales, int codes and float16 scales, or partial
+        channels in the cache's dtype. What a selection reads per ``KEY_GROUP``
+        context tokens (rounded up)."""
+        if self.speculation_keys == "bounds":
+            per_unit = 2 * self.head_dim * BOUND_BITS // 8 + 2
+            return -(-KEY_GROUP * per_unit // BOUND_UNIT)
         if self.speculation_keys == "int":
             bits = int_key_bits(dtype_bytes)
             return self.head_dim * (2 * bits + 2)

@@ -46,13 +46,21 @@ from benchmarks.accuracy import frontier_report, retrieval, speculation_keys
 from benchmarks.accuracy.key_forms import FormSpec, KeyForm
 from benchmarks.accuracy.sparse_llama import SparseLlama
 from benchmarks.accuracy.speculation_keys import Run, Tally, tally_sequences
-from benchmarks.accuracy.speculative_selection import CAP_BINDING_ALPHA, make_selector
+from benchmarks.accuracy.speculative_selection import (
+    CAP_BINDING_ALPHA,
+    make_selector,
+    make_unit_selector,
+    summary_bytes,
+)
 from benchmarks.harness import paths, report
 
 DEFAULT_OUT = paths.RESULTS / "frontier"
 # The product's --infinigen-speculation-keys int in a float32 cache.
 PRODUCT_KEYS = FormSpec("int keys, 4 bits", "identity", "block-int", 1.0, 4)
 CONTROL = speculation_keys.CONTROL
+# The bytes column: a Llama-3-8B-like head (128 channels) with the int keys a
+# bfloat16 cache stores (2 bits; 48 B per token and KV head).
+BYTES_HEAD_DIM, BYTES_BITS = 128, 2
 DEFAULT_SPEED = [paths.RESULTS / "decode_paired_gqa128.json",
                  paths.RESULTS / "decode_paired_gqa128_density.json"]
 
@@ -69,11 +77,18 @@ class Rule:
     floor: float = 0.0
     block_size: int = 0
     speculation: str = "previous-layer"
+    # Unit summaries (``make_unit_selector``): units of ``unit`` tokens scored by
+    # ``summary`` (coarse), then, when ``fine`` > 0, the int keys over the best
+    # units covering fine x k tokens.
+    unit: int = 0
+    summary: str = "bound"
+    fine: float = 0.0
+    summary_bits: int = 16
 
 
 BINDING = CAP_BINDING_ALPHA
 RULES = {rule.name: rule for rule in (
-    Rule("alpha 5 (today)"),
+    Rule("alpha 5 (paper)"),
     Rule("alpha 10", alpha=10.0),
     Rule("alpha 20", alpha=20.0),
     Rule("alpha 5, floor budget/2", floor=0.5),
@@ -81,8 +96,21 @@ RULES = {rule.name: rule for rule in (
     Rule("alpha 5, blocks of 16", block_size=16),
     Rule("budget binding, blocks of 16", alpha=BINDING, block_size=16),
     Rule("same-layer, budget binding (no prefetch)", alpha=BINDING, speculation="same-layer"),
+    Rule("bound, units of 16", alpha=BINDING, unit=16),
+    Rule("bound, units of 32", alpha=BINDING, unit=32),
+    Rule("bound, units of 64", alpha=BINDING, unit=64),
+    Rule("bound 8-bit, units of 16", alpha=BINDING, unit=16, summary_bits=8),
+    Rule("bound 4-bit, units of 16", alpha=BINDING, unit=16, summary_bits=4),
+    Rule("bound 8-bit, units of 32", alpha=BINDING, unit=32, summary_bits=8),
+    Rule("mean, units of 16", alpha=BINDING, unit=16, summary="mean"),
+    Rule("mean, units of 32", alpha=BINDING, unit=32, summary="mean"),
+    Rule("mean, units of 64", alpha=BINDING, unit=64, summary="mean"),
+    Rule("mean 32, then int keys over 2x", alpha=BINDING, unit=32, summary="mean", fine=2.0),
+    Rule("bound 64, then int keys over 2x", alpha=BINDING, unit=64, fine=2.0),
+    Rule("bound 32, then int keys over 2x", alpha=BINDING, unit=32, fine=2.0),
 )}
-CAP_RULES = ("budget binding", "alpha 5 (today)", "budget binding, blocks of 16")
+CAP_RULES = ("budget binding", "alpha 5 (paper)", "budget binding, blocks of 16",
+             "bound, units of 16", "bound 8-bit, units of 16", "bound 4-bit, units of 16")
 
 
 @dataclass(frozen=True)
@@ -145,6 +173,11 @@ def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
 
     def run(setting: Setting, tally: Tally, form: KeyForm, rule: Rule,
             control: bool = False) -> Run:
+        if rule.unit:
+            return Run(tally, functools.partial(
+                make_unit_selector, form, scale=sparse_model.scale, budget=setting.budget,
+                unit=rule.unit, summary=rule.summary, fine=rule.fine, bits=rule.summary_bits,
+                token_cap=setting.token_cap), rule.speculation, control)
         return Run(tally, functools.partial(
             make_selector, form, scale=sparse_model.scale, alpha=rule.alpha,
             budget=setting.budget, block_size=rule.block_size, token_cap=setting.token_cap,
@@ -157,13 +190,32 @@ def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
     results = [{"task": task.name, "rule": "dense", **dense.result()},
                {"task": task.name, "rule": "control", "budget": 1.0, **select_all.result()}]
     for setting, tally in zip(grid, tallies):
+        result = tally.result()
         results.append({"task": task.name, **asdict(setting), "label": setting.label,
-                        "rule_spec": asdict(RULES[setting.rule]), **tally.result()})
+                        "rule_spec": asdict(RULES[setting.rule]), **result,
+                        "bytes_per_token": selection_bytes(RULES[setting.rule], result)})
     info = {"num_sequences": len(data), "sparse_layers": list(layers),
             "head_dim": sparse_model.head_dim, "num_kv_heads": sparse_model.num_kv_heads,
             "group": sparse_model.group, "max_control_logit_diff": max_control_diff,
             "context": len(data[0]["ids"]) if data else 0}
     return results, info
+
+
+def int_key_bytes(head_dim: int, bits: int) -> float:
+    """Bytes per token and KV head of the int keys: ``bits`` per channel and a float16
+    scale per channel and 16 tokens (``layout.key_bytes_per_group`` / 16)."""
+    return head_dim * (bits / 8 + 2 / 16)
+
+
+def selection_bytes(rule: Rule, result: dict, head_dim: int = BYTES_HEAD_DIM,
+                    bits: int = BYTES_BITS) -> float:
+    """Bytes the rule reads per context token and KV head per step, at ``head_dim``
+    with ``bits``-bit int keys: every token's int keys; a unit summary; or a summary
+    and the int keys of the fine pass's candidates (their measured fraction)."""
+    if not rule.unit:
+        return int_key_bytes(head_dim, bits)
+    coarse = summary_bytes(head_dim, rule.unit, rule.summary, rule.summary_bits)
+    return coarse + result.get("rerank_density", 0.0) * int_key_bytes(head_dim, bits)
 
 
 def speed_points(paths_: list[Path], context: int, dtype: str) -> list[dict]:

@@ -61,7 +61,8 @@ def frontier_rows(payload: dict) -> list[dict]:
     points = payload.get("speed", [])
     rows = []
     for label in labels:
-        entry: dict = {"label": label, "ratios": {}, "first_quarter": {}, "density": {}}
+        entry: dict = {"label": label, "ratios": {}, "first_quarter": {}, "density": {},
+                       "bytes": None}
         for name, rows_of in tasks.items():
             if label not in rows_of:
                 continue
@@ -69,6 +70,8 @@ def frontier_rows(payload: dict) -> list[dict]:
             entry["ratios"][name] = ratio(row, dense)
             entry["density"][name] = row["density"]
             entry.update(budget=row["budget"], token_cap=row.get("token_cap"))
+            if row.get("bytes_per_token") is not None:  # the largest over the tasks
+                entry["bytes"] = max(entry["bytes"] or 0.0, row["bytes_per_token"])
             if "buckets" in row:
                 entry["first_quarter"][name] = ratio(row, dense, "first_quarter")
         base = entry["density"].get(DENSITY_TASK, max(entry["density"].values(), default=0))
@@ -106,7 +109,11 @@ def sections(payload: dict) -> list[str]:
         f"dense's at the density kept on {DENSITY_TASK} (a token cap bounds it to cap / "
         "16K), interpolated between paired decode runs' measured points (`*`: outside them, "
         f"extrapolated). Meets: retrieval >= {RECALL_TARGET}x dense on both 12-layer models "
-        f"overall and first ¼, perplexity <= {PERPLEXITY_TARGET}x.",
+        f"overall and first ¼, perplexity <= {PERPLEXITY_TARGET}x. B / token: the bytes "
+        "the selection reads per context token and KV head per step at head_dim 128 with "
+        "the 2-bit int keys of a bfloat16 cache (48 B; 4-bit: 80), the bounds' 8 / 4-bit "
+        "codes and scale per unit, or a summary plus the int keys of the fine pass's "
+        "candidates (their measured fraction, the largest over the models).",
     ]
     lines = []
     for name in task_names:
@@ -127,7 +134,7 @@ def sections(payload: dict) -> list[str]:
     for name in task_names:
         headers += [f"{name} ÷ dense"] + (["first ¼"] if name != "gutenberg-llama-2k" else [])
         headers.append("density")
-    headers += ["density at 16K", "16K step ÷ dense", "meets"]
+    headers += ["B / token", "density at 16K", "16K step ÷ dense", "meets"]
     table = []
     for entry in rows:
         cells = [entry["label"]]
@@ -137,7 +144,7 @@ def sections(payload: dict) -> list[str]:
                 cells.append(_fmt(entry["first_quarter"].get(name)))
             cells.append(_fmt(entry["density"].get(name)))
         speed = _fmt(entry["vs_dense_16k"], ".2f")
-        cells += [_fmt(entry["density_16k"], ".4f"),
+        cells += [_fmt(entry["bytes"], ".1f"), _fmt(entry["density_16k"], ".4f"),
                   speed + ("*" if speed and entry["extrapolated"] else ""),
                   "yes" if entry["meets"] else ""]
         table.append(cells)
@@ -185,7 +192,7 @@ def plot(path: Path, payload: dict) -> Path | None:
         for index, entry in enumerate(rows):
             axis.scatter(entry["vs_dense_16k"], value(entry), color=f"C{index % 10}",
                          marker="o" if entry["meets"] else "x")
-            if entry["meets"] or "today" in entry["label"]:  # the rest: markers only
+            if entry["meets"] or "paper" in entry["label"]:  # the rest: markers only
                 axis.annotate(entry["label"], (entry["vs_dense_16k"], value(entry)),
                               fontsize=5)
         axis.axhline(target, linestyle="--", color="grey")
@@ -193,7 +200,7 @@ def plot(path: Path, payload: dict) -> Path | None:
         axis.set_title(title, fontsize=10)
         axis.grid(alpha=0.3)
     fig.suptitle("Selection rules: accuracy against the CPU step (o meets every target, "
-                 "labelled with today's alpha 5; x misses)")
+                 "labelled with the paper's alpha 5; x misses)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

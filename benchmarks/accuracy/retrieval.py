@@ -47,6 +47,7 @@ from typing import Any
 from benchmarks.harness import report
 from benchmarks.accuracy import sweeps
 from benchmarks.harness import paths
+from vllm_infinigen.config import InfiniGenConfig
 
 DEFAULT_MODEL = paths.shared_path("models/recall-llama-1k")
 DEFAULT_DATA = paths.shared_path("data/recall/recall-1k.jsonl")
@@ -179,8 +180,8 @@ def setting_label(setting: dict | None, variant: dict | None) -> str:
     """"dense", or the policy (control, streaming approximation) and the engine variant."""
     if setting is None or variant is None:
         return "dense"
-    keys = ("int keys" if variant["calibration"] == "default"  # no skew file: the default
-            else f"partial keys, {variant['calibration']} skew")
+    keys = (f"{InfiniGenConfig.speculation_keys} keys" if variant["calibration"] == "default"
+            else f"partial keys, {variant['calibration']} skew")  # default: no skew file
     engine = f"{variant['dense_layers']} dense layers, {keys}"
     if sweeps.is_control(setting):
         return f"select all (control), {engine}"

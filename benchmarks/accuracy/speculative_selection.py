@@ -40,6 +40,14 @@ class SelectionCounts:
     def density(self) -> float:
         return self.selected / self.context if self.context else float("nan")
 
+    def add(self, layer_idx: int, selected: float, context: float) -> None:
+        """One selection's kept and context entries."""
+        self.selected += selected
+        self.context += context
+        tally = self.per_layer.setdefault(layer_idx, [0.0, 0.0])
+        tally[0] += selected
+        tally[1] += context
+
     @property
     def rerank_density(self) -> float:
         return self.reranked / self.context if self.context else 0.0
@@ -108,13 +116,128 @@ def make_selector(form: KeyForm, *, scale: float, alpha: float, budget: float,
         else:
             chosen = topk_mask(scores, num_chosen, int(num_chosen.max()))
         if counts is not None:
-            selected = float(chosen.sum())
-            context = float(positions.sum()) * num_kv_heads
-            counts.selected += selected
-            counts.context += context
-            tally = counts.per_layer.setdefault(layer_idx, [0.0, 0.0])
-            tally[0] += selected
-            tally[1] += context
+            counts.add(layer_idx, float(chosen.sum()), float(positions.sum()) * num_kv_heads)
+        return chosen
+
+    return select
+
+
+UNIT_SUMMARIES = ("bound", "mean")
+
+
+def outward(high: torch.Tensor, low: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``high``/``low`` [..., D] as ``bits``-bit signed integers times one scale per
+    row (absmax / (2^(bits-1) - 1), float16), rounded outwards (high up, low down):
+    the bound stays a bound."""
+    top = (1 << (bits - 1)) - 1
+    scale = (torch.maximum(high.abs(), low.abs()).amax(dim=-1, keepdim=True) / top)
+    scale = scale.half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    up = torch.ceil(high / safe).clamp(-top - 1, top) * scale
+    down = torch.floor(low / safe).clamp(-top - 1, top) * scale
+    # A rounded scale may fall short of absmax / top by a float16 step: clamp keeps
+    # the codes in range, and the few values past the last code lose their margin.
+    return up, down
+
+
+def unit_summary_scores(query: torch.Tensor, keys: torch.Tensor, unit: int,
+                        summary: str, bits: int = 16) -> torch.Tensor:
+    """[H_kv, n, U] each complete ``unit``-token unit's score for each row: the max over the
+    KV head's query group of, for ``bound``, sum_c max(q_c min_c, q_c max_c) (Quest's upper
+    bound from the unit's per-channel min and max, stored in float16), for ``mean``, q . the
+    unit's mean key (a float16 landmark). Raw dot products (not scaled). ``bits`` < 16:
+    the bound's min and max in ``bits``-bit integers with a float16 scale per unit and
+    KV head (``outward``).
+
+    Args:
+        query: [H_q, n, D]; keys: [H_kv, T, D] (units past T // unit are absent).
+    """
+    num_kv_heads, num_tokens, head_dim = keys.shape
+    num_units = num_tokens // unit
+    units = keys[:, : num_units * unit].float().view(num_kv_heads, num_units, unit, head_dim)
+    grouped = query.float().view(num_kv_heads, -1, query.shape[1], head_dim)  # [H, G, n, D]
+    if summary == "bound":
+        high = units.amax(dim=2).half().float()  # [H, U, D]
+        low = units.amin(dim=2).half().float()
+        if bits < 16:
+            high, low = outward(units.amax(dim=2), units.amin(dim=2), bits)
+        scores = (torch.einsum("hgnd,hud->hgnu", grouped.clamp(min=0), high)
+                  + torch.einsum("hgnd,hud->hgnu", grouped.clamp(max=0), low))
+    elif summary == "mean":
+        scores = torch.einsum("hgnd,hud->hgnu", grouped, units.mean(dim=2).half().float())
+    else:
+        raise ValueError(f"summary must be one of {UNIT_SUMMARIES}, got {summary!r}")
+    return scores.amax(dim=1)
+
+
+def summary_bytes(head_dim: int, unit: int, summary: str, bits: int = 16) -> float:
+    """Bytes per context token and KV head of a unit summary (float16 values, or
+    ``bits``-bit integers and a float16 scale per unit)."""
+    values = 2 if summary == "bound" else 1
+    if bits >= 16:
+        return head_dim * 2 * values / unit
+    return (head_dim * values * bits / 8 + 2) / unit
+
+
+def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, unit: int,
+                       summary: str = "bound", fine: float = 0.0, bits: int = 16,
+                       exact: bool = True,
+                       token_cap: int | None = None, counts: SelectionCounts | None = None):
+    """A ``Selector`` over unit summaries: coarse, then (``fine`` > 0) fine.
+
+    A row keeps k = min(floor(budget x context), token_cap) tokens (at least 1),
+    as the budget binding does. Its own unit (the one its context ends in,
+    incomplete: no summary yet) is always kept, its tokens counted in k; the
+    complete units share the rest, k'. Coarse only (``fine`` 0): each
+    KV head keeps its ceil(k' / unit) best complete units by ``summary``.
+    Coarse then fine: each KV head's ceil(fine x k' / unit) best units are the
+    candidates, whose tokens ``form`` scores; the head keeps its k' best of them.
+    ``exact`` (coarse only): k' tokens exactly, as the product keeps them (whole
+    units, then the first tokens of the next); False: whole units, rounded up.
+    ``counts.reranked`` tallies the candidates' tokens (the fine pass's reads).
+    """
+
+    def select(layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        num_kv_heads, num_tokens = keys.shape[0], keys.shape[1]
+        token_ids = torch.arange(num_tokens)
+        in_context = token_ids[None, :] < positions[:, None]  # [n, T]
+        own_unit = (token_ids[None, :] // unit) == (positions[:, None] // unit)  # [n, T]
+        caps = torch.floor(positions.double() * budget).long().clamp(min=1)
+        if token_cap is not None:
+            caps = caps.clamp(max=token_cap)
+        # The own unit's tokens count against k; the complete units share the rest.
+        caps = (caps - positions % unit).clamp(min=0)
+        units = unit_summary_scores(query, keys, unit, summary, bits)  # [H, n, U]
+        num_units = units.shape[-1]
+        complete = (torch.arange(num_units)[None, :] + 1) * unit <= positions[:, None]  # [n, U]
+        units = units.masked_fill(~complete[None], float("-inf"))
+        chosen_units = torch.ceil(caps.double() * max(fine, 1.0) / unit).long()
+        chosen_units = torch.minimum(chosen_units, complete.sum(dim=-1))
+        width = max(1, int(chosen_units.max())) if num_units else 0
+        kept_units = (topk_mask(units, chosen_units, width) if width
+                      else torch.zeros_like(units, dtype=torch.bool))
+        tokens = torch.zeros((num_kv_heads, positions.shape[0], num_tokens), dtype=torch.bool)
+        tokens[..., : num_units * unit] = kept_units.repeat_interleave(unit, dim=-1)
+        if not fine and exact and num_units:
+            # k' tokens exactly: the token rule over tokens scored by their unit
+            # (the product's): whole units, then the first tokens of the next.
+            scores = units.repeat_interleave(unit, dim=-1)
+            order = torch.arange(num_units * unit, dtype=torch.float64)
+            ranked = scores.double() - order * 1e-12 * scores.double().abs().clamp(min=1)
+            top = topk_mask(ranked, caps, max(1, int(caps.max())))
+            tokens[..., : num_units * unit] = top & torch.isfinite(scores)
+        if fine:
+            candidates = tokens & in_context[None]
+            scores = form.scores(layer_idx, query, keys, positions).amax(dim=1) * scale
+            scores = scores.masked_fill(~candidates, float("-inf"))
+            chosen = topk_mask(scores, caps, max(1, int(caps.max()))) & candidates
+            if counts is not None:
+                counts.reranked += float(candidates.sum())
+            tokens = chosen
+        chosen = (tokens | own_unit[None]) & in_context[None]
+        if counts is not None:
+            counts.add(layer_idx, float(chosen.sum()), float(positions.sum()) * num_kv_heads)
         return chosen
 
     return select

@@ -118,7 +118,13 @@ class Product(Variant):
         """Speculation keys of random content (speed only), in the product's layout."""
         generator = torch.Generator(device=self.setup.device).manual_seed(1)
         for state in self.runtime.sparse_layers:
-            if state.int_keys:
+            if state.bound_keys:
+                state.bounds.copy_(torch.randint(0, 256, state.bounds.shape, dtype=torch.uint8,
+                                                 device=self.setup.device, generator=generator))
+                state.bound_scales.copy_(torch.rand(state.bound_scales.shape,
+                                                    device=self.setup.device,
+                                                    generator=generator) / 16)
+            elif state.int_keys:
                 state.key_codes.copy_(torch.randint(0, 256, state.key_codes.shape,
                                                     dtype=torch.uint8, device=self.setup.device,
                                                     generator=generator))

@@ -4,12 +4,12 @@
 Footprint per token of the 16-layer model below (fp32, 1 KV head of 32):
 stock: 16 layers x K+V 256 B = 4,096 B. InfiniGen: vLLM keeps blocks for the
 2 dense layers only (2 x 256 = 512 B) and the speculation keys of the 14 sparse
-layers sit beside them (the int form, the default: 32 channels x 4 bits = 16 B,
-plus one fp16 scale per channel per 16 tokens = 4 B; 14 x 20 B = 280 B): 792 B,
-5.2x less. A 2,048-token request is 16 blocks of 128 tokens: 8 MiB stock, 1.55 MiB
-InfiniGen.
+layers sit beside them (the bounds, the default: per 16 tokens each channel's
+max and min as 8-bit codes, 2 x 32 B, and one fp16 scale = 66 B, 4.125 B per
+token; 14 x 4.125 B = 57.75 B): 569.75 B, 7.2x less. A 2,048-token request is
+16 blocks of 128 tokens: 8 MiB stock, 1.11 MiB InfiniGen.
 With 36 MiB of KV space, stock holds 72 blocks (4 requests), InfiniGen 36 MiB x
-512 / 792 = 23.3 MiB of blocks (372 blocks of 64 KiB: 23 requests).
+512 / 569.75 = 32.4 MiB of blocks (517 blocks of 64 KiB: 32 requests).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def runs(deep_model) -> dict:
 def test_block_counts_follow_the_footprint_arithmetic(runs):
     # Stock: 16 layers x 128 tokens x 256 B = 512 KiB per block id.
     assert runs["stock"]["num_blocks"] == KV_SPACE // (16 * 128 * 256)
-    # InfiniGen: 2 dense pages (64 KiB) per block id, plus the int speculation
-    # keys of 14 sparse layers for its 128 tokens (14 x 128 x 20 B = 35 KiB).
-    expected = KV_SPACE * 65536 // (65536 + 14 * 128 * 20) // 65536
+    # InfiniGen: 2 dense pages (64 KiB) per block id, plus the bounds of 14
+    # sparse layers for its 128 tokens (14 x 8 units x 66 B = 7,392 B).
+    expected = KV_SPACE * 65536 // (65536 + 14 * 8 * 66) // 65536
     assert abs(runs["infinigen"]["num_blocks"] - expected) <= 1
     blocks_per_request = (PROMPT_TOKENS + OUTPUT_TOKENS) // 128
     assert runs["infinigen"]["num_blocks"] // blocks_per_request >= 3 * STOCK_CAPACITY

@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks.harness import paths
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
-from vllm_infinigen.layout import ModelLayout
+from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.layout import ModelLayout, read_hf_config
 from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
@@ -81,9 +82,12 @@ def test_select_all_equals_stock_through_preemption(tiny_models, shared_engine):
     prompts = random_prompts([300, 280, 260, 240, 220, 200], seed=9)
     stock = greedy_tokens(shared_engine(model), prompts, 100)
     # 4 tiny-Llama layers, 2 dense: 128 KiB per block id (2 pages of 64 KiB)
-    # plus 10 KiB of int speculation keys (2 sparse layers x 2 KV heads x 128
-    # tokens x 20 B), so this holds 10 blocks; the batch needs 6 x 4 by the end.
-    with engine(model, kv_cache_memory_bytes=int(10.5 * 138 * 1024), **SELECT_ALL) as llm:
+    # plus the speculation keys of the 2 sparse layers' 128 tokens (float32),
+    # so this holds 10 blocks; the batch needs 6 x 4 by the end.
+    layout = ModelLayout.from_hf_config(read_hf_config(model),
+                                        speculation_keys=InfiniGenConfig.speculation_keys)
+    block_bytes = 128 * 1024 + 128 * layout.partial_bytes_per_token(4)
+    with engine(model, kv_cache_memory_bytes=int(10.5 * block_bytes), **SELECT_ALL) as llm:
         ours = greedy_tokens(llm, prompts, 100)
         preemptions = sum(m.value for m in llm.get_metrics()
                           if m.name == "vllm:num_preemptions")

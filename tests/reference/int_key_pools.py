@@ -28,6 +28,16 @@ def _exact_keys(gen: torch.Generator, num_groups: int, num_heads: int, head_size
     return ((codes - half) * torch.pow(2.0, exponent.float())).reshape(-1, num_heads, head_size)
 
 
+def capped_row_map(gen: torch.Generator, num_blocks: int, num_kv_heads: int,
+                   block: int) -> torch.Tensor:
+    """[num_blocks, H_kv, block] int32 rows of a capped pool: a per-head permutation,
+    a fifth evicted (-1)."""
+    rows = torch.stack([torch.randperm(num_blocks * block, generator=gen)
+                        for _ in range(num_kv_heads)]).to(torch.int32)
+    rows = rows.view(num_kv_heads, num_blocks, block).permute(1, 0, 2)
+    return rows.masked_fill(torch.rand(rows.shape, generator=gen) < 0.2, -1).contiguous()
+
+
 class Pool:
     """A pool whose requests sit in shuffled blocks, written through the kernels."""
 
@@ -47,14 +57,7 @@ class Pool:
                                  dtype=torch.uint8)
         self.scales = torch.zeros((self.num_blocks, num_kv_heads, GROUPS, head_size),
                                   dtype=torch.float16)
-        self.row_map = None
-        if capped:  # rows are a per-head permutation, some evicted
-            per_head = self.num_blocks * BLOCK
-            rows = torch.stack([torch.randperm(per_head, generator=gen)
-                                for _ in range(num_kv_heads)]).to(torch.int32)
-            rows = rows.view(num_kv_heads, self.num_blocks, BLOCK).permute(1, 0, 2)
-            self.row_map = rows.masked_fill(torch.rand(rows.shape, generator=gen) < 0.2,
-                                            -1).contiguous()
+        self.row_map = capped_row_map(gen, self.num_blocks, num_kv_heads, BLOCK) if capped else None
         # Every context token (and each row's own) written, in two calls per row
         # so that a group completes across calls.
         for row, n in enumerate(context_lens):

@@ -22,8 +22,9 @@ from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 
 # (module or class, function name): each one kernel launch on CUDA.
 KERNELS = ((select_ops, "int_scores"), (select_ops, "alpha_counts"), (select_ops, "select"),
+           (select_ops, "bound_scores"), (select_ops, "unit_counts"),
            (DeviceBlockCache, "place"), (kernels, "gather_units"), (kernels, "write_tokens"),
-           (kernels, "encode_groups"), (kernels, "attend_units"))
+           (kernels, "encode_groups"), (kernels, "encode_bounds"), (kernels, "attend_units"))
 # Ops that read step data back to the host (a device sync on CUDA), or that size
 # their output by it.
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2",

@@ -392,7 +392,7 @@ def test_mode_and_setting_labels():
     assert retrieval.setting_label({"policy": "h2o", "budget": 0.1}, variant) == (
         "h2o, 2 dense layers, partial keys, synthetic skew")
     assert retrieval.setting_label({"budget": 0.2}, {**variant, "calibration": "default"}) == (
-        "infinigen, 2 dense layers, int keys")
+        "infinigen, 2 dense layers, bounds keys")
     assert retrieval.setting_label(dict(retrieval.STREAMING_APPROX), variant).startswith(
         "streaming approx (sink 4 + recent 128)")
 

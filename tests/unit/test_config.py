@@ -26,7 +26,7 @@ def test_defaults():
         "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
         "eval_dense_prefix": None, "min_context": DEFAULT_MIN_CONTEXT,
-        "speculation": "previous-layer", "speculation_keys": "int", "residency": "pool",
+        "speculation": "previous-layer", "speculation_keys": "bounds", "residency": "pool",
     }
     assert set(FLAG_OF_FIELD) == {f.name for f in dataclasses.fields(InfiniGenConfig)}
 
@@ -136,7 +136,7 @@ def test_selection_defaults():
     """The defaults the frontier chose (benchmarks/results/frontier.md)."""
     config = InfiniGenConfig()
     assert (config.budget, config.budget_tokens, config.min_context) == (0.2, None, 4096)
-    assert (config.speculation, config.speculation_keys) == ("previous-layer", "int")
+    assert (config.speculation, config.speculation_keys) == ("previous-layer", "bounds")
 
 
 def test_kv_manager_of():

@@ -15,14 +15,16 @@ from benchmarks.accuracy.speculative_selection import (
     CAP_BINDING_ALPHA,
     SelectionCounts,
     make_selector,
+    make_unit_selector,
+    outward,
 )
 
 
 def test_grid_has_every_rule_budget_and_the_caps():
-    grid = frontier.settings_grid(["alpha 5 (today)", "budget binding"], [0.1, 0.2], [256])
+    grid = frontier.settings_grid(["alpha 5 (paper)", "budget binding"], [0.1, 0.2], [256])
     labels = [s.label for s in grid]
-    assert labels == ["alpha 5 (today) @ 0.1", "alpha 5 (today) @ 0.2", "budget binding @ 0.1",
-                      "budget binding @ 0.2", "alpha 5 (today) @ 0.2, cap 256",
+    assert labels == ["alpha 5 (paper) @ 0.1", "alpha 5 (paper) @ 0.2", "budget binding @ 0.1",
+                      "budget binding @ 0.2", "alpha 5 (paper) @ 0.2, cap 256",
                       "budget binding @ 0.2, cap 256", "budget binding @ 1, cap 256"]
 
 
@@ -99,3 +101,58 @@ def test_targets_need_both_models_first_quarter_and_the_book():
     assert rows["a @ 0.2"]["vs_dense_16k"] == pytest.approx(0.9)
     # a token cap bounds the density at 16K to cap / 16K
     assert rows["c @ 0.2, cap 256"]["density_16k"] == pytest.approx(256 / 16384)
+
+
+def _select_units(unit: int, budget: float, summary: str = "bound", bits: int = 16,
+                  token_cap=None, fine: float = 0.0):
+    gen = torch.Generator().manual_seed(0)
+    heads, group, dim, tokens = 2, 2, 8, 200
+    eye = [(torch.zeros(heads * group, 1, dim), torch.zeros(heads, 1, dim))]
+    form = KeyForm(FormSpec("fp32", "identity", "fp32", 1.0), eye, 1, [0])
+    counts = SelectionCounts()
+    select = make_unit_selector(form, scale=1.0, budget=budget, unit=unit, summary=summary,
+                                bits=bits, token_cap=token_cap, fine=fine, counts=counts)
+    query = torch.randn(heads * group, 2, dim, generator=gen)
+    keys = torch.randn(heads, tokens, dim, generator=gen)
+    chosen = select(0, query, keys, torch.tensor([100, 200]))
+    return chosen, counts
+
+
+@pytest.mark.parametrize(("summary", "bits"), [("bound", 16), ("bound", 8), ("bound", 4),
+                                               ("mean", 16)])
+def test_unit_rules_keep_whole_units_and_the_open_one(summary, bits):
+    """k = budget x context tokens: the own unit's (100 % 16 = 4, 200 % 16 = 8) and
+    ceil(rest / 16) whole units; coarse then fine keeps exactly k of its candidates."""
+    chosen, counts = _select_units(16, 0.2, summary, bits)
+    kept = chosen.sum(dim=-1)
+    assert kept.tolist() == [[4 + 16, 8 + 32], [4 + 16, 8 + 32]]
+    assert bool(chosen[:, 0, 96:100].all()) and bool(chosen[:, 1, 192:200].all())
+    units = chosen[:, 1, :192].view(2, 12, 16)
+    assert bool((units.all(dim=-1) | ~units.any(dim=-1)).all())  # whole units only
+    fine, fine_counts = _select_units(16, 0.2, summary, bits, fine=2.0)
+    assert fine.sum(dim=-1).tolist() == [[20, 40], [20, 40]]
+    assert fine_counts.reranked == 2 * (32 + 64)  # 2 heads x (2 units + 4 units) x 16
+
+
+def test_outward_rounding_bounds_every_value():
+    """Up to the float16 rounding of the scale (a relative 2^-11 of the largest value,
+    its code clamped): the product's kernels round the scale up instead."""
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(50, 16, 32, generator=gen) * torch.rand(1, 1, 32, generator=gen) * 8
+    high_true, low_true = values.amax(dim=1), values.amin(dim=1)
+    slack = torch.maximum(high_true.abs(), low_true.abs()).amax(dim=-1, keepdim=True) * 2 ** -10
+    for bits in (8, 4):
+        high, low = outward(high_true, low_true, bits)
+        assert bool((high >= high_true - slack).all()) and bool((low <= low_true + slack).all())
+        step = slack * 2 ** 10 / ((1 << (bits - 1)) - 1)
+        assert bool((high - high_true <= step * 1.01).all())
+
+
+def test_selection_bytes_per_token():
+    rules = frontier.RULES
+    assert frontier.selection_bytes(rules["budget binding"], {}) == 48.0
+    assert frontier.selection_bytes(rules["bound, units of 16"], {}) == 32.0
+    assert frontier.selection_bytes(rules["bound 8-bit, units of 16"], {}) == (256 + 2) / 16
+    assert frontier.selection_bytes(rules["bound 4-bit, units of 16"], {}) == (128 + 2) / 16
+    assert frontier.selection_bytes(rules["bound 32, then int keys over 2x"],
+                                    {"rerank_density": 0.5}) == 16.0 + 24.0

@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from vllm_infinigen.platforms.cuda import (  # noqa: E402
+    triton_bounds,
     triton_kernels,
     triton_scoring,
     triton_select,
@@ -54,6 +55,21 @@ def _kernel_cases():
                {"pool": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "slots": "*i64"},
                {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": bits,
                 "HALF": ((1 << bits) - 1) / 2, "TOP": float((1 << bits) - 1)})
+        for bound_bits in (8, 4):
+            yield (triton_bounds._encode_bounds,
+                   {"pool": f"*{dtype}", "bounds": "*u8", "scales": "*fp16", "slots": "*i64"},
+                   {"H": 8, "BLOCK": 16, "UNIT": 16, "D": 128, "HALF": 64, "HALF_PAD": 64,
+                    "BITS": bound_bits, "OFF": float(1 << (bound_bits - 1))})
+            yield (triton_bounds._bound_scores,
+                   {"query": f"*{dtype}", "bounds": "*u8", "scales": "*fp16", "table": "*i32",
+                    "context_lens": "*i64", "out": "*fp32", "block_out": "*fp32", "scale": "fp32",
+                    "query_row_stride": i64, "table_stride": i64, "num_units": i32},
+                   {"H": 8, "G": 4, "D": 128, "HALF": 64, "HALF_PAD": 64,
+                    "UNITS_PER_BLOCK": 1, "UNIT": 16, "BITS": bound_bits,
+                    "OFF": float(1 << (bound_bits - 1)), "TILE": 32})
+        yield (triton_bounds._unit_counts,
+               {"unit_scores": "*fp32", "settings": "*fp64", "counts": "*i32", "num_units": i32},
+               {"UNIT": 16, "CHUNK": 1024})
         for method, heads_pad, precision in (("sums", 4, "tf32x3"), ("dot", 16, "tf32x3"),
                                              ("dot", 16, "tf32"), ("dot", 16, "fp16")):
             yield (triton_scoring.KERNELS[method], {

@@ -21,7 +21,7 @@ from tests.reference.cuda_kernel_cases import attention_case as _attention_case
 from tests.reference.cuda_kernel_cases import fetch_case as _fetch_case
 from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
 from tests.reference.int_key_pools import Pool
-from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops
+from vllm_infinigen.platforms.cuda import block_selection, bound_selection, kernels, select_ops
 from vllm_infinigen.platforms.cuda.place_reference import place_reference
 
 # The int scoring's forms (method, the dot's precision), and the torch form's operands
@@ -500,3 +500,39 @@ def test_prompt_attention_equals_the_reference(triton_kernels, dtype, first, row
                                  scale=0.4, block_m=16, block_n=16)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("unit", [16, 32])
+def test_bound_kernels_equal_the_cpu_kernels(bits, unit):
+    """``encode_bounds`` writes the CPU kernel's bytes; ``bound_scores`` gives the
+    torch form's scores (-inf past each row's complete units and for padding)."""
+    from tests.reference.bound_pools import BLOCK, BoundPool
+    from vllm_infinigen.platforms.cuda import triton_bounds
+
+    pool = BoundPool(seed=7, unit=unit, bits=bits, dtype=torch.bfloat16, num_kv_heads=2,
+                     head_size=40, context_lens=[230, 16, 7, 64])
+    bounds, scales = torch.zeros_like(pool.bounds), torch.zeros_like(pool.scales)
+    for row in range(len(pool.context_lens)):
+        slots = pool.slots_of(row)
+        triton_bounds.encode_bounds(pool.kv_pool, bounds, scales, torch.cat([slots, -slots[:1] - 1]),
+                                    unit=unit)
+    assert torch.equal(scales, pool.scales)
+    assert torch.equal(bounds, pool.bounds)
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randint(-3, 4, (5, 2, 3, 40), generator=gen).float()
+    context = torch.cat([pool.context_lens, torch.tensor([-1])])  # a padding row
+    table = torch.cat([pool.block_table, pool.block_table[:1]]).contiguous()
+    out = torch.empty((5, 2, table.shape[1] * (BLOCK // unit)), dtype=torch.float32)
+    blocks = torch.empty((5, 2, table.shape[1]), dtype=torch.float32)
+    triton_bounds.bound_scores(query, pool.bounds, pool.scales, table, context, out, blocks,
+                               scale=0.25, unit=unit, tile=8)
+    want = bound_selection.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
+                                             scale=0.25, block_size=BLOCK)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=0)
+    assert torch.equal(blocks, bound_selection.unit_block_scores(want, BLOCK // unit))
+    settings = torch.tensor([2.0, 0.2, 0.0, 0.0], dtype=torch.float64)
+    counts = torch.empty(10, dtype=torch.int32)
+    triton_bounds.unit_counts(out, settings, counts, unit=unit, chunk=16)
+    assert torch.equal(counts, bound_selection.unit_alpha_counts(want, settings[0], unit))
+    assert int(counts[-2:].sum()) == 0  # the padding row

@@ -83,11 +83,12 @@ def rotate(rope: torch.nn.Module, positions: torch.Tensor,
 
 def skewed(layer: LayerState, query: torch.Tensor) -> torch.Tensor:
     """[S, H_kv, G, R] query the speculation scores, from queries [S, H_q, D]: the
-    partial query (skewed, R channels, float32), or every channel for the int
-    keys (a view in the query's dtype: the selection converts what it reads)."""
+    partial query (skewed, R channels, float32), or every channel for the
+    bounds and int keys (a view in the query's dtype: the selection converts
+    what it reads)."""
     group = layer.num_heads // layer.num_kv_heads
     query = query.reshape(-1, layer.num_kv_heads, group, layer.head_size)
-    if layer.int_keys:
+    if layer.every_channel:
         return query
     return torch.einsum("bhgd,hdr->bhgr", query.float(), layer.skew).contiguous()
 

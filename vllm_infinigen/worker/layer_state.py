@@ -8,7 +8,11 @@ the platform's data path allocates and writes (``data_path.py``)::
     kv_pool       [units, H_kv, block_size, 2 * D]   host pool; a token's K | V
                                                      side by side in one row
     speculation keys, on the device, scored by the layer before (or the layer):
-      int (the default; no skew)
+      bounds (the default; no skew)
+        bounds        [num_blocks, H_kv, block_size / U, 2, D * bits / 8] uint8
+        bound_scales  [num_blocks, H_kv, block_size / U] float16
+                      U = BOUND_UNIT, bits = BOUND_BITS
+      int (no skew)
         key_codes   [num_blocks, H_kv, G, D, 2 * bits] uint8   G = block_size / 16
         key_scales  [num_blocks, H_kv, G, D] float16
       partial (``skew`` set)
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen.layout import KEY_GROUP, int_key_bits
+from vllm_infinigen.layout import BOUND_BITS, BOUND_UNIT, KEY_GROUP, int_key_bits
 from vllm_infinigen.worker.capture_buffers import CaptureBuffers, graph_tokens
 
 if TYPE_CHECKING:
@@ -61,7 +65,9 @@ class LayerState:
             ``q_norm``, if any.
         sparse: Whether the layer attends over a selection.
         skew: [H_kv, D, R] float32 skew slice of this rank's KV heads, for
-            partial keys; None: the int keys (every channel, no skew).
+            partial keys; None: every channel (bounds or int keys).
+        speculation_keys: ``--infinigen-speculation-keys`` of a layer without
+            skew: bounds or int.
         query_proj: The query rows of ``qkv_proj``, prepacked
             (a platform's; CPU: ``query_weights.py``); None: through ``qkv_proj``.
         next: The sparse layer this layer speculates for, if any.
@@ -74,7 +80,8 @@ class LayerState:
                  self_attn: torch.nn.Module | None, sparse: bool, *,
                  skew: torch.Tensor, query_proj: torch.nn.Module | None = None,
                  next: LayerState | None = None, windowed: bool = False,
-                 pool_layer: int = -1, stats: torch.Tensor | None = None):
+                 pool_layer: int = -1, stats: torch.Tensor | None = None,
+                 speculation_keys: str = "int"):
         self.layer_idx = layer_idx
         self.layer_name = layer_name
         self.sparse = sparse
@@ -91,6 +98,7 @@ class LayerState:
         # ``write`` already normalised and rotated by the model.
         self.q_norm = getattr(self_attn, "q_norm", None)
         self.skew = skew
+        self.speculation_keys = "partial" if skew is not None else speculation_keys
         self.query_proj = query_proj
         self.next = next
         # Entries attended besides the rows' own (over KV heads), context tokens.
@@ -107,6 +115,8 @@ class LayerState:
         self.partial_keys: torch.Tensor | None = None  # partial keys
         self.key_codes: torch.Tensor | None = None  # int keys
         self.key_scales: torch.Tensor | None = None
+        self.bounds: torch.Tensor | None = None  # bounds
+        self.bound_scales: torch.Tensor | None = None
         # InfiniGen's rule where the data path keeps the speculation keys, at
         # its granularity: (rows, query [S, H_kv, G, R], row_map) -> selection
         # (CPU: token positions; CUDA: whole blocks on the device).
@@ -176,11 +186,20 @@ class LayerState:
             partial: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
             = _zeros) -> None:
         """Allocates this layer's speculation keys (the module docstring's
-        shapes) on ``device``: the int keys' codes and scales, zeroed, or the
-        partial keys of ``dtype`` made by ``partial(shape, dtype, device)``
-        (a platform's: CUDA adds a scratch block)."""
+        shapes) on ``device``: the bounds' or the int keys' codes and
+        scales, zeroed, or the partial keys of ``dtype`` made by
+        ``partial(shape, dtype, device)`` (a platform's: CUDA adds a scratch block)."""
         heads, head_size = self.num_kv_heads, self.head_size
-        if self.int_keys:
+        if self.bound_keys:
+            if block_size % BOUND_UNIT:
+                raise ValueError(f"bounds over {BOUND_UNIT} tokens need blocks of a "
+                                 f"multiple of {BOUND_UNIT} tokens, got {block_size}")
+            units = block_size // BOUND_UNIT
+            self.bounds = torch.zeros((num_blocks, heads, units, 2, head_size * BOUND_BITS // 8),
+                                      dtype=torch.uint8, device=device)
+            self.bound_scales = torch.zeros((num_blocks, heads, units), dtype=torch.float16,
+                                            device=device)
+        elif self.int_keys:
             bits, groups = int_key_bits(dtype.itemsize), block_size // KEY_GROUP
             self.key_codes = torch.zeros((num_blocks, heads, groups, head_size, 2 * bits),
                                          dtype=torch.uint8, device=device)
@@ -193,6 +212,16 @@ class LayerState:
     @property
     def int_keys(self) -> bool:
         """Speculation scores every key channel in a few bits (no skew)."""
+        return self.speculation_keys == "int"
+
+    @property
+    def bound_keys(self) -> bool:
+        """Speculation scores each unit's bound of q . k (no skew)."""
+        return self.speculation_keys == "bounds"
+
+    @property
+    def every_channel(self) -> bool:
+        """The speculation's query keeps every channel, unskewed (bounds, int keys)."""
         return self.skew is None
 
     @property

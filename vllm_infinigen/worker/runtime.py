@@ -125,7 +125,8 @@ class InfiniGenRuntime(ShortPathMixin):
                 skew=source.skew, query_proj=source.query_proj if sparse else None,
                 next=after, windowed=not full,
                 pool_layer=sparse_layers.index(source.index) if sparse else -1,
-                stats=self.stats[source.index])
+                stats=self.stats[source.index],
+                speculation_keys=self.config.speculation_keys)
             states.insert(0, state)
             if full:
                 next_full = state

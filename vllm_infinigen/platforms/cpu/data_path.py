@@ -72,11 +72,17 @@ class CpuDataPath:
 
         Args:
             query: [S, H_kv, G, R] (``policies.infinigen.skewed``): every
-                channel for the int keys, the skewed partial query otherwise.
+                channel for the bounds and int keys, the skewed partial
+                query otherwise.
         """
         if self._window is None:
             raise RuntimeError("CpuDataPath.configure was not called")
-        if layer.int_keys:
+        if layer.bound_keys:
+            selection, _ = kernels.select_bounds(
+                query.float().contiguous(), layer.bounds, layer.bound_scales, layer.kv_pool,
+                rows.block_table, rows.context_lens, rows.token_caps, scale=layer.scale,
+                row_map=row_map, **self._window)
+        elif layer.int_keys:
             selection, _ = kernels.select_tokens_int(
                 query.float().contiguous(), layer.key_codes, layer.key_scales, layer.kv_pool,
                 rows.block_table, rows.context_lens, rows.token_caps, scale=layer.scale,
@@ -90,10 +96,14 @@ class CpuDataPath:
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, row_map: torch.Tensor | None,
               closes_group: bool = True) -> None:
-        # Host and device memory are one: the int keys are encoded from the
-        # pool, so the write-through comes first.
+        # Host and device memory are one: the bounds and int keys are
+        # encoded from the pool, so the write-through comes first.
         kernels.write_pool(layer.kv_pool, key, value, slots, row_map)
-        if layer.int_keys:
+        if layer.bound_keys:
+            if closes_group:  # a unit closes only where a group does
+                kernels.write_bounds(layer.bounds, layer.bound_scales, layer.kv_pool, slots,
+                                     row_map)
+        elif layer.int_keys:
             if closes_group:
                 kernels.write_int_keys(layer.key_codes, layer.key_scales, layer.kv_pool, slots,
                                        row_map)
@@ -139,7 +149,8 @@ class CpuDataPath:
                              rows.context_lens, scale=layer.scale, row_map=row_map,
                              key_codes=layer.key_codes, key_scales=layer.key_scales,
                              partial_keys=layer.partial_keys, skew=layer.skew,
-                             stats=layer.stats, out=out)
+                             stats=layer.stats, out=out, bounds=layer.bounds,
+                             bound_scales=layer.bound_scales)
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:

@@ -11,6 +11,9 @@ shared/docs/GPU_DATA_PATH.md), so the rule keeps whole blocks::
                           query heads of each KV head
     partial_token_scores  the same from the paper's partial query x partial keys
                           (``--infinigen-speculation-keys partial``)
+    (bound_selection.py   each complete unit's upper bound of q . k from the
+                          bound keys, the default: block scores and counts
+                          for ``select_blocks``)
     block_scores          the best token score of each block
     select_blocks         per row: the budget in tokens rounded up to blocks,
                           plus the sink blocks and the recent blocks (the row's

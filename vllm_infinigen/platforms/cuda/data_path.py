@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_infinigen.config import InfiniGenConfig, flag
+from vllm_infinigen.layout import BOUND_UNIT
 from vllm_infinigen.memory import CAP_FLAG, PoolPlan
 from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops, staged, writes
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
@@ -208,23 +209,25 @@ class CudaDataPath:
 
         Args:
             query: [S, H_kv, G, R] (``policies.infinigen.skewed``): every
-                channel for the int keys, the skewed partial query otherwise.
+                channel (bounds, int keys), or the skewed partial query.
             row_map: Always None (``pool_index``: a row per slot).
         """
         block_size = layer.block_size
         table = rows.block_table.to(self.device)
         context_lens = rows.context_lens.to(self.device)
         query = query.to(self.device)
-        if layer.int_keys:
-            tokens, blocks = select_ops.int_scores(query, layer.key_codes, layer.key_scales,
-                                                   table, context_lens, scale=layer.scale,
-                                                   settings=self.settings)
+        if layer.bound_keys:
+            units, blocks = select_ops.bound_scores(
+                query, layer.bounds, layer.bound_scales, table, context_lens, scale=layer.scale,
+                block_size=block_size)
+            counts = select_ops.unit_counts(units, self.settings, unit=BOUND_UNIT)
         else:
-            tokens = block_selection.partial_token_scores(query, layer.partial_keys, table,
-                                                          scale=layer.scale)
-            blocks = block_selection.block_scores(tokens, context_lens, block_size)
-        counts = select_ops.alpha_counts(tokens, blocks, context_lens, self.settings,
-                                         block_size=block_size)
+            tokens, blocks = (select_ops.int_scores(
+                query, layer.key_codes, layer.key_scales, table, context_lens, scale=layer.scale,
+                settings=self.settings) if layer.int_keys else select_ops.partial_scores(
+                query, layer.partial_keys, table, context_lens, scale=layer.scale))
+            counts = select_ops.alpha_counts(tokens, blocks, context_lens, self.settings,
+                                             block_size=block_size)
         sink, recent = self._windows(block_size)
         logical, physical, seq_lens = select_ops.select(
             blocks, counts, context_lens, table, self.settings, block_size=block_size,
@@ -236,21 +239,22 @@ class CudaDataPath:
               slots: torch.Tensor, row_map: torch.Tensor | None,
               closes_group: bool = True) -> None:
         """The write-through and the cached copies of the new tokens' blocks, then
-        the int keys. The layer's gather (issued in the layer before) lands first:
+        the bounds or int keys. The layer's gather (issued in the layer before) lands first:
         a new token of a cached block is written into its cached copy too, or
         attention would read it stale."""
         entry = self._layers[layer.layer_idx]
         self._wait(entry)
         device_slots = slots.to(self.device, torch.int64)
-        if not layer.int_keys:
+        if layer.speculation_keys == "partial":
             writes.write_partial_keys(layer.partial_keys, key, layer.skew, device_slots)
         # On the compute stream: the next gather (side stream) waits for it.
         kernels.write_tokens(layer.kv_pool, key.to(self.device), value.to(self.device),
                              device_slots, entry.units, self._cache.slot_of[entry.index],
                              self.slots_per_head)
         if layer.int_keys and closes_group:
-            kernels.encode_groups(layer.key_codes, layer.key_scales, layer.kv_pool,
-                                  device_slots)
+            kernels.encode_groups(layer.key_codes, layer.key_scales, layer.kv_pool, device_slots)
+        if layer.bound_keys and closes_group:
+            kernels.encode_bounds(layer.bounds, layer.bound_scales, layer.kv_pool, device_slots)
 
     def start_fetch(self, layer: LayerState, rows: RowSet,
                     selection: DeviceSelection | torch.Tensor,

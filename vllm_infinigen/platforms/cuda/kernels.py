@@ -16,6 +16,8 @@
                       their blocks: one launch
     encode_groups     the int keys of the groups new tokens close, from the
                       pool (``writes.write_int_keys``)
+    encode_bounds     the bounds of the units new tokens close, from the pool
+                      (``writes.write_bounds``; Triton: ``triton_bounds.py``)
     attend_prompt_units  causal attention of one request's prompt rows over
                       its units (prefill, chunked or not): flash attention
 
@@ -186,6 +188,30 @@ def encode_groups(codes: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
 
     triton_kernels.encode_groups(pool, codes, scales,
                                  slot_mapping.to(codes.device, torch.int64))
+
+
+def encode_bounds(bounds: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """The bound speculation keys of every unit ``slot_mapping`` closes, read from
+    the pool after ``store_rows`` of the same tokens (same stream).
+
+    On CUDA one Triton kernel reads the units through the pinned pool's UVA
+    pointer and writes codes and scales on the device; elsewhere
+    ``writes.write_bounds``. Byte for byte the CPU kernels' encoding.
+
+    Args:
+        bounds: [num_blocks, H_kv, block_size / U, 2, D * bits / 8] uint8.
+        scales: [num_blocks, H_kv, block_size / U] float16.
+        pool: [num_blocks, H_kv, block_size, 2 * D].
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+    """
+    if not bounds.is_cuda:
+        writes.write_bounds(bounds, scales, pool, slot_mapping)
+        return
+    from vllm_infinigen.platforms.cuda import triton_bounds
+
+    triton_bounds.encode_bounds(pool, bounds, scales, slot_mapping.to(bounds.device, torch.int64),
+                                unit=pool.shape[2] // bounds.shape[2])
 
 
 # -- attention over units

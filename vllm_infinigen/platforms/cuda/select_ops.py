@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen.platforms.cuda import block_selection
+from vllm_infinigen.platforms.cuda import block_selection, bound_selection
 
 if TYPE_CHECKING:
     from vllm_infinigen.worker.step_plan import RowSet
@@ -138,6 +138,57 @@ def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     triton_scoring.int_scores(query, codes, scales, table, context_lens, tokens, blocks,
                               scale=scale, settings=settings)
     return tokens, blocks
+
+
+def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor,
+                 table: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit scores [S, H_kv, MB * block_size / U], block scores [S, H_kv, MB]) float32:
+    each unit's bound (-inf past a row's complete units) and each block's best
+    unit (``bound_selection``), on CUDA one Triton launch (``triton_bounds``).
+
+    Args:
+        query: [S, H_kv, G, D]; bounds, scales: a layer's bound keys.
+        table: [S, MB] block ids of each row; context_lens: [S] (< 0: padding).
+    """
+    units_per_block = bounds.shape[2]
+    if not bounds.is_cuda:
+        units = bound_selection.bound_unit_scores(query, bounds, scales, table, context_lens,
+                                                  scale=scale, block_size=block_size)
+        return units, bound_selection.unit_block_scores(units, units_per_block)
+    from vllm_infinigen.platforms.cuda import triton_bounds
+
+    rows, heads, group, head_size = query.shape
+    if query.stride(3) != 1 or query.stride(2) != head_size or query.stride(1) != group * head_size:
+        query = query.contiguous()  # the kernel takes a row stride only
+    units = torch.empty((rows, heads, table.shape[1] * units_per_block), dtype=torch.float32,
+                        device=bounds.device)
+    blocks = torch.empty((rows, heads, table.shape[1]), dtype=torch.float32,
+                         device=bounds.device)
+    triton_bounds.bound_scores(query, bounds, scales, table, context_lens, units, blocks,
+                               scale=scale, unit=block_size // units_per_block)
+    return units, blocks
+
+
+def unit_counts(unit_scores: torch.Tensor, settings: torch.Tensor, *, unit: int) -> torch.Tensor:
+    """[S * H_kv] int32: the paper's alpha count over units (``bound_selection.
+    unit_alpha_counts``), on CUDA one Triton launch."""
+    if not unit_scores.is_cuda:
+        return bound_selection.unit_alpha_counts(unit_scores, settings[0], unit)
+    from vllm_infinigen.platforms.cuda import triton_bounds
+
+    rows, heads = unit_scores.shape[:2]
+    counts = torch.empty(rows * heads, dtype=torch.int32, device=unit_scores.device)
+    triton_bounds.unit_counts(unit_scores, settings, counts, unit=unit)
+    return counts
+
+
+def partial_scores(query: torch.Tensor, partial_keys: torch.Tensor, table: torch.Tensor,
+                   context_lens: torch.Tensor, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token scores, block scores) from the partial keys (torch, any device), as
+    ``int_scores`` gives them from the int keys."""
+    tokens = block_selection.partial_token_scores(query, partial_keys, table, scale=scale)
+    return tokens, block_selection.block_scores(tokens, context_lens, partial_keys.shape[-1])
 
 
 def alpha_counts(token_scores: torch.Tensor, block_scores: torch.Tensor,

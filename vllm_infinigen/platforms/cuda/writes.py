@@ -2,13 +2,15 @@
 """Worker side, CUDA platform (pure torch, any device): the writes of a step's new tokens.
 
 The CPU build writes with its compiled kernels (``platforms/cpu/kernels/csrc/``); these
-are the same three writes in torch, so that they run on a GPU and on the CPU
+are the same writes in torch, so that they run on a GPU and on the CPU
 in CI, held to the compiled kernels there (``tests/unit/test_cuda_writes.py``)::
 
     write_partial_keys  device: the skewed partial keys of the new keys
     write_pool          host write-through of K|V into the pool
     write_int_keys      the int speculation keys of each 16-token group that
                         a new token closes, encoded from the pool's keys
+    write_bounds        the bound speculation keys of each unit a new token
+                        closes, likewise
 
 The device-side buffers carry one scratch block past ``num_blocks``
 (``with_scratch_block``): padding tokens (slot < 0) write there, so the
@@ -148,3 +150,64 @@ def write_int_keys(codes: torch.Tensor, scales: torch.Tensor, kv_pool: torch.Ten
     groups = (offsets // KEY_GROUP).to(codes.device)
     codes[target_blocks, :, groups] = packed.to(codes.device)
     scales[target_blocks, :, groups] = group_scales.to(scales.device)
+
+
+def encode_bounds(keys: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bound speculation keys of units, as the CPU kernel encodes them (``bounds.cpp``).
+
+    Args:
+        keys: [N, H_kv, U, D] the units' keys.
+
+    Returns:
+        (bounds [N, H_kv, 2, D * bits / 8] uint8, scales [N, H_kv] float16).
+    """
+    offset = 1 << (bits - 1)
+    values = keys.float()
+    high, low = values.amax(dim=2), values.amin(dim=2)  # [N, H, D]
+    magnitude = torch.maximum(high.abs(), low.abs()).amax(dim=-1)  # [N, H]
+    ideal = magnitude / (offset - 1)
+    scales = ideal.to(torch.float16)
+    up = torch.nextafter(scales, torch.full_like(scales, float("inf")))
+    scales = torch.where(scales.float() < ideal, up, scales)
+    step = scales.float()[..., None]
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    top = 2 * offset - 1
+    codes = torch.stack([torch.ceil(high / safe), torch.floor(low / safe)], dim=2) + offset
+    codes = torch.where(step[..., None] > 0, codes.clamp(0, top), torch.full_like(codes, offset))
+    codes = codes.to(torch.int64)  # [N, H, 2, D]
+    if bits == 4:
+        half = codes.shape[-1] // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)
+    return codes.to(torch.uint8), scales
+
+
+def write_bounds(bounds: torch.Tensor, scales: torch.Tensor, kv_pool: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Encodes each unit whose last token ``slot_mapping`` writes, in place.
+
+    Runs after ``write_pool`` of the same tokens: it reads the unit's keys
+    from the pool (host), encodes there, and copies the result to the bounds'
+    device.
+
+    Args:
+        bounds: [num_blocks, H_kv, block_size / U, 2, D * bits / 8] uint8.
+        scales: [num_blocks, H_kv, block_size / U] float16.
+        kv_pool: [num_blocks, H_kv, block_size, 2 * D] uncapped pool.
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+    """
+    block_size = kv_pool.shape[2]
+    head_size = kv_pool.shape[-1] // 2
+    unit = block_size // bounds.shape[2]
+    bits = 8 * bounds.shape[-1] // head_size
+    slots = slot_mapping.to(kv_pool.device, torch.int64)
+    closing = slots[(slots >= 0) & (slots % unit == unit - 1)]
+    first = closing - (unit - 1)
+    blocks = first // block_size
+    offsets = first % block_size
+    token = offsets[:, None] + torch.arange(unit, device=kv_pool.device)  # [N, U]
+    keys = kv_pool[blocks[:, None], :, token, :head_size].permute(0, 2, 1, 3)  # [N, H, U, D]
+    codes, unit_scales = encode_bounds(keys, bits)
+    target_blocks = blocks.to(bounds.device)
+    cells = (offsets // unit).to(bounds.device)
+    bounds[target_blocks, :, cells] = codes.to(bounds.device)
+    scales[target_blocks, :, cells] = unit_scales.to(scales.device)

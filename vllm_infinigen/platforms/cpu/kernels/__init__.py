@@ -15,8 +15,8 @@ import torch
 from vllm_infinigen.platforms.cpu.kernels.build import cache_dir, load
 
 __all__ = ["attend_decode", "attend_prefill", "cache_dir", "decode_short", "load", "record_uses",
-           "select_tokens", "select_tokens_int", "write_int_keys", "write_partial_keys",
-           "write_pool"]
+           "select_bounds", "select_tokens", "select_tokens_int", "write_int_keys",
+           "write_bounds", "write_partial_keys", "write_pool"]
 
 
 def _ops():
@@ -121,6 +121,60 @@ def select_tokens_int(query: torch.Tensor, codes: torch.Tensor, scales: torch.Te
                                     int(recent_tokens), row_map)
 
 
+def write_bounds(bounds: torch.Tensor, bound_scales: torch.Tensor, kv_pool: torch.Tensor,
+                 slot_mapping: torch.Tensor, row_map: torch.Tensor | None = None) -> None:
+    """Summarises each unit whose last token ``slot_mapping`` writes, in place.
+
+    Runs after the pool write of the same tokens (it reads the unit's keys
+    from the pool). Per channel the unit's largest and smallest key, as codes
+    c = v / s + 2^(bits-1) rounded outwards (the maximum up, the minimum
+    down), s = max |key| / (2^(bits-1) - 1) rounded up to float16: the codes
+    bound every key of the unit.
+
+    Args:
+        bounds: [num_blocks, H_kv, block_size / U, 2, D * bits / 8] uint8: per
+            unit of U tokens and KV head, row 0 the maxima, row 1 the minima;
+            8 bits one channel per byte, 4 bits byte j holding channel j (low
+            nibble) and channel j + D/2 (high).
+        bound_scales: [num_blocks, H_kv, block_size / U] float16 s per unit.
+        kv_pool: [units, H_kv, block_size, 2 * D] the layer's pool.
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+        row_map: A capped pool's rows (the bounds of the entries it holds).
+    """
+    _ops().write_bounds(bounds, bound_scales, kv_pool, slot_mapping, row_map)
+
+
+def select_bounds(query: torch.Tensor, bounds: torch.Tensor, bound_scales: torch.Tensor,
+                  kv_pool: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+                  token_caps: torch.Tensor, *, scale: float, alpha: float, sink_tokens: int = 0,
+                  recent_tokens: int = 0,
+                  row_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """InfiniGen's rule over bounds, in whole units of U tokens.
+
+    A complete unit scores scale x the max over the KV head's query group of
+    sum_c max(q_c max_c, q_c min_c), its upper bound of q . k (Quest's). A
+    row's k is the token rule's (``select_tokens``), counted in tokens:
+    min(floor(mean over KV heads of the tokens of the units within ``alpha``
+    of the head's best, plus the own unit's), ``token_caps``). The row's own
+    unit (its context ends inside it, no bounds yet) is kept and counts in k
+    (its most recent k tokens where k is smaller); each KV head keeps its best complete units (ties in position
+    order) up to the rest: whole units, then the first tokens of the next,
+    which is the token rule over tokens scored by their unit's bound; plus
+    the sink and recent windows.
+
+    Args:
+        query: [B, H_kv, G_q, D] float32 queries (post-RoPE).
+        bounds, bound_scales: The layer's bounds (``write_bounds``).
+
+    Returns:
+        positions [B, H_kv, K] int32, ascending, -1 padded, and num_selected [B]
+        int64 (the most any KV head of the row keeps).
+    """
+    return _ops().select_bounds(query, bounds, bound_scales, kv_pool, block_table, context_lens,
+                                token_caps, float(scale), float(alpha), int(sink_tokens),
+                                int(recent_tokens), row_map)
+
+
 def attend_decode(query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
                   context_lens: torch.Tensor, positions: torch.Tensor | None, *, scale: float,
                   row_map: torch.Tensor | None = None, probs: torch.Tensor | None = None,
@@ -151,11 +205,13 @@ def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  row_map: torch.Tensor | None = None, key_codes: torch.Tensor | None = None,
                  key_scales: torch.Tensor | None = None,
                  partial_keys: torch.Tensor | None = None, skew: torch.Tensor | None = None,
-                 stats: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 bounds: torch.Tensor | None = None,
+                 bound_scales: torch.Tensor | None = None) -> torch.Tensor:
     """A sparse layer's short decode step in one call (every row below
     ``--infinigen-min-context``): ``write_pool``, then ``write_int_keys`` (int
-    keys; only when a slot closes a 16-token group) or ``write_partial_keys``,
+    keys; only when a slot closes a 16-token group), ``write_bounds`` (only
+    when a slot closes a unit) or ``write_partial_keys``,
     then ``attend_decode`` with ``positions`` None over the first
     ``len(context_lens)`` rows of ``query``. The same kernels, called from C++:
     the same pool, keys, output and ``stats``.
@@ -165,8 +221,8 @@ def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key, value: [T, H_kv, D] the step's new entries (``write_pool``).
         slot_mapping: [T] slot ids of the dense group (< 0: padding).
         key_codes, key_scales: The layer's int keys (``write_int_keys``), or
-        partial_keys, skew: its partial keys (``write_partial_keys``); neither:
-            the pool alone.
+        partial_keys, skew: its partial keys (``write_partial_keys``), or
+        bounds, bound_scales: its bounds (``write_bounds``); none: the pool alone.
         stats: [2] float64 counters (``attend_decode``).
         out: [T, H_q, D] whose first rows receive the output, or None.
 
@@ -175,7 +231,8 @@ def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     return _ops().decode_short(query, key, value, kv_pool, slot_mapping, block_table,
                                context_lens, row_map, float(scale), key_codes, key_scales,
-                               partial_keys, skew, stats, out)
+                               partial_keys, skew, stats, out, bounds,
+                               bound_scales)
 
 
 def attend_prefill(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,

@@ -26,6 +26,16 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
       "select_tokens_int(Tensor query, Tensor codes, Tensor scales, Tensor kv_pool, "
       "Tensor block_table, Tensor context_lens, Tensor token_caps, float scale, float alpha, "
       "int sink_tokens, int recent_tokens, Tensor? row_map) -> (Tensor, Tensor)");
+  // Bound speculation keys: a unit's per-channel max and min keys once its
+  // last token is written; selection of whole units by the upper bound of
+  // q . k they give (the open unit kept).
+  m.def(
+      "write_bounds(Tensor(a!) bounds, Tensor(b!) bound_scales, Tensor kv_pool, "
+      "Tensor slot_mapping, Tensor? row_map) -> ()");
+  m.def(
+      "select_bounds(Tensor query, Tensor bounds, Tensor bound_scales, Tensor kv_pool, "
+      "Tensor block_table, Tensor context_lens, Tensor token_caps, float scale, float alpha, "
+      "int sink_tokens, int recent_tokens, Tensor? row_map) -> (Tensor, Tensor)");
   m.def(
       "attend_decode(Tensor query, Tensor kv_pool, Tensor block_table, Tensor context_lens, "
       "Tensor? positions, Tensor? row_map, float scale, Tensor(a!)? probs, "
@@ -40,7 +50,8 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
       "decode_short(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_pool, "
       "Tensor slot_mapping, Tensor block_table, Tensor context_lens, Tensor? row_map, "
       "float scale, Tensor(b!)? key_codes, Tensor(c!)? key_scales, Tensor(d!)? partial_keys, "
-      "Tensor? skew, Tensor(e!)? stats, Tensor(f!)? out) -> Tensor");
+      "Tensor? skew, Tensor(e!)? stats, Tensor(f!)? out, Tensor(g!)? bounds, "
+      "Tensor(h!)? bound_scales) -> Tensor");
   m.def(
       "record_uses(Tensor positions, Tensor block_table, Tensor row_map, Tensor(a!) count, "
       "Tensor(b!) last_used, int tick) -> ()");

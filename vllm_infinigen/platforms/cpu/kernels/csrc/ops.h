@@ -33,6 +33,18 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
     const at::Tensor& token_caps, double scale, double alpha, int64_t sink_tokens,
     int64_t recent_tokens, const std::optional<at::Tensor>& row_map);
 
+// Bound speculation keys (bounds.cpp): per unit of block_size / bounds.size(2)
+// tokens and KV head, each channel's max and min key in 8 or 4 bits and one
+// float16 scale; selection of whole units by their upper bound of q . k.
+void write_bounds(at::Tensor& bounds, at::Tensor& scales, const at::Tensor& kv_pool,
+                  const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map);
+
+std::tuple<at::Tensor, at::Tensor> select_bounds(
+    const at::Tensor& query, const at::Tensor& bounds, const at::Tensor& scales,
+    const at::Tensor& kv_pool, const at::Tensor& block_table, const at::Tensor& context_lens,
+    const at::Tensor& token_caps, double scale, double alpha, int64_t sink_tokens,
+    int64_t recent_tokens, const std::optional<at::Tensor>& row_map);
+
 // Passes 2 and 3 of every selection (select.cpp): the alpha count, the budget,
 // the window and each head's top-k from scores [B, H_kv, max_len] (-inf: absent).
 std::tuple<at::Tensor, at::Tensor> select_from_scores(float* scores, const int64_t* lens,
@@ -58,8 +70,9 @@ void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tenso
                     const std::optional<at::Tensor>& row_map, double scale);
 
 // The short path of a sparse layer in one call (short.cpp): write_pool, then
-// write_int_keys (when a slot closes a group; key_codes/key_scales given) or
-// write_partial_keys (partial_keys/skew given), then attend_decode in dense
+// write_int_keys (when a slot closes a group; key_codes/key_scales given),
+// write_bounds (bounds/bound_scales given) or write_partial_keys
+// (partial_keys/skew given), then attend_decode in dense
 // mode over the first context_lens.size(0) query rows; copied into `out`'s
 // first rows when given.
 at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -71,7 +84,9 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& partial_keys,
                         const std::optional<at::Tensor>& skew,
                         const std::optional<at::Tensor>& stats,
-                        const std::optional<at::Tensor>& out);
+                        const std::optional<at::Tensor>& out,
+                        const std::optional<at::Tensor>& bounds,
+                        const std::optional<at::Tensor>& bound_scales);
 
 void record_uses(const at::Tensor& positions, const at::Tensor& block_table,
                  const at::Tensor& row_map, at::Tensor& count, at::Tensor& last_used,

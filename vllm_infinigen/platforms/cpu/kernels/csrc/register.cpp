@@ -10,6 +10,8 @@ TORCH_LIBRARY_IMPL(vllm_infinigen_C, CPU, m) {
   m.impl("select_tokens", &infinigen::select_tokens);
   m.impl("write_int_keys", &infinigen::write_int_keys);
   m.impl("select_tokens_int", &infinigen::select_tokens_int);
+  m.impl("write_bounds", &infinigen::write_bounds);
+  m.impl("select_bounds", &infinigen::select_bounds);
   m.impl("attend_decode", &infinigen::attend_decode);
   m.impl("attend_prefill", &infinigen::attend_prefill);
   m.impl("decode_short", &infinigen::decode_short);

@@ -2,7 +2,8 @@
 // The short path of a sparse layer in one op: a decode step whose rows all sit
 // below --infinigen-min-context writes its new K|V (and speculation keys) and
 // attends every row densely over the pool. The op calls the kernels the step
-// would call one by one (write_pool, write_int_keys or write_partial_keys,
+// would call one by one (write_pool, write_int_keys, write_bounds or
+// write_partial_keys,
 // attend_decode in dense mode): the same results and counts, with one dispatch
 // from Python instead of four and none of the glue between them.
 #include "ops.h"
@@ -18,12 +19,16 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& partial_keys,
                         const std::optional<at::Tensor>& skew,
                         const std::optional<at::Tensor>& stats,
-                        const std::optional<at::Tensor>& out) {
+                        const std::optional<at::Tensor>& out,
+                        const std::optional<at::Tensor>& bounds,
+                        const std::optional<at::Tensor>& bound_scales) {
   TORCH_CHECK(key_codes.has_value() == key_scales.has_value(),
               "decode_short: key_codes and key_scales go together (the int keys)");
   TORCH_CHECK(partial_keys.has_value() == skew.has_value(),
               "decode_short: partial_keys and skew go together (the partial keys)");
-  TORCH_CHECK(!(key_codes.has_value() && partial_keys.has_value()),
+  TORCH_CHECK(bounds.has_value() == bound_scales.has_value(),
+              "decode_short: bounds and bound_scales go together (the bounds)");
+  TORCH_CHECK(key_codes.has_value() + partial_keys.has_value() + bounds.has_value() <= 1,
               "decode_short: a layer keeps one form of speculation keys");
   const int64_t num_rows = context_lens.size(0);
   TORCH_CHECK(query.dim() == 3 && query.size(0) >= num_rows,
@@ -31,7 +36,7 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
   // As the runtime's write: slot ids as int64 (a no-op for vLLM's).
   const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
 
-  // The write-through first: the int keys are encoded from the pool, and each
+  // The write-through first: the int keys and bounds are encoded from the pool, and each
   // row attends over its own new entry.
   write_pool(kv_pool, key, value, slots, row_map);
   if (key_codes.has_value()) {
@@ -39,6 +44,10 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
     // at once in a step without one).
     at::Tensor codes = *key_codes, scales = *key_scales;
     write_int_keys(codes, scales, kv_pool, slots, row_map);
+  } else if (bounds.has_value()) {
+    // Summarises only where a slot closes a unit (returns at once otherwise).
+    at::Tensor codes = *bounds, scales = *bound_scales;
+    write_bounds(codes, scales, kv_pool, slots, row_map);
   } else if (partial_keys.has_value()) {
     at::Tensor partial = *partial_keys;
     write_partial_keys(partial, key, *skew, slots);

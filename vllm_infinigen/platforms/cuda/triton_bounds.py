@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side, CUDA platform: the Triton kernels of the bound speculation keys (imported on first launch).
+
+    encode_bounds  per unit of UNIT tokens a step closes and KV head, each
+                   channel's max and min key as BITS-bit codes rounded
+                   outwards, and one float16 scale, read from the pool
+    bound_scores   each complete unit's upper bound of q . k for a row's
+                   KV head, and each block's best unit: the first launch of a
+                   selection over the bounds
+    unit_counts    the paper's alpha count over a row's units (each counting
+                   its UNIT tokens): the second
+
+The layout is the CPU kernels' (``platforms/cpu/kernels/csrc/bounds.cpp``,
+byte for byte)::
+
+    bounds  [blocks, H_kv, BLOCK / UNIT, 2, D * BITS / 8] uint8: row 0 the
+            maxima, row 1 the minima, codes c = v / s + OFF (OFF = 2^(BITS-1));
+            8 bits: channel j at byte j; 4 bits: byte j holds channel j (low
+            nibble) and channel j + D/2 (high)
+    scales  [blocks, H_kv, BLOCK / UNIT] float16 s = max |key| / (OFF - 1),
+            rounded up to float16
+
+So both kernels handle a unit's channels as two halves, j and j + D/2. A
+unit scores s x max over the query heads of (q+ . max codes + q- . min codes
+- OFF x sum q): 4 D multiply-adds per unit and query head over 2 D bytes, a
+16th of what the int keys read and compute per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _encode_bounds(pool, bounds, scales, slots, H: tl.constexpr, BLOCK: tl.constexpr,
+                   UNIT: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                   HALF_PAD: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr):
+    """The bounds of the unit that ``slots[token]`` closes, for one KV head.
+
+    Grid (tokens, heads); a token that closes no unit (or padding) does
+    nothing. IEEE divisions (``div_rn``) and float16 rounding to nearest even,
+    then up: the codes and scales equal the CPU kernel's.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slots + token)
+    if (slot >= 0) & (slot % UNIT == UNIT - 1):
+        first = slot - (UNIT - 1)
+        block = first // BLOCK
+        offset = first % BLOCK
+        tokens = tl.arange(0, UNIT)
+        dims = tl.arange(0, HALF_PAD)
+        ok = dims < HALF
+        base = pool + ((block * H + head) * BLOCK + offset) * (2 * D) + tokens[:, None] * (2 * D)
+        low_keys = tl.load(base + dims[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+        high_keys = tl.load(base + HALF + dims[None, :], mask=ok[None, :],
+                            other=0.0).to(tl.float32)
+        max_a = tl.max(low_keys, axis=0)  # channels j
+        min_a = tl.min(low_keys, axis=0)
+        max_b = tl.max(high_keys, axis=0)  # channels j + D/2
+        min_b = tl.min(high_keys, axis=0)
+        largest = tl.maximum(tl.maximum(tl.abs(max_a), tl.abs(min_a)),
+                             tl.maximum(tl.abs(max_b), tl.abs(min_b)))
+        magnitude = tl.max(tl.where(ok, largest, 0.0), axis=0)
+        offset_code = OFF
+        value = tl.math.div_rn(magnitude, OFF - 1.0)
+        scale = value.to(tl.float16)
+        bits16 = scale.to(tl.int16, bitcast=True)
+        above = (bits16 + 1).to(tl.int16).to(tl.float16, bitcast=True)
+        scale = tl.where(scale.to(tl.float32) < value, above, scale)
+        step = scale.to(tl.float32)
+        safe = tl.where(step > 0, step, 1.0)
+        top = 2.0 * OFF - 1.0
+        up_a = tl.minimum(tl.maximum(tl.ceil(tl.math.div_rn(max_a, safe)) + offset_code, 0.0), top)
+        up_b = tl.minimum(tl.maximum(tl.ceil(tl.math.div_rn(max_b, safe)) + offset_code, 0.0), top)
+        down_a = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(min_a, safe)) + offset_code, 0.0),
+                            top)
+        down_b = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(min_b, safe)) + offset_code, 0.0),
+                            top)
+        up_a = tl.where(step > 0, up_a, offset_code).to(tl.int32)
+        up_b = tl.where(step > 0, up_b, offset_code).to(tl.int32)
+        down_a = tl.where(step > 0, down_a, offset_code).to(tl.int32)
+        down_b = tl.where(step > 0, down_b, offset_code).to(tl.int32)
+        cell = (block * H + head) * (BLOCK // UNIT) + offset // UNIT
+        row_bytes = D * BITS // 8
+        rows = bounds + cell * 2 * row_bytes
+        if BITS == 8:
+            tl.store(rows + dims, up_a.to(tl.uint8), mask=ok)
+            tl.store(rows + HALF + dims, up_b.to(tl.uint8), mask=ok)
+            tl.store(rows + row_bytes + dims, down_a.to(tl.uint8), mask=ok)
+            tl.store(rows + row_bytes + HALF + dims, down_b.to(tl.uint8), mask=ok)
+        else:
+            tl.store(rows + dims, (up_a | (up_b << 4)).to(tl.uint8), mask=ok)
+            tl.store(rows + row_bytes + dims, (down_a | (down_b << 4)).to(tl.uint8), mask=ok)
+        tl.store(scales + cell, scale)
+
+
+def encode_bounds(pool, bounds, scales, slots, *, unit: int, num_warps: int = 2) -> None:
+    """Launches ``_encode_bounds`` on the current stream (arguments: ``kernels.encode_bounds``)."""
+    head_size = pool.shape[-1] // 2
+    bits = 8 * bounds.shape[-1] // head_size
+    _encode_bounds[(slots.shape[0], pool.shape[1])](
+        pool, bounds, scales, slots, H=pool.shape[1], BLOCK=pool.shape[2], UNIT=unit,
+        D=head_size, HALF=head_size // 2, HALF_PAD=triton.next_power_of_2(head_size // 2),
+        BITS=bits, OFF=float(1 << (bits - 1)), num_warps=num_warps)
+
+
+@triton.jit
+def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, scale,
+                  query_row_stride,
+                  table_stride, num_units, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, UNITS_PER_BLOCK: tl.constexpr,
+                  UNIT: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
+                  TILE: tl.constexpr):
+    """out[row, head, i] for a tile of TILE units i of one (row, KV head): the
+    unit's bound (-inf past the row's complete units, or for a padding row);
+    block_out[row, head, j] the best of block j's units (TILE a multiple of
+    UNITS_PER_BLOCK: a tile holds whole blocks).
+
+    Grid (rows x heads, unit tiles). The query heads' positive and negative
+    parts are held for the program; each unit's codes are read once for all.
+    """
+    sequence = tl.program_id(0)
+    row = sequence // H
+    head = sequence % H
+    units = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    complete = tl.maximum(tl.load(context_lens + row), 0) // UNIT
+    read = (units < num_units) & (units < complete)
+    block = tl.load(table + row * table_stride + units // UNITS_PER_BLOCK, mask=read,
+                    other=0).to(tl.int64)
+    cell = (block * H + head) * UNITS_PER_BLOCK + units % UNITS_PER_BLOCK  # [TILE]
+    row_bytes = D * BITS // 8
+    dims = tl.arange(0, HALF_PAD)
+    ok = dims < HALF
+    mask = read[:, None] & ok[None, :]
+    rows = bounds + cell[:, None] * (2 * row_bytes)
+    if BITS == 8:
+        up_a = tl.load(rows + dims[None, :], mask=mask, other=0).to(tl.float32)
+        up_b = tl.load(rows + HALF + dims[None, :], mask=mask, other=0).to(tl.float32)
+        down_a = tl.load(rows + row_bytes + dims[None, :], mask=mask, other=0).to(tl.float32)
+        down_b = tl.load(rows + row_bytes + HALF + dims[None, :], mask=mask,
+                         other=0).to(tl.float32)
+    else:
+        up = tl.load(rows + dims[None, :], mask=mask, other=0).to(tl.int32)
+        down = tl.load(rows + row_bytes + dims[None, :], mask=mask, other=0).to(tl.int32)
+        up_a = (up & 15).to(tl.float32)
+        up_b = (up >> 4).to(tl.float32)
+        down_a = (down & 15).to(tl.float32)
+        down_b = (down >> 4).to(tl.float32)
+    best = tl.full([TILE], float("-inf"), tl.float32)
+    for g in tl.static_range(G):
+        base = query + row * query_row_stride + (head * G + g) * D
+        q_a = tl.load(base + dims, mask=ok, other=0.0).to(tl.float32)
+        q_b = tl.load(base + HALF + dims, mask=ok, other=0.0).to(tl.float32)
+        total = tl.sum(q_a, axis=0) + tl.sum(q_b, axis=0)
+        dot = tl.sum(up_a * tl.maximum(q_a, 0.0)[None, :] + up_b * tl.maximum(q_b, 0.0)[None, :]
+                     + down_a * tl.minimum(q_a, 0.0)[None, :]
+                     + down_b * tl.minimum(q_b, 0.0)[None, :], axis=1)
+        best = tl.maximum(best, dot - OFF * total)
+    step = tl.load(scales + cell, mask=read, other=0.0).to(tl.float32)
+    result = tl.where(read, best * step * scale, float("-inf"))
+    tl.store(out + sequence.to(tl.int64) * num_units + units, result, mask=units < num_units)
+    blocks = tl.max(tl.reshape(result, [TILE // UNITS_PER_BLOCK, UNITS_PER_BLOCK]), axis=1)
+    first_block = tl.program_id(1) * (TILE // UNITS_PER_BLOCK)
+    block_index = first_block + tl.arange(0, TILE // UNITS_PER_BLOCK)
+    num_blocks = num_units // UNITS_PER_BLOCK
+    tl.store(block_out + sequence.to(tl.int64) * num_blocks + block_index, blocks,
+             mask=block_index < num_blocks)
+
+
+def bound_scores(query, bounds, scales, table, context_lens, out, block_out, *, scale: float,
+                 unit: int, tile: int = 32, num_warps: int = 4) -> None:
+    """Launches ``_bound_scores``: out [S, H_kv, MB * BLOCK / UNIT] and block_out
+    [S, H_kv, MB] float32 from query [S, H_kv, G, D] (unit strides within a row),
+    a layer's bounds and scales, table [S, MB] and context_lens [S] (< 0: padding)."""
+    rows, heads, group, head_size = query.shape
+    num_units = out.shape[-1]
+    bits = 8 * bounds.shape[-1] // head_size
+    tile = max(tile, bounds.shape[2])  # whole blocks per tile (powers of two)
+    grid = (rows * heads, triton.cdiv(num_units, tile))
+    _bound_scores[grid](
+        query, bounds, scales, table, context_lens, out, block_out, scale, query.stride(0),
+        table.stride(0), num_units, H=heads, G=group, D=head_size, HALF=head_size // 2,
+        HALF_PAD=triton.next_power_of_2(head_size // 2), UNITS_PER_BLOCK=bounds.shape[2],
+        UNIT=unit, BITS=bits, OFF=float(1 << (bits - 1)), TILE=tile, num_warps=num_warps)
+
+
+@triton.jit
+def _unit_counts(unit_scores, settings, counts, num_units, UNIT: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """counts[i] = UNIT x the units of (row, KV head) i scoring above its best minus
+    alpha (``settings[0]``). Grid (rows x heads,)."""
+    sequence = tl.program_id(0).to(tl.int64)
+    base = unit_scores + sequence * num_units
+    best = tl.full([CHUNK], float("-inf"), tl.float32)
+    for start in range(0, num_units, CHUNK):
+        index = start + tl.arange(0, CHUNK)
+        best = tl.maximum(best, tl.load(base + index, mask=index < num_units,
+                                        other=float("-inf")))
+    floor = tl.max(best, axis=0) - tl.load(settings).to(tl.float32)
+    within = tl.zeros([CHUNK], tl.int32)
+    for start in range(0, num_units, CHUNK):
+        index = start + tl.arange(0, CHUNK)
+        values = tl.load(base + index, mask=index < num_units, other=float("-inf"))
+        within += (values > floor).to(tl.int32)
+    tl.store(counts + sequence, tl.sum(within, axis=0) * UNIT)
+
+
+def unit_counts(unit_scores, settings, counts, *, unit: int, chunk: int = 1024,
+                num_warps: int = 4) -> None:
+    """Launches ``_unit_counts``: counts [S * H_kv] int32 from unit_scores [S, H_kv, N]."""
+    rows, heads, num_units = unit_scores.shape
+    _unit_counts[(rows * heads,)](unit_scores, settings, counts, num_units, UNIT=unit,
+                                  CHUNK=min(chunk, triton.next_power_of_2(max(num_units, 16))),
+                                  num_warps=num_warps)
