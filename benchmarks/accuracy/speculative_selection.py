@@ -206,8 +206,11 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
         caps = torch.floor(positions.double() * budget).long().clamp(min=1)
         if token_cap is not None:
             caps = caps.clamp(max=token_cap)
-        # The own unit's tokens count against k; the complete units share the rest.
-        caps = (caps - positions % unit).clamp(min=0)
+        # The own unit's tokens count against k (its most recent k when k is
+        # smaller, as the product keeps them); the complete units share the rest.
+        own_kept = torch.minimum(positions % unit, caps)
+        caps = caps - own_kept
+        own_unit &= token_ids[None, :] >= (positions - own_kept)[:, None]
         units = unit_summary_scores(query, keys, unit, summary, bits)  # [H, n, U]
         num_units = units.shape[-1]
         complete = (torch.arange(num_units)[None, :] + 1) * unit <= positions[:, None]  # [n, U]

@@ -12,6 +12,7 @@ import torch
 
 from benchmarks.gpu import kernel_limits, selection_trace
 from benchmarks.gpu.measure import (
+    DEFAULT_KEYS,
     DEFAULT_OUT,
     VARIANTS,
     Stepper,
@@ -59,7 +60,7 @@ SAME_KERNEL_TOLERANCE = 1e-3
 
 
 def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, batch: int,
-                     context: int, streams: Streams, keys: str = "int") -> dict[str, Any]:
+                     context: int, streams: Streams, keys: str = DEFAULT_KEYS) -> dict[str, Any]:
     """Every variant at budget 1 (every block selected, nothing replayed) against dense."""
     setup = KVSetup(shape, batch, context, pool, device)
     decoder = Decoder(shape, layers, lm_head)
@@ -125,10 +126,13 @@ def self_test(out: Path | None = SELF_TEST_OUT,
                         device, dtype)
     checks = {"select_all": select_all_check(shape, layers, lm_head, pool, device, dtype,
                                              batch=batch, context=context, streams=streams),
+              "select_all_int_keys": select_all_check(
+                  shape, layers, lm_head, pool, device, dtype, batch=batch, context=context,
+                  streams=streams, keys="int"),
               "select_all_partial_keys": select_all_check(
                   shape, layers, lm_head, pool, device, dtype, batch=batch, context=context,
                   streams=streams, keys="partial")}
-    args = argparse.Namespace(trace=trace, warmup=1, steps=4, budget=0.2, keys="int",
+    args = argparse.Namespace(trace=trace, warmup=1, steps=4, budget=0.2, keys=DEFAULT_KEYS,
                               variants=list(VARIANTS), modes=["eager"], profile=False)
     measured = measure_config(shape, layers, lm_head, pool, device, dtype, batch=batch,
                               context=context, args=args, streams=streams, limits=None)
@@ -156,6 +160,7 @@ def self_test(out: Path | None = SELF_TEST_OUT,
                        and 0 < fetched["infinigen x2"] <= fetched["infinigen x1"]
                        and 0 < result.get("hit_rate", 0) < 1)}
     checks["passed"] = (checks["select_all"]["passed"]
+                        and checks["select_all_int_keys"]["passed"]
                         and checks["select_all_partial_keys"]["passed"]
                         and checks["replay"]["passed"])
     limits = kernel_limits.kernel_limits(device, dtype, context=256, kv_heads=2, group=2,
@@ -165,6 +170,6 @@ def self_test(out: Path | None = SELF_TEST_OUT,
         meta = gpu_run_metadata()
         results = {"checks": checks, "configs": [measured], "kernel_limits": [limits]}
         write_gpu_results(out, meta, "GPU decode-step benchmark: CPU self-test",
-                          {"shape": "TINY", "dtype": "float32", "keys": "int"}, results,
+                          {"shape": "TINY", "dtype": "float32", "keys": DEFAULT_KEYS}, results,
                           markdown_sections(results, self_test=True))
     return checks

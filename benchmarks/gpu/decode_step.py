@@ -11,7 +11,7 @@ batch) and mode (eager; ``graph``: the whole 32-layer step captured in one
 CUDA graph and replayed): ``variants.py``'s dense (where it fits),
 dense_units and full offload, and InfiniGen: the product's runtime and CUDA
 data path (``product.py``), driven per layer as vLLM drives them, its
-selections computed (int keys, the block rule) and then replaced by
+selections computed (the default keys, the block rule) and then replaced by
 selections recorded on a trained model (``selection_trace.py``:
 gutenberg-llama-2k, budget 0.2, scaled to the context), so the device block
 cache sees real step-to-step reuse. Reported per variant: ms per step
@@ -36,6 +36,7 @@ import torch
 
 from benchmarks.gpu import checks, kernel_limits, selection_trace
 from benchmarks.gpu.measure import (
+    DEFAULT_KEYS,
     DEFAULT_OUT,
     KEYS,
     MODES,
@@ -64,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(benchmarks/gpu/kernel_limits.py), at each context")
     parser.add_argument("--budget", type=float, default=0.2,
                         help="the computed selection's budget (its cost is measured)")
-    parser.add_argument("--keys", choices=KEYS, default="int",
+    parser.add_argument("--keys", choices=KEYS, default=DEFAULT_KEYS,
                         help="speculation keys the computed selection scores (the product's "
-                        "--infinigen-speculation-keys; int: its default)")
+                        "--infinigen-speculation-keys; default: its default)")
     parser.add_argument("--trace", type=Path, default=selection_trace.DEFAULT_TRACE)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)

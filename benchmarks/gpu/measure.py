@@ -21,7 +21,7 @@ from benchmarks.gpu.product import Product, Resident, cache_slots
 from benchmarks.gpu.variants import Dense, DenseUnits, FullOffload, KVSetup, Streams
 from benchmarks.harness import paths
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.layout import KEY_GROUP, int_key_bits
+from vllm_infinigen.layout import BOUND_BITS, BOUND_UNIT, KEY_GROUP, int_key_bits
 from vllm_infinigen.platforms.cuda import kernels, select_ops
 
 # infinigen_resident: --infinigen-residency device-first before the move (dense
@@ -29,7 +29,8 @@ from vllm_infinigen.platforms.cuda import kernels, select_ops
 VARIANTS = ("dense", "dense_units", "full", "infinigen", "infinigen_resident")
 MODES = ("eager", "graph")
 CACHE_FACTORS = (2.0, 1.5, 1.25, 1.0)
-KEYS = ("int", "partial")  # --infinigen-speculation-keys (int: the product's default)
+KEYS = ("bounds", "int", "partial")  # --infinigen-speculation-keys
+DEFAULT_KEYS = InfiniGenConfig().speculation_keys  # the product's default
 ALPHA = InfiniGenConfig().resolved_alpha()  # the product's default (off: the budget binds)
 DEFAULT_OUT = paths.RESULTS / "gpu_decode_step"
 MARGIN = 4 << 30  # device memory left free
@@ -43,7 +44,7 @@ def product_width(setup: KVSetup, budget: float, budget_tokens: int | None = Non
 
 
 def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget: float,
-                  replay: torch.Tensor | None, cache_factor: float, keys: str = "int",
+                  replay: torch.Tensor | None, cache_factor: float, keys: str = DEFAULT_KEYS,
                   alpha: float = ALPHA, budget_tokens: int | None = None):
     if name == "dense":
         return Dense(setup, streams)
@@ -61,6 +62,9 @@ def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget
 
 def speculation_bytes_per_block(shape: DecoderShape, keys: str, dtype: torch.dtype) -> int:
     """Device bytes of one block's speculation keys over the KV heads."""
+    if keys == "bounds":  # per unit: max and min codes, one float16 scale
+        per_unit = 2 * shape.head_dim * BOUND_BITS // 8 + 2
+        return shape.num_kv_heads * shape.block_size // BOUND_UNIT * per_unit
     if keys == "int":
         per_group = shape.head_dim * (2 * int_key_bits(dtype.itemsize) + 2)
         return shape.num_kv_heads * shape.block_size // KEY_GROUP * per_group
@@ -68,7 +72,7 @@ def speculation_bytes_per_block(shape: DecoderShape, keys: str, dtype: torch.dty
 
 
 def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width: int,
-                 factor: float, dtype: torch.dtype, keys: str = "int") -> int:
+                 factor: float, dtype: torch.dtype, keys: str = DEFAULT_KEYS) -> int:
     """Device memory a variant adds to the weights (estimate, temporaries included)."""
     layer = shape.layer_kv_bytes(batch, context, dtype)
     sparse = shape.num_layers - shape.dense_layers

@@ -48,7 +48,7 @@ class _QKV(torch.nn.Module):
 
 
 class Product(Variant):
-    """The product's InfiniGen step (the device block cache; int or partial keys).
+    """The product's InfiniGen step (the device block cache; bounds, int or partial keys).
 
     Args:
         weights: The decoder's layers (their qkv projections speculate).
@@ -77,7 +77,7 @@ class Product(Variant):
         for index, layer in enumerate(weights):
             self_attn = torch.nn.Module()
             self_attn.qkv_proj = _QKV(layer.qkv)
-            skew = None if keys == "int" else layer.skew.float()
+            skew = layer.skew.float() if keys == "partial" else None
             sources.append(LayerSource(index, f"model.layers.{index}.self_attn.attn",
                                        SimpleNamespace(impl=impl), self_attn, skew, None))
         layout = ModelLayout("llama", num_layers=shape.num_layers, num_heads=shape.num_heads,

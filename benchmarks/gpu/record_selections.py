@@ -338,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-caps", type=int, nargs="*", default=[],
                         help="--infinigen-budget-tokens values, each at the largest budget")
     parser.add_argument("--keys", choices=("int", "partial"), default="int",
-                        help="--infinigen-speculation-keys (int: the product's default)")
+                        help="--infinigen-speculation-keys the recorded selection scores "
+                        "(the torch rule of the int and partial keys; the bounds' is not "
+                        "recorded here yet)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="the paper's count (e.g. 5) capped by the budget (default: off, "
                         "the product's default: the budget binds)")

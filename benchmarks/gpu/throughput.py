@@ -47,6 +47,7 @@ from benchmarks.gpu import selection_trace, throughput_report
 from benchmarks.gpu.decoder import LLAMA_31_8B, TINY, Decoder, DecoderShape, random_weights
 from benchmarks.gpu.measure import (
     CACHE_FACTORS,
+    DEFAULT_KEYS,
     KEYS,
     MARGIN,
     MODES,
@@ -128,7 +129,7 @@ def memory_plan(device_gib: list[float], contexts: list[int], batches: list[int]
                     points[f"x{batch} {selection.label}"] = next(
                         (f for f in CACHE_FACTORS
                          if device_bytes("infinigen", shape, batch, context, width, f, dtype,
-                                         "int") + MARGIN < free), None)
+                                         DEFAULT_KEYS) + MARGIN < free), None)
             plans.append({"device_GiB": gib, "context": context, "free_GiB": free / 2**30,
                           "dense_largest_batch": dense_largest_batch(shape, context, dtype,
                                                                      free),
@@ -209,7 +210,7 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     free = device_bytes("dense", shape, 2, context, 0, 1.0, dtype) + MARGIN + 1
     pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(max(batches), context,
                                                                        dtype), device, dtype)
-    args = argparse.Namespace(trace=trace, warmup=1, steps=3, keys="int", profile=False,
+    args = argparse.Namespace(trace=trace, warmup=1, steps=3, keys=DEFAULT_KEYS, profile=False,
                               modes=["eager"], batches=batches, full_batches=[2],
                               selections=[Selection(0.2), Selection(CAP_BUDGET, context // 8)],
                               budget=CAP_BUDGET)
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-batches", type=int, nargs="*", default=[8],
                         help="batches of full offload (its step is the PCIe copy of the K/V)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["graph"])
-    parser.add_argument("--keys", choices=KEYS, default="int")
+    parser.add_argument("--keys", choices=KEYS, default=DEFAULT_KEYS)
     parser.add_argument("--trace", type=Path, default=selection_trace.DEFAULT_TRACE)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)

@@ -96,6 +96,39 @@ def test_the_data_paths_gated_scoring_and_counts_equal_the_references(bits, dtyp
         assert torch.equal(got_counts.cpu(), counts)
 
 
+@pytest.mark.parametrize("bits,dtype", [(8, torch.float32), (4, torch.bfloat16)])
+def test_bound_kernels_equal_the_references(bits, dtype):
+    """The bounds (the default keys) on CUDA tensors: ``encode_bounds`` writes the CPU
+    kernels' bytes, ``bound_scores`` the torch form's unit and block scores,
+    ``unit_counts`` its alpha counts."""
+    from tests.reference.bound_pools import BLOCK, BoundPool
+    from vllm_infinigen.platforms.cuda import bound_selection
+
+    pool = BoundPool(seed=7, unit=16, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
+                     context_lens=[230, 16, 7, 64])
+    bounds = torch.zeros_like(pool.bounds, device=CUDA)
+    scales = torch.zeros_like(pool.scales, device=CUDA)
+    kv_pool = pool.kv_pool.to(CUDA)
+    for row in range(len(pool.context_lens)):
+        kernels.encode_bounds(bounds, scales, kv_pool, pool.slots_of(row).to(CUDA))
+    torch.cuda.synchronize()
+    assert torch.equal(scales.cpu(), pool.scales)
+    assert torch.equal(bounds.cpu(), pool.bounds)
+    query = torch.randint(-3, 4, (5, 2, 4, 128), generator=torch.Generator().manual_seed(2))
+    query = query.float()
+    context = torch.cat([pool.context_lens, torch.tensor([-1])])  # a padding row
+    table = torch.cat([pool.block_table, pool.block_table[:1]]).contiguous()
+    units, blocks = select_ops.bound_scores(query.to(CUDA), bounds, scales, table.to(CUDA),
+                                            context.to(CUDA), scale=0.25, block_size=BLOCK)
+    want = bound_selection.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
+                                             scale=0.25, block_size=BLOCK)
+    _close(units, want)
+    _close(blocks, bound_selection.unit_block_scores(want, BLOCK // 16))
+    settings = select_ops.settings_tensor(2.0, 0.2, 0, "cpu")
+    counts = select_ops.unit_counts(units, settings.to(CUDA), unit=16)
+    assert torch.equal(counts.cpu(), bound_selection.unit_alpha_counts(want, settings[0], 16))
+
+
 def test_lookup_lru_equals_the_reference_over_steps():
     from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 

@@ -22,6 +22,8 @@ def test_self_test_select_all_equals_dense_and_the_cache_changes_no_output():
     assert result["select_all"]["passed"], result["select_all"]
     # the data path's own check: the same attention kernel as dense_units, every block
     assert set(result["select_all"]["relative_l2_vs_dense_units"]) == {"full", "infinigen"}
+    assert result["select_all"]["keys"] == "bounds"  # the product's default
+    assert result["select_all_int_keys"]["passed"], result["select_all_int_keys"]
     assert result["select_all_partial_keys"]["passed"], result["select_all_partial_keys"]
     assert result["replay"]["passed"], result["replay"]
     assert 0 < result["replay"]["hit_rate"] < 1

@@ -291,3 +291,39 @@ def test_settings_change_in_place_and_widening_changes_are_refused():
             capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=cap))
     # the cap bounds every selection's width: 8 tokens = 2 blocks + sink + own
     assert capped.width(NUM_BLOCKS, BLOCK) == 4
+
+
+@pytest.mark.parametrize("keys", ["bounds", "int"])
+def test_the_block_rule_keeps_a_needles_block_at_a_small_budget(keys):
+    """Each KV head's needle (a key along the query) in a different middle block of
+    a 160-token context: at budget 0.1 (16 tokens: one block besides the sink and
+    recent windows) each head keeps its needle's block and no other middle block."""
+    block, context, needles = 16, 160, (37, 101)
+    impl = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=32,
+                           scale=1 / math.sqrt(32))
+    layer = LayerState(2, "model.layers.2.self_attn.attn", SimpleNamespace(impl=impl), None,
+                       True, skew=None, speculation_keys=keys)
+    path = CudaDataPath("cpu", 16)
+    num_blocks = 12
+    path.allocate(layer, PoolPlan(num_rows=num_blocks * block, num_slots=num_blocks * block,
+                                  block_size=block, num_bytes=0, sized_by=""),
+                  num_blocks, torch.float32)
+    path.configure(InfiniGenConfig(alpha=math.inf, budget=0.1, min_context=0))
+    gen = torch.Generator().manual_seed(4)
+    direction = torch.randn(KV_HEADS, 32, generator=gen)
+    keys_ = 0.1 * torch.randn(context + 1, KV_HEADS, 32, generator=gen)
+    for head, needle in enumerate(needles):
+        keys_[needle, head] = 4 * direction[head]
+    table = torch.tensor([[5, 0, 9, 2, 11, 7, 1, 3, 10, 4, 6]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, p // block]) * block + p % block
+                          for p in range(context + 1)])
+    path.write(layer, keys_, torch.randn(context + 1, KV_HEADS, 32, generator=gen), slots, None)
+    query = direction[None, :, None, :].expand(1, KV_HEADS, HEADS // KV_HEADS, 32)
+    rows = RowSet(tokens=torch.arange(1), context_lens=torch.tensor([context]),
+                  block_table=table, token_caps=torch.tensor([context // 10]),
+                  caps_host=[context // 10], context_host=[context])
+    selection = path.select(layer, rows, query.contiguous())
+    for head, needle in enumerate(needles):
+        kept = [int(b) for b in selection.logical[0, head] if b >= 0]
+        middle = [b for b in kept if 0 < b < context // block]
+        assert middle == [needle // block], (keys, head, kept)

@@ -17,7 +17,8 @@
 // is written (from the keys in the pool). A selection scores each complete
 // unit of a row's context (2 D multiply-adds per unit and query head, not per
 // token), keeps the row's own unit (its context ends inside it: no bound
-// yet) and each KV head's best units, and returns their tokens.
+// yet; its most recent k tokens when the row's k is smaller) and each KV
+// head's best units, and returns their tokens.
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
