@@ -205,7 +205,7 @@ class InfiniGenConfig:
         "token, attended through InfiniGen's selection) or device-first (vLLM's device "
         "blocks and kernel while the blocks last, written through to the pool; when a "
         "step's blocks would not fit, every request moves to the pool and the selection, "
-        "for good). device-first: CPU build only.", choices=RESIDENCIES)
+        "for good).", choices=RESIDENCIES)
     speculation: str = setting(
         "previous-layer", "Whose query selects a sparse layer's tokens: previous-layer (the "
         "paper: layer i selects for layer i+1 ahead of it) or same-layer (the layer's own "
@@ -259,6 +259,12 @@ class InfiniGenConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def device_first(self) -> bool:
+        """``--infinigen-residency device-first``: dense in vLLM's device blocks while
+        they last."""
+        return self.residency == "device-first"
 
     def resolved_alpha(self) -> float:
         """The margin the kernels apply: the setting, or infinity (off: every finite

@@ -188,6 +188,8 @@ LONG_MODEL = {"num_layers": 6, "hidden_size": 256, "num_heads": 8, "num_kv_heads
 GQA128_MODEL = {"num_layers": 16, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 2,
                 "head_dim": 128, "intermediate_size": 512, "max_positions": 16384 + 1024,
                 "seed": 0}
+# The same weights with positions for 32K + decode steps (the 32K point).
+GQA128_32K_MODEL = {**GQA128_MODEL, "max_positions": 32768 + 1024}
 # The same with head_dim 64 (the crossover of --infinigen-min-context for both).
 GQA64_MODEL = {**GQA128_MODEL, "head_dim": 64}
 

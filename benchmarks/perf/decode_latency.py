@@ -23,6 +23,8 @@ Presets (explicit flags override them):
   query / 2 KV heads of 128, hidden 512, MLP 512, 17K positions;
   ``models.GQA128_MODEL``), contexts 256..16K, batches 1 and 4, dense vs
   in-place InfiniGen -> ``decode_latency_gqa128``.
+- ``gqa128-32k``: the same weights with 33K positions, 32K x 1
+  -> ``decode_latency_gqa128_32k``.
 - ``gqa64``: the ``gqa128`` model with head_dim 64, contexts 256..4K (where
   sparse starts to beat dense: ``--infinigen-min-context``)
   -> ``decode_latency_gqa64``.
@@ -122,6 +124,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                "contexts": [256, 1024, 4096, 16384], "batch_sizes": [1, 4],
                "engines": ["dense", "in-place"], "policies": ["infinigen"],
                "out": "decode_latency_gqa128"},
+    "gqa128-32k": {"model": None, "model_spec": models.GQA128_32K_MODEL,
+                   "contexts": [32768], "batch_sizes": [1], "engines": ["dense", "in-place"],
+                   "policies": ["infinigen"], "out": "decode_latency_gqa128_32k"},
     "gqa64": {"model": None, "model_spec": models.GQA64_MODEL,
               "contexts": [256, 512, 1024, 2048, 4096], "batch_sizes": [1],
               "engines": ["dense", "in-place"], "policies": ["infinigen"],

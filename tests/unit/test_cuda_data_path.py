@@ -327,3 +327,25 @@ def test_the_block_rule_keeps_a_needles_block_at_a_small_budget(keys):
         kept = [int(b) for b in selection.logical[0, head] if b >= 0]
         middle = [b for b in kept if 0 < b < context // block]
         assert middle == [needle // block], (keys, head, kept)
+
+
+def test_decode_short_writes_then_attends_densely():
+    """CUDA's ``decode_short`` (no fused op: ``has_fused_short`` False) equals a
+    ``write`` of the rows' tokens, then ``attend_dense`` into the first rows of out."""
+    assert not CudaDataPath.has_fused_short
+    fused, unfused = _Case(), _Case()
+    for case in (fused, unfused):
+        for row, context in enumerate([13, 9]):
+            case.write(row, context)
+    rows = fused.rows([13, 9])
+    slots = torch.tensor([fused.slot(0, 13), fused.slot(1, 9)])
+    key = torch.stack([fused.keys[0, 13], fused.keys[1, 9]])
+    value = torch.stack([fused.values[0, 13], fused.values[1, 9]])
+    query = torch.randn(2, HEADS, DIM)
+    out = torch.zeros(3, HEADS, DIM)  # a padded tail stays untouched
+    fused.path.decode_short(fused.layer, rows, query, key, value, slots, None, out)
+    unfused.path.write(unfused.layer, key, value, slots, None)
+    expected = unfused.path.attend_dense(unfused.layer, unfused.rows([13, 9]), query, None)
+    torch.testing.assert_close(out[:2], expected)
+    assert out[2].abs().sum() == 0
+    assert torch.equal(fused.layer.kv_pool, unfused.layer.kv_pool)

@@ -202,8 +202,8 @@ def test_no_fused_step_where_a_row_selects_or_the_data_path_lacks_the_op():
     runtime.update_selection(min_context=CONTEXT)  # the row selects: not short
     assert not runtime.fuses_short(metadata)
 
-    class Unfused(CpuDataPath):  # a data path without the op (CUDA's)
-        decode_short = None
+    class Unfused(CpuDataPath):  # a data path without the fused op (CUDA's)
+        has_fused_short = False
 
     runtime, metadata, _ = _short_step("int", lambda config: Unfused(config.transfer))
     assert runtime.plan_for(metadata, STEP_BLOCK).short_decode_only
@@ -235,7 +235,7 @@ def test_the_sparse_layer_writes_nothing_in_its_kv_update_and_all_in_its_forward
     from vllm_infinigen.worker.attention import SPARSE_METADATA, InfiniGenImplMixin
 
     class Unfused(CpuDataPath):
-        decode_short = None
+        has_fused_short = False
 
     gen = torch.Generator().manual_seed(6)
     query, key, value = (torch.randn((2, 1, DIM), generator=gen) for _ in range(3))

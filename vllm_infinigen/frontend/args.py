@@ -63,19 +63,27 @@ def fold_into_additional_config(
     return merged
 
 
+# The flags' argparse default is None ("not given"), which vLLM's help formatter
+# (argparse.ArgumentDefaultsHelpFormatter) would print as "(default: None)" after
+# the real default the help names. It appends nothing to a help that mentions
+# %(default); this mention renders as the empty string.
+_NO_DEFAULT_NOTE = "%(default).0s"
+
+
 def add_infinigen_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The InfiniGen argument group: ``--kv-manager`` and one flag per setting."""
     group = parser.add_argument_group(
         "InfiniGen", "Dynamic KV-cache management (vllm-infinigen)."
     )
     group.add_argument("--kv-manager", choices=config.KV_MANAGERS, default=None,
-                       help=KV_MANAGER_HELP)
+                       help=KV_MANAGER_HELP + _NO_DEFAULT_NOTE)
     for field in config.settings():
         meta = field.metadata
         notes = [] if meta["choices"] is None else ["one of " + ", ".join(meta["choices"])]
         if meta["show_default"] and field.default is not None:
             notes.append(f"default {field.default}")
-        help_text = meta["help"] + (f" ({'; '.join(notes)})" if notes else "")
+        help_text = (meta["help"] + (f" ({'; '.join(notes)})" if notes else "")
+                     + _NO_DEFAULT_NOTE)
         # Values are checked by InfiniGenConfig, naming the flag; default None
         # means "not given", so that only what the user typed is folded in.
         group.add_argument(config.flag(field.name), type=config.value_type(field),

@@ -160,10 +160,31 @@ engine start without a skew file, in the front-end process)
     Related upstream work: the registry is transformers' extension point.
     Future plan: none needed.
 
+``vllm_infinigen/worker/short_path.py`` (``skip_sparse_slot_mappings``, the worker's start-up)
+    Object: each sparse KV-cache group's ``BlockTable`` of the model runner
+    (its ``slot_mapping_mode`` attribute, set to ``SlotMappingMode.NONE``).
+    Why: the sparse layers' groups hold no blocks and write by the dense
+    group's slots, so the per-step slot mapping vLLM computes for them is
+    never read (``docs/short_path.md``).
+    How: sets vLLM's own mode for groups without a slot mapping (Mamba's);
+    not with ``--infinigen-residency device-first``, whose resident layers
+    write vLLM's blocks by it.
+    Related upstream work: the mode is vLLM's. Future plan: cross-layer KV
+    sharing would remove the groups.
+
+``vllm_infinigen/scheduler/spec.py`` (``residency_of``)
+    Object: the scheduler's ``BlockPool`` (an attribute ``infinigen_residency``
+    added on first use).
+    Why: the sparse managers of every group and the scheduler's move to the
+    pool share one residency state, and the pool is the object they all hold.
+    How: a ``Residency`` kept on the pool; stock engines never create it.
+    Future plan: a field on the spec's manager if vLLM passes shared state.
+
 Not a change to vLLM objects, listed for completeness: ``register()`` routes
 the ``vllm_infinigen`` logger to vLLM's; ``create_engine_config`` (above)
 sets ``worker_cls`` and ``kv_transfer_config`` through their public fields, and
 ``VLLM_USE_V2_MODEL_RUNNER=0`` in the environment when vLLM would pick Model
 Runner V2 by itself (``frontend/checks.keep_v1_model_runner``);
-``worker/capture.py`` and ``kernels/`` register ops in their own torch namespaces.
+``worker/capture.py`` and ``platforms/cpu/kernels/`` register ops in their own torch
+namespaces.
 """

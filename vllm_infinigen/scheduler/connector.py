@@ -131,7 +131,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         used = sum(len(blocks) for blocks in dense.req_to_blocks.values())
         num_slots = block_pool.num_gpu_blocks * block_size
         gauges = {"device_blocks": block_pool.num_gpu_blocks - 1 - block_pool.get_num_free_blocks()}
-        if self._setup.config.residency == "device-first":
+        if self._setup.config.device_first:
             gauges["resident"] = int(self._resident())
         setup = self._setup
         cap = cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token, setup.step_tokens)
@@ -154,7 +154,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _resident(self) -> bool:
         manager = self._kv_cache_manager
-        if self._setup.config.residency != "device-first" or manager is None:
+        if not self._setup.config.device_first or manager is None:
             return False
         return not residency_of(manager.block_pool).moved
 

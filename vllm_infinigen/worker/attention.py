@@ -173,7 +173,7 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         if state.windowed:
             continue
         if state.sparse:
-            device_first = runtime.config.residency == "device-first"
+            device_first = runtime.config.device_first
             attention.get_kv_cache_spec = _sparse_spec_getter(attention, device_first)
             attention.attn_backend = (
                 resident_backend(attention.attn_backend) if device_first

@@ -20,9 +20,9 @@ which policy selects, when the next layer's selection is made. A platform's
                     the attention (CPU: nothing to move)
     attend_selected layer i+1: waits for its own fetch, attends over it
     attend_dense    rows with a short context, over their whole context
-    decode_short    optional (the CPU's): a short decode-only step's write and
-                    dense attention of a layer in one call (``runtime.fuses_short``);
-                    a data path without it runs ``write`` + ``attend_dense``
+    decode_short    a short decode-only step's write and dense attention of a
+                    layer; one fused call where ``has_fused_short`` (the CPU's),
+                    which the runtime then uses (``runtime.fuses_short``)
     attend_prompt   prompt rows, causally over the pool and the step's tokens
                     (the pool need not be addressable by the attention kernel)
     release_blocks  a finished or preempted request's block ids (a device
@@ -52,6 +52,7 @@ class DataPath(Protocol):
     """Where one worker's sparse layers keep their K/V, and how it reaches attention."""
 
     plans_on_device: bool
+    has_fused_short: bool  # whether ``decode_short`` is one fused op
 
     def describe(self) -> str:
         """A few words for the start-up log (transfer, kernels)."""
@@ -112,6 +113,13 @@ class DataPath(Protocol):
     def attend_dense(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
                      row_map: torch.Tensor | None) -> torch.Tensor:
         """[S, H_q, D] attention of ``rows`` over their whole context."""
+
+    def decode_short(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
+                     key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                     row_map: torch.Tensor | None, out: torch.Tensor) -> None:
+        """``write`` and ``attend_dense`` of a short decode-only step, ``rows``
+        being the step's first rows, their output written into ``out``
+        (query, out: [T, H_q, D]; key, value: [T, H_kv, D]; slots: [T])."""
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:

@@ -11,15 +11,16 @@ Data path of one decode step, for a model with L layers and ``dense_layers=2``::
     layer L-1 attends over what layer L-2 selected
 
 Sparse layers hold no blocks in vLLM's cache (``scheduler/spec.py``); their K/V and
-partial keys live in ``LayerState`` buffers addressed by the dense group's
+speculation keys live in ``LayerState`` buffers addressed by the dense group's
 block ids. In models with sliding-window layers beside full-attention ones
 (Gemma 3, ``layout.window_layers``) the windowed layers are left to vLLM and
 the split above runs over the full-attention layers alone: layer i is then the
 i-th full-attention layer, and it speculates for the next full-attention
 layer from its own attention input. Rows with a context shorter than ``min_context`` attend densely
 over the pool; prompt rows attend causally over it. Where the bytes live and
-how they move is the platform's ``DataPath`` (``data_path.py``); the compiled
-kernels (``kernels/``) do the selecting.
+how they move, and the selecting, is the platform's ``DataPath``
+(``data_path.py``; the CPU's compiled kernels in ``platforms/cpu/kernels/``,
+CUDA's Triton kernels in ``platforms/cuda/``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class InfiniGenRuntime(ShortPathMixin):
         config: The engine's settings with ``alpha`` resolved for the model.
         sources: Every attention layer of the model, in order (the first
             full-attention layer is dense: its metadata indexes the pool).
-        device: Where the partial keys live (the platform's device).
+        device: Where the speculation keys live (the platform's device).
         data_path: The platform's storage and movement of K/V (``data_path.py``).
         layout: The model's layout (all ranks: the counters are per model KV
             head), which names the sparse and the windowed layers.
@@ -97,7 +98,7 @@ class InfiniGenRuntime(ShortPathMixin):
         # in vLLM's device blocks this step (the connector's metadata sets it,
         # ``set_resident``); called once, at the move (the CUDA worker swaps
         # its full CUDA graphs there).
-        self.resident = config.residency == "device-first"
+        self.resident = config.device_first
         self.on_move: list[Callable[[], None]] = []
         # Every policy used so far keeps its state up to date (a switch back
         # finds it current); ``policy`` selects.

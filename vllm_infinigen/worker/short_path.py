@@ -47,7 +47,7 @@ class ShortPathMixin:
         Args:
             attn_metadata: The dense group's attention metadata of the step.
         """
-        if self.resident or getattr(self.data_path, "decode_short", None) is None:
+        if self.resident or not self.data_path.has_fused_short:
             return False  # (before the plan: a device data path is not asked to plan here)
         if self._write_consumers[0] != len(self._policies):
             self._write_consumers = (len(self._policies), any(

@@ -37,6 +37,7 @@ class CpuDataPath:
     """
 
     plans_on_device = False  # host and device memory are one: the plan reads both
+    has_fused_short = True  # ``decode_short``: one compiled op (``kernels.decode_short``)
 
     def __init__(self, transfer: str) -> None:
         self.transfer = make_transfer(transfer, CPU)

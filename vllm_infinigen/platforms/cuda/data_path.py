@@ -3,9 +3,8 @@
 
 Per sparse layer (``DataPath``, ``worker/data_path.py``)::
 
-    host      kv_pool [num_blocks, H_kv, block_size, 2 * D]   pinned on CUDA
-                                                              (host_pool.py)
-    device    speculation keys (partial or int, ``layer_state.py``)
+    host      kv_pool [num_blocks, H_kv, block_size, 2 * D], pinned on CUDA (host_pool.py)
+    device    speculation keys (bounds, int or partial, ``layer_state.py``)
               block cache units [H_kv * slots + 1, block_size, 2 * D]
               and its bookkeeping (block_cache.py)
 
@@ -17,30 +16,24 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
                     units (one kernel); on CUDA on a side stream of low
                     priority, finished by an event
     write           the layer's new K|V written through to the pool and into
-                    the cached copies of their blocks (one kernel), the int
-                    keys of the groups they close (one kernel)
+                    the cached copies of their blocks (one kernel), the
+                    bounds or int keys of the units they close (one kernel)
     attend_selected waits for the gather, attends each (row, KV head) over
                     its cached blocks (attention and merge: two kernels)
 
-A decode step of the device-only plan (``plans_on_device``) reads nothing
-back to the host and allocates the same shapes whatever the selection: the
-bounds come from the table's width and the settings at start-up
-(``select_ops.selection_width``), the counts stay on the device (the
-counters reach the runtime after the step, ``add_counts``), and the settings
-a running engine changes live in a device tensor. Such a step can run
-inside a CUDA graph.
+A decode step of the device-only plan (``plans_on_device``) reads nothing back
+to the host and allocates the same shapes whatever the selection (widths from
+the table and the start-up settings, ``select_ops.selection_width``; counts on
+the device until ``add_counts``; settings in a device tensor): it can run in
+a CUDA graph.
 
 Attention over the cached blocks is ``kernels.attend_units`` (Triton on CUDA,
-torch elsewhere): block-granular, every context token of a selected block is
-attended, the cache slots of a (row, KV head)'s blocks being its table. Not
-vLLM's paged attention: its backends take one block table per request for
-all of the layer's KV heads, over vLLM's own KV tensor, where each KV head
-here selects its own blocks, held in the cache's units (docs/design.md).
-Dense and prompt rows of a host-planned step stage their blocks from the pool
-(the same gather) and attend in torch.
+torch elsewhere): every token of a selected block, the cache slots of a (row,
+KV head)'s blocks being its table; not vLLM's paged attention, whose table is
+per request for all KV heads (docs/design.md). Dense and prompt rows of a
+host-planned step stage their blocks from the pool and attend in torch.
 
-Every tensor is created on a named device: with ``device="cpu"`` the whole
-path runs in torch on the CPU (CI); nothing CUDA-only runs there.
+With ``device="cpu"`` the whole path runs in torch on the CPU (CI).
 """
 
 from __future__ import annotations
@@ -94,6 +87,7 @@ class CudaDataPath:
     """
 
     plans_on_device = True
+    has_fused_short = False  # ``decode_short`` is ``write`` then ``attend_dense``
 
     def __init__(self, device: torch.device | str, slots_per_head: int, *,
                  host_pool: Callable[[LayerState, int], torch.Tensor] | None = None) -> None:
@@ -326,6 +320,12 @@ class CudaDataPath:
                      row_map: torch.Tensor | None) -> torch.Tensor:
         """Each row over its whole context, its blocks staged from the pool (no cache)."""
         return staged.attend_dense(layer, rows, query, self.device)
+
+    def decode_short(self, layer: LayerState, rows: RowSet, query: torch.Tensor, key, value,
+                     slots: torch.Tensor, row_map: None, out: torch.Tensor) -> None:
+        self.write(layer, key, value, slots, row_map)
+        n = rows.context_lens.shape[0]
+        out[:n] = self.attend_dense(layer, rows, query[:n], row_map)
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:

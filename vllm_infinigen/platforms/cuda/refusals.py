@@ -40,7 +40,7 @@ def refusal(args: EngineArgs, config: InfiniGenConfig) -> str | None:
     if config.cpu_pool_gib is not None:
         return (f"{flag('cpu_pool_gib')} is not supported on CUDA (the device block cache "
                 f"gathers whole blocks from a pool with a row per slot); remove it")
-    if config.residency == "device-first" and getattr(args, "enable_dbo", False):
+    if config.device_first and getattr(args, "enable_dbo", False):
         return (f"{flag('residency')} device-first keeps two sets of full CUDA graphs, which "
                 f"vLLM's micro-batching wrapper does not expose; remove --enable-dbo or "
                 f"{flag('residency')}")

@@ -41,7 +41,7 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
     def compile_or_warm_up_model(self):
         """vLLM's, with ``--infinigen-residency device-first`` capturing the
         full CUDA graphs of both residencies (``residency.py``)."""
-        if self.infinigen.config.residency != "device-first" or not self.infinigen.layout.num_sparse:
+        if not self.infinigen.config.device_first or not self.infinigen.layout.num_sparse:
             return super().compile_or_warm_up_model()
         runner = self.model_runner
         graphs = ResidencyGraphs(self.infinigen_runtime, lambda: runner.model)
