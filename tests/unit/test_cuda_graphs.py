@@ -114,8 +114,10 @@ def _chain(length: int) -> list[LayerState]:
 
 
 class _Runtime:
-    def __init__(self, speculates: bool | None):
+    def __init__(self, speculates: bool | None, plans_on_device: bool = False):
         self._speculates = speculates
+        # False (the CPU's): the op asks ``speculates``; True (CUDA's): it copies always.
+        self.data_path = SimpleNamespace(plans_on_device=plans_on_device)
 
     def speculates(self, attn_metadata) -> bool:
         if self._speculates is None:
@@ -124,9 +126,11 @@ class _Runtime:
 
 
 def _context(states, *, speculates: bool | None = True, metadata=True,
-             graphs: CUDAGraphMode = CUDAGraphMode.NONE, tokens: int | None = None):
+             graphs: CUDAGraphMode = CUDAGraphMode.NONE, tokens: int | None = None,
+             plans_on_device: bool = False):
     layers = {state.layer_name: SimpleNamespace(impl=SimpleNamespace(
-        infinigen_layer=state, infinigen_runtime=_Runtime(speculates))) for state in states}
+        infinigen_layer=state, infinigen_runtime=_Runtime(speculates, plans_on_device)))
+        for state in states}
     return override_forward_context(ForwardContext(
         no_compile_layers=layers, attn_metadata={"any": object()} if metadata else None,
         slot_mapping={}, cudagraph_runtime_mode=graphs,
@@ -168,16 +172,16 @@ def test_a_cpu_step_that_does_not_speculate_copies_nothing():
         assert state.captured_input is None and state.capture_buffer is None
 
 
-def test_off_the_cpu_the_op_copies_at_every_call():
+def test_where_the_data_path_plans_on_the_device_the_op_copies_at_every_call():
     """A condition read on the host would be frozen at a graph capture (vLLM
-    captures piecewise graphs with no attention metadata): off the CPU the op
-    copies whatever the step, without asking the runtime."""
+    captures piecewise graphs with no attention metadata): where the data path
+    plans on the device (CUDA's), the op copies whatever the step, without
+    asking the runtime."""
     state = _chain(2)[0]
-    hidden = torch.empty(5, HIDDEN, device="meta")  # the op's body: meta dispatches to its fake
-    with _context([state], speculates=None, metadata=False):
+    hidden = torch.randn(5, HIDDEN)
+    with _context([state], speculates=None, metadata=False, plans_on_device=True):
         capture.capture_attention_input(hidden, state.layer_name)
-    assert state.capture_buffer.device.type == "meta"
-    assert state.captured_input.shape == (5, HIDDEN)
+    torch.testing.assert_close(state.captured_input, hidden)
 
 
 def test_under_cuda_graphs_the_speculation_reads_what_a_replay_wrote():

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The speculation query's RoPE (``policies.infinigen.rotate``): the model's own rule,
-through vLLM's fused CPU kernel where the class keeps the base rule."""
+"""The speculation query's RoPE (``platforms/devices.py``'s ``rotate``, the CPU's line ``platforms/cpu/rope.py``):
+the model's own rule, through vLLM's fused CPU kernel where the class keeps the base rule."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _rope(params: dict):
 
 @pytest.mark.parametrize("params", [{"rope_type": "default"}, LLAMA3], ids=["base", "llama3"])
 def test_rotate_equals_the_modules_own_rule(params):
-    from vllm_infinigen.policies.infinigen import rotate
+    from vllm_infinigen.platforms.devices import rotate
 
     with set_current_vllm_config(VllmConfig()):
         rope = _rope(params)
@@ -35,7 +35,7 @@ def test_rotate_equals_the_modules_own_rule(params):
 def test_rotate_leaves_a_class_with_its_own_rule_to_the_module():
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    from vllm_infinigen.policies.infinigen import rotate
+    from vllm_infinigen.platforms.devices import rotate
 
     calls = []
 
@@ -51,3 +51,22 @@ def test_rotate_leaves_a_class_with_its_own_rule_to_the_module():
         query = torch.ones(1, 64)
         torch.testing.assert_close(rotate(rope, torch.tensor([1]), query), query * 2)
     assert calls == ["native"]
+
+
+def test_a_device_without_a_line_calls_the_module_on_the_query_as_it_is(monkeypatch):
+    """CUDA has no line in ``ROTATIONS``: vLLM's kernel rotates a strided qkv slice
+    in place; the graph check of a device without a line answers False."""
+    from vllm_infinigen.platforms import devices
+
+    monkeypatch.setattr(devices, "ROTATIONS", {})
+    seen = []
+
+    def rope(positions, query, key):
+        seen.append(query.is_contiguous())
+        return query + 1, key
+
+    qkv = torch.zeros(2, 12)
+    assert torch.equal(devices.rotate(rope, torch.tensor([0, 1]), qkv[:, :8]),
+                       torch.ones(2, 8))
+    assert seen == [False]
+    assert not devices.is_capturing(torch.device("cpu"))

@@ -5,6 +5,7 @@ settings that cost nothing to build."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,8 @@ def test_a_platform_folder_is_reached_through_the_tables_only():
     """The device seam: no module outside ``platforms/<name>/`` imports
     ``vllm_infinigen.platforms.<name>`` or a module in it, at any level;
     ``platforms/__init__.py`` names them in its dotted-path tables (WORKERS,
-    REFUSALS), as strings, never by an import statement."""
+    REFUSALS), and ``platforms/devices.py`` in its device tables, as strings,
+    never by an import statement."""
     modules = _modules()
     folders = [name for name, path in modules.items()
                if name.startswith("vllm_infinigen.platforms.") and path.name == "__init__.py"]
@@ -114,7 +116,7 @@ def test_a_platform_folder_is_reached_through_the_tables_only():
 
     crossings = []
     for name, path in sorted(modules.items()):
-        tables = name == "vllm_infinigen.platforms"
+        tables = name in ("vllm_infinigen.platforms", "vllm_infinigen.platforms.devices")
         for dep in sorted(_imports(path, modules, strings=not tables)):
             folder = folder_of(dep)
             if folder is not None and folder_of(name) != folder:
@@ -186,3 +188,18 @@ def test_every_import_of_the_package_resolves():
                         missing.append(f"{path.relative_to(repo)}:{node.lineno}: "
                                        f"{node.module}.{alias.name}")
     assert missing == []
+
+
+def test_device_apis_are_reached_through_the_platforms_only():
+    """No module outside ``platforms/`` calls ``torch.cuda`` or branches on a device
+    type (``.device.type ==``, ``.is_cuda``): what differs by device is a
+    line in ``platforms/devices.py``'s tables or a ``DataPath`` attribute. (vLLM's ``current_platform`` checks of the patches are vLLM's.)"""
+    pattern = re.compile(r"torch\.cuda\b|\.type\s*[!=]=|\.is_cuda\b")
+    found = []
+    for name, path in sorted(_modules().items()):
+        if name.startswith("vllm_infinigen.platforms"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line.split("#")[0]):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -26,6 +26,7 @@ the front end do not change (docs/design.md, "Where CUDA goes").
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 # vLLM's device type -> the InfiniGen worker class of that platform.
@@ -73,6 +74,7 @@ RAY_CPU_EXECUTOR = "vllm_infinigen.platforms.cpu.ray_executor.cpu_executor_class
 RAY_CPU_BINDING = "vllm_infinigen.platforms.cpu.ray_executor.bind_cpu_workers"
 
 
+@functools.cache
 def load(path: str):
     """The object at dotted ``path`` of a platform's module (imported then)."""
     module, _, name = path.rpartition(".")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import vllm_infinigen.platforms.devices as devices
 from vllm_infinigen.policies.base import SelectionPolicy
 
 if TYPE_CHECKING:
@@ -54,31 +55,8 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
         query = target.q_norm(query.reshape(-1, num_heads, head_size)).reshape(
             -1, num_heads * head_size)
     if target.rotary_emb is not None:
-        # In place on CUDA (vLLM's kernel takes the row stride of a qkv slice).
-        query = rotate(target.rotary_emb, positions,
-                       query if query.is_cuda else query.contiguous())
+        query = devices.rotate(target.rotary_emb, positions, query)
     return skewed(target, query)
-
-
-def rotate(rope: torch.nn.Module, positions: torch.Tensor,
-           query: torch.Tensor) -> torch.Tensor:
-    """``query`` [S, H_q * D] after RoPE, as the model's ``rotary_emb`` computes it
-    (``query`` may be overwritten).
-
-    Called eagerly, vLLM's module runs its torch-native form op by op (the
-    model runs it compiled): ~0.1 ms per layer on the CPU. Where the class
-    keeps the base rule and differs only in its cos/sin cache (Llama 3,
-    linear or YaRN scaling), vLLM's fused CPU kernel computes the same from
-    the same cache, in place.
-    """
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-    kind = type(rope)
-    if (query.device.type == "cpu" and isinstance(rope, RotaryEmbedding)
-            and kind.forward_native is RotaryEmbedding.forward_native
-            and kind.forward_cpu is RotaryEmbedding.forward_cpu):
-        return rope.forward_cpu(positions, query, None)[0]
-    return rope(positions, query, None)[0]
 
 
 def skewed(layer: LayerState, query: torch.Tensor) -> torch.Tensor:

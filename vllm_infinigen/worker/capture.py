@@ -39,7 +39,7 @@ def capture_attention_input(hidden_states: torch.Tensor, layer_name: str) -> tor
         impl = getattr(context.no_compile_layers.get(layer_name), "impl", None)
         state = getattr(impl, "infinigen_layer", None)
         if state is not None and (
-                hidden_states.device.type != "cpu"  # may be captured: copy always
+                impl.infinigen_runtime.data_path.plans_on_device  # may be captured: always
                 or (context.attn_metadata is not None
                     and impl.infinigen_runtime.speculates(context.attn_metadata))):
             state.capture(hidden_states)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+import vllm_infinigen.platforms.devices as devices
+
 try:
     from vllm.config.compilation import CUDAGraphMode
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -49,7 +51,7 @@ class CaptureBuffers:
                 and buffer.dtype == hidden.dtype and buffer.device == hidden.device)
         if fits and buffer.shape[0] >= hidden.shape[0]:
             return buffer
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        if devices.is_capturing(hidden.device):
             raise RuntimeError(
                 f"InfiniGen: a CUDA graph capture needs a capture buffer of "
                 f"{hidden.shape[0]} rows; the buffer is sized by the first forward "

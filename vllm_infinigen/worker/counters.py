@@ -22,13 +22,13 @@ class CounterDrain:
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # pinned: the copy in flight
-        self._ready = None  # torch.cuda.Event recorded after that copy
+        self._ready = None  # torch.Event recorded after that copy
 
     def __call__(self, counts: torch.Tensor, *, wait: bool = False) -> torch.Tensor | None:
         """The counts since the last drain that have reached the host (a host
         tensor of ``counts``' shape, or None when none has yet), and
         ``counts`` zeroed. On the CPU, or with ``wait``, every count so far."""
-        if counts.device.type == "cpu":
+        if counts.is_cpu:
             values = counts.clone()
             counts.zero_()
             return values
@@ -45,6 +45,6 @@ class CounterDrain:
             self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         self._host.copy_(counts, non_blocking=True)
         counts.zero_()  # in stream order, after the copy
-        self._ready = torch.cuda.Event()
+        self._ready = torch.Event(device=counts.device)
         self._ready.record()
         return previous

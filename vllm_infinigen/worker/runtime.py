@@ -312,7 +312,7 @@ class InfiniGenRuntime(ShortPathMixin):
         # sync per step: there the data path's encoding kernel finds the closed
         # groups itself.
         if self._closing is None or self._closing[0] is not slot_mapping:
-            on_host = slots.device.type == "cpu" and not self.data_path.plans_on_device
+            on_host = slots.is_cpu and not self.data_path.plans_on_device
             self._closing = (slot_mapping, not on_host or closes_key_group(slots))
         self.data_path.write(state, key, value, slots, self.row_map(state),
                              closes_group=self._closing[1])
