@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.platforms.interface import PlatformEnum
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 import vllm_infinigen
@@ -202,7 +203,7 @@ def test_cuda_accepts_graphs_and_an_eager_engine_and_names_its_worker(monkeypatc
 
     from vllm_infinigen.config import InfiniGenConfig
 
-    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)  # vLLM's is_cuda()
     for kwargs in ({}, {"enforce_eager": True},
                    {"compilation_config": {"cudagraph_mode": "NONE"}}):
         assert checks.check_engine_args(EngineArgs(model=STORIES_DIR, **kwargs),

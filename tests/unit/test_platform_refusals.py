@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms.interface import PlatformEnum
 
 import vllm_infinigen
 from vllm_infinigen.config import InfiniGenConfig
@@ -57,11 +58,22 @@ def test_cuda_runs_cuda_graphs(kwargs):
 
 
 def test_check_engine_args_accepts_default_graphs_on_cuda(monkeypatch):
-    """The front end asks the platform (its device type faked): no --enforce-eager."""
+    """The front end asks the platform (faked): no --enforce-eager."""
     from vllm.platforms import current_platform
 
-    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)  # vLLM's is_cuda()
     assert checks.check_engine_args(_args(), InfiniGenConfig()) is None
+
+
+def test_rocm_is_refused_by_its_name_not_its_device_type(monkeypatch):
+    """vLLM's ROCm platform reports device type "cuda": the tables key vLLM's
+    platform, so ROCm is refused by name instead of taking CUDA's worker."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "_enum", PlatformEnum.ROCM)
+    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    with pytest.raises(ValueError, match="'rocm' platform is not supported.*--kv-manager vllm"):
+        checks.check_engine_args(_args(), InfiniGenConfig())
 
 
 @pytest.mark.parametrize("kwargs,env,flag", [
@@ -94,14 +106,14 @@ def test_cuda_refuses_a_piecewise_graph_around_host_planning(monkeypatch, kwargs
     ({"residency": "device-first"}, "--enable-dbo"),
 ], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo"])
 def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag):
-    """With vLLM's default graphs, through the front end (device type faked)."""
+    """With vLLM's default graphs, through the front end (platform faked)."""
     from vllm.platforms import current_platform
 
     config = InfiniGenConfig(**settings)
     kwargs = {"enable_dbo": True} if "residency" in settings else {}
     assert refusal_for("cpu", _args(**kwargs), config) is None
     assert flag in refusal_for("cuda", _args(**kwargs), config)
-    monkeypatch.setattr(current_platform, "device_type", "cuda")
+    monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)
     with pytest.raises(ValueError) as info:
         checks.check_engine_args(_args(**kwargs), config)
     assert str(info.value).startswith("--kv-manager infinigen: ")

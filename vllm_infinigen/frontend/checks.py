@@ -28,7 +28,7 @@ from vllm_infinigen.config import (
     infinigen_config_of,
 )
 from vllm_infinigen.layout import ModelLayout, read_hf_config
-from vllm_infinigen.platforms import WORKERS, refusal_for, worker_cls_for
+from vllm_infinigen.platforms import WORKERS, platform_name, refusal_for, worker_cls_for
 from vllm_infinigen.skewing.tables import local_model_dir
 
 logger = init_logger(__name__)
@@ -81,8 +81,9 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
     def refuse(reason: str) -> None:
         raise ValueError(f"--kv-manager infinigen: {reason}")
 
-    worker_cls_for(current_platform.device_type)  # a platform without a worker is refused
-    reason = refusal_for(current_platform.device_type, args, config)  # the platform's own
+    name = platform_name(current_platform)
+    worker_cls_for(name)  # a platform without a worker is refused
+    reason = refusal_for(name, args, config)  # the platform's own
     if reason is not None:
         refuse(reason)
     if args.speculative_config:

@@ -35,7 +35,7 @@ from vllm_infinigen.frontend.checks import (
 from vllm_infinigen.frontend.skew_setup import prepare_skew_file
 from vllm_infinigen.layout import read_hf_config
 from vllm_infinigen.memory import cap_rows
-from vllm_infinigen.platforms import worker_cls_for
+from vllm_infinigen.platforms import platform_name, worker_cls_for
 from vllm_infinigen.skewing.tables import local_model_dir
 
 logger = init_logger(__name__)
@@ -98,7 +98,7 @@ def _create_engine_config(self, *args, **kwargs):
     from vllm.config import KVTransferConfig
 
     self.enable_prefix_caching = False
-    self.worker_cls = worker_cls_for(current_platform.device_type)
+    self.worker_cls = worker_cls_for(platform_name(current_platform))
     self.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_connector_module_path=CONNECTOR_MODULE,

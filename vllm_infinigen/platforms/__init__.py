@@ -29,28 +29,38 @@ from __future__ import annotations
 import functools
 import importlib
 
-# vLLM's device type -> the InfiniGen worker class of that platform.
+def platform_name(platform) -> str:
+    """vLLM's platform as these tables key it: "cuda" (NVIDIA), "rocm", "cpu",
+    "tpu", "xpu", or its device type for another (an out-of-tree platform).
+    Not its ``device_type``: ROCm's is "cuda"."""
+    for name in ("cuda", "rocm", "cpu", "tpu", "xpu"):
+        if getattr(platform, f"is_{name}")():
+            return name
+    return platform.device_type
+
+
+# vLLM's platform (``platform_name``) -> the InfiniGen worker class of that platform.
 WORKERS = {
     "cpu": "vllm_infinigen.platforms.cpu.worker.InfiniGenCPUWorker",
     "cuda": "vllm_infinigen.platforms.cuda.worker.InfiniGenCUDAWorker",
 }
 
 
-def worker_cls_for(device_type: str) -> str:
-    """The InfiniGen worker class (dotted path) for vLLM's ``device_type``.
+def worker_cls_for(name: str) -> str:
+    """The InfiniGen worker class (dotted path) for vLLM's platform ``name``.
 
     Raises:
         ValueError: On a platform InfiniGen does not run on, naming the flag.
     """
-    if device_type not in WORKERS:
+    if name not in WORKERS:
         raise ValueError(
-            f"--kv-manager infinigen: vLLM's {device_type!r} platform is not supported in "
+            f"--kv-manager infinigen: vLLM's {name!r} platform is not supported in "
             f"this release (supported: {', '.join(WORKERS)}); use --kv-manager vllm"
         )
-    return WORKERS[device_type]
+    return WORKERS[name]
 
 
-# vLLM's device type -> what that platform cannot run: ``refusal(args, config)``,
+# vLLM's platform -> what that platform cannot run: ``refusal(args, config)``,
 # a reason naming the flag to change, or None. A platform without a line
 # refuses nothing beyond the neutral checks (``frontend/checks.py``).
 REFUSALS = {
@@ -58,11 +68,11 @@ REFUSALS = {
 }
 
 
-def refusal_for(device_type: str, args, config) -> str | None:
-    """Why vLLM's ``device_type`` platform cannot run ``args`` (EngineArgs) with
+def refusal_for(name: str, args, config) -> str | None:
+    """Why vLLM's platform ``name`` cannot run ``args`` (EngineArgs) with
     ``config`` (InfiniGenConfig); None: nothing it refuses. Imports the
     platform's module only when it has a line in ``REFUSALS``."""
-    path = REFUSALS.get(device_type)
+    path = REFUSALS.get(name)
     if path is None:
         return None
     return load(path)(args, config)
