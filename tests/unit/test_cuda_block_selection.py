@@ -199,42 +199,31 @@ def _loop_positions(token_scores, context_lens, caps, alpha, block, sink_tokens,
     return out
 
 
-@pytest.mark.parametrize("keys", ["int", "partial"])
 @pytest.mark.parametrize("sink,recent", [(0, 0), (40, 40)])
-def test_select_positions_is_the_block_rule_over_the_layers_keys(keys, sink, recent,
-                                                                 monkeypatch):
-    """The policy's selection on a block-granular data path: token scores from the
-    layer's keys (scored a block at a time: the chunk offset matters for the open
-    group), alpha capped by the budget, whole blocks, their context positions."""
+def test_the_block_rule_over_int_key_scores_equals_a_loop(sink, recent):
+    """Token scores from the int keys, alpha capped by the budget
+    (``alpha_token_caps``), whole blocks on top of the windows' (``select_blocks``):
+    the context positions of the kept blocks, as a loop over the rule computes them."""
     from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
     from tests.reference.int_key_pools import Pool
 
-    monkeypatch.setattr(rule, "_SCORE_CHUNK_BLOCKS", 1)
     pool = Pool(seed=5, bits=4, dtype=torch.float32, num_kv_heads=2, head_size=32,
                 context_lens=[190, 16, 7, 70])
-    gen = torch.Generator().manual_seed(6)
+    query = torch.randn(4, 2, 3, 32, generator=torch.Generator().manual_seed(6))
     contexts = pool.context_lens.tolist()
-    if keys == "int":
-        query = torch.randn(4, 2, 3, 32, generator=gen)
-        stored = {"codes": pool.codes, "scales": pool.scales}
-        want = rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                     pool.context_lens, scale=0.25)
-    else:
-        query = torch.randn(4, 2, 3, 6, generator=gen)
-        partial = torch.randn(pool.num_blocks, 2, 6, POOL_BLOCK, generator=gen)
-        stored = {"partial_keys": partial}
-        want = rule.partial_token_scores(query, partial, pool.block_table, scale=0.25)
-    scores = rule.speculated_token_scores(query, pool.block_table, pool.context_lens, contexts,
-                                          block_size=POOL_BLOCK, scale=0.25, **stored)
-    assert torch.equal(scores, want[..., :scores.shape[-1]])
-    assert scores.shape[-1] == (max(contexts) // POOL_BLOCK + 1) * POOL_BLOCK
+    scores = rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                   pool.context_lens, scale=0.25)
     caps = [max(1, int(n * 0.1)) for n in contexts]
-    positions, num_selected = rule.select_positions(
-        scores, pool.context_lens, torch.tensor(caps), contexts, caps, block_size=POOL_BLOCK,
-        alpha=2.0, sink_tokens=sink, recent_tokens=recent)
+    sink_blocks, recent_blocks = rule.window_blocks(sink, recent, POOL_BLOCK)
+    chosen = rule.select_blocks(
+        rule.block_scores(scores, pool.context_lens, POOL_BLOCK), pool.context_lens,
+        rule.alpha_token_caps(scores, pool.context_lens, 2.0, torch.tensor(caps)),
+        block_size=POOL_BLOCK, sink_blocks=sink_blocks, recent_blocks=recent_blocks,
+        width=rule.selection_width(contexts, caps, POOL_BLOCK, sink_blocks=sink_blocks,
+                                   recent_blocks=recent_blocks))
     expected = _loop_positions(scores, contexts, caps, 2.0, POOL_BLOCK, sink, recent)
-    assert positions.dtype == torch.int32
     for (s, h), kept in expected.items():
-        row = positions[s, h].tolist()
-        assert row == kept + [-1] * (len(row) - len(kept)), (s, h)
-        assert int(num_selected[s]) == len(kept)
+        blocks = [int(j) for j in chosen.logical[s, h] if j >= 0]
+        got = [p for j in blocks for p in range(j * POOL_BLOCK, (j + 1) * POOL_BLOCK)
+               if p < contexts[s]]
+        assert got == kept, (s, h)

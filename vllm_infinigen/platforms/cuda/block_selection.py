@@ -19,10 +19,6 @@ shared/docs/GPU_DATA_PATH.md), so the rule keeps whole blocks::
                           plus the sink blocks and the recent blocks (the row's
                           own block always among them); each KV head keeps its
                           own top blocks
-    select_positions      the whole rule for a sparse layer's rows, as the
-                          policies' selection: the context positions of the
-                          kept blocks (what a block-granular data path,
-                          ``CudaDataPath``, attends)
 
 Blocks are numbered per row (logical: block j holds positions j*block_size ..
 (j+1)*block_size - 1); ``physical_block_ids`` maps them through the row's
@@ -280,11 +276,6 @@ def physical_block_ids(logical: torch.Tensor, block_table: torch.Tensor) -> torc
     return torch.where(logical >= 0, ids, -1)
 
 
-# Blocks of the rows' tables scored at once by the torch forms: bounds the keys
-# they materialize (rows x KV heads x 4096 tokens x D floats for the int keys).
-_SCORE_CHUNK_BLOCKS = 256
-
-
 def window_blocks(sink_tokens: int, recent_tokens: int, block_size: int) -> tuple[int, int]:
     """(sink blocks, recent blocks) always kept: the first block and the row's
     own block at least (the rule measured in
@@ -292,73 +283,3 @@ def window_blocks(sink_tokens: int, recent_tokens: int, block_size: int) -> tupl
     windows reach further (the first ``sink_tokens`` context tokens; the last
     ``recent_tokens`` before the row's own token)."""
     return max(1, -(-sink_tokens // block_size)), 1 + -(-recent_tokens // block_size)
-
-
-def speculated_token_scores(query: torch.Tensor, block_table: torch.Tensor,
-                            context_lens: torch.Tensor, context_host: list[int], *,
-                            block_size: int, scale: float,
-                            partial_keys: torch.Tensor | None = None,
-                            codes: torch.Tensor | None = None,
-                            scales: torch.Tensor | None = None) -> torch.Tensor:
-    """[S, H_kv, NB * block_size] speculated scores of the rows' tokens, from the
-    int keys (``codes``/``scales``) or the partial keys, over the first NB
-    blocks of each table (NB: the longest row's blocks), ``_SCORE_CHUNK_BLOCKS``
-    blocks at a time where a torch form scores (the int keys' Triton kernel
-    reads them in place: one launch over every block).
-
-    Args:
-        query: [S, H_kv, G, D] (int keys) or [S, H_kv, G, R] skewed (partial keys).
-        context_host: Host copy of ``context_lens`` (the width, without a sync).
-    """
-    num_blocks = min(block_table.shape[1], max(context_host, default=0) // block_size + 1)
-    table = block_table[:, :num_blocks].to(query.device, torch.int64)
-    context_lens = context_lens.to(query.device, torch.int64)
-    in_place = codes is not None and codes.is_cuda  # int_token_scores' Triton kernel
-    step = max(num_blocks, 1) if in_place else _SCORE_CHUNK_BLOCKS
-    chunks = []
-    for first in range(0, num_blocks, step):
-        part = table[:, first:first + step]
-        if codes is not None:
-            # Context counted from the chunk's first token: its open group masks right.
-            chunks.append(int_token_scores(query, codes, scales, part,
-                                           context_lens - first * block_size, scale=scale))
-        else:
-            chunks.append(partial_token_scores(query, partial_keys, part, scale=scale))
-    return torch.cat(chunks, dim=-1)
-
-
-def select_positions(token_scores: torch.Tensor, context_lens: torch.Tensor,
-                     token_caps: torch.Tensor, context_host: list[int], caps_host: list[int],
-                     *, block_size: int, alpha: float, sink_tokens: int = 0,
-                     recent_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """InfiniGen's rule in blocks, as a policy's selection.
-
-    k = ``alpha_token_caps`` (alpha capped by the budget), rounded up to
-    blocks by ``select_blocks`` on top of the windows' blocks
-    (``window_blocks``: the first and the own block at least); the context positions of every kept block are the
-    selection (the row's own block contributes its context tokens; its own
-    token is attended besides the selection, as everywhere).
-
-    Args:
-        token_scores: [S, H_kv, T] from ``speculated_token_scores``.
-        context_lens: [S] tokens before each row's own.
-        token_caps: [S] the budget in tokens (``worker.step_plan.token_budget``).
-        context_host, caps_host: Host copies (the width, without a sync).
-
-    Returns:
-        positions [S, H_kv, W * block_size] int32, ascending, -1 padded, and
-        num_selected [S] int64 positions per KV head (every head keeps as many).
-    """
-    sink_blocks, recent_blocks = window_blocks(sink_tokens, recent_tokens, block_size)
-    context_lens = context_lens.to(token_scores.device, torch.int64)
-    caps = alpha_token_caps(token_scores, context_lens, alpha, token_caps.to(context_lens.device))
-    width = selection_width(context_host, caps_host, block_size, sink_blocks=sink_blocks,
-                            recent_blocks=recent_blocks)
-    chosen = select_blocks(block_scores(token_scores, context_lens, block_size), context_lens,
-                           caps, block_size=block_size, width=width, sink_blocks=sink_blocks,
-                           recent_blocks=recent_blocks)
-    logical = chosen.logical[..., None]  # [S, H_kv, W, 1]
-    positions = logical * block_size + torch.arange(block_size, device=logical.device)
-    valid = (logical >= 0) & (positions < context_lens[:, None, None, None])
-    num_selected = valid[:, 0].sum(dim=(-2, -1))
-    return torch.where(valid, positions, -1).flatten(2).to(torch.int32), num_selected
