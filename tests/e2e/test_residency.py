@@ -32,6 +32,11 @@ PROMPTS = random_prompts([300, 290, 280, 270], seed=31)
 LONG = random_prompts([200], seed=32)  # 2 blocks per group; a 3rd at token 257
 MAX_TOKENS = 40
 DEVICE_FIRST = {**SELECT_ALL, "infinigen_residency": "device-first"}
+# KV space per block id: 2 dense pages of 128 tokens x 4 KV heads x 32 x K|V in
+# float32 (256 KiB) + the bounds of 3 sparse layers x 4 KV heads x 8 units x 66 B
+# (6,336 B) = 268,480 B.
+BATCH_MOVES = 4_700_000  # 17 blocks
+DECODE_MOVES = 2_300_000  # 8 blocks
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,7 @@ def test_a_resident_engine_attends_with_vllms_kernel_and_equals_stock(stock, dat
 def test_a_batch_the_blocks_cannot_hold_resident_moves_and_equals_stock(stock, data_path):
     """17 blocks of KV space: one request resident (3 blocks in each of 3
     groups), the second's prompt moves the engine."""
-    outputs, counters, preemptions = _run(5 << 20, PROMPTS, MAX_TOKENS, data_path)
+    outputs, counters, preemptions = _run(BATCH_MOVES, PROMPTS, MAX_TOKENS, data_path)
     assert outputs == stock["batch"]
     assert counters["resident"] == {"": 0.0}
     assert sum(counters["selected_tokens"].values()) > 0  # InfiniGen after the move
@@ -81,7 +86,7 @@ def test_a_request_that_outgrows_the_blocks_moves_mid_decode_and_equals_stock(st
     """8 blocks (7 free): the prompt's 2 blocks in each of the 3 groups fit,
     the 3rd block its decode needs at token 257 does not: the move is
     mid-decode, and the tokens after it are InfiniGen's over the pool."""
-    outputs, counters, preemptions = _run(2_500_000, LONG, 100, data_path)
+    outputs, counters, preemptions = _run(DECODE_MOVES, LONG, 100, data_path)
     assert outputs == stock["long"]
     assert counters["resident"] == {"": 0.0}
     assert sum(counters["selected_tokens"].values()) > 0
@@ -93,3 +98,26 @@ def _check_data_path(counters: dict, data_path: str) -> None:
     """The CUDA data path's block cache filled from the pool after the move."""
     misses = sum(counters.get("cache_misses", {}).values())
     assert (misses > 0) == (data_path == "cuda")
+
+
+@DATA_PATHS
+def test_after_the_burst_the_next_request_is_resident_again_and_every_phase_equals_stock(
+        stock, data_path):
+    """17 blocks: the batch moves the engine; once it has finished, the lone
+    request fits (3 blocks in each of 3 groups) and runs resident, with vLLM's
+    kernel (no InfiniGen step); the batch again moves it again."""
+    worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
+    with worker, engine(str(BUNDLED_MODEL), kv_cache_memory_bytes=BATCH_MOVES,
+                        **DEVICE_FIRST) as llm:
+        assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == stock["batch"]
+        moved = summarize(llm.get_metrics())
+        assert greedy_tokens(llm, LONG, 100) == stock["long"]
+        back = summarize(llm.get_metrics())
+        assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == stock["batch"]
+        again = summarize(llm.get_metrics())
+    assert moved["resident"] == {"": 0.0} and moved["residency_moves"]["pool"] == 1
+    assert back["resident"] == {"": 1.0} and back["residency_moves"]["device"] == 1
+    selected = [sum(c["selected_tokens"].values()) for c in (moved, back, again)]
+    assert 0 < selected[0] == selected[1] < selected[2]  # none while resident
+    assert again["resident"] == {"": 0.0}
+    assert again["residency_moves"] == {"pool": 2, "device": 1}

@@ -99,17 +99,21 @@ def test_both_residencies_are_captured_and_the_resident_set_replays_first(engine
     assert engine.full.concrete_cudagraph_entries == {s: f"resident x{s}" for s in (1, 2, 4)}
 
 
-def test_the_move_puts_the_moved_set_in_place_once(engine):
+def test_each_move_puts_the_other_set_in_place_once(engine):
+    """To the pool and back, twice: each residency replays its own graphs."""
     engine.graphs.capture_both(engine.runner.capture_model)
     engine.runtime.set_resident(True)  # a resident step changes nothing
     assert engine.full.concrete_cudagraph_entries[1] == "resident x1"
-    engine.runtime.set_resident(False)
-    assert not engine.runtime.resident
-    assert engine.full.concrete_cudagraph_entries == {s: f"moved x{s}" for s in (1, 2, 4)}
-    engine.runtime.set_resident(False)  # the steps after it
-    assert engine.full.concrete_cudagraph_entries[4] == "moved x4"
-    with pytest.raises(RuntimeError, match="after the move"):
-        engine.runtime.set_resident(True)
+    for _ in range(2):
+        engine.runtime.set_resident(False)
+        assert not engine.runtime.resident
+        assert engine.full.concrete_cudagraph_entries == {s: f"moved x{s}" for s in (1, 2, 4)}
+        engine.runtime.set_resident(False)  # the steps after it
+        assert engine.full.concrete_cudagraph_entries[4] == "moved x4"
+        engine.runtime.set_resident(True)  # back: every pool request has finished
+        assert engine.runtime.resident
+        assert engine.full.concrete_cudagraph_entries == {s: f"resident x{s}"
+                                                          for s in (1, 2, 4)}
 
 
 def test_without_full_graphs_vllm_captures_once(engine):
@@ -144,3 +148,15 @@ def test_a_resident_engine_reads_no_counters_back_from_the_device(engine, monkey
     runtime.stats[2, 1] = 70  # a moved step's counts
     runtime.set_resident(False)
     assert runtime.take_counters()["candidate_tokens.2"] == 70 * 2 / 2
+
+
+def test_back_in_the_device_blocks_the_pools_last_counts_are_drained_once(engine):
+    """The counts of the last steps over the pool reach the host at the first
+    resident step (read in full), and no resident step reads again."""
+    runtime = engine.runtime
+    runtime.set_resident(False)
+    runtime.stats[2, 1] = 30
+    runtime.set_resident(True)
+    assert runtime.take_counters()["candidate_tokens.2"] == 30 * 2 / 2
+    runtime.stats[2, 1] = 5  # (nothing selects while resident: not read)
+    assert runtime.take_counters() == {}

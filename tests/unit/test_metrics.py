@@ -13,6 +13,7 @@ from vllm.v1.metrics import reader
 from benchmarks.harness.paths import BUNDLED_MODEL
 from vllm_infinigen.scheduler.metrics import (
     COUNTERS,
+    ENGINE_COUNTERS,
     GAUGES,
     InfiniGenPromMetrics,
     InfiniGenStats,
@@ -168,7 +169,27 @@ def test_observe_ignores_unknown_counters(prom, registry):
     prom.observe({"something_else.2": 3, "selected_tokens.5": 2})
     assert sample(registry, "selected_tokens", "5") == 2.0
     names = {metric.name for metric in registry.collect()}
-    assert names == {f"vllm:infinigen_{name}" for name in [*COUNTERS, *GAUGES]}
+    assert names == {f"vllm:infinigen_{name}" for name in [*COUNTERS, *ENGINE_COUNTERS, *GAUGES]}
+
+
+def test_moves_count_by_destination_and_add_up_over_steps(prom, registry):
+    """``residency_moves`` (the scheduler's, engine-wide): a counter labelled by
+    where the engine went, not a gauge; reduce keeps the label."""
+    stats = InfiniGenStats(data={"residency_moves.pool": 1, "resident": 0})
+    stats.aggregate(InfiniGenStats(data={"residency_moves.device": 1, "resident": 1}))
+    stats.aggregate(InfiniGenStats(data={"residency_moves.pool": 1, "resident": 0}))
+    totals = stats.reduce()
+    assert totals["residency_moves.pool"] == 2 and totals["residency_moves.device"] == 1
+    assert totals["resident"] == 0
+    prom.observe(stats.data)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:infinigen_residency_moves_total",
+                                     {**labels, "to": "pool"}) == 2
+    assert registry.get_sample_value("vllm:infinigen_residency_moves_total",
+                                     {**labels, "to": "device"}) == 1
+    assert summarize([reader.Counter(name="vllm:infinigen_residency_moves_total",
+                                     labels={**labels, "to": "device"}, value=1)]) == {
+        "residency_moves": {"device": 1}}
 
 
 def test_metrics_stay_out_of_the_global_registry(prom):

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The residency switch's scheduler side (``scheduler/spec.py``): with
 ``device_first`` the sparse groups hold device blocks until a step's blocks
-would not fit; then every sparse group frees every request's blocks, once
-and for good, so that vLLM's allocation succeeds instead of preempting."""
+would not fit; then every sparse group frees every request's blocks, so that
+vLLM's allocation succeeds instead of preempting, and allocates none until
+every request over the pool has finished: the next request that fits is
+resident again."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def test_a_step_that_would_not_fit_moves_every_request_of_every_sparse_group():
     assert managers[0].residency.moved and not any(m.resident for m in managers)
     assert pool.get_num_free_blocks() == 31  # every sparse block back
     assert all(m.req_to_blocks[r] == [] for m in managers for r in ("a", "b"))
-    # moved for good: nothing allocated, whatever the room
+    # while a request runs over the pool: nothing allocated, whatever the room
     assert _allocate(managers, "c", 2 * BLOCK) == [0, 0]
     assert pool.get_num_free_blocks() == 31
 
@@ -72,3 +74,34 @@ def test_without_device_first_the_sparse_groups_hold_nothing():
     pool, managers = _managers(16, device_first=False)
     assert _allocate(managers, "a", 5 * BLOCK) == [0, 0]
     assert pool.get_num_free_blocks() == 15 and not managers[0].residency.managers
+
+
+def _free(managers, *request_ids: str) -> None:
+    for manager in managers:
+        for request_id in request_ids:
+            manager.free(request_id)
+
+
+def test_once_every_pool_request_finished_the_next_one_that_fits_is_resident_again():
+    pool, managers = _managers(32)
+    residency = managers[0].residency
+    _allocate(managers, "a", 6 * BLOCK)
+    _allocate(managers, "b", 6 * BLOCK)
+    managers[0].get_num_blocks_to_allocate("a", 9 * BLOCK, [], 0, 0, 9 * BLOCK)  # moves
+    assert residency.take_moves() == {"pool": 1, "device": 0}
+    _free(managers, "a")
+    # "b" alone, mid-request over the pool: it grows without returning
+    assert _allocate(managers, "b", 8 * BLOCK) == [0, 0] and residency.moved
+    _free(managers, "b")
+    assert residency.take_moves() == {"pool": 0, "device": 0}
+    # nothing live: a request whose blocks would not fit stays over the pool
+    assert _allocate(managers, "big", 11 * BLOCK) == [0, 0] and residency.moved
+    _free(managers, "big")
+    assert _allocate(managers, "c", 3 * BLOCK) == [3, 3]
+    assert not residency.moved and all(m.resident for m in managers)
+    assert [len(m.req_to_blocks["c"]) for m in managers] == [3, 3]
+    assert residency.take_moves() == {"pool": 0, "device": 1}
+    # and it can move again
+    _allocate(managers, "d", 6 * BLOCK)
+    managers[0].get_num_blocks_to_allocate("d", 12 * BLOCK, [], 0, 0, 12 * BLOCK)
+    assert residency.moved and residency.take_moves() == {"pool": 1, "device": 0}

@@ -133,6 +133,9 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         gauges = {"device_blocks": block_pool.num_gpu_blocks - 1 - block_pool.get_num_free_blocks()}
         if self._setup.config.device_first:
             gauges["resident"] = int(self._resident())
+            for to, count in residency_of(block_pool).take_moves().items():
+                if count:
+                    gauges[f"residency_moves.{to}"] = count  # a counter (metrics.py)
         setup = self._setup
         cap = cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token, setup.step_tokens)
         capped = self._workers_report_pool or (cap is not None and cap < num_slots)

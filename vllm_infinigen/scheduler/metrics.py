@@ -39,12 +39,19 @@ COUNTERS = {
 }
 
 
+# Engine-wide counters, keyed ``"<counter>.<label>"`` like the per-layer ones.
+ENGINE_COUNTERS = {
+    "residency_moves": ("to", "Moves of --infinigen-residency device-first between the "
+                        "device blocks and the pool, by destination (to: pool, device)."),
+}
+
+
 GAUGES = {
     "pool_used_bytes": "Bytes of InfiniGen's host pool held by running requests.",
     "pool_capacity_bytes": "Capacity of InfiniGen's host pool in bytes.",
     "device_blocks": "KV-cache blocks on the device held by InfiniGen requests.",
     "resident": "1 while the sparse layers' K/V is in the device blocks "
-    "(--infinigen-residency device-first), 0 once the engine moved to the pool.",
+    "(--infinigen-residency device-first), 0 while the engine runs over the pool.",
 }
 
 
@@ -68,6 +75,8 @@ class InfiniGenStats(KVConnectorStats):
             name = key.split(".", 1)[0]
             if name in COUNTERS:
                 totals[name] += value
+            elif name in ENGINE_COUNTERS:
+                totals[key] = totals.get(key, 0) + value
         if totals["candidate_tokens"]:
             totals["selected_fraction"] = round(
                 totals["selected_tokens"] / totals["candidate_tokens"], 4
@@ -119,6 +128,10 @@ class InfiniGenPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in COUNTERS.items()
         }
+        self._counters.update({
+            name: self._counter_cls(name=f"vllm:infinigen_{name}", documentation=doc,
+                                    labelnames=[*labelnames, label])
+            for name, (label, doc) in ENGINE_COUNTERS.items()})
 
         self._gauges = {
             name: self._gauge_cls(
@@ -138,10 +151,13 @@ class InfiniGenPromMetrics(KVConnectorPromMetrics):
         setup = engine_setup(vllm_config)
         if setup is None:
             return
-        for counter in self._counters.values():
+        for name, counter in self._counters.items():
+            values = ([str(layer_idx) for layer_idx in setup.layout.sparse_layers]
+                      if name in COUNTERS else ["pool", "device"] if setup.config.device_first
+                      else [])
             for engine_labels in self.per_engine_labelvalues.values():
-                for layer_idx in setup.layout.sparse_layers:
-                    counter.labels(*engine_labels, str(layer_idx))
+                for value in values:
+                    counter.labels(*engine_labels, value)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
@@ -169,7 +185,7 @@ def summarize(metrics: list) -> dict[str, dict[str, float]]:
         if not name.startswith("vllm:infinigen_"):
             continue
         counter = name[len("vllm:infinigen_") :].removesuffix("_total")
-        layer = metric.labels.get("layer", "")
+        layer = metric.labels.get("layer", metric.labels.get("to", ""))
         out.setdefault(counter, {})
         out[counter][layer] = out[counter].get(layer, 0) + metric.value
     return out

@@ -17,9 +17,13 @@ sparse layers attend with vLLM's own kernel over them (their K/V still
 written through to the pool). When a request's next blocks in every group
 would not fit in the free blocks (where vLLM would preempt or keep a request
 waiting), the engine *moves*: every sparse group frees every request's
-blocks, and from then on allocates none; the workers learn it from the
-connector's metadata of the same step (``connector.py``) and select from
-the pool, which already holds everything. A move is for good.
+blocks, and allocates none while a request that ran over the pool is live;
+the workers learn it from the connector's metadata of the same step
+(``connector.py``) and select from the pool, which already holds everything
+(resident steps write through to it). Once every such request has finished
+(none is left in the sparse groups) and a new request's blocks fit, the
+engine *returns*: that request and the next ones are resident again. Each
+move is logged and counted by direction (``vllm:infinigen_residency_moves``).
 """
 
 from __future__ import annotations
@@ -72,10 +76,11 @@ class Residency:
     def __init__(self) -> None:
         self.moved = False
         self.managers: list[InfiniGenSparseManager] = []
+        self._moves = {"pool": 0, "device": 0}  # not yet reported, by destination
 
     def move(self) -> int:
-        """Frees every sparse group's blocks of every request; for good.
-        Returns the blocks freed."""
+        """Frees every sparse group's blocks of every request, which run over the
+        pool until they finish. Returns the blocks freed."""
         freed = 0
         requests = {request_id for manager in self.managers for request_id in manager.req_to_blocks}
         for manager in self.managers:
@@ -87,10 +92,28 @@ class Residency:
                 if request_id in manager.num_cached_block:
                     manager.num_cached_block[request_id] = 0
         self.moved = True
+        self._moves["pool"] += 1
         logger.info("InfiniGen: the device blocks ran short: %d request(s) moved to the pool "
                     "and the selection (--infinigen-residency device-first), %d blocks of the "
                     "sparse layers freed", len(requests), freed)
         return freed
+
+    def holds_requests(self) -> bool:
+        """Whether a request is live in the sparse groups (allocated, not freed)."""
+        return any(manager.req_to_blocks for manager in self.managers)
+
+    def move_back(self) -> None:
+        """Resident again: every request that ran over the pool has finished."""
+        self.moved = False
+        self._moves["device"] += 1
+        logger.info("InfiniGen: every request that ran over the pool has finished: new "
+                    "requests are resident again (device blocks and vLLM's kernel; "
+                    "--infinigen-residency device-first)")
+
+    def take_moves(self) -> dict[str, int]:
+        """The moves since the last call, by destination (``pool``, ``device``)."""
+        moves, self._moves = self._moves, {"pool": 0, "device": 0}
+        return moves
 
 
 def residency_of(block_pool) -> Residency:
@@ -119,11 +142,22 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: Sequence, *args,
                                    apply_admission_cap: bool = False, **kwargs) -> int:
-        if not self.resident:
+        residency = self.residency
+        # A request not yet allocated while none is live: nothing runs over the pool.
+        moved_and_idle = (self.kv_cache_spec.device_first and residency.moved
+                          and not residency.holds_requests())
+        if not self.resident and not moved_and_idle:
             return 0
         needed = super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, *args,
             apply_admission_cap=apply_admission_cap, **kwargs)
+        if moved_and_idle:
+            # The first request after the pool's last one: resident again where
+            # its blocks fit in every group (no request holds device blocks).
+            if needed * (len(residency.managers) + 1) > self.block_pool.get_num_free_blocks():
+                return 0
+            residency.move_back()
+            return needed
         # The blocks in every group (the dense one and each sparse one need as
         # many): where they would not fit, move instead of waiting or
         # preempting, and need none here. An estimate (admission, a

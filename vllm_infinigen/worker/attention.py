@@ -197,8 +197,7 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         f", sliding-window (left to vLLM) {windowed}" if windowed else "",
         "alpha off (every row keeps its budget)" if math.isinf(config.alpha)
         else f"alpha {config.alpha:g}", config.budget,
-        "int (every channel)" if layers[0].skew is None
-        else f"partial (rank {layers[0].rank} of {layers[0].head_size})", config.min_context,
+        _keys_of(sparse[0]) if sparse else "none", config.min_context,
         "the query slice of qkv_proj" if all(s.query_proj is not None for s in sparse)
         else "the whole qkv_proj",
         ", the per-head q_norm" if any(s.q_norm is not None for s in sparse) else "",
@@ -303,6 +302,15 @@ def _with_builder(backend: type, prefix: str, attributes: dict,
         **attributes})
     return type(f"{prefix}{backend.__name__}", (backend,),
                 {"get_builder_cls": staticmethod(lambda: builder), **(backend_attributes or {})})
+
+
+def _keys_of(state) -> str:
+    """The speculation keys, as the start-up log names them."""
+    if state.speculation_keys == "partial":
+        return f"partial (rank {state.rank} of {state.head_size})"
+    if state.bound_keys:
+        return "bounds (each channel's max and min per 16-token unit)"
+    return "int (every channel)"
 
 
 def _check_query_norm(state: LayerState) -> None:

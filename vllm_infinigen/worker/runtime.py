@@ -94,12 +94,13 @@ class InfiniGenRuntime(ShortPathMixin):
         self.block_size = 0  # tokens per block of the dense group, once allocated
         self.data_path = data_path
         self.fetch_wait_us = [0] * len(sources)
-        # --infinigen-residency device-first: whether the sparse layers are still
-        # in vLLM's device blocks this step (the connector's metadata sets it,
-        # ``set_resident``); called once, at the move (the CUDA worker swaps
-        # its full CUDA graphs there).
+        # --infinigen-residency device-first: whether the sparse layers are in
+        # vLLM's device blocks this step (the connector's metadata sets it,
+        # ``set_resident``); ``on_move`` runs at each change, given the new one
+        # (the CUDA worker swaps its full CUDA graphs there).
         self.resident = config.device_first
-        self.on_move: list[Callable[[], None]] = []
+        self.on_move: list[Callable[[bool], None]] = []
+        self._drain_in_full = False  # back in the device blocks: the pool's last counts
         # Every policy used so far keeps its state up to date (a switch back
         # finds it current); ``policy`` selects.
         self._policies: dict[str, SelectionPolicy] = {}
@@ -225,12 +226,14 @@ class InfiniGenRuntime(ShortPathMixin):
         """Drains the counters: one asynchronous copy per step, not per layer,
         read a step later on a GPU (``worker/counters.py``: a read now would
         wait for the step, which vLLM overlaps with preparing the next one;
-        ``wait``: every count now); none while resident (no layer selects)."""
+        ``wait``: every count now); none while resident (no layer selects) but
+        those of the steps over the pool before the return, in full."""
         out: dict[str, float] = {}
         values = []
-        if not self.resident:
+        drains = not self.resident or self._drain_in_full
+        if drains:
             self.data_path.add_counts(self.stats)
-            drained = self._stats_drain(self.stats, wait=wait)
+            drained = self._stats_drain(self.stats, wait=wait or self.resident)
             values = [] if drained is None else drained.tolist()
         for state, (entries, context) in zip(self.layers, values):
             if state.sparse and context:
@@ -241,8 +244,9 @@ class InfiniGenRuntime(ShortPathMixin):
                 if self.fetch_wait_us[idx]:  # (the CPU build never waits)
                     out[f"fetch_wait_us.{idx}"] = self.fetch_wait_us[idx]
         self.fetch_wait_us = [0] * len(self.layers)
-        if not self.resident:
-            out.update(self.data_path.take_stats(wait=wait))
+        if drains:
+            out.update(self.data_path.take_stats(wait=wait or self.resident))
+            self._drain_in_full = False
         sparse = self.sparse_layers
         for pool_layer, count in enumerate(self.pool_index.take_evictions()):
             if count:
@@ -328,15 +332,14 @@ class InfiniGenRuntime(ShortPathMixin):
         return self._plan
 
     def set_resident(self, resident: bool) -> None:
-        """The step's residency, from the scheduler; a move is for good
-        (``scheduler/spec.py``), and runs ``on_move`` once."""
-        if self.resident and not resident:
-            self.resident = False
-            for moved in self.on_move:
-                moved()
-        elif resident and not self.resident:
-            raise RuntimeError("InfiniGen: the scheduler sent a resident step after the "
-                               "move to the pool (--infinigen-residency device-first)")
+        """The step's residency, from the scheduler (``scheduler/spec.py``: to the
+        pool when the blocks run short, back once its requests have finished);
+        at each change ``on_move`` runs, given the new residency."""
+        if resident != self.resident:
+            self.resident = resident
+            self._drain_in_full = resident
+            for switch in self.on_move:
+                switch(resident)
 
     def speculates(self, attn_metadata: dict) -> bool:
         """Whether any layer may need its attention input in this step

@@ -9,10 +9,10 @@ runs eagerly between piecewise graphs (``refusals.py``), so only the full
 graphs depend on the residency. At start-up ``capture_both`` captures the
 full graphs twice, first as the moved engine runs, then as the resident one
 does (the set in use), both in vLLM's one graph pool (vLLM's graphs share it
-already: one replays at a time); at the move the runtime's ``on_move`` puts
-the moved set in place, before that step's forward. Nothing is captured
-after start-up (vLLM forbids it), and the move costs one dictionary swap
-per full-graph wrapper.
+already: one replays at a time); at each move, to the pool or back, the
+runtime's ``on_move`` puts the other set in place, before that step's
+forward. Nothing is captured after start-up (vLLM forbids it), and a move
+costs one dictionary swap per full-graph wrapper.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class ResidencyGraphs:
         """
         self._runtime = runtime
         self._model_of = model_of
-        self._moved: list[tuple[CUDAGraphWrapper, dict]] = []  # (wrapper, its moved entries)
+        # (wrapper, the entries of the residency not in use)
+        self._other: list[tuple[CUDAGraphWrapper, dict]] = []
         runtime.on_move.append(self.move)
 
     def capture_both(self, capture_model: Callable[[], int]) -> int:
@@ -67,16 +68,17 @@ class ResidencyGraphs:
         finally:
             runtime.resident = True
         for wrapper in wrappers:
-            self._moved.append((wrapper, wrapper.concrete_cudagraph_entries))
+            self._other.append((wrapper, wrapper.concrete_cudagraph_entries))
             wrapper.concrete_cudagraph_entries = {}
         taken += capture_model()
         logger.info("InfiniGen: full CUDA graphs captured for both residencies "
                     "(--infinigen-residency device-first): %d each",
-                    sum(len(entries) for _, entries in self._moved))
+                    sum(len(entries) for _, entries in self._other))
         return taken
 
-    def move(self) -> None:
-        """At the move: the moved engine's full graphs replace the resident ones."""
-        for wrapper, entries in self._moved:
+    def move(self, resident: bool) -> None:
+        """At a move (to the pool, or back: ``resident``): the other residency's
+        full graphs replace those in use, which are kept for the next move."""
+        for index, (wrapper, entries) in enumerate(self._other):
+            self._other[index] = (wrapper, wrapper.concrete_cudagraph_entries)
             wrapper.concrete_cudagraph_entries = entries
-        self._moved = []
