@@ -169,8 +169,11 @@ class InfiniGenConfig:
         check=_count(1, ": layer 0 has no previous layer to speculate for it"))
     sink_tokens: int = setting(0, "First context tokens always attended.", check=_count(0),
                                runtime=True)
-    recent_tokens: int = setting(0, "Last context tokens always attended.", check=_count(0),
-                                 runtime=True)
+    # 16: the last whole unit beside the row's own, which the bound keys would
+    # otherwise rank like any other (gutenberg-llama-2k perplexity 1.021x ->
+    # 1.011x dense at budget 0.2, benchmarks/results/frontier_recent.md).
+    recent_tokens: int = setting(16, "Last context tokens always attended, on top of the "
+                                 "budget.", check=_count(0), runtime=True)
     transfer: str = setting(
         "auto", "How selected KV reaches the attention: in-place (CPU: read from the "
         "pool), copy (staged by a copy worker), auto (the platform's own).", choices=TRANSFERS)

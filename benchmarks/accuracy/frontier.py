@@ -84,6 +84,8 @@ class Rule:
     summary: str = "bound"
     fine: float = 0.0
     summary_bits: int = 16
+    # The last context tokens kept on top of k (``--infinigen-recent-tokens``).
+    recent: int = 0
 
 
 BINDING = CAP_BINDING_ALPHA
@@ -102,6 +104,9 @@ RULES = {rule.name: rule for rule in (
     Rule("bound 8-bit, units of 16", alpha=BINDING, unit=16, summary_bits=8),
     Rule("bound 4-bit, units of 16", alpha=BINDING, unit=16, summary_bits=4),
     Rule("bound 8-bit, units of 32", alpha=BINDING, unit=32, summary_bits=8),
+    Rule("budget binding, recent 16", alpha=BINDING, recent=16),
+    Rule("bound 8-bit, units of 16, recent 16", alpha=BINDING, unit=16, summary_bits=8,
+         recent=16),
     Rule("mean, units of 16", alpha=BINDING, unit=16, summary="mean"),
     Rule("mean, units of 32", alpha=BINDING, unit=32, summary="mean"),
     Rule("mean, units of 64", alpha=BINDING, unit=64, summary="mean"),
@@ -110,7 +115,8 @@ RULES = {rule.name: rule for rule in (
     Rule("bound 32, then int keys over 2x", alpha=BINDING, unit=32, fine=2.0),
 )}
 CAP_RULES = ("budget binding", "alpha 5 (paper)", "budget binding, blocks of 16",
-             "bound, units of 16", "bound 8-bit, units of 16", "bound 4-bit, units of 16")
+             "bound, units of 16", "bound 8-bit, units of 16", "bound 4-bit, units of 16",
+             "budget binding, recent 16", "bound 8-bit, units of 16, recent 16")
 
 
 @dataclass(frozen=True)
@@ -177,11 +183,13 @@ def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
             return Run(tally, functools.partial(
                 make_unit_selector, form, scale=sparse_model.scale, budget=setting.budget,
                 unit=rule.unit, summary=rule.summary, fine=rule.fine, bits=rule.summary_bits,
-                token_cap=setting.token_cap), rule.speculation, control)
+                token_cap=setting.token_cap, recent_tokens=rule.recent), rule.speculation,
+                control)
         return Run(tally, functools.partial(
             make_selector, form, scale=sparse_model.scale, alpha=rule.alpha,
             budget=setting.budget, block_size=rule.block_size, token_cap=setting.token_cap,
-            floor=rule.floor * setting.budget), rule.speculation, control)
+            floor=rule.floor * setting.budget, recent_tokens=rule.recent), rule.speculation,
+            control)
 
     runs = [run(s, t, keys, RULES[s.rule]) for s, t in zip(grid, tallies)]
     runs.append(run(Setting("control", 1.0), select_all, control, Rule("control", BINDING),

@@ -14,6 +14,8 @@ the best k of them kept (k from the first pass). ``block_size`` > 0 selects
 whole blocks instead, as a device block cache would
 (``vllm_infinigen.platforms.cuda.block_selection``): a block scores its best
 token, k rounds up to blocks, and the first block and the row's own are kept.
+``recent_tokens`` r > 0 keeps each row's last r context tokens on top of its k,
+as ``--infinigen-recent-tokens`` does (``recent_window``).
 """
 
 from __future__ import annotations
@@ -82,9 +84,21 @@ def block_mask(scores: torch.Tensor, positions: torch.Tensor, num_chosen: torch.
     return (tokens & in_context[:, None, :]).permute(1, 0, 2)
 
 
+def recent_window(chosen: torch.Tensor, positions: torch.Tensor,
+                  recent_tokens: int) -> torch.Tensor:
+    """[H, n, T] ``chosen`` with each row's last ``recent_tokens`` context tokens
+    added (the product's recent window: on top of the rule's k)."""
+    if not recent_tokens:
+        return chosen
+    token_ids = torch.arange(chosen.shape[-1])[None, :]
+    window = (token_ids >= (positions - recent_tokens)[:, None]) & (token_ids < positions[:, None])
+    return chosen | window[None]
+
+
 def make_selector(form: KeyForm, *, scale: float, alpha: float, budget: float,
                   rerank: int = 0, block_size: int = 0, token_cap: int | None = None,
-                  floor: float = 0.0, counts: SelectionCounts | None = None):
+                  floor: float = 0.0, recent_tokens: int = 0,
+                  counts: SelectionCounts | None = None):
     """A ``Selector`` applying the rule with ``form``'s scores; tallies into ``counts``."""
 
     def select(layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
@@ -115,6 +129,7 @@ def make_selector(form: KeyForm, *, scale: float, alpha: float, budget: float,
             chosen = block_mask(scores, positions, num_chosen, block_size)
         else:
             chosen = topk_mask(scores, num_chosen, int(num_chosen.max()))
+        chosen = recent_window(chosen, positions, recent_tokens)
         if counts is not None:
             counts.add(layer_idx, float(chosen.sum()), float(positions.sum()) * num_kv_heads)
         return chosen
@@ -181,8 +196,8 @@ def summary_bytes(head_dim: int, unit: int, summary: str, bits: int = 16) -> flo
 
 def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, unit: int,
                        summary: str = "bound", fine: float = 0.0, bits: int = 16,
-                       exact: bool = True,
-                       token_cap: int | None = None, counts: SelectionCounts | None = None):
+                       exact: bool = True, token_cap: int | None = None,
+                       recent_tokens: int = 0, counts: SelectionCounts | None = None):
     """A ``Selector`` over unit summaries: coarse, then (``fine`` > 0) fine.
 
     A row keeps k = min(floor(budget x context), token_cap) tokens (at least 1),
@@ -195,6 +210,7 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
     ``exact`` (coarse only): k' tokens exactly, as the product keeps them (whole
     units, then the first tokens of the next); False: whole units, rounded up.
     ``counts.reranked`` tallies the candidates' tokens (the fine pass's reads).
+    ``recent_tokens``: the last context tokens kept on top (``recent_window``).
     """
 
     def select(layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
@@ -238,7 +254,8 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
             if counts is not None:
                 counts.reranked += float(candidates.sum())
             tokens = chosen
-        chosen = (tokens | own_unit[None]) & in_context[None]
+        chosen = recent_window((tokens | own_unit[None]) & in_context[None], positions,
+                               recent_tokens)
         if counts is not None:
             counts.add(layer_idx, float(chosen.sum()), float(positions.sum()) * num_kv_heads)
         return chosen

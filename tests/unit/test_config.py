@@ -23,7 +23,7 @@ def test_defaults():
     assert config.to_dict() == {
         "alpha": None, "partial_ratio": 0.2, "budget": 0.2, "budget_tokens": None,
         "skew_file": None,
-        "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 0, "transfer": "auto",
+        "dense_layers": 2, "sink_tokens": 0, "recent_tokens": 16, "transfer": "auto",
         "cpu_pool_gib": None, "eviction": "counter", "policy": "infinigen",
         "eval_dense_prefix": None, "min_context": DEFAULT_MIN_CONTEXT,
         "speculation": "previous-layer", "speculation_keys": "bounds", "residency": "pool",
@@ -82,13 +82,13 @@ def test_a_skew_file_is_for_the_partial_keys(tmp_path):
     path.write_bytes(b"x")
     with pytest.raises(ValueError, match="--infinigen-skew-file applies to "
                        "--infinigen-speculation-keys partial"):
-        InfiniGenConfig(skew_file=str(path))  # the int keys (default) need no skew
+        InfiniGenConfig(skew_file=str(path))  # the bound keys (default) need no skew
 
 
 @pytest.mark.parametrize(
     "values",
     [{"alpha": 1e-3}, {"alpha": 5}, {"budget": 1.0}, {"partial_ratio": 1.0},
-     {"dense_layers": 1}, {"sink_tokens": 0, "recent_tokens": 16}],
+     {"dense_layers": 1}, {"sink_tokens": 4, "recent_tokens": 0}],
 )
 def test_good_values_accepted(values):
     config = InfiniGenConfig(**values)

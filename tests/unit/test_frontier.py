@@ -104,14 +104,15 @@ def test_targets_need_both_models_first_quarter_and_the_book():
 
 
 def _select_units(unit: int, budget: float, summary: str = "bound", bits: int = 16,
-                  token_cap=None, fine: float = 0.0):
+                  token_cap=None, fine: float = 0.0, recent_tokens: int = 0):
     gen = torch.Generator().manual_seed(0)
     heads, group, dim, tokens = 2, 2, 8, 200
     eye = [(torch.zeros(heads * group, 1, dim), torch.zeros(heads, 1, dim))]
     form = KeyForm(FormSpec("fp32", "identity", "fp32", 1.0), eye, 1, [0])
     counts = SelectionCounts()
     select = make_unit_selector(form, scale=1.0, budget=budget, unit=unit, summary=summary,
-                                bits=bits, token_cap=token_cap, fine=fine, counts=counts)
+                                bits=bits, token_cap=token_cap, fine=fine,
+                                recent_tokens=recent_tokens, counts=counts)
     query = torch.randn(heads * group, 2, dim, generator=gen)
     keys = torch.randn(heads, tokens, dim, generator=gen)
     chosen = select(0, query, keys, torch.tensor([100, 200]))
@@ -132,6 +133,19 @@ def test_unit_rules_keep_whole_units_and_the_open_one(summary, bits):
     fine, fine_counts = _select_units(16, 0.2, summary, bits, fine=2.0)
     assert fine.sum(dim=-1).tolist() == [[20, 40], [20, 40]]
     assert fine_counts.reranked == 2 * (32 + 64)  # 2 heads x (2 units + 4 units) x 16
+
+
+def test_the_recent_window_adds_the_last_tokens_on_top_of_the_rule():
+    """--infinigen-recent-tokens in the harness: the rule's tokens unchanged, the
+    last r context tokens added, and the density counts the union."""
+    plain, plain_counts = _select_units(16, 0.2, bits=8)
+    recent, counts = _select_units(16, 0.2, bits=8, recent_tokens=16)
+    assert bool((recent >= plain).all())
+    assert bool(recent[:, 0, 84:100].all()) and bool(recent[:, 1, 184:200].all())
+    added = recent & ~plain
+    assert bool((~added[:, 0, :84]).all()) and bool((~added[:, 1, :184]).all())
+    assert not bool(recent[:, 0, 100:].any())  # nothing past the row's context
+    assert counts.selected == plain_counts.selected + float(added.sum())
 
 
 def test_outward_rounding_bounds_every_value():
