@@ -7,12 +7,14 @@ import pytest
 
 from benchmarks.harness.paths import BUNDLED_MODEL, STORY_TEXT
 from tests.e2e.engines import engine, greedy_tokens, random_prompts
+from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.scheduler.metrics import summarize
 
 pytestmark = pytest.mark.slow
 BUDGET = 0.2
 PROMPT_TOKENS = [400, 430, 460]
 MAX_TOKENS = 48
+RECENT_TOKENS = InfiniGenConfig().recent_tokens
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,11 @@ def test_selected_fraction_within_budget(eager_run):
     for layer, candidates in counters["candidate_tokens"].items():
         # Every decode step of every request: at least 400 context tokens.
         assert candidates >= len(PROMPT_TOKENS) * (MAX_TOKENS - 1) * 400
-        assert 0 < counters["selected_tokens"][layer] <= BUDGET * candidates
+        # The budget, and on top of it at most the recent window (the default
+        # --infinigen-recent-tokens) per row and step.
+        window = RECENT_TOKENS * len(PROMPT_TOKENS) * MAX_TOKENS
+        assert BUDGET * candidates <= counters["selected_tokens"][layer] <= (
+            BUDGET * candidates + window)
 
 
 def test_output_is_story_text(eager_run):
@@ -90,11 +96,13 @@ def test_the_cuda_data_path_keeps_the_budget_in_whole_blocks(prompts):
     plus its first and own blocks (``block_selection.window_blocks``), fills
     its block cache from the pool, and still writes story text. vLLM's CPU
     blocks are 128 tokens: a row of 400-508 context tokens has 4 blocks and
-    keeps 3 (0.2 x 508 < 128), so it leaves out one whole block."""
+    keeps 3 (0.2 x 508 < 128), so it leaves out one whole block. No recent
+    window: its block before the own one would be the fourth."""
     from tests.e2e.cuda_path_worker import with_cuda_data_path
 
     with with_cuda_data_path(), engine(str(BUNDLED_MODEL), kv_manager="infinigen",
-                                       infinigen_budget=BUDGET) as llm:
+                                       infinigen_budget=BUDGET,
+                                       infinigen_recent_tokens=0) as llm:
         tokens = greedy_tokens(llm, prompts, MAX_TOKENS)
         counters = summarize(llm.get_metrics())
         text = llm.get_tokenizer().decode(tokens[0])

@@ -48,9 +48,10 @@ def layer_source(index: int, keys: str = "partial") -> LayerSource:
 def build_step(keys: str, make_data_path: Callable[[InfiniGenConfig], DataPath]):
     """A runtime (layer 0 dense, 1 and 2 sparse) holding one request's 32
     context tokens in layer 2, and the dense metadata of its next decode step;
-    ``keys``: either form of speculation keys; the platform's data path."""
+    ``keys``: either form of speculation keys; the platform's data path. No
+    recent window: the selection is the alpha rule's tokens alone."""
     config = InfiniGenConfig(alpha=1.0, budget=1.0, dense_layers=1, min_context=0,
-                             speculation_keys=keys)
+                             recent_tokens=0, speculation_keys=keys)
     layout = ModelLayout("llama", num_layers=3, num_heads=1, num_kv_heads=1, head_dim=DIM,
                          dense_layers=1, partial_ratio=1.0)
     runtime = InfiniGenRuntime(config, [layer_source(i, keys) for i in range(3)],

@@ -289,15 +289,18 @@ def test_settings_change_in_place_and_widening_changes_are_refused():
     for cap in (None, 9):
         with pytest.raises(ValueError, match="--infinigen-budget-tokens"):
             capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=cap))
-    # the cap bounds every selection's width: 8 tokens = 2 blocks + sink + own
-    assert capped.width(NUM_BLOCKS, BLOCK) == 4
+    # the cap bounds every selection's width: 8 tokens = 2 blocks + sink + own +
+    # the 16 recent tokens' 4 blocks (the default --infinigen-recent-tokens)
+    assert capped.width(NUM_BLOCKS, BLOCK) == 2 + 1 + 1 + 16 // BLOCK
 
 
 @pytest.mark.parametrize("keys", ["bounds", "int"])
 def test_the_block_rule_keeps_a_needles_block_at_a_small_budget(keys):
     """Each KV head's needle (a key along the query) in a different middle block of
     a 160-token context: at budget 0.1 (16 tokens: one block besides the sink and
-    recent windows) each head keeps its needle's block and no other middle block."""
+    recent windows: the first block, the row's own and the one before it, the
+    default 16 recent tokens) each head keeps its needle's block and no other
+    middle block."""
     block, context, needles = 16, 160, (37, 101)
     impl = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=32,
                            scale=1 / math.sqrt(32))
@@ -325,7 +328,8 @@ def test_the_block_rule_keeps_a_needles_block_at_a_small_budget(keys):
     selection = path.select(layer, rows, query.contiguous())
     for head, needle in enumerate(needles):
         kept = [int(b) for b in selection.logical[0, head] if b >= 0]
-        middle = [b for b in kept if 0 < b < context // block]
+        assert {0, context // block - 1, context // block} <= set(kept), (keys, head, kept)
+        middle = [b for b in kept if 0 < b < context // block - 1]
         assert middle == [needle // block], (keys, head, kept)
 
 

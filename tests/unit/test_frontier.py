@@ -170,3 +170,37 @@ def test_selection_bytes_per_token():
     assert frontier.selection_bytes(rules["bound 4-bit, units of 16"], {}) == (128 + 2) / 16
     assert frontier.selection_bytes(rules["bound 32, then int keys over 2x"],
                                     {"rerank_density": 0.5}) == 16.0 + 24.0
+
+
+@pytest.mark.parametrize("recent_tokens", [0, 16])
+def test_the_mirror_keeps_what_the_products_kernel_keeps(recent_tokens):
+    """The frontier's torch mirror of the default rule (8-bit bounds of 16-token
+    units, the budget binding, the recent window) keeps each row's and KV
+    head's tokens exactly as the CPU kernel ``select_bounds`` does, on keys
+    written through the product's kernels (the mirror rounds its scale to
+    float16, the kernel up: the units' order is the same here)."""
+    from tests.reference.bound_pools import BLOCK, BoundPool
+    from vllm_infinigen.platforms.cpu import kernels
+    from vllm_infinigen.worker.step_plan import token_budget
+
+    head_size, kv_heads, group, budget = 32, 2, 2, 0.2
+    lens = [230, 100, 129, 64, 47]
+    pool = BoundPool(seed=5, unit=16, bits=8, dtype=torch.float32, num_kv_heads=kv_heads,
+                     head_size=head_size, context_lens=lens)
+    gen = torch.Generator().manual_seed(9)
+    query = torch.randint(-3, 4, (len(lens), kv_heads, group, head_size), generator=gen).float()
+    caps = token_budget(pool.context_lens, budget)
+    positions, _ = kernels.select_bounds(
+        query, pool.bounds, pool.scales, pool.kv_pool, pool.block_table, pool.context_lens,
+        caps, scale=1.0, alpha=float("inf"), recent_tokens=recent_tokens)
+    select = make_unit_selector(None, scale=1.0, budget=budget, unit=16, bits=8,
+                                recent_tokens=recent_tokens)
+    for row, n in enumerate(lens):
+        token_ids = torch.arange(n)
+        blocks = pool.block_table[row, token_ids // BLOCK].to(torch.int64)
+        keys = pool.kv_pool[blocks, :, token_ids % BLOCK, :head_size].permute(1, 0, 2)
+        mirror = select(0, query[row].reshape(kv_heads * group, 1, head_size), keys,
+                        torch.tensor([n]))
+        for head in range(kv_heads):
+            got = positions[row, head][positions[row, head] >= 0].tolist()
+            assert mirror[head, 0].nonzero().flatten().tolist() == got, (row, head)
