@@ -5,13 +5,15 @@ vLLM's CUDA wheel cannot run here, so the tests put the CUDA data path
 (``platforms/cuda/data_path.py``: device block cache, block-granular
 selection, decode steps planned on the device) inside a real vLLM engine of
 the CPU build: ``with_cuda_data_path`` makes the platform table name this
-worker for the engine it starts. Everything CUDA-only (pinned pool, side
+worker for the engine it starts; ``server_env`` does it for a ``vllm serve``
+process (a ``sitecustomize`` on its path). Everything CUDA-only (pinned pool, side
 stream, Triton) is replaced by the torch references the data path runs on
 any device."""
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 from vllm_infinigen import platforms
 from vllm_infinigen.platforms.cpu.worker import InfiniGenCPUWorker
@@ -38,3 +40,20 @@ def with_cuda_data_path():
         yield
     finally:
         platforms.WORKERS["cpu"] = original
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def server_env(folder: Path) -> dict[str, str]:
+    """The environment of a ``vllm serve`` whose engine runs ``CudaDataPathCPUWorker``:
+    a ``sitecustomize`` in ``folder`` names it in the platform table at the
+    start of each process (the API server's, where the engine's configuration
+    is made), the repository on the path for the worker processes to import it."""
+    import os
+
+    (folder / "sitecustomize.py").write_text(
+        "from vllm_infinigen import platforms\n"
+        f"platforms.WORKERS['cpu'] = {WORKER!r}\n")
+    path = [str(folder), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path)}

@@ -27,7 +27,10 @@ def llm(stock):
 
 
 def _run(llm, policy: str, budget: float) -> tuple[list[list[int]], dict[str, float]]:
-    llm.collective_rpc("set_infinigen_selection", kwargs={"policy": policy, "budget": budget})
+    # No recent window: the budget alone (InfiniGen's window on top of it:
+    # test_sparse_budget.py).
+    llm.collective_rpc("set_infinigen_selection", kwargs={"policy": policy, "budget": budget,
+                                                          "recent_tokens": 0})
     before = summarize(llm.get_metrics())
     outputs = greedy_tokens(llm, PROMPTS, MAX_TOKENS)
     after = summarize(llm.get_metrics())

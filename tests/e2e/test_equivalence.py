@@ -59,7 +59,8 @@ def test_select_all_equals_stock(name, tiny_models, shared_engine):
         same_layer = greedy_tokens(llm, prompts, MAX_TOKENS)
         counters = summarize(llm.get_metrics())
         llm.collective_rpc("set_infinigen_selection", kwargs={
-            "speculation": "previous-layer", "budget": BUDGET, "alpha": 5.0})
+            "speculation": "previous-layer", "budget": BUDGET, "alpha": 5.0,
+            "recent_tokens": 0})
         greedy_tokens(llm, prompts, MAX_TOKENS)
         at_budget = _counters_since(counters, summarize(llm.get_metrics()))
     assert ours == stock

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """`vllm serve --kv-manager infinigen` under a burst of concurrent OpenAI requests.
 
-One server takes the same burst twice (streaming and non-streaming
+One server (its worker on the CPU platform's data path, then on the CUDA
+platform's on CPU tensors: ``cuda_path_worker.py``) takes the same burst twice (streaming and non-streaming
 completions, token-id and text prompts, greedy and seeded n > 1 sampling,
 streams cut off by the client mid-way), then every completed request once more
 alone. Every finished request must get exactly ``max_tokens`` tokens per
@@ -17,19 +18,25 @@ import requests
 
 from benchmarks.harness.request_mix import IDLE_GAUGES, SENTENCE, burst, fixed_mix, wait_until_idle
 from benchmarks.harness.servers import SERVED_NAME, metric_total, start_server, stop_server
+from tests.e2e.cuda_path_worker import server_env
 
 pytestmark = pytest.mark.slow
 MAX_STEP_TOKENS = 16384  # > the burst's prompt tokens (<= 40 sequences x 301)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("load") / "serve.log"
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def server(tmp_path_factory, request):
+    """The server, its worker on the CPU platform's data path or on the CUDA
+    platform's (``cuda_path_worker.py``: block cache, block rule, on CPU tensors)."""
+    folder = tmp_path_factory.mktemp(f"load-{request.param}")
+    env = server_env(folder) if request.param == "cuda" else None
     # A step holds every prompt of the burst: no prefill is split and nothing
     # is preempted, so outputs can be compared across runs (test_pressure.py
     # has the server short of everything).
-    server = start_server(log, "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
-                          "--max-num-batched-tokens", str(MAX_STEP_TOKENS))
+    server = start_server(folder / "serve.log", "--kv-manager", "infinigen",
+                          "--infinigen-budget", "0.2",
+                          "--max-num-batched-tokens", str(MAX_STEP_TOKENS), env=env)
+    server.data_path = request.param
     yield server
     assert stop_server(server) is not None, "vllm serve did not stop on SIGINT"
 
@@ -111,6 +118,10 @@ def test_server_is_healthy_and_holds_nothing_after_the_burst(runs, server):
     assert {name: metric_total(text, name) for name in IDLE_GAUGES} == dict.fromkeys(
         IDLE_GAUGES, 0.0)
     assert metric_total(text, "vllm:infinigen_pool_capacity_bytes") > 0
+    # The CUDA data path fetched selected blocks into its cache; the CPU's reads
+    # them in place.
+    misses = metric_total(text, "vllm:infinigen_cache_misses_total")
+    assert misses > 0 if server.data_path == "cuda" else misses == 0
 
 
 def test_cancelled_streams_were_aborted_in_the_engine(runs):

@@ -66,7 +66,8 @@ def check_select_all_then_select_per_rank(llm, single_process_stock) -> None:
     assert counters["selected_tokens"] == counters["candidate_tokens"]
     # Every rank runs the rule on its own 2 of the 4 KV heads: the budget
     # holds for the whole model.
-    llm.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.2, "alpha": 5.0})
+    llm.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.2, "alpha": 5.0,
+                                                          "recent_tokens": 0})
     before = summarize(llm.get_metrics())
     outputs = greedy_tokens(llm, PROMPTS, MAX_TOKENS)
     after = summarize(llm.get_metrics())

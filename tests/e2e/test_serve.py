@@ -22,8 +22,10 @@ def server(tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # Its 182-token prompt is short: start_server selects there too (min context 0).
+    # No recent window: the metrics test checks the budget alone (the window on
+    # top of it: test_sparse_budget.py).
     server = start_server(log, "--kv-manager", "infinigen", "--infinigen-budget", "0.2",
-                          "--chat-template", str(template))
+                          "--infinigen-recent-tokens", "0", "--chat-template", str(template))
     yield server.base_url
     assert stop_server(server) is not None, "vllm serve did not stop on SIGINT"
 

@@ -107,6 +107,7 @@ def infinigen(model, windows) -> dict:
         model,
         kv_manager="infinigen",
         infinigen_budget=SMALL_BUDGET,
+        infinigen_recent_tokens=0,  # the budget alone (the window: test_sparse_budget.py)
         **engine_kwargs(),
     ) as llm:
         last_chunk = _one_token_last_chunk(llm, windows[0][0] + windows[0][1])
