@@ -100,8 +100,9 @@ def sections(payload: dict) -> list[str]:
     rows = frontier_rows(payload)
     task_names = list(payload["tasks"])
     out = [
-        "Accuracy: torch-only (`benchmarks/accuracy/sparse_llama.py`), float32 models, the "
-        "product's int speculation keys (4 bits, one scale per channel and 16 tokens), "
+        "Accuracy: torch-only (`benchmarks/accuracy/sparse_llama.py`), float32 models; the "
+        "token rules score the int speculation keys of a float32 cache (4 bits, one scale "
+        "per channel and 16 tokens), the unit rules their unit summaries; "
         "previous-layer speculation unless named, 2 dense layers, sparse from the first "
         "token. Recall: ÷ dense = accuracy / dense (first ¼: needles in the first quarter); "
         "book: perplexity / dense (1 = no loss). Density: selected / context entries over "
