@@ -185,7 +185,8 @@ def summarize(metrics: list) -> dict[str, dict[str, float]]:
         if not name.startswith("vllm:infinigen_"):
             continue
         counter = name[len("vllm:infinigen_") :].removesuffix("_total")
-        layer = metric.labels.get("layer", metric.labels.get("to", ""))
+        label = ENGINE_COUNTERS[counter][0] if counter in ENGINE_COUNTERS else "layer"
+        layer = metric.labels.get(label, "")
         out.setdefault(counter, {})
         out[counter][layer] = out[counter].get(layer, 0) + metric.value
     return out
