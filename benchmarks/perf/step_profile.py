@@ -19,7 +19,8 @@ functions named, which run synchronously on the CPU):
     query projection   the next layer's query from this layer's attention input
                        (``policies.infinigen.partial_query``)
     score + select     the speculation keys scored and the selection made
-                       (``kernels.select_tokens_int`` / ``select_tokens``)
+                       (``kernels.select_bounds``, the default's bound keys;
+                       ``select_tokens_int`` / ``select_tokens``)
     attend             attention over the selected rows (``kernels.attend_decode``)
     write              the step's K/V into the pool and its speculation keys
     capture            the qkv_proj pre-hook that keeps the attention input
@@ -62,9 +63,11 @@ COMPONENTS = ("query projection", "score + select", "attend", "write", "capture"
 TIMED = (("vllm_infinigen.policies.infinigen", "partial_query", "query projection"),
          ("vllm_infinigen.platforms.cpu.kernels", "select_tokens_int", "score + select"),
          ("vllm_infinigen.platforms.cpu.kernels", "select_tokens", "score + select"),
+         ("vllm_infinigen.platforms.cpu.kernels", "select_bounds", "score + select"),
          ("vllm_infinigen.platforms.cpu.kernels", "attend_decode", "attend"),
          ("vllm_infinigen.platforms.cpu.kernels", "write_pool", "write"),
          ("vllm_infinigen.platforms.cpu.kernels", "write_int_keys", "write"),
+         ("vllm_infinigen.platforms.cpu.kernels", "write_bounds", "write"),
          ("vllm_infinigen.platforms.cpu.kernels", "write_partial_keys", "write"),
          # The short path's one op (a step below min-context): its write counted as attend.
          ("vllm_infinigen.platforms.cpu.kernels", "decode_short", "attend"))
