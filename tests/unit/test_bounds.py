@@ -65,7 +65,7 @@ def test_the_codes_bound_every_key_of_their_unit(bits):
 @pytest.mark.parametrize("capped", [False, True])
 @pytest.mark.parametrize(("alpha", "budget"), [(2.0, 0.2), (float("inf"), 0.2),
                                              (float("inf"), 0.05), (0.5, 1.0)])
-@pytest.mark.parametrize(("head_size", "group"), [(40, 3), (128, 4), (34, 1)])
+@pytest.mark.parametrize(("head_size", "group"), [(40, 3), (128, 4), (34, 1), (64, 6)])
 def test_selection_equals_the_reference(unit, bits, dtype, capped, alpha, budget, head_size,
                                         group):
     pool = BoundPool(seed=5, unit=unit, bits=bits, dtype=dtype, num_kv_heads=2,
