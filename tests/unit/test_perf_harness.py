@@ -582,6 +582,20 @@ def test_the_int_scoring_micro_benchmark_builds_and_its_forms_agree(capfd):
         assert len(re.findall(rf"bits {bits} .* ns per group", out)) == 3
 
 
+@pytest.mark.parametrize("keys", ["bounds", "int"])
+def test_the_select_micro_benchmark_times_the_products_kernels(keys):
+    """select_micro calls the product's kernels on keys its write kernels
+    wrote (a wrong shape fails their checks), and counts the bytes a call's
+    keys hold: per token and KV head, the bounds' 16.1 B (2 x 128 codes and a
+    float16 scale per 16 tokens), the 2-bit int keys' 48 B."""
+    from benchmarks.perf import select_micro
+
+    row = select_micro.time_calls(keys, context=512, batch=2, calls=3)
+    assert 0 < row["min_us"] <= row["median_us"]
+    per_token = {"bounds": (2 * 128 + 2) / 16, "int": 48}[keys]
+    assert row["key_bytes"] == pytest.approx(2 * 512 * 2 * per_token)
+
+
 def test_weight_bytes_are_the_weights_in_the_runs_dtype(tmp_path):
     """Floating tensors at the run's bytes per value, others as stored; read
     from the safetensors header alone."""
