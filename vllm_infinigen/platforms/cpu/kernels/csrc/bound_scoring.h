@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #endif
 
+#include <type_traits>
+
 #include "common.h"
 
 namespace infinigen {
@@ -62,6 +64,21 @@ inline float code_at(const uint8_t* row, int64_t bits, int64_t half_channels, in
 // (the maxima's and the minima's products, so that each chain is half as
 // long) stay in registers up to 4 heads (8 of AVX2's 16 vector registers).
 constexpr int64_t kGroupChunk = 4;
+
+// Calls f(std::integral_constant<int64_t, G>{}, g) for each chunk [g, g + G)
+// of a query group, G at most kGroupChunk (the bound is a maximum over the
+// heads: chunks combine exactly).
+template <typename F>
+inline void for_each_group_chunk(int64_t query_group, F&& f) {
+  for (int64_t g = 0; g < query_group; g += kGroupChunk) {
+    switch (std::min(kGroupChunk, query_group - g)) {
+      case 4: f(std::integral_constant<int64_t, 4>{}, g); break;
+      case 3: f(std::integral_constant<int64_t, 3>{}, g); break;
+      case 2: f(std::integral_constant<int64_t, 2>{}, g); break;
+      default: f(std::integral_constant<int64_t, 1>{}, g);
+    }
+  }
+}
 
 // A unit's bound for query heads [0, G) of a KV head's group, before the
 // scales: max over them of q+ . max codes + q- . min codes - offset x sum q.
@@ -128,46 +145,22 @@ inline void group_pair_bound8(const uint8_t* rows0, const uint8_t* rows1, int64_
                               const float* w, const float* offs, int64_t query_group,
                               float* best) {
   best[0] = best[1] = kNegInf;
-  for (int64_t g = 0; g < query_group; g += kGroupChunk) {
-    const float* wg = w + g * 2 * head_size;
-    switch (std::min(kGroupChunk, query_group - g)) {
-      case 4: pair_bound8<4>(rows0, rows1, head_size, wg, offs + g, best); break;
-      case 3: pair_bound8<3>(rows0, rows1, head_size, wg, offs + g, best); break;
-      case 2: pair_bound8<2>(rows0, rows1, head_size, wg, offs + g, best); break;
-      default: pair_bound8<1>(rows0, rows1, head_size, wg, offs + g, best);
-    }
-  }
+  for_each_group_chunk(query_group, [&](auto heads, int64_t g) {
+    pair_bound8<decltype(heads)::value>(rows0, rows1, head_size, w + g * 2 * head_size,
+                                        offs + g, best);
+  });
 }
 
-// unit_bound over a whole query group of any size, kGroupChunk heads at a
-// time (the bound is a maximum over the heads: chunks combine exactly).
+// unit_bound over a whole query group of any size, kGroupChunk heads at a time.
 inline float group_bound(const uint8_t* rows, int64_t row_bytes, const float* w,
                          const float* offs, int64_t query_group, int64_t bits,
                          int64_t head_size, int64_t segment, int64_t vector_end) {
   float best = kNegInf;
-  for (int64_t g = 0; g < query_group; g += kGroupChunk) {
-    const float* wg = w + g * 2 * head_size;
-    const int64_t n = std::min(kGroupChunk, query_group - g);
-    float chunk;
-    switch (n) {
-      case 4:
-        chunk = unit_bound<4>(rows, row_bytes, wg, offs + g, bits, head_size, segment,
-                              vector_end);
-        break;
-      case 3:
-        chunk = unit_bound<3>(rows, row_bytes, wg, offs + g, bits, head_size, segment,
-                              vector_end);
-        break;
-      case 2:
-        chunk = unit_bound<2>(rows, row_bytes, wg, offs + g, bits, head_size, segment,
-                              vector_end);
-        break;
-      default:
-        chunk = unit_bound<1>(rows, row_bytes, wg, offs + g, bits, head_size, segment,
-                              vector_end);
-    }
-    best = std::max(best, chunk);
-  }
+  for_each_group_chunk(query_group, [&](auto heads, int64_t g) {
+    best = std::max(best, unit_bound<decltype(heads)::value>(
+                              rows, row_bytes, w + g * 2 * head_size, offs + g, bits,
+                              head_size, segment, vector_end));
+  });
   return best;
 }
 

@@ -208,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> select_bounds(
   // pool evicted whole scores -inf.
   const bool paired_codes = bits == 8 && head_size % kVecSize == 0;
   at::parallel_for(0, num_rows * num_blocks_max, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> pair_buffer(units_per_block + 1);
+    std::vector<float> pair_buffer(units_per_block);
     float* pair_best = pair_buffer.data();
     for (int64_t index = begin; index < end; ++index) {
       const int64_t b = index / num_blocks_max, j = index % num_blocks_max;
