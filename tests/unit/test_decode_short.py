@@ -278,7 +278,7 @@ def test_the_sparse_groups_compute_no_slot_mapping_with_pool_residency():
     from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
 
     from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
-    from vllm_infinigen.worker.short_path import skip_sparse_slot_mappings
+    from vllm_infinigen.worker.base import skip_sparse_slot_mappings
 
     dense = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=DIM, dtype=torch.float32)
     specs = [dense, InfiniGenSparseSpec.of(dense), InfiniGenSparseSpec.of(dense),

@@ -160,7 +160,7 @@ engine start without a skew file, in the front-end process)
     Related upstream work: the registry is transformers' extension point.
     Future plan: none needed.
 
-``vllm_infinigen/worker/short_path.py`` (``skip_sparse_slot_mappings``, the worker's start-up)
+``vllm_infinigen/worker/base.py`` (``skip_sparse_slot_mappings``, the worker's start-up)
     Object: each sparse KV-cache group's ``BlockTable`` of the model runner
     (its ``slot_mapping_mode`` attribute, set to ``SlotMappingMode.NONE``).
     Why: the sparse layers' groups hold no blocks and write by the dense

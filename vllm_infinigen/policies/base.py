@@ -22,6 +22,7 @@ each sparse row, -1 padded (W: the step's widest selection, host side).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -92,6 +93,45 @@ class SelectionPolicy:
                       output: torch.Tensor, row_map: torch.Tensor | None) -> bool:
         """Attends the prompt rows itself (True) or leaves them to the kernel (False)."""
         return False
+
+
+class UsedPolicies:
+    """Every policy an engine has used, by name. Each keeps its per-slot state
+    current from its first use on (``allocate``, then ``on_write`` at every
+    write), so that a switch back at run time finds it whole.
+
+    Args:
+        make: The policy registered under a name (``policies.policy_class``).
+    """
+
+    def __init__(self, make: Callable[[str], type[SelectionPolicy]]) -> None:
+        self._make = make
+        self._by_name: dict[str, SelectionPolicy] = {}
+        self._layers: list[LayerState] = []  # sparse layers whose pool exists
+        self.keep_write_state = False  # some policy has per-slot state of the writes
+
+    def get(self, name: str) -> SelectionPolicy:
+        """The policy ``name``, allocated on every layer with a pool on first use."""
+        if name not in self._by_name:
+            policy = self._make(name)()
+            for layer in self._layers:
+                policy.allocate(layer)
+            self._by_name[name] = policy
+            self.keep_write_state |= type(policy).on_write is not SelectionPolicy.on_write
+        return self._by_name[name]
+
+    def allocate(self, layers: list[LayerState]) -> None:
+        """The sparse layers' pools now exist: every policy so far allocates on them."""
+        self._layers = list(layers)
+        for policy in self._by_name.values():
+            for layer in self._layers:
+                policy.allocate(layer)
+
+    def on_write(self, layer: LayerState, key: torch.Tensor, slots: torch.Tensor) -> None:
+        """New keys of ``slots`` are in ``layer``'s pool (``SelectionPolicy.on_write``)."""
+        if self.keep_write_state:
+            for policy in self._by_name.values():
+                policy.on_write(layer, key, slots)
 
 
 def from_position_mask(chosen: torch.Tensor, width: int) -> Selection:

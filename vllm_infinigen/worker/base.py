@@ -33,12 +33,38 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm_infinigen.config import V1_RUNNER_REFUSAL, EngineSetup, InfiniGenConfig, engine_setup
 from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
-from vllm_infinigen.scheduler.spec import dense_group_index
+from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
 from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, model_fingerprint
 from vllm_infinigen.worker.attention import install, layer_sources
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.runtime import InfiniGenRuntime, PromptLengths
-from vllm_infinigen.worker.short_path import skip_sparse_slot_mappings
+
+
+def skip_sparse_slot_mappings(model_runner, kv_cache_groups) -> list[int]:
+    """Stops vLLM's runner computing a slot mapping per step for the sparse
+    layers' KV-cache groups (pool residency; ``docs/short_path.md``, option a).
+
+    Their groups hold no blocks and the sparse layers write by the dense
+    group's slots (``runtime.reference_layer``), so the per-group slot mapping
+    is never read; vLLM's mode for groups without one (Mamba's,
+    ``SlotMappingMode.NONE``) makes ``BlockTable.compute_slot_mapping`` return
+    at once. Their buffers keep zeros (-1 in a padded tail), which the sparse
+    layers' KV update receives and ignores. Not with
+    ``--infinigen-residency device-first``: the resident layers write vLLM's
+    blocks by it.
+
+    Returns:
+        The KV-cache group ids changed.
+    """
+    from vllm.v1.worker.block_table import SlotMappingMode
+
+    changed = []
+    for gid, group in enumerate(kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, InfiniGenSparseSpec) and not spec.device_first:
+            model_runner.input_batch.block_table[gid].slot_mapping_mode = SlotMappingMode.NONE
+            changed.append(gid)
+    return changed
 
 
 def shard_kv_heads(skew: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

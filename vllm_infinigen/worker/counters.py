@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: step counters read back from the device without waiting for the step.
+"""Worker side: step counters read back from the device without waiting for the
+step, and the counters the connector reports from them.
 
 vLLM's runner asks the KV connector for its stats right after it has queued a
 step's forward (``kv_connector_model_runner_mixin._get_kv_connector_output``).
@@ -14,7 +15,14 @@ totals). On the CPU the read is immediate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from vllm_infinigen.worker.layer_state import LayerState
+    from vllm_infinigen.worker.pool_index import PoolIndex
 
 
 class CounterDrain:
@@ -48,3 +56,44 @@ class CounterDrain:
         self._ready = torch.Event(device=counts.device)
         self._ready.record()
         return previous
+
+
+def layer_counters(layers: Sequence[LayerState], drained: torch.Tensor | None,
+                   fetch_wait_us: Sequence[int], *, total_kv_heads: int,
+                   entry_bytes: int) -> dict[str, float]:
+    """The sparse layers' counters from a drain of the runtime's ``stats``
+    ([layers, 2]: entries attended, context tokens, summed over this rank's KV
+    heads); tokens as the mean over the model's KV heads (vLLM sums the ranks).
+
+    Args:
+        drained: ``CounterDrain``'s answer (None: nothing has reached the host yet).
+        fetch_wait_us: Microseconds each layer waited for its selected K/V.
+        entry_bytes: One pool entry (a token's K and V of one layer and KV head).
+    """
+    out: dict[str, float] = {}
+    values = [] if drained is None else drained.tolist()
+    for state, (entries, context) in zip(layers, values):
+        if state.sparse and context:
+            idx = state.layer_idx
+            out[f"selected_tokens.{idx}"] = entries / total_kv_heads
+            out[f"candidate_tokens.{idx}"] = context * state.num_kv_heads / total_kv_heads
+            out[f"selected_kv_bytes.{idx}"] = entries * entry_bytes
+            if fetch_wait_us[idx]:  # (the CPU build never waits)
+                out[f"fetch_wait_us.{idx}"] = fetch_wait_us[idx]
+    return out
+
+
+def pool_counters(pool_index: PoolIndex, sparse_layers: Sequence[LayerState], *, rank: int,
+                  entry_bytes: int) -> dict[str, float]:
+    """A capped pool's evictions since the last call, per sparse layer, and its
+    occupancy in bytes (a gauge per rank, summed by ``InfiniGenStats.reduce``)."""
+    out: dict[str, float] = {}
+    for pool_layer, count in enumerate(pool_index.take_evictions()):
+        if count:
+            out[f"evictions.{sparse_layers[pool_layer].layer_idx}"] = count
+    occupancy = pool_index.occupancy()
+    if occupancy is not None:
+        used, capacity = occupancy
+        out[f"pool_used_bytes.{rank}"] = used * entry_bytes
+        out[f"pool_capacity_bytes.{rank}"] = capacity * entry_bytes
+    return out

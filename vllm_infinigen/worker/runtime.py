@@ -35,12 +35,11 @@ from vllm_infinigen.config import InfiniGenConfig, runtime_settings
 from vllm_infinigen.layout import ModelLayout, closes_key_group
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.policies import check_block_size, policy_class
-from vllm_infinigen.policies.base import SelectionPolicy
-from vllm_infinigen.worker.counters import CounterDrain
+from vllm_infinigen.policies.base import UsedPolicies
+from vllm_infinigen.worker.counters import CounterDrain, layer_counters, pool_counters
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.layer_state import LayerSource, LayerState
 from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex
-from vllm_infinigen.worker.short_path import ShortPathMixin
 from vllm_infinigen.worker.step_plan import StepPlan, build_plan
 
 logger = init_logger(__name__)
@@ -50,9 +49,9 @@ logger = init_logger(__name__)
 PromptLengths = Callable[[int], torch.Tensor]
 
 
-class InfiniGenRuntime(ShortPathMixin):
+class InfiniGenRuntime:
     """Owns every layer's state, the pool index and the per-step plan on one
-    worker; a short decode-only step in one call per layer (``short_path.py``).
+    worker; a short decode-only step in one call per layer (``fuses_short``).
 
     Args:
         config: The engine's settings with ``alpha`` resolved for the model.
@@ -101,10 +100,9 @@ class InfiniGenRuntime(ShortPathMixin):
         self.resident = config.device_first
         self.on_move: list[Callable[[bool], None]] = []
         self._drain_in_full = False  # back in the device blocks: the pool's last counts
-        # Every policy used so far keeps its state up to date (a switch back
-        # finds it current); ``policy`` selects.
-        self._policies: dict[str, SelectionPolicy] = {}
-        self.policy = self._policy(config.policy)
+        # Every policy used so far keeps its state current; ``policy`` selects.
+        self.policies = UsedPolicies(policy_class)
+        self.policy = self.policies.get(config.policy)
         self._admitted_for: object | None = None
         # (slot tensor, whether it closes an int-key group): checked once a step.
         self._closing: tuple[torch.Tensor, bool] | None = None
@@ -136,15 +134,6 @@ class InfiniGenRuntime(ShortPathMixin):
                             if state.next is not None}
         return states
 
-    def _policy(self, name: str) -> SelectionPolicy:
-        if name not in self._policies:
-            policy = policy_class(name)()
-            for state in self.sparse_layers:
-                if state.kv_pool is not None:
-                    policy.allocate(state)
-            self._policies[name] = policy
-        return self._policies[name]
-
     @property
     def sparse_layers(self) -> list[LayerState]:
         return [state for state in self.layers if state.sparse]
@@ -172,9 +161,7 @@ class InfiniGenRuntime(ShortPathMixin):
         self.pool_index = self.data_path.pool_index(
             len(sparse), kv_heads, plan.num_slots, plan.num_rows, self.config.eviction,
             block_size=block_size)
-        for policy in self._policies.values():
-            for state in sparse:
-                policy.allocate(state)
+        self.policies.allocate(sparse)
         partial_bytes = (plan.num_slots
                          * self.layout.partial_bytes_per_token(dtype.itemsize, kv_heads))
         logger.info(
@@ -219,7 +206,7 @@ class InfiniGenRuntime(ShortPathMixin):
         self.data_path.configure(config)
         self.config = config
         self.pool_index.set_eviction(self.config.eviction)
-        self.policy = self._policy(self.config.policy)
+        self.policy = self.policies.get(self.config.policy)
         self._plan_source = None
 
     def take_counters(self, wait: bool = False) -> dict[str, float]:
@@ -229,33 +216,17 @@ class InfiniGenRuntime(ShortPathMixin):
         ``wait``: every count now); none while resident (no layer selects) but
         those of the steps over the pool before the return, in full."""
         out: dict[str, float] = {}
-        values = []
-        drains = not self.resident or self._drain_in_full
-        if drains:
+        if not self.resident or self._drain_in_full:
+            wait = wait or self.resident
             self.data_path.add_counts(self.stats)
-            drained = self._stats_drain(self.stats, wait=wait or self.resident)
-            values = [] if drained is None else drained.tolist()
-        for state, (entries, context) in zip(self.layers, values):
-            if state.sparse and context:
-                idx = state.layer_idx
-                out[f"selected_tokens.{idx}"] = entries / self.total_kv_heads
-                out[f"candidate_tokens.{idx}"] = context * state.num_kv_heads / self.total_kv_heads
-                out[f"selected_kv_bytes.{idx}"] = entries * self.pool_entry_bytes
-                if self.fetch_wait_us[idx]:  # (the CPU build never waits)
-                    out[f"fetch_wait_us.{idx}"] = self.fetch_wait_us[idx]
-        self.fetch_wait_us = [0] * len(self.layers)
-        if drains:
-            out.update(self.data_path.take_stats(wait=wait or self.resident))
+            out.update(layer_counters(self.layers, self._stats_drain(self.stats, wait=wait),
+                                      self.fetch_wait_us, total_kv_heads=self.total_kv_heads,
+                                      entry_bytes=self.pool_entry_bytes))
+            out.update(self.data_path.take_stats(wait=wait))
             self._drain_in_full = False
-        sparse = self.sparse_layers
-        for pool_layer, count in enumerate(self.pool_index.take_evictions()):
-            if count:
-                out[f"evictions.{sparse[pool_layer].layer_idx}"] = count
-        occupancy = self.pool_index.occupancy()
-        if occupancy is not None:  # a gauge per rank (summed by InfiniGenStats.reduce)
-            used, capacity = occupancy
-            out[f"pool_used_bytes.{self.rank}"] = used * self.pool_entry_bytes
-            out[f"pool_capacity_bytes.{self.rank}"] = capacity * self.pool_entry_bytes
+        self.fetch_wait_us = [0] * len(self.layers)
+        out.update(pool_counters(self.pool_index, self.sparse_layers, rank=self.rank,
+                                 entry_bytes=self.pool_entry_bytes))
         return out
 
     # -- one step, layer by layer (called by the attention impls, ``attention.py``)
@@ -320,8 +291,7 @@ class InfiniGenRuntime(ShortPathMixin):
             self._closing = (slot_mapping, not on_host or closes_key_group(slots))
         self.data_path.write(state, key, value, slots, self.row_map(state),
                              closes_group=self._closing[1])
-        for policy in self._policies.values():
-            policy.on_write(state, key, slots)
+        self.policies.on_write(state, key, slots)
 
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
         """The step's rows, from the dense group's metadata (cached per step)."""
@@ -330,6 +300,28 @@ class InfiniGenRuntime(ShortPathMixin):
                                     on_device=self.data_path.plans_on_device)
             self._plan_source = attn_metadata
         return self._plan
+
+    def fuses_short(self, attn_metadata) -> bool:
+        """Whether each sparse layer runs this step in one call (``decode_short``):
+        a short decode-only step (``docs/short_path.md``), the sparse layers in
+        the pool, a data path with the fused op and no policy used so far that
+        keeps state of the writes (H2O, Quest). One answer for a layer's KV
+        update and its forward; attn_metadata: the dense group's."""
+        if self.resident or not self.data_path.has_fused_short or self.policies.keep_write_state:
+            return False  # (before the plan: a device data path is not asked to plan here)
+        return self.plan_for(attn_metadata, self.block_size).short_decode_only
+
+    def decode_short(self, state: LayerState, attn_metadata, slot_mapping: torch.Tensor,
+                     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     output: torch.Tensor) -> None:
+        """A sparse layer's ``write`` and dense ``attend_decode`` in one data-path
+        call, when ``fuses_short``. Every row decodes one token, so the rows are
+        the step's first, in order: the op reads ``query`` [T, H_q, D] and
+        writes ``output`` in place; key, value: [T, H_kv, D] the new entries."""
+        self.begin_step(attn_metadata, slot_mapping)
+        plan = self.plan_for(attn_metadata, self.block_size)
+        self.data_path.decode_short(state, plan.dense_rows, query, key, value, slot_mapping,
+                                    self.row_map(state), output)
 
     def set_resident(self, resident: bool) -> None:
         """The step's residency, from the scheduler (``scheduler/spec.py``: to the
