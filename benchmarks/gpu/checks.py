@@ -23,7 +23,8 @@ from benchmarks.gpu.measure import (
 )
 from benchmarks.gpu.decoder import TINY, Decoder, DecoderShape, random_weights
 from benchmarks.gpu.report import markdown_sections
-from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+from benchmarks.gpu.results import gpu_run_metadata
+from benchmarks.harness import report
 from benchmarks.gpu.variants import KVSetup, Streams
 
 SELF_TEST_OUT = DEFAULT_OUT.with_name("gpu_decode_step_selftest")
@@ -169,7 +170,7 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     if out is not None:
         meta = gpu_run_metadata()
         results = {"checks": checks, "configs": [measured], "kernel_limits": [limits]}
-        write_gpu_results(out, meta, "GPU decode-step benchmark: CPU self-test",
-                          {"shape": "TINY", "dtype": "float32", "keys": DEFAULT_KEYS}, results,
-                          markdown_sections(results, self_test=True))
+        report.write_results(out, meta, "GPU decode-step benchmark: CPU self-test",
+                             {"shape": "TINY", "dtype": "float32", "keys": DEFAULT_KEYS}, results,
+                             markdown_sections(results, self_test=True))
     return checks

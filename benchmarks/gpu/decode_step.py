@@ -45,7 +45,8 @@ from benchmarks.gpu.measure import (
     open_gpu_bench,
 )
 from benchmarks.gpu.report import markdown_sections
-from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+from benchmarks.gpu.results import gpu_run_metadata
+from benchmarks.harness import report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = gpu_run_metadata()
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                 "shape": shape.__dict__, "dtype": str(dtype)}
-    write_gpu_results(args.out or DEFAULT_OUT, meta,
-                      "InfiniGen decode step on a GPU: dense, offloaded, the product's step",
-                      settings, results, markdown_sections(results, self_test=False))
+    report.write_results(args.out or DEFAULT_OUT, meta,
+                         "InfiniGen decode step on a GPU: dense, offloaded, the product's step",
+                         settings, results, markdown_sections(results, self_test=False))
     graphs = results["graph_vs_eager"]
     return 0 if results["select_all"]["passed"] and (graphs is None or graphs["passed"]) else 1
 

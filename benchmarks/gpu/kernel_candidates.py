@@ -180,13 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     rows += scoring_rows(torch, device, sizes, (1,), 4, gen)
     rows += select_rows(torch, device, sizes["context"], sizes["heads"],
                         (1, 2) if args.self_test else (1, 8), gen)
-    from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+    from benchmarks.gpu.results import gpu_run_metadata
+    from benchmarks.harness import report
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     result = {"device": name, "context": sizes["context"], "sizes": sizes, "rows": rows}
-    write_gpu_results(args.out, gpu_run_metadata(), "Selection kernels: candidate forms",
-                      {"context": sizes["context"], "sizes": sizes}, result,
-                      [markdown(result)])
+    report.write_results(args.out, gpu_run_metadata(), "Selection kernels: candidate forms",
+                         {"context": sizes["context"], "sizes": sizes}, result,
+                         [markdown(result)])
     print(markdown(result))
     return 0 if all(row["correct"] for row in rows) else 1
 

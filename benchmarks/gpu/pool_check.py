@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
-from benchmarks.harness import paths
+from benchmarks.gpu.results import gpu_run_metadata
+from benchmarks.harness import paths, report
 
 
 def _probe(pin: str, num_bytes: int) -> dict[str, Any]:
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         readable = ("error: " + row["error"] if "error" in row
                     else "yes" if row["unreadable"] is None else "no: " + row["unreadable"])
         lines.append(f"| {row['GiB']:g} | {pin} | {row['seconds']:.2f} | {readable} |")
-    write_gpu_results(args.out, gpu_run_metadata(), "The pinned host pool on this GPU machine",
-                      vars(args) | {"out": str(args.out)}, rows, ["\n".join(lines)])
+    report.write_results(args.out, gpu_run_metadata(), "The pinned host pool on this GPU machine",
+                         vars(args) | {"out": str(args.out)}, rows, ["\n".join(lines)])
     return 0
 
 

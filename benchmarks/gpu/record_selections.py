@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from benchmarks.gpu import selection_trace
-from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
-from benchmarks.harness import paths
+from benchmarks.gpu.results import gpu_run_metadata
+from benchmarks.harness import paths, report
 from vllm_infinigen.platforms.cuda import block_selection as rule
 from vllm_infinigen.platforms.cuda.block_cache import EVICTION_RULES, DeviceBlockCache
 
@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                  + f"; alpha {provenance['alpha']}.")
         sections += [f"## {name}", about,
                      *_markdown(results[name], model_args)]
-    write_gpu_results(args.out, meta, "Step-to-step reuse of InfiniGen's block selections",
-                      settings, results, [_INTRO, *sections])
+    report.write_results(args.out, meta, "Step-to-step reuse of InfiniGen's block selections",
+                         settings, results, [_INTRO, *sections])
     print(json.dumps({m: {b: {k: v for k, v in r.items() if k != "reuse_by_layer"}
                           for b, r in per.items()} for m, per in results.items()}, indent=1))
     return 0

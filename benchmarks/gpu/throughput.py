@@ -58,9 +58,9 @@ from benchmarks.gpu.measure import (
     product_width,
     replay_for,
 )
-from benchmarks.gpu.results import gpu_run_metadata, write_gpu_results
+from benchmarks.gpu.results import gpu_run_metadata
 from benchmarks.gpu.variants import KVSetup, Streams
-from benchmarks.harness import paths
+from benchmarks.harness import paths, report
 from vllm_infinigen.platforms.cuda import select_ops
 
 DEFAULT_OUT = paths.RESULTS / "gpu_throughput"
@@ -233,9 +233,9 @@ def self_test(out: Path | None = SELF_TEST_OUT,
                 for wanted, kept in checks["replay_fractions"]))
     if out is not None:
         results = {"checks": checks, "contexts": [measured]}
-        write_gpu_results(out, gpu_run_metadata(), throughput_report.TITLE + ": CPU self-test",
-                          {"shape": "TINY", "dtype": "float32"}, results,
-                          throughput_report.markdown_sections(results))
+        report.write_results(out, gpu_run_metadata(), throughput_report.TITLE + ": CPU self-test",
+                             {"shape": "TINY", "dtype": "float32"}, results,
+                             throughput_report.markdown_sections(results))
     return checks
 
 
@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = memory_plan(args.plan, args.contexts, args.batches, args.selections)
         settings = {"device_GiB": args.plan, "contexts": args.contexts,
                     "batches": args.batches, "selections": [s.label for s in args.selections]}
-        write_gpu_results(args.out or PLAN_OUT, gpu_run_metadata(),
-                          throughput_report.TITLE + ": what fits, by the memory estimate",
-                          settings, plan, throughput_report.plan_sections(plan))
+        report.write_results(args.out or PLAN_OUT, gpu_run_metadata(),
+                             throughput_report.TITLE + ": what fits, by the memory estimate",
+                             settings, plan, throughput_report.plan_sections(plan))
         return 0
     if args.self_test:
         result = self_test(args.out or SELF_TEST_OUT, args.trace)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 "selections": [s.label for s in args.selections],
                 "shape": shape.__dict__, "dtype": str(dtype)}
     out = args.out or DEFAULT_OUT
-    write_gpu_results(out, gpu_run_metadata(), throughput_report.TITLE, settings, results, throughput_report.markdown_sections(results))
+    report.write_results(out, gpu_run_metadata(), throughput_report.TITLE, settings, results, throughput_report.markdown_sections(results))
     throughput_report.plot(results, out.with_suffix(".png"))
     return 0
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu.results import metadata_markdown
+from benchmarks.harness.report import metadata_markdown
 
 # Issue 35's targets at the longest context: InfiniGen with a 4,096-token cap
 # against dense at its largest batch, in tokens/s; the batch InfiniGen serves.

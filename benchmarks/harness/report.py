@@ -34,7 +34,8 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
-def _git(*args: str, cwd: Path) -> str | None:
+def git(*args: str, cwd: Path) -> str | None:
+    """``git ARGS`` in ``cwd``: its output, or None outside a git tree."""
     try:
         out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
                              check=True, timeout=30)
@@ -51,12 +52,24 @@ def runtime_source() -> dict[str, Any]:
     if spec is None or spec.origin is None:
         return {"path": None}
     package = Path(spec.origin).resolve().parent
-    top = _git("rev-parse", "--show-toplevel", cwd=package)
+    top = git("rev-parse", "--show-toplevel", cwd=package)
     if top is None:
         return {"path": str(package)}
-    status = _git("status", "--porcelain", "--", str(package), cwd=package)
-    return {"path": str(package), "commit": _git("rev-parse", "HEAD", cwd=package),
+    status = git("status", "--porcelain", "--", str(package), cwd=package)
+    return {"path": str(package), "commit": git("rev-parse", "HEAD", cwd=package),
             "uncommitted_changes": bool(status)}
+
+
+def repository_state() -> dict[str, Any]:
+    """This checkout's commit and whether tracked files differ from it. A lent
+    GPU machine gets a copy of the working tree whose .git may be missing or
+    stale: there the caller names the commit of a clean tree
+    (``INFINIGEN_COMMIT=$(git rev-parse HEAD)``)."""
+    if os.environ.get("INFINIGEN_COMMIT"):
+        return {"repo_commit": os.environ["INFINIGEN_COMMIT"], "repo_uncommitted_changes": False}
+    changes = git("status", "--porcelain", "--untracked-files=no", cwd=REPO)
+    return {"repo_commit": git("rev-parse", "HEAD", cwd=REPO),
+            "repo_uncommitted_changes": None if changes is None else bool(changes)}
 
 
 def command_line() -> list[str]:
@@ -87,10 +100,7 @@ def source_metadata(**extra: Any) -> dict[str, Any]:
         "python": platform.python_version(),
     }
     versions = {key: extra.pop(key) for key in ("torch", "vllm", "transformers") if key in extra}
-    changes = _git("status", "--porcelain", "--untracked-files=no", cwd=REPO)
-    return {**meta, **versions, "repo_commit": _git("rev-parse", "HEAD", cwd=REPO),
-            "repo_uncommitted_changes": None if changes is None else bool(changes),
-            "runtime": runtime_source(), **extra}
+    return {**meta, **versions, **repository_state(), "runtime": runtime_source(), **extra}
 
 
 def cell(value: Any, spec: str = "") -> str:
@@ -114,6 +124,8 @@ def metadata_markdown(meta: Mapping[str, Any]) -> str:
     """The run's provenance as a short Markdown block."""
     runtime = meta.get("runtime") or {}
     source = runtime.get("path")
+    # (GPU results written before the one writer: "uncommitted_changes")
+    dirty = meta.get("repo_uncommitted_changes", meta.get("uncommitted_changes"))
     if runtime.get("commit"):
         dirty = " + uncommitted changes" if runtime.get("uncommitted_changes") else ""
         source = f"{source} (commit {runtime['commit'][:10]}{dirty})"
@@ -122,13 +134,23 @@ def metadata_markdown(meta: Mapping[str, Any]) -> str:
         (("torch", "torch"), ("vllm", "vLLM"), ("transformers", "transformers")) if key in meta]
     lines = [
         f"- command: `{meta.get('command')}`",
+        *([f"- device: {device_line(meta)}"] if meta.get("device") else []),
         f"- machine: {meta.get('machine')}, {meta.get('cpus')} CPUs; " + ", ".join(versions),
         f"- repository commit: {meta.get('repo_commit')}"
-        f"{' + uncommitted changes' if meta.get('repo_uncommitted_changes') else ''}; "
-        f"vllm_infinigen from {source}",
+        f"{' + uncommitted changes' if dirty else ''}"
+        + (f"; vllm_infinigen from {source}" if source else ""),
         f"- date (UTC): {meta.get('date_utc')}",
     ]
     return "\n".join(lines)
+
+
+def device_line(meta: Mapping[str, Any]) -> str:
+    """The accelerator of a run (``benchmarks.gpu.results.device_description``)."""
+    details = [f"{meta[key]} {label}" for key, label in
+               (("sm_count", "SMs"), ("memory_GiB", "GiB")) if meta.get(key)]
+    details += [f"{label} {meta[key]}" for key, label in
+                (("torch_cuda", "CUDA"), ("triton", "Triton")) if meta.get(key)]
+    return f"{meta['device']}" + (f" ({', '.join(details)})" if details else "")
 
 
 def read_results(out: Path) -> tuple[dict[str, Any], dict[str, Any], Any]:

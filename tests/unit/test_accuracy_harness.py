@@ -329,6 +329,24 @@ def test_run_metadata_names_versions_and_runtime():
     assert meta["runtime"]["path"].endswith("vllm_infinigen")
 
 
+def test_gpu_runs_share_the_one_provenance_writer(tmp_path, monkeypatch):
+    """A GPU benchmark's metadata is ``source_metadata``'s plus the device; on a
+    lent machine whose .git is a stale copy, ``INFINIGEN_COMMIT`` names the
+    commit; its Markdown names the device above the machine."""
+    from benchmarks.gpu.results import gpu_run_metadata
+
+    monkeypatch.setenv("INFINIGEN_COMMIT", "abc1234")
+    meta = gpu_run_metadata(shape="TINY")
+    assert meta["repo_commit"] == "abc1234" and meta["repo_uncommitted_changes"] is False
+    assert meta["device"] and meta["torch"] and meta["shape"] == "TINY"
+    _, md_path = report.write_results(tmp_path / "gpu", {**meta, "device": "H200",
+                                                          "sm_count": 132}, "T", {}, {}, [])
+    lines = md_path.read_text().splitlines()
+    device = next(i for i, line in enumerate(lines) if line.startswith("- device: H200 (132 SMs"))
+    assert lines[device + 1].startswith("- machine: ")
+    assert "- repository commit: abc1234;" in md_path.read_text()
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason=MATPLOTLIB_EXTRA)
     panel = report.Panel("t", "acc", {"infinigen": [(0.2, 0.9), (0.05, 0.5)]}, {"dense": 1.0})
