@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.harness import models, paths
 from benchmarks.perf import (bandwidth, decode_latency, decode_report, decode_windows,
-                             gpu_projection, kv_math, latency_stats, machine,
+                             kv_math, latency_stats, machine,
                              memory_pressure)
 from vllm_infinigen import layout
 from vllm_infinigen.config import InfiniGenConfig
@@ -214,78 +214,6 @@ def test_root_cause_skips_the_wrapper_error():
     assert memory_pressure.root_cause(log) == (
         "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs")
     assert memory_pressure.root_cause("all fine") is None
-
-
-def test_gpu_projection_bytes_and_times():
-    setting = gpu_projection.PAPER_SETTING
-    # OPT-13B fp16: K+V per token per layer = 2 x 5120 x 2 bytes.
-    assert setting.kv_bytes_per_token_layer == 20480
-    # Full KV of batch 20 at 1984 tokens (mid-generation), 40 layers.
-    full = gpu_projection.kv_bytes(setting, context=1984)
-    assert full == 20 * 1984 * 40 * 20480
-    parts = gpu_projection.infinigen_step_bytes(setting, context=1984, selected_fraction=0.2)
-    sparse_full = full * 38 / 40
-    assert parts["pcie"] == pytest.approx(0.2 * sparse_full)
-    # Partial keys: r of K = r/2 of K+V of every sparse layer, read from HBM.
-    assert parts["hbm_partial"] == pytest.approx(0.1 * sparse_full)
-    # 2 dense layers: full K/V (in vLLM's device KV cache, not over PCIe).
-    assert parts["dense_layers"] == pytest.approx(full * 2 / 40)
-    time_s = gpu_projection.transfer_seconds(12e9, 12e9)
-    assert time_s == pytest.approx(1.0)
-
-
-def test_gpu_projection_reproduces_the_measured_pcie_bound():
-    # Llama-3.1-8B attention: 8 KV heads x 128 in bf16 = 4 KiB of K+V per token and layer.
-    assert gpu_projection.H100_SHAPE.kv_bytes_per_token_layer == 4096
-    rows = gpu_projection.measured_rows()
-    assert [(r["batch"], r["context"]) for r in rows] == [
-        (1, 32768), (1, 131072), (8, 32768), (8, 131072)]
-    for row in rows:
-        kept = 0.2 * row["batch"] * row["context"] * 32 * 4096
-        assert row["kept_gb"] == pytest.approx(kept / 1e9)
-        assert row["pcie_bound_ms"] == pytest.approx(kept / 55.1e9 * 1000)
-        # The external document's bound column, from the same bytes and rate.
-        assert row["pcie_bound_ms"] == pytest.approx(row["doc_pcie_bound_ms"], rel=1e-3)
-        assert row["token_over_bound"] > 1  # no measured step beats the bus
-    first = rows[0]
-    assert first["token_speedup_vs_full_offload"] == pytest.approx(78.1 / 17.8)
-    assert first["token_speed_vs_dense"] == pytest.approx(7.8 / 17.8)
-    assert rows[-1]["token_speed_vs_dense"] is None and not rows[-1]["dense_fits"]
-
-
-def test_gpu_projection_plugin_layout_on_the_measured_gpu():
-    rows = gpu_projection.plugin_rows({"f": 0.2})
-    row = next(r for r in rows if (r["batch"], r["context"]) == (1, 32768))
-    sparse_full = 32768 * 30 * 4096  # 2 of 32 layers dense, on the device
-    assert row["pcie_gb"] == pytest.approx(0.2 * sparse_full / 1e9)
-    rate = 0.2 * 32768 * 32 * 4096 / 17.8e-3  # end to end, the measured token step
-    assert row["transfer_ms"] == pytest.approx(0.2 * sparse_full / rate * 1000)
-    # GEMMs (dense step - 32 dense layers) + 2 dense layers + 30 x (score, top-k, attend).
-    assert row["compute_ms"] == pytest.approx(7.8 - 30 * 0.064 + 30 * (0.031 + 0.076 + 0.034))
-    assert row["step_ms"] == max(row["transfer_ms"], row["compute_ms"])
-    assert row["break_even_fraction"] == pytest.approx(7.8e-3 * rate / sparse_full)
-    assert row["speed_vs_dense"] < 1  # slower than dense where dense fits
-    largest = next(r for r in rows if (r["batch"], r["context"]) == (8, 131072))
-    assert largest["dense_ms"] is None and largest["speed_vs_dense"] is None
-    assert largest["dense_device_gb"] > 80 > largest["device_gb"]  # only sparse fits
-
-
-def test_gpu_projection_writes_its_provenance_without_torch(tmp_path):
-    import subprocess
-    import sys
-
-    out = tmp_path / "gpu_projection"
-    code = ("import sys; from benchmarks.perf import gpu_projection as g; "
-            f"g.main(['--out', {str(out)!r}]); assert 'torch' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], cwd=paths.REPO, check=True,
-                   capture_output=True, timeout=120)
-    data = json.loads(out.with_suffix(".json").read_text())
-    for key in ("command", "date_utc", "machine", "repo_commit"):
-        assert data["meta"][key]
-    assert "external measurements" in data["meta"]["inputs"]
-    markdown = out.with_suffix(".md").read_text()
-    assert "shared/prototypes/gpu-data-path" in markdown
-    assert "- repository commit: " in markdown and "- date (UTC): " in markdown
 
 
 def test_cpu_meter_counts_our_time_and_never_negative_others():
