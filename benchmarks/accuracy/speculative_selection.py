@@ -12,7 +12,7 @@ fraction). ``rerank`` m > 0 adds a second pass: the
 form's top min(m x k, context) candidates are re-scored with the full keys and
 the best k of them kept (k from the first pass). ``block_size`` > 0 selects
 whole blocks instead, as a device block cache would
-(``vllm_infinigen.platforms.cuda.block_selection``): a block scores its best
+(``vllm_infinigen.platforms.cuda.kernels.block_rule``): a block scores its best
 token, k rounds up to blocks, and the first block and the row's own are kept.
 ``recent_tokens`` r > 0 keeps each row's last r context tokens on top of its k,
 as ``--infinigen-recent-tokens`` does (``recent_window``).
@@ -67,15 +67,15 @@ def block_mask(scores: torch.Tensor, positions: torch.Tensor, num_chosen: torch.
                block_size: int) -> torch.Tensor:
     """[H, n, T] bool: the context tokens of the blocks the block-granular rule keeps
     (scores [H, n, T]; ``num_chosen`` [n] the rule's k in tokens)."""
-    from vllm_infinigen.platforms.cuda import block_selection
+    from vllm_infinigen.platforms.cuda.kernels import block_rule
 
     num_heads, num_rows, num_tokens = scores.shape
     padded = -(-num_tokens // block_size) * block_size + block_size  # room for the own block
     token_scores = torch.full((num_rows, num_heads, padded), float("-inf"))
     token_scores[..., :num_tokens] = scores.permute(1, 0, 2)
-    blocks = block_selection.block_scores(token_scores, positions, block_size)
-    chosen = block_selection.select_blocks(blocks, positions, num_chosen,
-                                           block_size=block_size, width=blocks.shape[-1])
+    blocks = block_rule.block_scores(token_scores, positions, block_size)
+    chosen = block_rule.select_blocks(blocks, positions, num_chosen,
+                                      block_size=block_size, width=blocks.shape[-1])
     kept = torch.zeros((num_rows, num_heads, blocks.shape[-1] + 1), dtype=torch.bool)
     kept.scatter_(-1, chosen.logical.clamp(min=-1) % (blocks.shape[-1] + 1),
                   chosen.logical >= 0)

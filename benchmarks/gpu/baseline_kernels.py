@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_infinigen.platforms.cuda import triton_scoring
+from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
 
 @triton.jit

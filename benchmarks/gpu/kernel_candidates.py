@@ -28,7 +28,7 @@ SCORING = (("sums", 64, 4, None), ("sums", 32, 4, None), ("sums", 64, 8, None),
            ("dot", 64, 4, "tf32x3"), ("dot", 32, 4, "tf32x3"), ("dot", 64, 4, "tf32"),
            ("dot", 64, 4, "fp16"), ("dot", 128, 8, "fp16"))
 # Each form against the float64 reference of the operands it multiplies (float16 for
-# "fp16", float32 else: ``block_selection.int_token_scores``' operands), and the
+# "fp16", float32 else: ``block_rule.int_token_scores``' operands), and the
 # tolerance: one TF32 product rounds its float32 operands to 10 bits (~1e-3 off).
 OPERANDS = {None: None, "tf32x3": None, "tf32": None, "fp16": "float16"}
 TOLERANCE = {None: 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "fp16": 1e-4}
@@ -64,13 +64,13 @@ def _agrees(torch, got, expected, tolerance=1e-4) -> tuple[bool, float]:
 def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen):
     """Each candidate's rows: checked on the device, then timed."""
     from benchmarks.gpu.kernel_limits import timed
-    from vllm_infinigen.platforms.cuda import block_selection, triton_scoring
+    from vllm_infinigen.platforms.cuda.kernels import block_rule, triton_scoring
 
     out = []
     for rows in rows_list:
         query, codes, scales, table, lens = _int_case(torch, device, rows=rows, bits=bits,
                                                       gen=gen, **sizes)
-        references = {operands: block_selection.int_token_scores(
+        references = {operands: block_rule.int_token_scores(
             query, codes, scales, table, lens, scale=0.09, compute_dtype=torch.float64,
             operands=getattr(torch, operands) if operands else None)
             for operands in set(OPERANDS.values())}
@@ -91,7 +91,7 @@ def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen
                 tokens.fill_(7.0)
                 launch()
                 ok, error = _agrees(torch, tokens, expected, tolerance)
-                ok_blocks, _ = _agrees(torch, blocks, block_selection.block_scores(
+                ok_blocks, _ = _agrees(torch, blocks, block_rule.block_scores(
                     expected, lens, 16), tolerance)
                 row.update(correct=ok and ok_blocks, max_abs_error=error)
                 if row["correct"]:
@@ -107,7 +107,8 @@ def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen
 def select_rows(torch, device, context: int, heads: int, rows_list, gen):
     """The chunked and the register-resident threshold search, checked, then timed."""
     from benchmarks.gpu.kernel_limits import timed
-    from vllm_infinigen.platforms.cuda import select_ops, triton_select
+    from vllm_infinigen.platforms.cuda import kernels
+    from vllm_infinigen.platforms.cuda.kernels import block_rule, triton_select
 
     out = []
     blocks = context // 16 + 1
@@ -116,10 +117,10 @@ def select_rows(torch, device, context: int, heads: int, rows_list, gen):
         table = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
         lens = torch.full((rows,), context, device=device)
         counts = torch.full((rows * heads,), context, dtype=torch.int32, device=device)
-        settings = select_ops.settings_tensor(5.0, 0.2, 0, device)
-        width = select_ops.selection_width(blocks, 16, budget=0.2, min_context=0,
-                                           sink_blocks=1, recent_blocks=1)
-        expected = select_ops.select_reference(scores, counts, lens, table, settings,
+        settings = kernels.settings_tensor(5.0, 0.2, 0, device)
+        width = kernels.static_width(blocks, 16, budget=0.2, min_context=0,
+                                     sink_blocks=1, recent_blocks=1)
+        expected = block_rule.select_reference(scores, counts, lens, table, settings,
                                                 block_size=16, width=width, sink_blocks=1,
                                                 recent_blocks=1)
         got = tuple(torch.empty_like(part) for part in expected)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_infinigen.layout import KEY_GROUP, int_key_bits
-from vllm_infinigen.platforms.cuda import kernels, select_ops
+from vllm_infinigen.platforms.cuda import kernels
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 
 
@@ -150,30 +150,30 @@ def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32
     context_lens = torch.tensor([context], device=device)
     key_bytes = codes.numel() + scales.numel() * 2
     rows.append(_row("int_scores", key_bytes, timed(
-        lambda: select_ops.int_scores(speculation, codes, scales, block_table, context_lens,
-                                      scale=scale), device)))
+        lambda: kernels.int_scores(speculation, codes, scales, block_table, context_lens,
+                                   scale=scale), device)))
     if device.type == "cuda":
         rows.extend(_int_scores_rows(codes, scales, speculation, context, block, scale, gen))
-    tokens, block_scores = select_ops.int_scores(speculation, codes, scales, block_table,
-                                                 context_lens, scale=scale)
-    settings = select_ops.settings_tensor(5.0, budget, 0, device)
-    counts = select_ops.alpha_counts(tokens, block_scores, context_lens, settings,
-                                     block_size=block)
-    width = select_ops.selection_width(blocks, block, budget=budget, min_context=0,
-                                       sink_blocks=1, recent_blocks=1)
+    tokens, block_scores = kernels.int_scores(speculation, codes, scales, block_table,
+                                              context_lens, scale=scale)
+    settings = kernels.settings_tensor(5.0, budget, 0, device)
+    counts = kernels.alpha_counts(tokens, block_scores, context_lens, settings,
+                                  block_size=block)
+    width = kernels.static_width(blocks, block, budget=budget, min_context=0,
+                                 sink_blocks=1, recent_blocks=1)
     rows.append(_row("alpha_counts", tokens.numel() * 4, timed(
-        lambda: select_ops.alpha_counts(tokens, block_scores, context_lens, settings,
-                                        block_size=block), device)))
+        lambda: kernels.alpha_counts(tokens, block_scores, context_lens, settings,
+                                     block_size=block), device)))
     counts = torch.full_like(counts, context)  # the budget binds: the widest selection
     rows.append(_row("select", block_scores.numel() * 4, timed(
-        lambda: select_ops.select(block_scores, counts, context_lens, block_table, settings,
-                                  block_size=block, width=width, sink_blocks=1,
-                                  recent_blocks=1), device), width=width))
+        lambda: kernels.select(block_scores, counts, context_lens, block_table, settings,
+                               block_size=block, width=width, sink_blocks=1,
+                               recent_blocks=1), device), width=width))
     if device.type == "cuda":
         rows.extend(_select_rows(block_scores, counts, context_lens, settings, width, block))
-    _, physical, selected = select_ops.select(block_scores, counts, context_lens, block_table,
-                                              settings, block_size=block, width=width,
-                                              sink_blocks=1, recent_blocks=1)
+    _, physical, selected = kernels.select(block_scores, counts, context_lens, block_table,
+                                           settings, block_size=block, width=width,
+                                           sink_blocks=1, recent_blocks=1)
     cache = DeviceBlockCache(1, kv_heads, 2 * width, blocks, device)
     rows.append(_row("place (lookup, LRU)", cache.num_units * 8, timed(
         lambda: cache.place(0, physical, selected, context_lens), device)))
@@ -206,10 +206,10 @@ def _int_scores_rows(codes: torch.Tensor, scales: torch.Tensor, speculation: tor
         key_bytes = many_codes.numel() + many_scales.numel() * 2
         if batch > 1:
             out.append(_row(f"int_scores x{batch}", key_bytes, timed(
-                lambda: select_ops.int_scores(query, many_codes, many_scales, table, lens,
-                                              scale=scale), device)))
+                lambda: kernels.int_scores(query, many_codes, many_scales, table, lens,
+                                           scale=scale), device)))
         if device.type == "cuda":  # the exact form (channel sums), against the default
-            from vllm_infinigen.platforms.cuda import triton_scoring
+            from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
             out.append(_row(f"int_scores x{batch}, channel sums (float32, the form before)",
                             key_bytes, timed(
@@ -226,7 +226,7 @@ def _select_rows(block_scores: torch.Tensor, counts: torch.Tensor, context_lens:
                  settings: torch.Tensor, width: int, block: int) -> list[dict[str, Any]]:
     """The block choice at 8 rows, and the chunked threshold search it replaced (each
     pass re-reading the scores) at 1 and 8 rows."""
-    from vllm_infinigen.platforms.cuda import triton_select
+    from vllm_infinigen.platforms.cuda.kernels import triton_select
 
     out, device = [], block_scores.device
     for batch in (1, 8):

@@ -22,7 +22,7 @@ from benchmarks.gpu.variants import Dense, DenseUnits, FullOffload, KVSetup, Str
 from benchmarks.harness import paths
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layout import BOUND_BITS, BOUND_UNIT, KEY_GROUP, int_key_bits
-from vllm_infinigen.platforms.cuda import kernels, select_ops
+from vllm_infinigen.platforms.cuda import kernels
 
 # infinigen_resident: --infinigen-residency device-first before the move (dense
 # attention plus the product's write-through), what a step costs while memory allows.
@@ -38,9 +38,9 @@ MARGIN = 4 << 30  # device memory left free
 
 def product_width(setup: KVSetup, budget: float, budget_tokens: int | None = None) -> int:
     """Blocks per KV head of the product's every selection (its static width)."""
-    return select_ops.selection_width(setup.blocks_per_row, setup.shape.block_size,
-                                      budget=budget, min_context=0, sink_blocks=1,
-                                      recent_blocks=1, budget_tokens=budget_tokens)
+    return kernels.static_width(setup.blocks_per_row, setup.shape.block_size,
+                                budget=budget, min_context=0, sink_blocks=1,
+                                recent_blocks=1, budget_tokens=budget_tokens)
 
 
 def build_variant(name: str, setup: KVSetup, streams: Streams, layers, *, budget: float,

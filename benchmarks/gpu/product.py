@@ -31,7 +31,7 @@ from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.platforms.cuda.data_path import CudaDataPath
-from vllm_infinigen.platforms.cuda.select_ops import selection_of_blocks
+from vllm_infinigen.platforms.cuda.kernels import selection_of_blocks
 from vllm_infinigen.worker.layer_state import LayerSource
 from vllm_infinigen.worker.runtime import InfiniGenRuntime
 

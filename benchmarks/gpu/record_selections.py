@@ -10,7 +10,7 @@ text that follows (book text for gutenberg-llama-2k: Frankenstein, held out
 from its training; a recall prompt's own tokens for recall-llama-12l). At
 every step, for every sparse layer (``--dense-layers`` first layers dense),
 the selection is the one InfiniGen on a GPU would make
-(``vllm_infinigen.platforms.cuda.block_selection``): the query of layer l
+(``vllm_infinigen.platforms.cuda.kernels.block_rule``): the query of layer l
 from layer l-1's attention input (layer l's q_proj, RoPE), scored against
 layer l's speculation keys, best over the query heads of each KV head and
 over each block's tokens; the budget (``--budgets``, each token cap of
@@ -44,7 +44,7 @@ import torch
 from benchmarks.gpu import selection_trace
 from benchmarks.gpu.results import gpu_run_metadata
 from benchmarks.harness import paths, report
-from vllm_infinigen.platforms.cuda import block_selection as rule
+from vllm_infinigen.platforms.cuda.kernels import block_rule as rule
 from vllm_infinigen.platforms.cuda.block_cache import EVICTION_RULES, DeviceBlockCache
 
 MODELS = {
@@ -236,7 +236,7 @@ def record(model_name: str,
         "alpha": "off (the budget binds)" if args.alpha is None else args.alpha,
         "skew_calibration": None if args.keys == "int" else "bundled calibration text"
         if not calibration else "recall prompts 2-3", "sink_blocks": 1, "recent_blocks": 1,
-        "rule": "vllm_infinigen.platforms.cuda.block_selection (speculated from layer l-1)",
+        "rule": "vllm_infinigen.platforms.cuda.kernels.block_rule (speculated from layer l-1)",
         "attention_mass_covered": {b: float(np.mean(v)) for b, v in covered.items()},
     }
     return masks, provenance

@@ -61,7 +61,7 @@ from benchmarks.gpu.measure import (
 from benchmarks.gpu.results import gpu_run_metadata
 from benchmarks.gpu.variants import KVSetup, Streams
 from benchmarks.harness import paths, report
-from vllm_infinigen.platforms.cuda import select_ops
+from vllm_infinigen.platforms.cuda import kernels
 
 DEFAULT_OUT = paths.RESULTS / "gpu_throughput"
 SELF_TEST_OUT = paths.RESULTS / "gpu_throughput_selftest"
@@ -123,7 +123,7 @@ def memory_plan(device_gib: list[float], contexts: list[int], batches: list[int]
             points = {}
             for batch in batches:
                 for selection in selections:
-                    width = select_ops.selection_width(
+                    width = kernels.static_width(
                         blocks, shape.block_size, budget=selection.budget, min_context=0,
                         sink_blocks=1, recent_blocks=1, budget_tokens=selection.cap)
                     points[f"x{batch} {selection.label}"] = next(

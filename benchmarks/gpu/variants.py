@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.gpu.decoder import DecoderShape
 from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.kernels import reference
 
 
 class Streams:
@@ -125,8 +126,8 @@ class Variant:
         """The own token into its block, then attention; [B, H_q * D]."""
         shape, batch = self.shape, self.setup.batch
         heads = batch * shape.num_kv_heads
-        kernels.write_own_tokens(units, table, seq_lens, key.reshape(heads, -1),
-                                 value.reshape(heads, -1))
+        reference.write_own_tokens(units, table, seq_lens, key.reshape(heads, -1),
+                                   value.reshape(heads, -1))
         out = kernels.attend_units(query.reshape(batch, shape.num_heads, shape.head_dim), units,
                                    table, seq_lens, num_kv_heads=shape.num_kv_heads,
                                    scale=shape.scale)

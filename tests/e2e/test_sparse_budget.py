@@ -93,7 +93,7 @@ def test_copy_transfer_selects_and_outputs_the_same(prompts, eager_run):
 def test_the_cuda_data_path_keeps_the_budget_in_whole_blocks(prompts):
     """The CUDA platform's data path (``cuda_path_worker.py``, on CPU tensors)
     in a real engine: each row keeps its budget rounded up to whole blocks
-    plus its first and own blocks (``block_selection.window_blocks``), fills
+    plus its first and own blocks (``kernels.window_blocks``), fills
     its block cache from the pool, and still writes story text. vLLM's CPU
     blocks are 128 tokens: a row of 400-508 context tokens has 4 blocks and
     keeps 3 (0.2 x 508 < 128), so it leaves out one whole block. No recent

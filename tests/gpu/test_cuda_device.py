@@ -13,7 +13,9 @@ from tests.reference.cuda_kernel_cases import attention_case, fetch_case
 from tests.reference.device_step import DecodeStep, config
 from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
 from tests.reference.int_key_pools import Pool
-from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops
+from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.kernels import block_rule
+from vllm_infinigen.platforms.cuda.kernels import reference as cuda_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -37,35 +39,35 @@ def test_int_scores_alpha_counts_and_select_equal_the_references(bits, dtype):
     context_lens = pool.context_lens.clone()
     context_lens[2] = -1  # a padding row
     query = torch.randn(4, 2, 4, 128, generator=torch.Generator().manual_seed(8))
-    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                              context_lens, scale=0.09)
-    blocks = block_selection.block_scores(tokens, context_lens, POOL_BLOCK)
+    tokens = block_rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                         context_lens, scale=0.09)
+    blocks = block_rule.block_scores(tokens, context_lens, POOL_BLOCK)
     on = {name: value.to(CUDA) for name, value in (
         ("query", query), ("codes", pool.codes), ("scales", pool.scales),
         ("table", pool.block_table), ("context", context_lens))}
-    got_tokens, got_blocks = select_ops.int_scores(on["query"], on["codes"], on["scales"],
-                                                   on["table"], on["context"], scale=0.09)
+    got_tokens, got_blocks = kernels.int_scores(on["query"], on["codes"], on["scales"],
+                                                on["table"], on["context"], scale=0.09)
     _close(got_tokens, tokens)
     _close(got_blocks, blocks)
     # The exact form (float32 channel sums) against the float32 torch form.
-    from vllm_infinigen.platforms.cuda import triton_scoring
+    from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
-    exact = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                             context_lens, scale=0.09, operands=None)
+    exact = block_rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                        context_lens, scale=0.09, operands=None)
     got_exact = torch.empty(exact.shape, device=CUDA)
     triton_scoring.int_scores(on["query"], on["codes"], on["scales"], on["table"],
                               on["context"], got_exact, None, scale=0.09, method="sums")
     _close(got_exact, exact)
-    settings = select_ops.settings_tensor(2.0, 0.3, 0, "cpu")
-    counts = select_ops.alpha_counts(tokens, blocks, context_lens, settings, block_size=POOL_BLOCK)
-    got_counts = select_ops.alpha_counts(got_tokens, got_blocks, on["context"],
-                                         settings.to(CUDA), block_size=POOL_BLOCK)
+    settings = kernels.settings_tensor(2.0, 0.3, 0, "cpu")
+    counts = kernels.alpha_counts(tokens, blocks, context_lens, settings, block_size=POOL_BLOCK)
+    got_counts = kernels.alpha_counts(got_tokens, got_blocks, on["context"],
+                                      settings.to(CUDA), block_size=POOL_BLOCK)
     assert torch.equal(got_counts.cpu(), counts)
-    expected = select_ops.select(blocks, counts, context_lens, pool.block_table, settings,
-                                 block_size=POOL_BLOCK, width=3, sink_blocks=1, recent_blocks=1)
-    got = select_ops.select(blocks.to(CUDA), counts.to(CUDA), on["context"], on["table"],
-                            settings.to(CUDA), block_size=POOL_BLOCK, width=3, sink_blocks=1,
-                            recent_blocks=1)
+    expected = kernels.select(blocks, counts, context_lens, pool.block_table, settings,
+                              block_size=POOL_BLOCK, width=3, sink_blocks=1, recent_blocks=1)
+    got = kernels.select(blocks.to(CUDA), counts.to(CUDA), on["context"], on["table"],
+                         settings.to(CUDA), block_size=POOL_BLOCK, width=3, sink_blocks=1,
+                         recent_blocks=1)
     for part, reference in zip(got, expected):
         assert torch.equal(part.cpu(), reference)
 
@@ -77,22 +79,22 @@ def test_the_data_paths_gated_scoring_and_counts_equal_the_references(bits, dtyp
     pool = Pool(seed=5, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
                 context_lens=[95, 16, 7, 64])
     query = torch.randn(4, 2, 4, 128, generator=torch.Generator().manual_seed(3))
-    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                              pool.context_lens, scale=0.09)
-    blocks = block_selection.block_scores(tokens, pool.context_lens, POOL_BLOCK)
+    tokens = block_rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                         pool.context_lens, scale=0.09)
+    blocks = block_rule.block_scores(tokens, pool.context_lens, POOL_BLOCK)
     for alpha in (float("inf"), 2.0):
-        settings = select_ops.settings_tensor(alpha, 0.3, 0, "cpu")
-        got_tokens, got_blocks = select_ops.int_scores(
+        settings = kernels.settings_tensor(alpha, 0.3, 0, "cpu")
+        got_tokens, got_blocks = kernels.int_scores(
             query.to(CUDA), pool.codes.to(CUDA), pool.scales.to(CUDA),
             pool.block_table.to(CUDA), pool.context_lens.to(CUDA), scale=0.09,
             settings=settings.to(CUDA))
         _close(got_blocks, blocks)
         if alpha < float("inf"):
             _close(got_tokens, tokens)
-        got_counts = select_ops.alpha_counts(got_tokens, got_blocks, pool.context_lens.to(CUDA),
-                                             settings.to(CUDA), block_size=POOL_BLOCK)
-        counts = select_ops.alpha_counts(tokens, blocks, pool.context_lens, settings,
-                                         block_size=POOL_BLOCK)
+        got_counts = kernels.alpha_counts(got_tokens, got_blocks, pool.context_lens.to(CUDA),
+                                          settings.to(CUDA), block_size=POOL_BLOCK)
+        counts = kernels.alpha_counts(tokens, blocks, pool.context_lens, settings,
+                                      block_size=POOL_BLOCK)
         assert torch.equal(got_counts.cpu(), counts)
 
 
@@ -102,7 +104,6 @@ def test_bound_kernels_equal_the_references(bits, dtype):
     kernels' bytes, ``bound_scores`` the torch form's unit and block scores,
     ``unit_counts`` its alpha counts."""
     from tests.reference.bound_pools import BLOCK, BoundPool
-    from vllm_infinigen.platforms.cuda import bound_selection
 
     pool = BoundPool(seed=7, unit=16, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
                      context_lens=[230, 16, 7, 64])
@@ -118,15 +119,15 @@ def test_bound_kernels_equal_the_references(bits, dtype):
     query = query.float()
     context = torch.cat([pool.context_lens, torch.tensor([-1])])  # a padding row
     table = torch.cat([pool.block_table, pool.block_table[:1]]).contiguous()
-    units, blocks = select_ops.bound_scores(query.to(CUDA), bounds, scales, table.to(CUDA),
-                                            context.to(CUDA), scale=0.25, block_size=BLOCK)
-    want = bound_selection.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
-                                             scale=0.25, block_size=BLOCK)
+    units, blocks = kernels.bound_scores(query.to(CUDA), bounds, scales, table.to(CUDA),
+                                         context.to(CUDA), scale=0.25, block_size=BLOCK)
+    want = block_rule.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
+                                        scale=0.25, block_size=BLOCK)
     _close(units, want)
-    _close(blocks, bound_selection.unit_block_scores(want, BLOCK // 16))
-    settings = select_ops.settings_tensor(2.0, 0.2, 0, "cpu")
-    counts = select_ops.unit_counts(units, settings.to(CUDA), unit=16)
-    assert torch.equal(counts.cpu(), bound_selection.unit_alpha_counts(want, settings[0], 16))
+    _close(blocks, block_rule.unit_block_scores(want, BLOCK // 16))
+    settings = kernels.settings_tensor(2.0, 0.2, 0, "cpu")
+    counts = kernels.unit_counts(units, settings.to(CUDA), unit=16)
+    assert torch.equal(counts.cpu(), block_rule.unit_alpha_counts(want, settings[0], 16))
 
 
 def test_lookup_lru_equals_the_reference_over_steps():
@@ -164,14 +165,14 @@ def test_gather_from_a_pinned_pool_and_attention_equal_the_references(dtype):
     pinned = host_pool.allocate_host_pool(6, 2, 4, 8, dtype)
     pinned.tensor.copy_(pool)
     expected = cache.clone()
-    kernels.gather_units_reference(pool, expected, units, slots, count)
+    cuda_reference.gather_units_reference(pool, expected, units, slots, count)
     got = cache.to(CUDA)
     kernels.gather_units(pinned.tensor, got, units.to(CUDA), slots.to(CUDA), count.to(CUDA))
     assert torch.equal(got[:-1].cpu(), expected[:-1])
     pinned.close()
     query, units, table, seq_lens = attention_case()
-    expected = kernels.attend_units_reference(query, units.to(dtype), table, seq_lens,
-                                              num_kv_heads=1, scale=0.3)
+    expected = cuda_reference.attend_units_reference(query, units.to(dtype), table, seq_lens,
+                                                     num_kv_heads=1, scale=0.3)
     got = kernels.attend_units(query.to(CUDA), units.to(dtype).to(CUDA), table.to(CUDA),
                                seq_lens.to(CUDA), num_kv_heads=1, scale=0.3).cpu()
     if dtype == torch.float32:
@@ -240,8 +241,8 @@ def test_prompt_attention_equals_the_reference(dtype, first, rows):
     units = torch.randn(kv_heads * blocks, block, 2 * head_size, generator=gen).to(dtype)
     table = torch.randperm(kv_heads * blocks, generator=gen).view(kv_heads, blocks)
     query = torch.randn(rows, kv_heads * group, head_size, generator=gen).to(dtype)
-    expected = kernels.attend_prompt_units_reference(query, units, table, first=first,
-                                                     seq_len=seq_len, scale=0.088)
+    expected = cuda_reference.attend_prompt_units_reference(query, units, table, first=first,
+                                                            seq_len=seq_len, scale=0.088)
     got = kernels.attend_prompt_units(query.to(CUDA), units.to(CUDA), table.to(CUDA),
                                       first=first, seq_len=seq_len, scale=0.088)
     tolerance = 2e-3 if dtype == torch.float32 else 3e-2

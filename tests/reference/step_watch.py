@@ -17,12 +17,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_infinigen.platforms.cuda import kernels, select_ops
+from vllm_infinigen.platforms.cuda import kernels
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 
 # (module or class, function name): each one kernel launch on CUDA.
-KERNELS = ((select_ops, "int_scores"), (select_ops, "alpha_counts"), (select_ops, "select"),
-           (select_ops, "bound_scores"), (select_ops, "unit_counts"),
+KERNELS = ((kernels, "int_scores"), (kernels, "alpha_counts"), (kernels, "select"),
+           (kernels, "bound_scores"), (kernels, "unit_counts"),
            (DeviceBlockCache, "place"), (kernels, "gather_units"), (kernels, "write_tokens"),
            (kernels, "encode_groups"), (kernels, "encode_bounds"), (kernels, "attend_units"))
 # Ops that read step data back to the host (a device sync on CUDA), or that size

@@ -11,7 +11,8 @@ from tests.reference import bounds as reference
 from tests.reference.bound_pools import BLOCK, BoundPool
 from tests.reference.layouts import present_of
 from vllm_infinigen.platforms.cpu import kernels
-from vllm_infinigen.platforms.cuda import bound_selection, writes
+from vllm_infinigen.platforms.cuda.kernels import block_rule
+from vllm_infinigen.platforms.cuda.kernels import reference as cuda_reference
 from vllm_infinigen.worker.step_plan import token_budget
 
 @pytest.mark.parametrize("unit", [16, 32])
@@ -146,22 +147,22 @@ def test_short_path_writes_the_bounds_as_the_write_kernel(bits):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("unit", [16, 32])
 def test_cuda_torch_forms_equal_the_cpu_kernels(bits, unit):
-    """The CUDA platform's torch encoding (``writes.write_bounds``) writes the CPU
-    kernel's bytes, and its unit scores (``bound_selection.bound_unit_scores``)
+    """The CUDA platform's torch encoding (``kernels.reference.write_bounds``) writes
+    the CPU kernel's bytes, and its unit scores (``block_rule.bound_unit_scores``)
     are the CPU kernel's, -inf past each row's complete units and for padding."""
     pool = BoundPool(seed=7, unit=unit, bits=bits, dtype=torch.bfloat16, num_kv_heads=2,
                      head_size=40, context_lens=[230, 16, 7, 64])
     bounds, scales = torch.zeros_like(pool.bounds), torch.zeros_like(pool.scales)
     for row in range(len(pool.context_lens)):
         slots = pool.slots_of(row)
-        writes.write_bounds(bounds, scales, pool.kv_pool, slots)
+        cuda_reference.write_bounds(bounds, scales, pool.kv_pool, slots)
     assert torch.equal(bounds, pool.bounds) and torch.equal(scales, pool.scales)
     gen = torch.Generator().manual_seed(2)
     query = torch.randint(-3, 4, (5, 2, 3, 40), generator=gen).float()
     context = torch.cat([pool.context_lens, torch.tensor([-1])])  # a padding row
     table = torch.cat([pool.block_table, pool.block_table[:1]])
-    got = bound_selection.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
-                                            scale=0.25, block_size=BLOCK)
+    got = block_rule.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
+                                       scale=0.25, block_size=BLOCK)
     codes, unit_scales = reference.unit_codes(pool.kv_pool, table, int(context.max()), unit,
                                               bits)
     for row in range(5):
@@ -172,8 +173,8 @@ def test_cuda_torch_forms_equal_the_cpu_kernels(bits, unit):
                                          unit_scales[row, :complete], bits, 0.25)
             torch.testing.assert_close(got[row, :, :complete], want, rtol=1e-6, atol=0)
         assert bool((got[row, :, complete:] == float("-inf")).all())
-    blocks = bound_selection.unit_block_scores(got, BLOCK // unit)
+    blocks = block_rule.unit_block_scores(got, BLOCK // unit)
     assert torch.equal(blocks, got.view(5, 2, -1, BLOCK // unit).amax(dim=-1))
-    counts = bound_selection.unit_alpha_counts(got[:4], torch.tensor(float("inf")), unit)
+    counts = block_rule.unit_alpha_counts(got[:4], torch.tensor(float("inf")), unit)
     assert counts.tolist() == [n // unit * unit for n in pool.context_lens.tolist()
                                for _ in range(2)]

@@ -40,7 +40,7 @@ def test_the_benchmark_drives_the_products_runtime_and_data_path():
     assert product.Product.__init__.__code__.co_names.count("InfiniGenRuntime") == 1
     assert product.Product.__init__.__code__.co_names.count("CudaDataPath") == 1
     assert product.InfiniGenRuntime is InfiniGenRuntime and product.CudaDataPath is CudaDataPath
-    assert not {"InfiniGen", "DeviceBlockCache", "block_selection"} & set(vars(variants))
+    assert not {"InfiniGen", "DeviceBlockCache", "block_rule"} & set(vars(variants))
 
 
 def test_the_recorded_trace_loads_with_its_provenance():

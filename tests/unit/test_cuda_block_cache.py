@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.kernels import reference
 from vllm_infinigen.scheduler.metrics import COUNTERS
 from vllm_infinigen.platforms.cuda.block_cache import (
     CACHE_COUNTERS,
@@ -153,7 +154,7 @@ def test_new_tokens_reach_the_cached_copy_of_their_block():
     flat = cache.cached_token_slots(0, slot_mapping, 4)
     assert flat.tolist() == [[0, 4], [-1, -1], [-1, -1]]
     key, value = torch.ones(3, 2, 3), torch.full((3, 2, 3), 2.0)
-    kernels.write_cached_tokens(units, flat, slot_mapping, key, value)
+    reference.write_cached_tokens(units, flat, slot_mapping, key, value)
     assert units[0, 2].tolist() == [1, 1, 1, 2, 2, 2]
     assert units[4, 2].tolist() == [1, 1, 1, 2, 2, 2]
     assert units[:-1].sum() == 2 * 9  # nothing else written but the scratch unit
@@ -179,7 +180,7 @@ def test_attention_over_cached_blocks_equals_attention_over_the_selected_tokens(
         kernels.gather_units(pool, units, got.fetch_units, got.fetch_slots, got.num_fetch)
         seq_table, seq_lens = substitute_block_table(got.slots, torch.tensor([context] * 2), block)
         key, value = torch.randn(2 * heads, dim), torch.randn(2 * heads, dim)
-        kernels.write_own_tokens(units, seq_table, seq_lens, key, value)
+        reference.write_own_tokens(units, seq_table, seq_lens, key, value)
         query = torch.randn(2 * heads, group, dim)
         out = kernels.attend_units(query, units, seq_table, seq_lens, num_kv_heads=1,
                                    scale=0.35)

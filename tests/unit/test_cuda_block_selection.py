@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from vllm_infinigen.platforms.cuda import block_selection as rule
+from vllm_infinigen.platforms.cuda.kernels import block_rule as rule
+from vllm_infinigen.platforms.cuda.kernels import widths
 
 BLOCK = 4
 
@@ -69,8 +70,8 @@ def test_select_blocks_matches_the_loop_reference(sink, recent):
     torch.manual_seed(1)
     context_lens, caps = [3, 17, 30, 45], [1, 5, 9, 13]
     scores = torch.randn(4, 3, 12)
-    width = rule.selection_width(context_lens, caps, BLOCK, sink_blocks=sink,
-                                 recent_blocks=recent)
+    width = widths.step_width(context_lens, caps, BLOCK, sink_blocks=sink,
+                              recent_blocks=recent)
     got = rule.select_blocks(scores, torch.tensor(context_lens), torch.tensor(caps),
                              block_size=BLOCK, width=width, sink_blocks=sink,
                              recent_blocks=recent)
@@ -121,9 +122,9 @@ def test_alpha_caps_count_tokens_within_alpha_of_each_heads_best():
     assert rule.alpha_token_caps(scores, torch.tensor([4]), 5.0, torch.tensor([1])).tolist() == [1]
 
 
-def test_selection_width_bounds_every_row_and_is_reached():
+def test_step_width_bounds_every_row_and_is_reached():
     context_lens, caps = [3, 17, 60], [1, 3, 12]
-    width = rule.selection_width(context_lens, caps, BLOCK, sink_blocks=1, recent_blocks=1)
+    width = widths.step_width(context_lens, caps, BLOCK, sink_blocks=1, recent_blocks=1)
     got = rule.select_blocks(torch.randn(3, 1, 16), torch.tensor(context_lens),
                              torch.tensor(caps), block_size=BLOCK, width=width)
     assert int(got.num_selected.max()) == width == 5  # 3 blocks for 12 tokens + 2 forced
@@ -214,13 +215,13 @@ def test_the_block_rule_over_int_key_scores_equals_a_loop(sink, recent):
     scores = rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
                                    pool.context_lens, scale=0.25)
     caps = [max(1, int(n * 0.1)) for n in contexts]
-    sink_blocks, recent_blocks = rule.window_blocks(sink, recent, POOL_BLOCK)
+    sink_blocks, recent_blocks = widths.window_blocks(sink, recent, POOL_BLOCK)
     chosen = rule.select_blocks(
         rule.block_scores(scores, pool.context_lens, POOL_BLOCK), pool.context_lens,
         rule.alpha_token_caps(scores, pool.context_lens, 2.0, torch.tensor(caps)),
         block_size=POOL_BLOCK, sink_blocks=sink_blocks, recent_blocks=recent_blocks,
-        width=rule.selection_width(contexts, caps, POOL_BLOCK, sink_blocks=sink_blocks,
-                                   recent_blocks=recent_blocks))
+        width=widths.step_width(contexts, caps, POOL_BLOCK, sink_blocks=sink_blocks,
+                                recent_blocks=recent_blocks))
     expected = _loop_positions(scores, contexts, caps, 2.0, POOL_BLOCK, sink, recent)
     for (s, h), kept in expected.items():
         blocks = [int(j) for j in chosen.logical[s, h] if j >= 0]

@@ -17,13 +17,14 @@ import torch
 from tests.reference.cuda_kernel_cases import attention_case as _attention_case
 from tests.reference.cuda_kernel_cases import fetch_case as _fetch_case
 from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.kernels import reference
 
-CUDA_DIR = Path(kernels.__file__).parent
+CUDA_DIR = Path(kernels.__file__).parents[1]
 
 
 def test_gather_reference_copies_the_listed_units_only():
     pool, cache, units, slots, count = _fetch_case(torch.float32)
-    kernels.gather_units_reference(pool, cache, units, slots, count)
+    reference.gather_units_reference(pool, cache, units, slots, count)
     flat = pool.view(12, 4, 16)
     for unit, slot in [(1, 3), (4, 0), (7, 5), (10, 2)]:
         assert torch.equal(cache[slot], flat[unit])
@@ -34,7 +35,7 @@ def test_gather_reference_copies_the_listed_units_only():
 def test_gather_reference_takes_one_list_per_head():
     pool, cache, units, slots, _ = _fetch_case(torch.float32)
     lists = torch.stack([units, units.flip(0)]), torch.stack([slots, slots.flip(0)])
-    kernels.gather_units_reference(pool, cache, *lists, torch.tensor([1, 3]))
+    reference.gather_units_reference(pool, cache, *lists, torch.tensor([1, 3]))
     flat = pool.view(12, 4, 16)
     for unit, slot in [(1, 3), (11, 8)]:  # list 0: its first; list 1: -1, -1, (11, 8)
         assert torch.equal(cache[slot], flat[unit])
@@ -43,8 +44,8 @@ def test_gather_reference_takes_one_list_per_head():
 
 def test_attention_reference_is_softmax_over_the_tables_tokens():
     query, units, table, seq_lens = _attention_case()
-    got = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
-                                         scale=0.3)
+    got = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                           scale=0.3)
     for seq in range(3):
         tokens = torch.cat([units[int(u)] for u in table[seq]])[: int(seq_lens[seq])]
         keys, values = tokens[:, :8], tokens[:, 8:]
@@ -57,22 +58,22 @@ def test_attention_reference_pairs_rows_and_kv_heads_and_zeroes_empty_sequences(
     G query heads; a sequence of length 0 (a padding row) gives 0."""
     query, units, table, seq_lens = _attention_case()
     rows = query.reshape(1, 9, 8)[:, :6]  # one row, 2 KV heads x 3 query heads
-    got = kernels.attend_units_reference(rows, units, table[:2], seq_lens[:2], num_kv_heads=2,
-                                         scale=0.3)
-    single = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
-                                            scale=0.3)
+    got = reference.attend_units_reference(rows, units, table[:2], seq_lens[:2], num_kv_heads=2,
+                                           scale=0.3)
+    single = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                              scale=0.3)
     assert torch.allclose(got.view(2, 3, 8), single[:2])
-    empty = kernels.attend_units_reference(query, units, table,
-                                           torch.tensor([0, 5, 0], dtype=torch.int32),
-                                           num_kv_heads=1, scale=0.3)
+    empty = reference.attend_units_reference(query, units, table,
+                                             torch.tensor([0, 5, 0], dtype=torch.int32),
+                                             num_kv_heads=1, scale=0.3)
     assert empty[0].abs().sum() == 0 and empty[2].abs().sum() == 0 and empty[1].abs().sum() > 0
 
 
 def test_own_tokens_land_at_each_sequences_last_position():
     units = torch.zeros(6, 4, 4)
     table = torch.tensor([[5, 2, 0], [1, 3, 0]])
-    kernels.write_own_tokens(units, table, torch.tensor([7, 1]), torch.ones(2, 2),
-                             torch.full((2, 2), 3.0))
+    reference.write_own_tokens(units, table, torch.tensor([7, 1]), torch.ones(2, 2),
+                               torch.full((2, 2), 3.0))
     assert units[2, 2].tolist() == [1, 1, 3, 3]  # position 6: second block, offset 2
     assert units[1, 0].tolist() == [1, 1, 3, 3]
     assert units.sum() == 16
@@ -95,9 +96,9 @@ def test_launch_parameters():
 def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_triton():
     code = (
         "import sys, torch\n"
-        "from vllm_infinigen.platforms.cuda import block_cache, block_selection, host_pool\n"
-        "from vllm_infinigen.platforms.cuda import data_path, select_ops, staged\n"
+        "from vllm_infinigen.platforms.cuda import block_cache, data_path, host_pool, staged\n"
         "from vllm_infinigen.platforms.cuda import kernels\n"
+        "from vllm_infinigen.platforms.cuda.kernels import block_rule, reference, widths\n"
         "u = torch.zeros(3, 4, 8); t = torch.zeros(1, 1, dtype=torch.int32)\n"
         "kernels.gather_units(torch.ones(2, 1, 4, 8), u, torch.tensor([1]), torch.tensor([0]),"
         " torch.tensor([1]))\n"
@@ -108,8 +109,7 @@ def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_tr
         "c = torch.zeros(2, 1, 1, 4, 8, dtype=torch.uint8)\n"
         "kernels.encode_groups(c, torch.zeros(2, 1, 1, 4, dtype=torch.float16), p, s)\n"
         "assert p[0, 0].sum() == 128 and c.any()\n"
-        "assert 'vllm_infinigen.platforms.cuda.triton_kernels' not in sys.modules\n"
-        "assert 'vllm_infinigen.platforms.cuda.triton_select' not in sys.modules\n"
+        "assert not [m for m in sys.modules if '.cuda.kernels.triton_' in m]\n"
         "assert not torch.cuda.is_initialized()\n"
         "print('ok')\n"
     )

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The device-only selection and cache placement on CPU tensors: the kernels' torch
-references (``select_ops``, ``place_reference``) against InfiniGen's block rule in torch
-(``block_selection``) and the cache's lookup; the Triton kernels are held to these
+references (``kernels.select``, ``place_lru``) against InfiniGen's block rule in torch
+(``block_rule.select_blocks``) and the cache's lookup; the Triton kernels are held to these
 references in Triton's interpreter (``triton_interpreter_checks.py``, which
 ``test_cuda_kernels.py`` runs in a subprocess)."""
 
@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from vllm_infinigen.platforms.cuda import block_selection, select_ops
+from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.kernels import block_rule
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 from vllm_infinigen.worker.step_plan import token_budget
 
@@ -30,17 +31,17 @@ def _case(seed: int, context_lens: list[int], table_blocks: int = 8, heads: int 
 
 
 def _settings(alpha=5.0, budget=0.3, min_context=0, budget_tokens=None):
-    return select_ops.settings_tensor(alpha, budget, min_context, "cpu", budget_tokens)
+    return kernels.settings_tensor(alpha, budget, min_context, "cpu", budget_tokens)
 
 
 def _rule(scores, context_lens, counts, budget, width, budget_tokens=None):
-    """The block rule of ``block_selection`` (alpha caps from the counts, the
+    """The block rule of ``block_rule`` (alpha caps from the counts, the
     budget in tokens from ``step_plan.token_budget``)."""
     heads = scores.shape[1]
     mean = counts.view(-1, heads).long().sum(dim=1) // heads
     caps = torch.minimum(mean, token_budget(context_lens, budget, budget_tokens)).clamp(min=1)
-    return block_selection.select_blocks(scores, context_lens, caps, block_size=BLOCK,
-                                         width=width).logical
+    return block_rule.select_blocks(scores, context_lens, caps, block_size=BLOCK,
+                                    width=width).logical
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -48,9 +49,9 @@ def _rule(scores, context_lens, counts, budget, width, budget_tokens=None):
                                                   (1.0, 6), (0.3, 2)])
 def test_select_keeps_the_block_rules_blocks(seed, budget, budget_tokens):
     scores, context_lens, table, counts = _case(seed, [29, 13, 3, 20])
-    width = select_ops.selection_width(8, BLOCK, budget=budget, min_context=0, sink_blocks=1,
-                                       recent_blocks=1, budget_tokens=budget_tokens)
-    logical, physical, seq_lens = select_ops.select(
+    width = kernels.static_width(8, BLOCK, budget=budget, min_context=0, sink_blocks=1,
+                                 recent_blocks=1, budget_tokens=budget_tokens)
+    logical, physical, seq_lens = kernels.select(
         scores, counts, context_lens, table,
         _settings(budget=budget, budget_tokens=budget_tokens), block_size=BLOCK, width=width,
         sink_blocks=1, recent_blocks=1)
@@ -66,16 +67,16 @@ def test_select_keeps_the_block_rules_blocks(seed, budget, budget_tokens):
 
 def test_ties_go_to_the_lower_block():
     scores = torch.zeros(1, 1, 6)
-    logical, _, _ = select_ops.select(scores, torch.tensor([1], dtype=torch.int32),
-                                      torch.tensor([23]), torch.arange(6)[None].int(),
-                                      _settings(budget=0.1), block_size=BLOCK, width=6,
-                                      sink_blocks=1, recent_blocks=1)
+    logical, _, _ = kernels.select(scores, torch.tensor([1], dtype=torch.int32),
+                                   torch.tensor([23]), torch.arange(6)[None].int(),
+                                   _settings(budget=0.1), block_size=BLOCK, width=6,
+                                   sink_blocks=1, recent_blocks=1)
     assert logical.tolist() == [[[0, 1, 5, -1, -1, -1]]]  # sink, the first tie, own
 
 
 def test_rows_below_min_context_keep_every_block_and_padding_rows_none():
     scores, context_lens, table, counts = _case(3, [13, 22, -1])
-    logical, physical, seq_lens = select_ops.select(
+    logical, physical, seq_lens = kernels.select(
         scores, counts, context_lens, table, _settings(budget=0.05, min_context=16),
         block_size=BLOCK, width=8, sink_blocks=1, recent_blocks=1)
     assert logical[0].tolist() == [[0, 1, 2, 3, -1, -1, -1, -1]] * 2  # 13 < 16: all 4 blocks
@@ -89,13 +90,13 @@ def test_rows_below_min_context_keep_every_block_and_padding_rows_none():
     (0.5, 20, 3)])
 def test_the_width_bounds_every_row(budget, min_context, budget_tokens):
     table_blocks = 12
-    width = select_ops.selection_width(table_blocks, BLOCK, budget=budget,
-                                       min_context=min_context, sink_blocks=1,
-                                       recent_blocks=1, budget_tokens=budget_tokens)
+    width = kernels.static_width(table_blocks, BLOCK, budget=budget,
+                                 min_context=min_context, sink_blocks=1,
+                                 recent_blocks=1, budget_tokens=budget_tokens)
     contexts = list(range(0, table_blocks * BLOCK))
     scores = torch.randn(len(contexts), 1, table_blocks)
     counts = torch.full((len(contexts),), 10_000, dtype=torch.int32)  # the budget binds
-    logical, _, _ = select_ops.select(
+    logical, _, _ = kernels.select(
         scores, counts, torch.tensor(contexts), torch.arange(table_blocks).expand(
             len(contexts), -1).int(),
         _settings(budget=budget, min_context=min_context, budget_tokens=budget_tokens),
@@ -120,18 +121,18 @@ def test_alpha_counts_are_the_rules_count():
     encoded = context_lens // 16 * 16
     tokens = tokens.masked_fill(torch.arange(8 * BLOCK)[None, None] >= encoded[:, None, None],
                                 float("-inf"))
-    blocks = block_selection.block_scores(tokens, context_lens, BLOCK)
-    counts = select_ops.alpha_counts(tokens, blocks, context_lens, _settings(alpha=1.0),
-                                     block_size=BLOCK)
+    blocks = block_rule.block_scores(tokens, context_lens, BLOCK)
+    counts = kernels.alpha_counts(tokens, blocks, context_lens, _settings(alpha=1.0),
+                                  block_size=BLOCK)
     best = tokens.amax(dim=-1, keepdim=True)
     assert counts.tolist() == (tokens > best - 1.0).sum(dim=-1).flatten().tolist()
     assert counts.view(3, 2)[2].tolist() == [0, 0]  # no encoded group
-    caps = block_selection.alpha_token_caps(tokens, context_lens, 1.0, torch.full((3,), 99))
+    caps = block_rule.alpha_token_caps(tokens, context_lens, 1.0, torch.full((3,), 99))
     assert caps.tolist() == counts.view(3, 2).long().sum(dim=1).div(2, rounding_mode="floor")\
         .clamp(min=1).tolist()
     # The default, alpha off (infinity): every encoded token counts, so the budget binds.
-    counts = select_ops.alpha_counts(tokens, blocks, context_lens, _settings(alpha=math.inf),
-                                     block_size=BLOCK)
+    counts = kernels.alpha_counts(tokens, blocks, context_lens, _settings(alpha=math.inf),
+                                  block_size=BLOCK)
     assert counts.view(3, 2).tolist() == [[16, 16], [16, 16], [0, 0]]
 
 

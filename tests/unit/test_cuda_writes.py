@@ -9,7 +9,8 @@ import torch
 
 from vllm_infinigen.platforms.cpu import kernels
 from vllm_infinigen.layout import int_key_bits
-from vllm_infinigen.platforms.cuda import writes
+from vllm_infinigen.platforms.cuda import kernels as cuda_kernels
+from vllm_infinigen.platforms.cuda.kernels import reference as cuda_reference
 
 BLOCK, KV_HEADS, DIM, RANK, NUM_BLOCKS = 32, 2, 8, 3, 6
 
@@ -30,7 +31,7 @@ def _pool(dtype=torch.float32):
 def test_write_pool_equals_the_compiled_write_and_skips_padding():
     key, value, slots = _tokens(50)
     got, expected = _pool(), _pool()
-    writes.write_pool(got, key, value, slots)
+    cuda_reference.write_pool(got, key, value, slots)
     kernels.write_pool(expected, key, value, slots)
     assert torch.equal(got, expected)
     assert got[4].abs().sum() > 0 and got[[0, 2, 3, 5]].abs().sum() == 0
@@ -39,14 +40,14 @@ def test_write_pool_equals_the_compiled_write_and_skips_padding():
 def test_write_partial_keys_equals_the_compiled_write_and_padding_lands_in_scratch():
     key, _, slots = _tokens(50)
     skew = torch.randn(KV_HEADS, DIM, RANK)
-    got = writes.with_scratch_block((NUM_BLOCKS, KV_HEADS, RANK, BLOCK), torch.float32,
-                                    torch.device("cpu"))
+    got = cuda_kernels.with_scratch_block((NUM_BLOCKS, KV_HEADS, RANK, BLOCK), torch.float32,
+                                          torch.device("cpu"))
     expected = torch.zeros(NUM_BLOCKS, KV_HEADS, RANK, BLOCK)
-    writes.write_partial_keys(got, key, skew, slots)
+    cuda_kernels.write_partial_keys(got, key, skew, slots)
     kernels.write_partial_keys(expected, key, skew, slots)
     torch.testing.assert_close(got, expected)
     assert got.shape == expected.shape
-    assert writes.scratch_of(got)[NUM_BLOCKS].abs().sum() > 0  # the padding row went there
+    assert cuda_kernels.scratch_of(got)[NUM_BLOCKS].abs().sum() > 0  # the padding row went there
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,7 +59,7 @@ def test_write_int_keys_encodes_each_closed_group_as_the_compiled_write(dtype):
     got = (torch.zeros(NUM_BLOCKS, KV_HEADS, groups, DIM, 2 * bits, dtype=torch.uint8),
            torch.zeros(NUM_BLOCKS, KV_HEADS, groups, DIM, dtype=torch.float16))
     expected = (got[0].clone(), got[1].clone())
-    writes.write_int_keys(*got, pool, slots)
+    cuda_reference.write_int_keys(*got, pool, slots)
     kernels.write_int_keys(*expected, pool, slots)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     closed = (got[1].abs().sum(dim=(1, 3)) > 0).nonzero().tolist()

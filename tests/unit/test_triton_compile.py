@@ -15,11 +15,11 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vllm_infinigen.platforms.cuda import (  # noqa: E402
+from vllm_infinigen.platforms.cuda.kernels import (  # noqa: E402
     triton_bounds,
-    triton_kernels,
     triton_scoring,
     triton_select,
+    triton_units,
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -30,28 +30,28 @@ def _kernel_cases():
     """(kernel, argument types, constexprs) of each launch."""
     i32, i64 = "i32", "i64"
     for dtype, ieee in (("bf16", False), ("fp32", True)):
-        yield (triton_kernels._attend_units,
+        yield (triton_units._attend_units,
                {"query": f"*{dtype}", "units": f"*{dtype}", "table": "*i64", "seq_lens": "*i32",
                 "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
                 "query_row_stride": i64, "table_stride": i64, "blocks_per_split": i32},
                {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": ieee})
-        yield (triton_kernels._merge_splits,
+        yield (triton_units._merge_splits,
                {"partial": "*fp32", "maxima": "*fp32", "sums": "*fp32", "out": f"*{dtype}",
                 "out_row_stride": i64, "num_splits": i32},
                {"H": 8, "G": 4, "G_PAD": 4, "D": 128, "D_PAD": 128})
-        yield (triton_kernels._attend_prompt,
+        yield (triton_units._attend_prompt,
                {"query": f"*{dtype}", "units": f"*{dtype}", "table": "*i64", "out": f"*{dtype}",
                 "scale": "fp32", "first": i32, "seq_len": i32, "num_rows": i32,
                 "query_row_stride": i64, "out_row_stride": i64, "table_stride": i64},
                {"G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16, "BLOCK_M": 64, "BLOCK_N": 64,
                 "IEEE": ieee})
-        yield (triton_kernels._write_tokens,
+        yield (triton_units._write_tokens,
                {"pool": f"*{dtype}", "units": f"*{dtype}", "slot_of": "*i32", "key": f"*{dtype}",
                 "value": f"*{dtype}", "slots": "*i64", "key_row_stride": i64,
                 "value_row_stride": i64, "capacity": i32},
                {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "CACHED": True})
         bits = 2 if dtype == "bf16" else 4
-        yield (triton_kernels._encode_groups,
+        yield (triton_units._encode_groups,
                {"pool": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "slots": "*i64"},
                {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": bits,
                 "HALF": ((1 << bits) - 1) / 2, "TOP": float((1 << bits) - 1)})
@@ -90,14 +90,14 @@ def _kernel_cases():
                {**HEADS, "HEADS_PAD": heads_pad, "BLOCK": 64, "BITS": 1, "HALF": 0.5,
                 "TILE": 64, "WRITE_BLOCKS": True, "GATED": False, "PRECISION": "tf32x3"})
     # A float32 query over bf16 units (the GPU tests' case): the dot's operands in bf16.
-    yield (triton_kernels._attend_units,
+    yield (triton_units._attend_units,
            {"query": "*fp32", "units": "*bf16", "table": "*i64", "seq_lens": "*i32",
             "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
             "query_row_stride": i64, "table_stride": i64, "blocks_per_split": i32},
            {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": False})
-    yield (triton_kernels._read_bytes, {"source": "*u8", "offsets": "*i64", "out": "*u8"},
+    yield (triton_units._read_bytes, {"source": "*u8", "offsets": "*i64", "out": "*u8"},
            {"N": 2})
-    yield (triton_kernels._gather_units,
+    yield (triton_units._gather_units,
            {"pool": "*i32", "cache": "*i32", "fetch_units": "*i64", "fetch_slots": "*i64",
             "num_fetch": "*i64", "list_len": i32, "programs_per_list": i32},
            {"UNIT": 2048, "CHUNK": 2048, "PER_STEP": 2})

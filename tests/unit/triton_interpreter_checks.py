@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Triton kernels of the CUDA platform against their torch references, on CPU tensors:
-the data movement and attention (``triton_kernels.py``) and the device-only selection
-and cache placement (``triton_select.py``).
+the data movement and attention (``kernels/triton_units.py``), the int keys' scoring
+(``triton_scoring.py``), the bound keys (``triton_bounds.py``) and the device-only
+selection and cache placement (``triton_select.py``).
 
 Runs only in a process started with TRITON_INTERPRET=1 (Triton decides when it is
 first imported whether ``@triton.jit`` compiles or interprets), so pytest does
@@ -21,8 +22,8 @@ from tests.reference.cuda_kernel_cases import attention_case as _attention_case
 from tests.reference.cuda_kernel_cases import fetch_case as _fetch_case
 from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
 from tests.reference.int_key_pools import Pool
-from vllm_infinigen.platforms.cuda import block_selection, bound_selection, kernels, select_ops
-from vllm_infinigen.platforms.cuda.place_reference import place_reference
+from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.kernels import block_rule, reference
 
 # The int scoring's forms (method, the dot's precision), and the torch form's operands
 # that each matches: float16 for the default's (its product rounds keys and query).
@@ -35,77 +36,77 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 
 @pytest.fixture(scope="module")
-def triton_kernels():
-    from vllm_infinigen.platforms.cuda import triton_kernels
+def triton_units():
+    from vllm_infinigen.platforms.cuda.kernels import triton_units
 
-    return triton_kernels
+    return triton_units
 
 
 @pytest.fixture(scope="module")
 def triton_scoring():
-    from vllm_infinigen.platforms.cuda import triton_scoring
+    from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
     return triton_scoring
 
 
 @pytest.fixture(scope="module")
 def triton_select():
-    from vllm_infinigen.platforms.cuda import triton_select
+    from vllm_infinigen.platforms.cuda.kernels import triton_select
 
     return triton_select
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ctas", [1, 3])
-def test_gather_equals_the_reference(triton_kernels, dtype, ctas):
+def test_gather_equals_the_reference(triton_units, dtype, ctas):
     pool, cache, units, slots, count = _fetch_case(dtype)
     expected = cache.clone()
-    kernels.gather_units_reference(pool, expected, units, slots, count)
+    reference.gather_units_reference(pool, expected, units, slots, count)
     words, chunk = kernels.unit_words(4, 8, dtype)
-    triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
-                                count, num_ctas=ctas, unit_words=words, chunk_words=chunk,
-                                per_step=2)
+    triton_units.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
+                              count, num_ctas=ctas, unit_words=words, chunk_words=chunk,
+                              per_step=2)
     assert torch.equal(cache[:-1], expected[:-1])  # the reference's scratch: the last unit
 
 
-def test_gather_copies_units_in_chunks(triton_kernels):
+def test_gather_copies_units_in_chunks(triton_units):
     """A unit of 40 words copied 8 at a time (``unit_words``' chunk for D = 10)."""
     pool, cache, units, slots, count = _fetch_case(torch.bfloat16, head_size=10)
     expected = cache.clone()
-    kernels.gather_units_reference(pool, expected, units, slots, count)
+    reference.gather_units_reference(pool, expected, units, slots, count)
     words, chunk = kernels.unit_words(4, 10, torch.bfloat16)
     assert (words, chunk) == (40, 8)
-    triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
-                                count, num_ctas=2, unit_words=words, chunk_words=chunk,
-                                per_step=2)
+    triton_units.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
+                              count, num_ctas=2, unit_words=words, chunk_words=chunk,
+                              per_step=2)
     assert torch.equal(cache[:-1], expected[:-1])
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
 @pytest.mark.parametrize("group,head_size", [(3, 8), (4, 16), (2, 12)])
-def test_attention_equals_the_reference(triton_kernels, splits, group, head_size):
+def test_attention_equals_the_reference(triton_units, splits, group, head_size):
     query, units, table, seq_lens = _attention_case(group, head_size)
     per_split = -(-table.shape[1] // splits)
     partial = torch.empty(3, splits, group, head_size)
     maxima, sums = torch.empty(3, splits, group), torch.empty(3, splits, group)
     got = torch.empty_like(query)
-    triton_kernels.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
-                                num_kv_heads=1, scale=0.3, blocks_per_split=per_split)
-    expected = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
-                                              scale=0.3)
+    triton_units.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
+                              num_kv_heads=1, scale=0.3, blocks_per_split=per_split)
+    expected = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                                scale=0.3)
     assert torch.allclose(got, expected, atol=1e-5)
 
 
-def test_attention_reads_bfloat16_units(triton_kernels):
+def test_attention_reads_bfloat16_units(triton_units):
     query, units, table, seq_lens = _attention_case()
     units = units.to(torch.bfloat16)
     partial = torch.empty(3, 2, 3, 8)
     maxima, sums = torch.empty(3, 2, 3), torch.empty(3, 2, 3)
     got = torch.empty_like(query)
-    triton_kernels.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
-                                num_kv_heads=1, scale=0.3, blocks_per_split=2)
-    expected = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
-                                              scale=0.3)
+    triton_units.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
+                              num_kv_heads=1, scale=0.3, blocks_per_split=2)
+    expected = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                                scale=0.3)
     assert torch.allclose(got, expected, atol=1e-5)
 
 
@@ -124,33 +125,29 @@ def _write_case(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_tokens_equals_the_reference_write_through(triton_kernels, dtype):
-    from vllm_infinigen.platforms.cuda import writes
-
+def test_write_tokens_equals_the_reference_write_through(triton_units, dtype):
     pool, key, value, slots = _write_case(dtype)
     expected = pool.clone()
-    writes.write_pool(expected, key, value, slots)
-    triton_kernels.write_tokens(pool, None, None, key, value, slots, capacity=0)
+    reference.write_pool(expected, key, value, slots)
+    triton_units.write_tokens(pool, None, None, key, value, slots, capacity=0)
     assert torch.equal(pool, expected)
 
 
 @pytest.mark.parametrize("dtype,bits", [(torch.float32, 4), (torch.bfloat16, 2),
                                         (torch.float32, 1)])
-def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype, bits):
+def test_encode_groups_equals_the_reference_byte_for_byte(triton_units, dtype, bits):
     """Over two calls (a group opened in the first closes in the second), with
-    round-half-to-even ties: the codes and scales of writes.write_int_keys (itself
+    round-half-to-even ties: the codes and scales of reference.write_int_keys (itself
     held to the CPU kernel, test_cuda_writes.py)."""
-    from vllm_infinigen.platforms.cuda import writes
-
     pool, key, value, slots = _write_case(dtype)
     groups, head_size = pool.shape[2] // 16, key.shape[-1]
     got = (torch.zeros(6, 2, groups, head_size, 2 * bits, dtype=torch.uint8),
            torch.zeros(6, 2, groups, head_size, dtype=torch.float16))
     expected = (got[0].clone(), got[1].clone())
     for part in (slice(0, 20), slice(20, 50)):
-        writes.write_pool(pool, key[part], value[part], slots[part])
-        writes.write_int_keys(*expected, pool, slots[part])
-        triton_kernels.encode_groups(pool, *got, slots[part])
+        reference.write_pool(pool, key[part], value[part], slots[part])
+        reference.write_int_keys(*expected, pool, slots[part])
+        triton_units.encode_groups(pool, *got, slots[part])
     assert torch.equal(got[1], expected[1])
     assert torch.equal(got[0], expected[0])
     assert (expected[1] != 0).sum() > 0
@@ -161,23 +158,22 @@ def test_encode_groups_equals_the_reference_byte_for_byte(triton_kernels, dtype,
 @pytest.mark.parametrize("method,precision,tile", [
     ("sums", None, 16), ("sums", None, 64), ("sums", None, 256), ("dot", "tf32x3", 32),
     ("dot", "fp16", 32), ("dot", "fp16", 64)])
-def test_int_token_scores_equal_the_torch_form(triton_kernels, bits, dtype, head_size, method,
+def test_int_token_scores_equal_the_torch_form(triton_units, bits, dtype, head_size, method,
                                                precision, tile):
     """The int keys read in place: the torch form's scores (it dequantizes every
     block; its operands rounded as the form's: float16 for the default), open
     groups -inf, 3 query heads per KV head, a padded head size."""
     from tests.reference.int_key_pools import Pool
-    from vllm_infinigen.platforms.cuda import block_selection
 
     pool = Pool(seed=7, bits=bits, dtype=dtype, num_kv_heads=2, head_size=head_size,
                 context_lens=[95, 16, 7, 64])
     query = torch.randn(4, 2, 3, head_size, generator=torch.Generator().manual_seed(8))
-    expected = block_selection.int_token_scores(query, pool.codes, pool.scales,
-                                                pool.block_table, pool.context_lens, scale=0.25,
-                                                operands=OPERANDS[precision])
+    expected = block_rule.int_token_scores(query, pool.codes, pool.scales,
+                                           pool.block_table, pool.context_lens, scale=0.25,
+                                           operands=OPERANDS[precision])
     got = torch.empty_like(expected)
     table = pool.block_table if tile == 16 else pool.block_table.long()  # either index dtype
-    from vllm_infinigen.platforms.cuda import triton_scoring
+    from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
     triton_scoring.int_scores(query, pool.codes, pool.scales, table, pool.context_lens, got, None,
                               scale=0.25, tile=tile, method=method,
@@ -204,10 +200,10 @@ def test_int_scores_and_block_maxima_equal_the_torch_form(triton_scoring, bits, 
     context_lens[2] = -1
     wide = torch.randn(4, 2 * 3 * head_size + 5, generator=torch.Generator().manual_seed(8))
     query = wide[:, : 2 * 3 * head_size].view(4, 2, 3, head_size)
-    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                              context_lens, scale=0.25,
-                                              operands=OPERANDS[precision])
-    blocks = block_selection.block_scores(tokens, context_lens, POOL_BLOCK)
+    tokens = block_rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                         context_lens, scale=0.25,
+                                         operands=OPERANDS[precision])
+    blocks = block_rule.block_scores(tokens, context_lens, POOL_BLOCK)
     got_tokens, got_blocks = torch.empty_like(tokens), torch.empty_like(blocks)
     triton_scoring.int_scores(query, pool.codes, pool.scales, pool.block_table, context_lens,
                               got_tokens, got_blocks, scale=0.25, method=method,
@@ -230,7 +226,7 @@ def test_each_form_rounds_what_its_torch_form_rounds(triton_scoring, bits):
     gen = torch.Generator().manual_seed(11)
     query, codes, scales, table, lens = _int_case(torch, "cpu", rows=2, context=75, heads=2,
                                                   group=3, head_size=32, bits=bits, gen=gen)
-    references = {operands: block_selection.int_token_scores(
+    references = {operands: block_rule.int_token_scores(
         query, codes, scales, table, lens, scale=0.25, compute_dtype=torch.float64,
         operands=operands) for operands in (torch.float16, None)}
     finite = references[None] > float("-inf")
@@ -254,12 +250,12 @@ def test_token_scores_are_written_only_while_alpha_is_on(triton_select, triton_s
     pool = Pool(seed=7, bits=2, dtype=torch.bfloat16, num_kv_heads=2, head_size=24,
                 context_lens=[95, 16, 7, 64])
     query = torch.randn(4, 2, 3, 24, generator=torch.Generator().manual_seed(8))
-    tokens = block_selection.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
-                                              pool.context_lens, scale=0.25,
-                                              operands=OPERANDS[precision])
-    blocks = block_selection.block_scores(tokens, pool.context_lens, POOL_BLOCK)
+    tokens = block_rule.int_token_scores(query, pool.codes, pool.scales, pool.block_table,
+                                         pool.context_lens, scale=0.25,
+                                         operands=OPERANDS[precision])
+    blocks = block_rule.block_scores(tokens, pool.context_lens, POOL_BLOCK)
     for alpha, written in ((float("inf"), False), (5.0, True)):
-        settings = select_ops.settings_tensor(alpha, 0.2, 0, "cpu")
+        settings = kernels.settings_tensor(alpha, 0.2, 0, "cpu")
         got_tokens, got_blocks = torch.full_like(tokens, 7.0), torch.empty_like(blocks)
         triton_scoring.int_scores(query, pool.codes, pool.scales, pool.block_table,
                                   pool.context_lens, got_tokens, got_blocks, scale=0.25,
@@ -273,8 +269,8 @@ def test_token_scores_are_written_only_while_alpha_is_on(triton_select, triton_s
         counts = torch.empty(8, dtype=torch.int32)
         triton_select.alpha_counts(got_tokens, got_blocks, pool.context_lens, settings, counts,
                                    block_size=POOL_BLOCK)
-        expected = select_ops.alpha_counts(tokens, blocks, pool.context_lens, settings,
-                                           block_size=POOL_BLOCK)
+        expected = kernels.alpha_counts(tokens, blocks, pool.context_lens, settings,
+                                        block_size=POOL_BLOCK)
         assert torch.equal(counts, expected)
 
 
@@ -316,12 +312,12 @@ def test_alpha_counts_equal_the_reference(triton_select):
     encoded = context_lens.clamp(min=0) // 16 * 16
     tokens = tokens.masked_fill(torch.arange(6 * 32)[None, None] >= encoded[:, None, None],
                                 float("-inf"))
-    blocks = block_selection.block_scores(tokens, context_lens, 32)
+    blocks = block_rule.block_scores(tokens, context_lens, 32)
     # 2.0: some scores sit exactly at best - alpha, not above; inf: the default (alpha
     # off), every encoded token counts
     for alpha in (0.5, 2.0, float("inf")):
-        settings = select_ops.settings_tensor(alpha, 0.2, 0, "cpu")
-        expected = select_ops.alpha_counts(tokens, blocks, context_lens, settings, block_size=32)
+        settings = kernels.settings_tensor(alpha, 0.2, 0, "cpu")
+        expected = kernels.alpha_counts(tokens, blocks, context_lens, settings, block_size=32)
         got = torch.empty_like(expected)
         triton_select.alpha_counts(tokens, blocks, context_lens, settings, got, block_size=32,
                                    chunk=64)
@@ -346,11 +342,11 @@ def test_select_equals_the_reference(triton_select, seed, budget, min_context, s
     scores[1, 0, 5:9] = float("-inf")
     table = torch.stack([torch.randperm(300, generator=gen)[:table_blocks] for _ in range(6)])
     counts = torch.randint(0, 80, (6 * heads,), generator=gen, dtype=torch.int32)
-    settings = select_ops.settings_tensor(5.0, budget, min_context, "cpu", cap)
-    width = select_ops.selection_width(table_blocks, block, budget=budget,
-                                       min_context=min_context, sink_blocks=sink,
-                                       recent_blocks=recent, budget_tokens=cap)
-    expected = select_ops.select_reference(scores, counts, context_lens, table.int(), settings,
+    settings = kernels.settings_tensor(5.0, budget, min_context, "cpu", cap)
+    width = kernels.static_width(table_blocks, block, budget=budget,
+                                 min_context=min_context, sink_blocks=sink,
+                                 recent_blocks=recent, budget_tokens=cap)
+    expected = block_rule.select_reference(scores, counts, context_lens, table.int(), settings,
                                            block_size=block, width=width, sink_blocks=sink,
                                            recent_blocks=recent)
     got = (torch.empty_like(expected[0]), torch.empty_like(expected[1]),
@@ -394,8 +390,8 @@ def test_lookup_lru_equals_the_reference_over_steps(triton_select):
                                          num_fetch, counter, seq_lens, context_lens,
                                          capacity=capacity, chunk=4)
             else:
-                place_reference(*args, units, destinations, num_fetch, counter, seq_lens,
-                                context_lens, capacity=capacity)
+                reference.place_lru_reference(*args, units, destinations, num_fetch, counter,
+                                              seq_lens, context_lens, capacity=capacity)
             outputs.append((slots, units, destinations, num_fetch))
         for a, b in zip(*states):
             assert torch.equal(a[:-1] if a.dim() == 1 else a[:, :capacity],
@@ -411,24 +407,24 @@ def test_lookup_lru_equals_the_reference_over_steps(triton_select):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gather_of_per_head_lists_equals_the_reference(triton_kernels, dtype):
+def test_gather_of_per_head_lists_equals_the_reference(triton_units, dtype):
     gen = torch.Generator().manual_seed(2)
     pool = torch.randn(10, 2, 4, 16, generator=gen).to(dtype)
     units = torch.randint(0, 20, (2, 7), generator=gen)
     slots = torch.stack([torch.randperm(12, generator=gen)[:7] for _ in range(2)])
     count = torch.tensor([5, 2])
     cache, expected = torch.zeros(13, 4, 16, dtype=dtype), torch.zeros(13, 4, 16, dtype=dtype)
-    kernels.gather_units_reference(pool, expected, units, slots, count)
+    reference.gather_units_reference(pool, expected, units, slots, count)
     words, chunk = kernels.unit_words(4, 8, dtype)
-    triton_kernels.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
-                                count, num_ctas=4, unit_words=words, chunk_words=chunk,
-                                per_step=2)
+    triton_units.gather_units(pool.view(torch.int32), cache.view(torch.int32), units, slots,
+                              count, num_ctas=4, unit_words=words, chunk_words=chunk,
+                              per_step=2)
     assert torch.equal(cache[:12], expected[:12])
     assert cache[:12].abs().sum() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_with_strided_rows_and_empty_sequences_equals_the_reference(triton_kernels,
+def test_attention_with_strided_rows_and_empty_sequences_equals_the_reference(triton_units,
                                                                                dtype):
     """Query and output rows inside wider tensors, a -1 padded table, a row of
     length 0 (padding: 0 out), several splits."""
@@ -440,23 +436,23 @@ def test_attention_with_strided_rows_and_empty_sequences_equals_the_reference(tr
     table[1, 1:] = -1
     wide = torch.randn(rows, heads * group * head_size + 7, generator=gen).to(dtype)
     query = wide[:, : heads * group * head_size].view(rows, heads * group, head_size)
-    expected = kernels.attend_units_reference(query, units, table, seq_lens, num_kv_heads=heads,
-                                              scale=0.3)
+    expected = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=heads,
+                                                scale=0.3)
     for splits in (1, 2, 5):
         out_wide = torch.full((rows, heads * group * head_size + 3), 9.0, dtype=dtype)
         out = out_wide[:, : heads * group * head_size].view(rows, heads * group, head_size)
         partial = torch.empty(rows * heads, splits, group, head_size)
         maxima = torch.empty(rows * heads, splits, group)
-        triton_kernels.attend_units(query, units, table, seq_lens, out, partial, maxima,
-                                    torch.empty_like(maxima), num_kv_heads=heads, scale=0.3,
-                                    blocks_per_split=-(-5 // splits))
+        triton_units.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                                  torch.empty_like(maxima), num_kv_heads=heads, scale=0.3,
+                                  blocks_per_split=-(-5 // splits))
         assert torch.allclose(out.float(), expected.float(), atol=2e-2 if dtype != torch.float32
                               else 1e-5)
         assert (out[2] == 0).all() and (out_wide[:, -3:] == 9.0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_tokens_equals_the_reference(triton_kernels, dtype):
+def test_write_tokens_equals_the_reference(triton_units, dtype):
     """The write-through and the cached copies, strided K and V, a padding slot."""
     gen = torch.Generator().manual_seed(12)
     heads, head_size, block, capacity = 2, 12, 8, 3
@@ -470,7 +466,7 @@ def test_write_tokens_equals_the_reference(triton_kernels, dtype):
     slots = torch.tensor([16, 17, 18, 33, 34, 5, 47, -1, 20])
     expected = (pool.clone(), units.clone())
     kernels.write_tokens(*expected[:1], key, value, slots, expected[1], slot_of, capacity)
-    triton_kernels.write_tokens(pool, units, slot_of, key, value, slots, capacity=capacity)
+    triton_units.write_tokens(pool, units, slot_of, key, value, slots, capacity=capacity)
     # (the reference writes uncached tokens into the scratch unit, the kernel skips them)
     assert torch.equal(pool, expected[0]) and torch.equal(units[:-1], expected[1][:-1])
     assert units[:-1].abs().sum() > 0
@@ -479,7 +475,7 @@ def test_write_tokens_equals_the_reference(triton_kernels, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("first,rows,group,head_size", [(0, 37, 2, 16), (45, 20, 4, 8),
                                                         (130, 70, 1, 24)])
-def test_prompt_attention_equals_the_reference(triton_kernels, dtype, first, rows, group,
+def test_prompt_attention_equals_the_reference(triton_units, dtype, first, rows, group,
                                                head_size):
     """A request's prompt rows (a first chunk, or a later one of a chunked prefill),
     causal over its units in a shuffled table; tiles of 16 rows and 16 keys, so
@@ -493,11 +489,11 @@ def test_prompt_attention_equals_the_reference(triton_kernels, dtype, first, row
     table = table.view(kv_heads, blocks)
     wide = torch.randn(rows, kv_heads * group * head_size + 4, generator=gen).to(dtype)
     query = wide[:, : kv_heads * group * head_size].view(rows, kv_heads * group, head_size)
-    expected = kernels.attend_prompt_units_reference(query, units, table, first=first,
-                                                     seq_len=seq_len, scale=0.4)
+    expected = reference.attend_prompt_units_reference(query, units, table, first=first,
+                                                       seq_len=seq_len, scale=0.4)
     got = torch.empty_like(expected)
-    triton_kernels.attend_prompt(query, units, table, got, first=first, seq_len=seq_len,
-                                 scale=0.4, block_m=16, block_n=16)
+    triton_units.attend_prompt(query, units, table, got, first=first, seq_len=seq_len,
+                               scale=0.4, block_m=16, block_n=16)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
@@ -508,7 +504,7 @@ def test_bound_kernels_equal_the_cpu_kernels(bits, unit):
     """``encode_bounds`` writes the CPU kernel's bytes; ``bound_scores`` gives the
     torch form's scores (-inf past each row's complete units and for padding)."""
     from tests.reference.bound_pools import BLOCK, BoundPool
-    from vllm_infinigen.platforms.cuda import triton_bounds
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
 
     pool = BoundPool(seed=7, unit=unit, bits=bits, dtype=torch.bfloat16, num_kv_heads=2,
                      head_size=40, context_lens=[230, 16, 7, 64])
@@ -527,12 +523,12 @@ def test_bound_kernels_equal_the_cpu_kernels(bits, unit):
     blocks = torch.empty((5, 2, table.shape[1]), dtype=torch.float32)
     triton_bounds.bound_scores(query, pool.bounds, pool.scales, table, context, out, blocks,
                                scale=0.25, unit=unit, tile=8)
-    want = bound_selection.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
-                                             scale=0.25, block_size=BLOCK)
+    want = block_rule.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
+                                        scale=0.25, block_size=BLOCK)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=0)
-    assert torch.equal(blocks, bound_selection.unit_block_scores(want, BLOCK // unit))
+    assert torch.equal(blocks, block_rule.unit_block_scores(want, BLOCK // unit))
     settings = torch.tensor([2.0, 0.2, 0.0, 0.0], dtype=torch.float64)
     counts = torch.empty(10, dtype=torch.int32)
     triton_bounds.unit_counts(out, settings, counts, unit=unit, chunk=16)
-    assert torch.equal(counts, bound_selection.unit_alpha_counts(want, settings[0], unit))
+    assert torch.equal(counts, block_rule.unit_alpha_counts(want, settings[0], unit))
     assert int(counts[-2:].sum()) == 0  # the padding row

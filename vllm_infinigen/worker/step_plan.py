@@ -41,7 +41,7 @@ def token_budget(context_lens: torch.Tensor, budget: float,
     The one definition of ``--infinigen-budget`` and ``--infinigen-budget-tokens``
     in tokens: the selection kernels and every policy take its result (a
     platform that selects on the device computes the same there:
-    ``platforms/cuda/select_ops.select``).
+    ``platforms/cuda/kernels.select``).
 
     Args:
         context_lens: [B] tokens in each row's context (its own token excluded).

@@ -11,22 +11,20 @@ clear error without it, and each kernel has a pure-torch reference that runs
 anywhere (the CPU tests hold the kernels to them, the Triton kernels in
 Triton's interpreter)::
 
-    block_selection.py  InfiniGen's rule in blocks in torch: token and block
-                        scores, the rule (the references, and the accuracy
-                        studies' form)
-    select_ops.py       the rule on the device in three kernels with static
-                        shapes (``DeviceSelection``): dispatch and references
-    triton_select.py    their Triton kernels, and the cache's LRU placement
+    kernels/            one wrapper per op (``kernels.gather_units``,
+                        ``kernels.select``, ...): the selection's scores,
+                        counts and rule with static shapes (``DeviceSelection``),
+                        the placement in the cache, the gather of missing
+                        blocks, the writes, attention over cached blocks;
+                        beside them their Triton kernels (``triton_*.py``,
+                        imported only when launched), the torch references
+                        (``reference.py``, ``block_rule.py``: also the
+                        accuracy studies' rule) and the bounds of a
+                        selection's width (``widths.py``)
     block_cache.py      device block cache bookkeeping: ``place`` (the device
-                        step's, one kernel; reference: place_reference.py),
+                        step's, one kernel: ``kernels.place_lru``),
                         ``lookup`` (both eviction rules, torch: the reuse study)
-    kernels.py          gather of missing blocks, attention over cached
-                        blocks, the writes: dispatch (CUDA: Triton) and the
-                        references
-    triton_kernels.py   their Triton kernels (imported only when launched)
     host_pool.py        the pinned host pool (cudaHostRegister on huge pages)
-    writes.py           the writes of new tokens in torch (speculation keys,
-                        write-through, int keys)
     staged.py           rows of a host-planned step that attend without the
                         cache (prompt rows, short rows), staged from the pool
     data_path.py        ``CudaDataPath``: the ``DataPath`` over all of the above

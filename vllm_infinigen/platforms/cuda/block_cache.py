@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_infinigen.platforms.cuda.place_reference import place_reference
+from vllm_infinigen.platforms.cuda import kernels
+from vllm_infinigen.platforms.cuda.kernels import reference
 
 EVICTION_RULES = ("lru", "counter")
 # The cache's counters, as ``take_stats`` keys them; ``scheduler/metrics.COUNTERS``
@@ -145,7 +146,7 @@ class DeviceBlockCache:
         own (``seq_lens`` [S * H_kv]) and, on head 0, the rows' context tokens.
 
         Args:
-            block_ids: [S, H_kv, W] int64 from ``select_ops.select`` (distinct:
+            block_ids: [S, H_kv, W] int64 from ``kernels.select`` (distinct:
                 no block belongs to two rows, prefix caching being off).
             context_lens: [S] tokens before each row's own (< 0: padding).
 
@@ -163,16 +164,9 @@ class DeviceBlockCache:
         num_fetch = torch.empty(num_heads, dtype=torch.int64, device=self.device)
         state = (self.slot_of[layer], self.block_of[layer], self.last_used[layer],
                  self.ticks[layer])
-        if self.device.type == "cuda":
-            from vllm_infinigen.platforms.cuda import triton_select
-
-            triton_select.lookup_lru(block_ids, slots, *state, torch.empty_like(units), units,
-                                     destinations, num_fetch, self.counters[layer], seq_lens,
-                                     context_lens, capacity=self.slots_per_head)
-        else:
-            place_reference(block_ids, slots, *state, units, destinations, num_fetch,
-                            self.counters[layer], seq_lens, context_lens,
-                            capacity=self.slots_per_head)
+        kernels.place_lru(block_ids, slots, *state, units, destinations, num_fetch,
+                          self.counters[layer], seq_lens, context_lens,
+                          capacity=self.slots_per_head)
         return CacheLookup(slots, units, destinations, num_fetch)
 
 
@@ -266,15 +260,13 @@ class DeviceBlockCache:
     def cached_token_slots(self, layer: int, slot_mapping: torch.Tensor,
                            block_size: int) -> torch.Tensor:
         """[T, H_kv] flat cache slot holding each new token's block per head, -1
-        where not cached (``kernels.cached_token_slots``).
+        where not cached (``reference.cached_token_slots``).
 
         Args:
             slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
         """
-        from vllm_infinigen.platforms.cuda.kernels import cached_token_slots
-
-        return cached_token_slots(self.slot_of[layer], slot_mapping, block_size,
-                                  self.num_kv_heads, self.slots_per_head)
+        return reference.cached_token_slots(self.slot_of[layer], slot_mapping, block_size,
+                                            self.num_kv_heads, self.slots_per_head)
 
     # -- once per step (worker, ``execute_model``)
 

@@ -10,7 +10,7 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
 
     select          layer i, for layer i+1 (the layer's ``selector``): block
                     scores, alpha counts and the block rule in three kernels
-                    (``select_ops.py``), a ``DeviceSelection`` of static shape
+                    (``kernels/selection.py``), a ``DeviceSelection`` of static shape
     start_fetch     places it in the cache (one kernel: hits, LRU victims,
                     the fetch list) and gathers the missing (block, KV head)
                     units (one kernel); on CUDA on a side stream of low
@@ -23,7 +23,7 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
 
 A decode step of the device-only plan (``plans_on_device``) reads nothing back
 to the host and allocates the same shapes whatever the selection (widths from
-the table and the start-up settings, ``select_ops.selection_width``; counts on
+the table and the start-up settings, ``kernels.static_width``; counts on
 the device until ``add_counts``; settings in a device tensor): it can run in
 a CUDA graph.
 
@@ -47,9 +47,9 @@ import torch
 from vllm_infinigen.config import InfiniGenConfig, flag
 from vllm_infinigen.layout import BOUND_UNIT
 from vllm_infinigen.memory import CAP_FLAG, PoolPlan
-from vllm_infinigen.platforms.cuda import block_selection, kernels, select_ops, staged, writes
+from vllm_infinigen.platforms.cuda import kernels, staged
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
-from vllm_infinigen.platforms.cuda.select_ops import (
+from vllm_infinigen.platforms.cuda.kernels import (
     DeviceSelection,
     blocks_of_positions,
     selection_of_blocks,
@@ -100,7 +100,7 @@ class CudaDataPath:
         if self.device.type == "cuda":
             # Priority 0, the lowest (the model's stream has it too unless raised).
             self._stream = torch.cuda.Stream(self.device, priority=0)
-        # [4] float64 (``select_ops.SETTINGS``), updated in place by ``configure``.
+        # [4] float64 (``kernels.SETTINGS``), updated in place by ``configure``.
         self.settings: torch.Tensor | None = None
         self._start = None  # the settings at start-up (InfiniGenConfig): the width
         self._stats_drain = CounterDrain()
@@ -124,8 +124,8 @@ class CudaDataPath:
                 tokens or min context), or changes the sink or recent windows
                 (kernel arguments a captured graph keeps), naming the flag.
         """
-        values = select_ops.settings_tensor(config.alpha, config.budget, config.min_context,
-                                            self.device, config.budget_tokens)
+        values = kernels.settings_tensor(config.alpha, config.budget, config.min_context,
+                                         self.device, config.budget_tokens)
         if self.settings is None:
             self.settings = values
             self._start = config
@@ -164,7 +164,7 @@ class CudaDataPath:
         layer.num_blocks = num_blocks
         layer.selector = functools.partial(self.select, layer)  # whole blocks, on the device
         layer.allocate_speculation_keys(num_blocks, block_size, dtype, self.device,
-                                        partial=writes.with_scratch_block)
+                                        partial=kernels.with_scratch_block)
         if self._cache is not None:
             raise RuntimeError("CudaDataPath.allocate after the cache was made (configure)")
         units = torch.zeros((heads * self.slots_per_head + 1, block_size, 2 * head_size),
@@ -173,20 +173,19 @@ class CudaDataPath:
                                                     (num_blocks, heads))
 
     def width(self, table_blocks: int, block_size: int) -> int:
-        """Blocks per KV head of every selection (``select_ops.selection_width``
-        of the start-up settings)."""
+        """Blocks per KV head of every selection (``kernels.static_width`` of
+        the start-up settings)."""
         if self._start is None:
             raise RuntimeError("CudaDataPath.configure was not called")
         start = self._start
         sink, recent = self._windows(block_size)
-        return select_ops.selection_width(table_blocks, block_size, budget=start.budget,
-                                          min_context=start.min_context, sink_blocks=sink,
-                                          recent_blocks=recent,
-                                          budget_tokens=start.budget_tokens)
+        return kernels.static_width(table_blocks, block_size, budget=start.budget,
+                                    min_context=start.min_context, sink_blocks=sink,
+                                    recent_blocks=recent, budget_tokens=start.budget_tokens)
 
     def _windows(self, block_size: int) -> tuple[int, int]:
-        return block_selection.window_blocks(self._start.sink_tokens, self._start.recent_tokens,
-                                             block_size)
+        return kernels.window_blocks(self._start.sink_tokens, self._start.recent_tokens,
+                                     block_size)
 
     def pool_index(self, num_layers: int, num_heads: int, num_slots: int, num_rows: int,
                    eviction: str, *, block_size: int) -> PoolIndex:
@@ -211,19 +210,19 @@ class CudaDataPath:
         context_lens = rows.context_lens.to(self.device)
         query = query.to(self.device)
         if layer.bound_keys:
-            units, blocks = select_ops.bound_scores(
+            units, blocks = kernels.bound_scores(
                 query, layer.bounds, layer.bound_scales, table, context_lens, scale=layer.scale,
                 block_size=block_size)
-            counts = select_ops.unit_counts(units, self.settings, unit=BOUND_UNIT)
+            counts = kernels.unit_counts(units, self.settings, unit=BOUND_UNIT)
         else:
-            tokens, blocks = (select_ops.int_scores(
+            tokens, blocks = (kernels.int_scores(
                 query, layer.key_codes, layer.key_scales, table, context_lens, scale=layer.scale,
-                settings=self.settings) if layer.int_keys else select_ops.partial_scores(
+                settings=self.settings) if layer.int_keys else kernels.partial_scores(
                 query, layer.partial_keys, table, context_lens, scale=layer.scale))
-            counts = select_ops.alpha_counts(tokens, blocks, context_lens, self.settings,
-                                             block_size=block_size)
+            counts = kernels.alpha_counts(tokens, blocks, context_lens, self.settings,
+                                          block_size=block_size)
         sink, recent = self._windows(block_size)
-        logical, physical, seq_lens = select_ops.select(
+        logical, physical, seq_lens = kernels.select(
             blocks, counts, context_lens, table, self.settings, block_size=block_size,
             width=self.width(table.shape[1], block_size), sink_blocks=sink,
             recent_blocks=recent)
@@ -240,7 +239,7 @@ class CudaDataPath:
         self._wait(entry)
         device_slots = slots.to(self.device, torch.int64)
         if layer.speculation_keys == "partial":
-            writes.write_partial_keys(layer.partial_keys, key, layer.skew, device_slots)
+            kernels.write_partial_keys(layer.partial_keys, key, layer.skew, device_slots)
         # On the compute stream: the next gather (side stream) waits for it.
         kernels.write_tokens(layer.kv_pool, key.to(self.device), value.to(self.device),
                              device_slots, entry.units, self._cache.slot_of[entry.index],

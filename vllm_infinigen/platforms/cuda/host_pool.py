@@ -127,13 +127,13 @@ def allocate_host_pool(num_units: int, num_kv_heads: int, block_size: int, head_
 def unreadable_by_kernels(tensor: torch.Tensor) -> str | None:
     """None when a GPU kernel reads ``tensor``'s first and last bytes as they
     are in host memory (its pointer resolves to a device address); else why not."""
-    from vllm_infinigen.platforms.cuda import triton_kernels
+    from vllm_infinigen.platforms.cuda import kernels
 
     flat = tensor.view(-1).view(torch.uint8)
     ends = torch.tensor([0, flat.numel() - 1], dtype=torch.int64)
     flat[ends] = torch.tensor([0x5A, 0xA5], dtype=torch.uint8)
     try:
-        got = triton_kernels.read_bytes(flat, ends.to("cuda")).cpu()
+        got = kernels.read_bytes(flat, ends.to("cuda")).cpu()
     except (ValueError, RuntimeError) as error:
         return str(error)
     if got.tolist() != [0x5A, 0xA5]:

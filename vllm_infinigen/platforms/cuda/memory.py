@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vllm_infinigen.platforms.cuda.block_selection import window_blocks
-from vllm_infinigen.platforms.cuda.select_ops import selection_width
+from vllm_infinigen.platforms.cuda.kernels import static_width, window_blocks
 
 # Slots per head as a multiple of the widest step's blocks: replaying selections
 # recorded on two trained models, lru with 1.5x-2x the widest step hit within
@@ -37,7 +36,7 @@ def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: i
     """Slots per (sparse layer, KV head) of the device block cache.
 
     Every step selects the same number of blocks per row and KV head, the
-    static width of ``select_ops.selection_width`` (the budget rounded up to
+    static width of ``kernels.static_width`` (the budget rounded up to
     blocks on top of the windows' blocks, or every block below the min
     context, for the longest row); ``reuse`` times that per row (at most the
     row's blocks), for every running row.
@@ -50,9 +49,9 @@ def cache_slots_per_head(*, max_num_seqs: int, max_model_len: int, block_size: i
     """
     table_blocks = -(-max_model_len // block_size) + 1
     sink_blocks, recent_blocks = window_blocks(sink_tokens, recent_tokens, block_size)
-    width = selection_width(table_blocks, block_size, budget=budget, min_context=min_context,
-                            sink_blocks=sink_blocks, recent_blocks=recent_blocks,
-                            budget_tokens=budget_tokens)
+    width = static_width(table_blocks, block_size, budget=budget, min_context=min_context,
+                         sink_blocks=sink_blocks, recent_blocks=recent_blocks,
+                         budget_tokens=budget_tokens)
     return max_num_seqs * min(table_blocks, math.ceil(width * reuse))
 
 

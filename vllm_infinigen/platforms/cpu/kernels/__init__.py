@@ -5,7 +5,7 @@ Each op's schema is declared in ``csrc/ops.cpp`` and its CPU implementation
 registered under the CPU dispatch key (``csrc/*.cpp``, built by ``build.py``).
 The wrappers document shapes; the unit tests hold each op to a pure-torch
 reference (``tests/reference/``). The CUDA platform's kernels are Triton's
-(``platforms/cuda/kernels.py``, ``triton_kernels.py``).
+(``platforms/cuda/kernels/``).
 """
 
 from __future__ import annotations

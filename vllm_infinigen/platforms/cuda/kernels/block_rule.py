@@ -3,29 +3,37 @@
 
 On a GPU the unit that crosses PCIe is one KV head's block (16 tokens x K|V:
 8 KiB in bf16 at D = 128; smaller units lose bandwidth, see
-shared/docs/GPU_DATA_PATH.md), so the rule keeps whole blocks::
+shared/docs/GPU_DATA_PATH.md), so the rule keeps whole blocks. Here in torch:
+the references of ``selection.py``'s ops (what they run off CUDA, what the
+tests hold the Triton kernels to) and the host-side form the accuracy
+studies run::
 
     int_token_scores      speculated score of every context token from the int
-                          keys (the default: every channel in a few bits, one
-                          scale per channel and 16-token group), best over the
-                          query heads of each KV head
+                          keys (every channel in a few bits, one scale per
+                          channel and 16-token group), best over the query
+                          heads of each KV head (``int_scores``)
     partial_token_scores  the same from the paper's partial query x partial keys
                           (``--infinigen-speculation-keys partial``)
-    (bound_selection.py   each complete unit's upper bound of q . k from the
-                          bound keys, the default: block scores and counts
-                          for ``select_blocks``)
     block_scores          the best token score of each block
-    select_blocks         per row: the budget in tokens rounded up to blocks,
-                          plus the sink blocks and the recent blocks (the row's
-                          own block always among them); each KV head keeps its
-                          own top blocks
+    bound_unit_scores     each complete unit's upper bound of q . k from the
+                          bound keys (the default; Quest's), best over the
+                          query heads (``bound_scores``), and
+      unit_block_scores   each block's best unit
+    alpha_counts_reference, unit_alpha_counts
+                          the paper's count per (row, KV head), over tokens
+                          or units (``alpha_counts``, ``unit_counts``)
+    select_reference      the device rule over a settings tensor (``select``)
+    alpha_token_caps,     the host-side rule: per row, the budget in tokens
+      select_blocks       rounded up to blocks, plus the sink blocks and the
+                          recent blocks (the row's own block always among
+                          them); each KV head keeps its own top blocks
 
 Blocks are numbered per row (logical: block j holds positions j*block_size ..
 (j+1)*block_size - 1); ``physical_block_ids`` maps them through the row's
 block table. A row with ``context_len`` tokens before its own has
 ``context_len // block_size + 1`` blocks, the last one holding its own token.
 No ``.item()``: every bound a shape needs comes from the host side
-(``selection_width``), once per step.
+(``widths.py``), once per step.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from vllm_infinigen.layout import KEY_GROUP
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
+_BIG = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,9 @@ class BlockSelection:
 def num_row_blocks(context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """[S] blocks of each row, its own token's block included."""
     return context_lens.to(torch.int64) // block_size + 1
+
+
+# -- scores
 
 
 def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -101,7 +113,7 @@ def int_token_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     if operands not in (torch.float16, None):
         raise ValueError(f"operands {operands}: torch.float16 (the kernel's) or None (exact)")
     if codes.is_cuda and compute_dtype == torch.float32:
-        from vllm_infinigen.platforms.cuda import triton_scoring
+        from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
         num_rows, num_heads = query.shape[:2]
         out = torch.empty((num_rows, num_heads, block_table.shape[1] * codes.shape[2] * KEY_GROUP),
@@ -188,6 +200,115 @@ def block_scores(token_scores: torch.Tensor, context_lens: torch.Tensor,
     return masked.view(num_rows, num_heads, -1, block_size).amax(dim=-1)
 
 
+def bound_unit_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor,
+                      block_table: torch.Tensor, context_lens: torch.Tensor, *,
+                      scale: float, block_size: int) -> torch.Tensor:
+    """[S, H_kv, MB * BLOCK / U] float32 each unit's bound for each row: scale x
+    the unit's scale x the max over the KV head's query group of q+ . max codes
+    + q- . min codes - 2^(bits-1) x sum q (the CPU kernel's score, in torch);
+    -inf past the row's complete units (context // U) and for padding rows.
+
+    Args:
+        query: [S, H_kv, G, D].
+        bounds, scales: A layer's bound keys (``layer_state.py``).
+        block_table: [S, MB] block ids of each row.
+        context_lens: [S] tokens before each row's own (< 0: padding).
+    """
+    num_rows, num_heads, _, head_size = query.shape
+    units_per_block = bounds.shape[2]
+    bits = 8 * bounds.shape[-1] // head_size
+    offset = float(1 << (bits - 1))
+    table = block_table.to(torch.int64)
+    rows = bounds[table].to(torch.int64)  # [S, MB, H, UPB, 2, R]
+    if bits == 4:
+        rows = torch.cat([rows & 15, rows >> 4], dim=-1)
+    codes = rows.float()  # [S, MB, H, UPB, 2, D]
+    unit_scales = scales[table].float()  # [S, MB, H, UPB]
+    q = query.float()
+    dots = (torch.einsum("shgd,smhud->shgmu", q.clamp(min=0), codes[..., 0, :])
+            + torch.einsum("shgd,smhud->shgmu", q.clamp(max=0), codes[..., 1, :])
+            - offset * q.sum(dim=-1)[..., None, None])
+    best = dots.amax(dim=2) * unit_scales.permute(0, 2, 1, 3) * scale  # [S, H, MB, UPB]
+    best = best.flatten(2)
+    unit = block_size // units_per_block
+    context = context_lens.to(torch.int64)
+    complete = torch.where(context >= 0, context.clamp(min=0) // unit, 0)  # [S]
+    index = torch.arange(best.shape[-1], device=best.device)
+    return best.masked_fill(index[None, None, :] >= complete[:, None, None], _NEG_INF)
+
+
+def unit_block_scores(unit_scores: torch.Tensor, units_per_block: int) -> torch.Tensor:
+    """[S, H_kv, MB] each block's best unit (``bound_unit_scores``): -inf for a
+    block without a complete unit."""
+    rows, heads, units = unit_scores.shape
+    return unit_scores.view(rows, heads, units // units_per_block, units_per_block).amax(dim=-1)
+
+
+# -- counts and the rule on the device (a settings tensor)
+
+
+def alpha_counts_reference(token_scores: torch.Tensor, context_lens: torch.Tensor,
+                           settings: torch.Tensor) -> torch.Tensor:
+    """``alpha_counts`` in torch: [S * H_kv] int32 encoded tokens of each (row,
+    KV head) scoring above its best minus alpha (``settings[0]``)."""
+    encoded = context_lens.to(torch.int64).clamp(min=0) // 16 * 16
+    positions = torch.arange(token_scores.shape[-1], device=token_scores.device)
+    scores = token_scores.masked_fill(positions[None, None, :] >= encoded[:, None, None],
+                                      float("-inf"))
+    floor = scores.amax(dim=-1, keepdim=True) - settings[0].to(torch.float32)
+    return (scores > floor).sum(dim=-1).flatten().to(torch.int32)
+
+
+def unit_alpha_counts(unit_scores: torch.Tensor, alpha: torch.Tensor, unit: int) -> torch.Tensor:
+    """[S * H_kv] int32 tokens of the complete units scoring above their row and
+    KV head's best minus ``alpha`` (a 0-dim tensor): the paper's count over
+    units, each counting its ``unit`` tokens (``alpha_counts``' role)."""
+    best = unit_scores.amax(dim=-1, keepdim=True)
+    within = (unit_scores > best - alpha.to(torch.float32)).sum(dim=-1)
+    return (within * unit).flatten().to(torch.int32)
+
+
+def select_reference(block_scores, counts, context_lens, table, settings, *, block_size,
+                     width, sink_blocks, recent_blocks):
+    """``select`` in torch (a stable sort where the kernel searches a threshold)."""
+    rows, heads, num_blocks = block_scores.shape
+    context = context_lens.to(torch.int64)
+    blocks = torch.where(context >= 0, context.clamp(min=0) // block_size + 1, 0)  # [S]
+    mean = counts.view(rows, heads).to(torch.int64).sum(dim=1) // heads
+    cap = torch.floor(context.to(torch.float64) * settings[1]).to(torch.int64)
+    limit = settings[3].to(torch.int64)
+    cap = torch.where(limit > 0, torch.minimum(cap, limit), cap).clamp(min=1)
+    wanted = torch.minimum(mean, cap).clamp(min=1)
+    forced_count = torch.clamp(blocks, max=sink_blocks + recent_blocks)
+    chosen = torch.minimum((wanted + block_size - 1) // block_size + forced_count, blocks)
+    below = context < settings[2].to(torch.int64)
+    chosen = torch.where(below, blocks, chosen).clamp(max=width)  # [S]
+    index = torch.arange(num_blocks, device=block_scores.device)[None, :]
+    in_row = index < blocks[:, None]
+    forced = in_row & ((index < sink_blocks) | (index >= blocks[:, None] - recent_blocks))
+    ranked = block_scores.float().masked_fill(forced[:, None, :], float("inf"))
+    ranked = ranked.masked_fill(~in_row[:, None, :], float("-inf"))
+    # Beyond the row: below every score of it (the kernel's lowest key).
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(
+        num_blocks, device=order.device).expand_as(order))
+    keep = (rank < chosen[:, None, None]) & in_row[:, None, :]
+    logical = torch.where(keep, index[None], _BIG).sort(dim=-1).values
+    padded = torch.full((rows, heads, max(width - num_blocks, 0)), _BIG, dtype=torch.int64,
+                        device=logical.device)
+    logical = torch.cat([logical, padded], dim=-1)[..., :width]
+    valid = logical < _BIG
+    logical = torch.where(valid, logical, -1)
+    physical = table.to(torch.int64).gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
+    physical = torch.where(valid, physical, -1)
+    partial = context.clamp(min=0) % block_size + 1
+    seq_lens = torch.where(chosen > 0, (chosen - 1) * block_size + partial, 0)
+    return logical, physical, seq_lens[:, None].expand(rows, heads).flatten().to(torch.int32)
+
+
+# -- the rule on the host (the accuracy studies)
+
+
 def alpha_token_caps(token_scores: torch.Tensor, context_lens: torch.Tensor, alpha: float,
                      token_caps: torch.Tensor) -> torch.Tensor:
     """[S] the paper's k capped by the budget: min(floor(mean over KV heads of
@@ -211,17 +332,6 @@ def _budget_blocks(token_caps: torch.Tensor, block_size: int) -> torch.Tensor:
     return (token_caps.to(torch.int64) + block_size - 1) // block_size
 
 
-def selection_width(context_host: list[int], caps_host: list[int], block_size: int, *,
-                    sink_blocks: int, recent_blocks: int) -> int:
-    """Host-side bound of a step's blocks per KV head (``BlockSelection``'s W), >= 1."""
-    width = 1
-    for context, cap in zip(context_host, caps_host):
-        blocks = context // block_size + 1
-        forced = min(blocks, sink_blocks + recent_blocks)
-        width = max(width, min(blocks, -(-cap // block_size) + forced))
-    return width
-
-
 def select_blocks(scores: torch.Tensor, context_lens: torch.Tensor, token_caps: torch.Tensor,
                   *, block_size: int, width: int, sink_blocks: int = 1,
                   recent_blocks: int = 1) -> BlockSelection:
@@ -237,7 +347,7 @@ def select_blocks(scores: torch.Tensor, context_lens: torch.Tensor, token_caps: 
         context_lens: [S] tokens before each row's own.
         token_caps: [S] the budget in tokens (``worker.step_plan.token_budget``,
             or ``alpha_token_caps`` of it).
-        width: Blocks per head in the result, from ``selection_width``.
+        width: Blocks per head in the result, from ``widths.step_width``.
         sink_blocks: First blocks always kept (attention sinks).
         recent_blocks: Last blocks always kept, >= 1.
 
@@ -274,12 +384,3 @@ def physical_block_ids(logical: torch.Tensor, block_table: torch.Tensor) -> torc
     ids = torch.gather(block_table.to(torch.int64), 1,
                        logical.clamp(min=0).reshape(num_rows, -1)).view_as(logical)
     return torch.where(logical >= 0, ids, -1)
-
-
-def window_blocks(sink_tokens: int, recent_tokens: int, block_size: int) -> tuple[int, int]:
-    """(sink blocks, recent blocks) always kept: the first block and the row's
-    own block at least (the rule measured in
-    ``benchmarks/results/granularity_block16.md``), more where the token
-    windows reach further (the first ``sink_tokens`` context tokens; the last
-    ``recent_tokens`` before the row's own token)."""
-    return max(1, -(-sink_tokens // block_size)), 1 + -(-recent_tokens // block_size)

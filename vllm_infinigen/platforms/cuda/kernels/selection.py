@@ -1,33 +1,40 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side, CUDA platform: the device-only selection of a sparse layer, dispatch and references.
+"""Worker side, CUDA platform: the wrappers of a sparse layer's device-only selection and placement.
 
-InfiniGen's rule in whole blocks (``block_selection.py`` states it in torch)
-as three kernels whose shapes depend only on the step's bounds, so that they
-run without a host read and inside a CUDA graph::
+InfiniGen's rule in whole blocks (``block_rule.py`` states it in torch) as
+kernels whose shapes depend only on the step's bounds (``widths.py``), so that
+they run without a host read and inside a CUDA graph::
 
     int_scores     [S, H_kv, T] token and [S, H_kv, MB] block scores (T =
                    MB x block_size: the table's width, not the rows' contexts)
+    bound_scores   [S, H_kv, MB x units] unit and [S, H_kv, MB] block scores
+                   from the bound keys (the default)
+    partial_scores the same as int_scores from the partial keys (torch on
+                   every device)
     alpha_counts   [S * H_kv] tokens within alpha of each head's best
+    unit_counts    the same over the bound keys' units
     select         [S, H_kv, W] logical and physical blocks, ascending, -1
                    padded, and [S * H_kv] the tokens each (row, KV head)
                    attends (its own token included): a ``DeviceSelection``
+    place_lru      the selection placed in the layer's device block cache:
+                   hits, least recently used victims, the fetch list
 
 ``settings`` is a float64 device tensor (``SETTINGS``: alpha, budget,
-min_context) that a running engine updates in place. On CUDA each function
-launches its Triton kernel (``triton_scoring.py``, ``triton_select.py``);
-elsewhere it runs the torch reference below, which reads nothing back to the
-host either.
+min_context, budget_tokens) that a running engine updates in place. On CUDA
+each function launches its Triton kernel (``triton_scoring.py``,
+``triton_bounds.py``, ``triton_select.py``); elsewhere it runs the torch
+reference (``block_rule.py``, ``reference.py``), which reads nothing back to
+the host either.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen.platforms.cuda import block_selection, bound_selection
+from vllm_infinigen.platforms.cuda.kernels import block_rule, reference
 
 if TYPE_CHECKING:
     from vllm_infinigen.worker.step_plan import RowSet
@@ -39,7 +46,7 @@ _BIG = 1 << 62
 
 @dataclass(frozen=True)
 class DeviceSelection:
-    """One sparse layer's blocks for a step's rows, as ``select_ops.select`` makes them."""
+    """One sparse layer's blocks for a step's rows, as ``select`` makes them."""
 
     logical: torch.Tensor  # [S, H_kv, W] int64 block within the row, ascending, -1 padded
     physical: torch.Tensor  # [S, H_kv, W] int64 its block id, -1 padded
@@ -71,7 +78,7 @@ def selection_of_blocks(logical: torch.Tensor, rows: RowSet, block_size: int) ->
     """The ``DeviceSelection`` of logical blocks [S, H_kv, W] (ascending, -1
     padded, each row's own block the last valid one), e.g. a recorded one."""
     context_lens = rows.context_lens.to(logical.device, torch.int64)
-    physical = block_selection.physical_block_ids(logical, rows.block_table.to(logical.device))
+    physical = block_rule.physical_block_ids(logical, rows.block_table.to(logical.device))
     num_valid = (logical >= 0).sum(dim=-1)  # [S, H]
     seq_lens = (num_valid - 1) * block_size + (context_lens % block_size + 1)[:, None]
     return DeviceSelection(logical, physical, seq_lens.flatten().to(torch.int32))
@@ -84,25 +91,7 @@ def settings_tensor(alpha: float, budget: float, min_context: int,
                         dtype=torch.float64, device=device)
 
 
-def selection_width(table_blocks: int, block_size: int, *, budget: float, min_context: int,
-                    sink_blocks: int, recent_blocks: int,
-                    budget_tokens: int | None = None) -> int:
-    """The static bound W of ``select``: the most blocks a row of the table selects.
-
-    A row of ``table_blocks`` blocks has at most ``table_blocks * block_size
-    - 1`` context tokens; it keeps ceil(budget tokens / block_size) blocks plus
-    its windows' (``block_selection.selection_width``), the budget in tokens
-    capped by ``budget_tokens``, or every block when its context is below
-    ``min_context``.
-    """
-    longest = table_blocks * block_size - 1
-    tokens = max(1, math.floor(budget * longest))
-    if budget_tokens is not None:
-        tokens = min(tokens, budget_tokens)
-    by_budget = block_selection.selection_width(
-        [longest], [tokens], block_size, sink_blocks=sink_blocks, recent_blocks=recent_blocks)
-    dense = (max(min_context, 1) - 1) // block_size + 1
-    return max(1, min(table_blocks, max(by_budget, dense)))
+# -- scores and counts
 
 
 def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -123,10 +112,10 @@ def int_scores(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """
     block_size = codes.shape[2] * 16
     if not codes.is_cuda:
-        tokens = block_selection.int_token_scores(query, codes, scales, table, context_lens,
-                                                  scale=scale)
-        return tokens, block_selection.block_scores(tokens, context_lens, block_size)
-    from vllm_infinigen.platforms.cuda import triton_scoring
+        tokens = block_rule.int_token_scores(query, codes, scales, table, context_lens,
+                                             scale=scale)
+        return tokens, block_rule.block_scores(tokens, context_lens, block_size)
+    from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
     rows, heads, group, head_size = query.shape
     if query.stride(3) != 1 or query.stride(2) != head_size or query.stride(1) != group * head_size:
@@ -145,7 +134,7 @@ def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(unit scores [S, H_kv, MB * block_size / U], block scores [S, H_kv, MB]) float32:
     each unit's bound (-inf past a row's complete units) and each block's best
-    unit (``bound_selection``), on CUDA one Triton launch (``triton_bounds``).
+    unit (``block_rule``), on CUDA one Triton launch (``triton_bounds``).
 
     Args:
         query: [S, H_kv, G, D]; bounds, scales: a layer's bound keys.
@@ -153,10 +142,10 @@ def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor
     """
     units_per_block = bounds.shape[2]
     if not bounds.is_cuda:
-        units = bound_selection.bound_unit_scores(query, bounds, scales, table, context_lens,
-                                                  scale=scale, block_size=block_size)
-        return units, bound_selection.unit_block_scores(units, units_per_block)
-    from vllm_infinigen.platforms.cuda import triton_bounds
+        units = block_rule.bound_unit_scores(query, bounds, scales, table, context_lens,
+                                             scale=scale, block_size=block_size)
+        return units, block_rule.unit_block_scores(units, units_per_block)
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
 
     rows, heads, group, head_size = query.shape
     if query.stride(3) != 1 or query.stride(2) != head_size or query.stride(1) != group * head_size:
@@ -171,11 +160,11 @@ def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor
 
 
 def unit_counts(unit_scores: torch.Tensor, settings: torch.Tensor, *, unit: int) -> torch.Tensor:
-    """[S * H_kv] int32: the paper's alpha count over units (``bound_selection.
+    """[S * H_kv] int32: the paper's alpha count over units (``block_rule.
     unit_alpha_counts``), on CUDA one Triton launch."""
     if not unit_scores.is_cuda:
-        return bound_selection.unit_alpha_counts(unit_scores, settings[0], unit)
-    from vllm_infinigen.platforms.cuda import triton_bounds
+        return block_rule.unit_alpha_counts(unit_scores, settings[0], unit)
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
 
     rows, heads = unit_scores.shape[:2]
     counts = torch.empty(rows * heads, dtype=torch.int32, device=unit_scores.device)
@@ -187,8 +176,8 @@ def partial_scores(query: torch.Tensor, partial_keys: torch.Tensor, table: torch
                    context_lens: torch.Tensor, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(token scores, block scores) from the partial keys (torch, any device), as
     ``int_scores`` gives them from the int keys."""
-    tokens = block_selection.partial_token_scores(query, partial_keys, table, scale=scale)
-    return tokens, block_selection.block_scores(tokens, context_lens, partial_keys.shape[-1])
+    tokens = block_rule.partial_token_scores(query, partial_keys, table, scale=scale)
+    return tokens, block_rule.block_scores(tokens, context_lens, partial_keys.shape[-1])
 
 
 def alpha_counts(token_scores: torch.Tensor, block_scores: torch.Tensor,
@@ -197,19 +186,17 @@ def alpha_counts(token_scores: torch.Tensor, block_scores: torch.Tensor,
     """[S * H_kv] int32 encoded tokens of each (row, KV head) scoring above its
     best minus alpha (``settings[0]``): the paper's count, before the mean."""
     if token_scores.is_cuda:
-        from vllm_infinigen.platforms.cuda import triton_select
+        from vllm_infinigen.platforms.cuda.kernels import triton_select
 
         rows, heads = token_scores.shape[:2]
         counts = torch.empty(rows * heads, dtype=torch.int32, device=token_scores.device)
         triton_select.alpha_counts(token_scores, block_scores, context_lens, settings, counts,
                                    block_size=block_size)
         return counts
-    encoded = context_lens.to(torch.int64).clamp(min=0) // 16 * 16
-    positions = torch.arange(token_scores.shape[-1], device=token_scores.device)
-    scores = token_scores.masked_fill(positions[None, None, :] >= encoded[:, None, None],
-                                      float("-inf"))
-    floor = scores.amax(dim=-1, keepdim=True) - settings[0].to(torch.float32)
-    return (scores > floor).sum(dim=-1).flatten().to(torch.int32)
+    return block_rule.alpha_counts_reference(token_scores, context_lens, settings)
+
+
+# -- the rule, and the placement in the cache
 
 
 def select(block_scores: torch.Tensor, counts: torch.Tensor, context_lens: torch.Tensor,
@@ -228,7 +215,7 @@ def select(block_scores: torch.Tensor, counts: torch.Tensor, context_lens: torch
     own block (the last) holding ``context % block_size + 1``.
     """
     if block_scores.is_cuda:
-        from vllm_infinigen.platforms.cuda import triton_select
+        from vllm_infinigen.platforms.cuda.kernels import triton_select
 
         rows, heads = block_scores.shape[:2]
         logical = torch.empty((rows, heads, width), dtype=torch.int64, device=table.device)
@@ -238,44 +225,29 @@ def select(block_scores: torch.Tensor, counts: torch.Tensor, context_lens: torch
                                     physical, seq_lens, block_size=block_size,
                                     sink_blocks=sink_blocks, recent_blocks=recent_blocks)
         return logical, physical, seq_lens
-    return select_reference(block_scores, counts, context_lens, table, settings,
-                            block_size=block_size, width=width, sink_blocks=sink_blocks,
-                            recent_blocks=recent_blocks)
+    return block_rule.select_reference(block_scores, counts, context_lens, table, settings,
+                                       block_size=block_size, width=width,
+                                       sink_blocks=sink_blocks, recent_blocks=recent_blocks)
 
 
-def select_reference(block_scores, counts, context_lens, table, settings, *, block_size,
-                     width, sink_blocks, recent_blocks):
-    """``select`` in torch (a stable sort where the kernel searches a threshold)."""
-    rows, heads, num_blocks = block_scores.shape
-    context = context_lens.to(torch.int64)
-    blocks = torch.where(context >= 0, context.clamp(min=0) // block_size + 1, 0)  # [S]
-    mean = counts.view(rows, heads).to(torch.int64).sum(dim=1) // heads
-    cap = torch.floor(context.to(torch.float64) * settings[1]).to(torch.int64)
-    limit = settings[3].to(torch.int64)
-    cap = torch.where(limit > 0, torch.minimum(cap, limit), cap).clamp(min=1)
-    wanted = torch.minimum(mean, cap).clamp(min=1)
-    forced_count = torch.clamp(blocks, max=sink_blocks + recent_blocks)
-    chosen = torch.minimum((wanted + block_size - 1) // block_size + forced_count, blocks)
-    below = context < settings[2].to(torch.int64)
-    chosen = torch.where(below, blocks, chosen).clamp(max=width)  # [S]
-    index = torch.arange(num_blocks, device=block_scores.device)[None, :]
-    in_row = index < blocks[:, None]
-    forced = in_row & ((index < sink_blocks) | (index >= blocks[:, None] - recent_blocks))
-    ranked = block_scores.float().masked_fill(forced[:, None, :], float("inf"))
-    ranked = ranked.masked_fill(~in_row[:, None, :], float("-inf"))
-    # Beyond the row: below every score of it (the kernel's lowest key).
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(
-        num_blocks, device=order.device).expand_as(order))
-    keep = (rank < chosen[:, None, None]) & in_row[:, None, :]
-    logical = torch.where(keep, index[None], _BIG).sort(dim=-1).values
-    padded = torch.full((rows, heads, max(width - num_blocks, 0)), _BIG, dtype=torch.int64,
-                        device=logical.device)
-    logical = torch.cat([logical, padded], dim=-1)[..., :width]
-    valid = logical < _BIG
-    logical = torch.where(valid, logical, -1)
-    physical = table.to(torch.int64).gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
-    physical = torch.where(valid, physical, -1)
-    partial = context.clamp(min=0) % block_size + 1
-    seq_lens = torch.where(chosen > 0, (chosen - 1) * block_size + partial, 0)
-    return logical, physical, seq_lens[:, None].expand(rows, heads).flatten().to(torch.int32)
+def place_lru(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: torch.Tensor,
+              block_of: torch.Tensor, last_used: torch.Tensor, ticks: torch.Tensor,
+              fetch_units: torch.Tensor, fetch_slots: torch.Tensor, num_fetch: torch.Tensor,
+              counters: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor, *,
+              capacity: int) -> None:
+    """One layer's selection placed in its cache, least recently used slots
+    evicted (``DeviceBlockCache.place``; arguments: ``reference.place_lru_reference``).
+
+    On CUDA one Triton launch, a program per KV head (``triton_select.lookup_lru``);
+    elsewhere the reference. Neither reads anything back to the host.
+    """
+    if not slot_of.is_cuda:
+        reference.place_lru_reference(block_ids, slots, slot_of, block_of, last_used, ticks,
+                                      fetch_units, fetch_slots, num_fetch, counters, seq_lens,
+                                      context_lens, capacity=capacity)
+        return
+    from vllm_infinigen.platforms.cuda.kernels import triton_select
+
+    triton_select.lookup_lru(block_ids, slots, slot_of, block_of, last_used, ticks,
+                             torch.empty_like(fetch_units), fetch_units, fetch_slots, num_fetch,
+                             counters, seq_lens, context_lens, capacity=capacity)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side, CUDA platform: the Triton kernels behind ``kernels.py`` (imported on first launch).
+"""Worker side, CUDA platform: the Triton kernels behind ``units.py`` (imported on first launch).
 
     gather_units   missing blocks, pinned pool -> device block cache, one
                    fetch list per KV head with its count on the device
@@ -257,11 +257,11 @@ def _encode_groups(pool, codes, scales, slots, H: tl.constexpr, BLOCK: tl.conste
     """The int keys of the 16-token group that ``slots[token]`` closes, for one KV head.
 
     Grid (tokens, heads); a token that closes no group (or padding) does
-    nothing. Reads the group's 16 keys from the pool (after ``_store_rows``
+    nothing. Reads the group's 16 keys from the pool (after ``_write_tokens``
     on the same stream), per channel: scale = max |k| / HALF (float16), code
     = round half to even of k / scale + HALF, clamped to [0, TOP] (0 where
     the scale is 0), token t at bits [BITS * t, BITS * t + BITS) of a word
-    stored as 2 * BITS bytes, least significant first: ``writes.encode_groups``.
+    stored as 2 * BITS bytes, least significant first: ``reference.int_key_codes``.
     IEEE divisions (``div_rn``), so the codes equal the CPU kernels' byte for byte.
     """
     token = tl.program_id(0).to(tl.int64)

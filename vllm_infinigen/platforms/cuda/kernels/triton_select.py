@@ -4,7 +4,8 @@
 One sparse layer's selection and cache placement, in four launches, with no
 host read and grids sized by the step's bounds (rows x KV heads, the
 selection's static width), so that a decode step can be captured in a CUDA
-graph (``select_ops.py`` holds the dispatch and the torch references)::
+graph (``selection.py`` holds the dispatch, ``block_rule.py`` and
+``reference.py`` the torch references)::
 
     int_scores     token scores from the int keys, read in place, and each
                    block's best (grid: rows x KV heads, token tiles;

@@ -2,8 +2,8 @@
 """Worker side, CUDA platform: the Triton kernels that score tokens from the int keys (imported on first launch).
 
 ``int_scores`` is the first launch of a device-only selection
-(``triton_select.py`` holds the others, ``select_ops.py`` the dispatch and
-the torch references). Two forms compute the scores::
+(``triton_select.py`` holds the others, ``selection.py`` the dispatch,
+``block_rule.py`` the torch references). Two forms compute the scores::
 
     dot   (the default) a tile of TILE tokens x D channels dequantised in
           float32, times the query heads as one [D, HEADS_PAD] matrix on the
@@ -14,11 +14,11 @@ the torch references). Two forms compute the scores::
           summed over the channels (exact in float32)
 
 The float16 operands put each key and query value within 2^-11 of its
-float32 value, relatively (below float16's normal range, 6e-5, within 2^-25) (the torch form rounds them alike: ``block_selection``); the
+float32 value, relatively (below float16's normal range, 6e-5, within 2^-25) (the torch form rounds them alike: ``block_rule``); the
 2-bit codes of a bfloat16 cache are a step of a third of a channel's range.
 
 A group of 16 tokens keeps, per channel, its 16 codes in one run of 2 x
-BITS bytes, token i's in bits [BITS x i, + BITS) (``block_selection``
+BITS bytes, token i's in bits [BITS x i, + BITS) (``block_rule``
 states the layout and dequantises it in torch: the reference)::
 
     codes  [blocks, H_kv, BLOCK / 16, D, 2 * BITS] uint8, seen as words of
@@ -186,7 +186,7 @@ def int_scores(query, codes, scales, table, context_lens, token_out, block_out, 
         scales: [blocks, H_kv, block_size / 16, D] float16.
         table: [S, MB] block ids; context_lens: [S] (< 0: padding).
         token_out: [S, H_kv, T] float32; block_out: [S, H_kv, MB] or None.
-        settings: Given, the token scores are gated by alpha (``select_ops``).
+        settings: Given, the token scores are gated by alpha (``selection.int_scores``).
         method: "dot" (the default) or "sums" (the module docstring);
             tile: tokens per program;
             precision: the dot's operands: "fp16" (the default: float16), or its

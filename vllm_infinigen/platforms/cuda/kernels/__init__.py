@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CUDA platform's kernels: one wrapper per op, as the data path calls them.
+
+A wrapper takes the op's tensors, launches its Triton kernel when they are
+on CUDA (the Triton module imported then, so the CPU build never imports
+Triton or touches CUDA) and runs its pure-torch reference elsewhere: in CI,
+and in the GPU benchmark's CPU self-test. Nothing here synchronises with the
+host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
+
+    op (wrapper)         Triton kernel                     torch reference
+    gather_units         triton_units.gather_units         reference.gather_units_reference
+    write_tokens         triton_units.write_tokens         reference.write_pool,
+                                                           reference.write_cached_tokens
+    write_partial_keys   (torch on every device)           -
+    encode_groups        triton_units.encode_groups        reference.write_int_keys
+    encode_bounds        triton_bounds.encode_bounds       reference.write_bounds
+    attend_units         triton_units.attend_units         reference.attend_units_reference
+    attend_prompt_units  triton_units.attend_prompt        reference.attend_prompt_units_reference
+    read_bytes           triton_units.read_bytes           - (CUDA only: host_pool's check)
+    int_scores           triton_scoring.int_scores         block_rule.int_token_scores,
+                                                           block_rule.block_scores
+    bound_scores         triton_bounds.bound_scores        block_rule.bound_unit_scores,
+                                                           block_rule.unit_block_scores
+    partial_scores       (torch on every device)           -
+    alpha_counts         triton_select.alpha_counts        block_rule.alpha_counts_reference
+    unit_counts          triton_bounds.unit_counts         block_rule.unit_alpha_counts
+    select               triton_select.select_blocks       block_rule.select_reference
+    place_lru            triton_select.lookup_lru          reference.place_lru_reference
+
+The room::
+
+    units.py           the wrappers of the ops on pool units (gather, writes, attention)
+    selection.py       the wrappers of the selection and its placement in the cache
+    widths.py          the bounds of a selection's width (and how they relate)
+    reference.py       the torch references of the ops on pool units and the placement
+    block_rule.py      InfiniGen's rule in blocks in torch: the selection's
+                       references, and the host-side rule of the accuracy studies
+    triton_units.py    the Triton kernels of gather, writes and attention
+    triton_scoring.py  the Triton kernels scoring tokens from the int keys
+    triton_bounds.py   the Triton kernels of the bound keys (encode, score, count)
+    triton_select.py   the Triton kernels of the alpha count, the rule and the placement
+
+The tests hold each Triton kernel to its reference in Triton's interpreter
+(``tests/unit/triton_interpreter_checks.py``) and on a GPU (``tests/gpu/``),
+and the references of the writes to the CPU platform's compiled kernels.
+"""
+
+from __future__ import annotations
+
+from vllm_infinigen.platforms.cuda.kernels.selection import (
+    SETTINGS,
+    DeviceSelection,
+    alpha_counts,
+    blocks_of_positions,
+    bound_scores,
+    int_scores,
+    partial_scores,
+    place_lru,
+    select,
+    selection_of_blocks,
+    settings_tensor,
+    unit_counts,
+)
+from vllm_infinigen.platforms.cuda.kernels.units import (
+    attend_prompt_units,
+    attend_units,
+    attention_splits,
+    encode_bounds,
+    encode_groups,
+    gather_ctas,
+    gather_units,
+    read_bytes,
+    scratch_of,
+    unit_words,
+    with_scratch_block,
+    write_partial_keys,
+    write_tokens,
+)
+from vllm_infinigen.platforms.cuda.kernels.widths import static_width, step_width, window_blocks
+
+__all__ = ["SETTINGS", "DeviceSelection", "alpha_counts", "attend_prompt_units", "attend_units",
+           "attention_splits", "blocks_of_positions", "bound_scores", "encode_bounds",
+           "encode_groups", "gather_ctas", "gather_units", "int_scores", "partial_scores",
+           "place_lru", "read_bytes", "scratch_of", "select", "selection_of_blocks",
+           "settings_tensor", "static_width", "step_width", "unit_counts", "unit_words",
+           "window_blocks", "with_scratch_block", "write_partial_keys", "write_tokens"]

@@ -1,0 +1,324 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side, CUDA platform: the wrappers of the ops on pool units (gather, writes, attention).
+
+    gather_units        the missing blocks of a layer, host pool -> device cache
+                        slots: one Triton kernel reading the pinned pool through
+                        its UVA pointer, on a grid of 32-64 CTAs (with a full grid
+                        the gather stalls the compute beside it; confined, it
+                        still reaches 49-50 GB/s on an H100, GPU_DATA_PATH.md),
+                        one fetch list per KV head, counts on the device
+    attend_units        decode attention of each (row, KV head) over its units
+                        (the cache's slots of its selection), splits merged
+                        into the caller's rows: two launches
+    write_tokens        the write-through of new K|V into the pinned pool and
+                        into the cached copies of their blocks: one launch
+    write_partial_keys  the skewed partial keys of new keys (torch on every
+                        device: a matrix product and a scatter)
+    encode_groups       the int keys of the groups new tokens close, from the pool
+    encode_bounds       the bounds of the units new tokens close, from the pool
+    attend_prompt_units causal attention of one request's prompt rows over
+                        its units (prefill, chunked or not): flash attention
+    read_bytes          a kernel's read of pinned host memory (``host_pool``'s check)
+
+A call on CUDA tensors launches the Triton kernel (``triton_units.py``,
+``triton_bounds.py``, imported then); on any other device it runs the torch
+reference (``reference.py``), so the CPU build never touches CUDA or Triton.
+Nothing here synchronises with the host.
+
+The device-side buffers of the partial keys carry one scratch block past
+``num_blocks`` (``with_scratch_block``): padding tokens (slot < 0) write
+there, so the device writes need no data-dependent shape and no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_infinigen.platforms.cuda.kernels import reference
+
+# The gather's grid: 32-64 CTAs on a lower-priority stream (GPU_DATA_PATH.md).
+MIN_GATHER_CTAS, MAX_GATHER_CTAS = 32, 64
+_MAX_CHUNK_WORDS = 2048  # 8 KiB per row of the copy tile
+_GATHER_UNITS_PER_STEP = 2  # units in flight per CTA and loop step
+_SPLITS_PER_SM = 2  # attention: (sequences x splits) >= 2 x SMs when the blocks allow
+
+
+def gather_ctas(num_sms: int | None) -> int:
+    """CTAs of the gather grid: half the SMs, within 32..64."""
+    if num_sms is None:
+        return MIN_GATHER_CTAS
+    return max(MIN_GATHER_CTAS, min(MAX_GATHER_CTAS, num_sms // 2))
+
+
+def unit_words(block_size: int, head_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(32-bit words per unit, words per copy chunk: the largest power of two
+    dividing the unit, at most 2048).
+
+    Raises:
+        ValueError: If a unit is not a whole number of 32-bit words.
+    """
+    unit_bytes = block_size * 2 * head_size * dtype.itemsize
+    if unit_bytes % 4:
+        raise ValueError(f"a block of {unit_bytes} bytes is not a whole number of 32-bit words")
+    words = unit_bytes // 4
+    return words, min(words & -words, _MAX_CHUNK_WORDS)
+
+
+def attention_splits(num_sequences: int, width: int, num_sms: int | None) -> tuple[int, int]:
+    """(splits per sequence, blocks per split) for ``attend_units``' grid."""
+    wanted = 1 if num_sms is None else -(-_SPLITS_PER_SM * num_sms // max(num_sequences, 1))
+    splits = max(1, min(wanted, width))
+    per_split = -(-width // splits)
+    return -(-width // per_split), per_split
+
+
+def _num_sms(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# -- gather
+
+
+def gather_units(pool: torch.Tensor, cache: torch.Tensor, fetch_units: torch.Tensor,
+                 fetch_slots: torch.Tensor, num_fetch: torch.Tensor, *,
+                 num_ctas: int | None = None) -> None:
+    """Copies the listed pool units into cache slots, on the current stream.
+
+    Args:
+        pool: [units, H_kv, block_size, 2 * D] one layer's host pool (pinned,
+            for the kernel) or any tensor of that shape; unit u is
+            ``pool.view(-1, block_size, 2 * D)[u]``, i.e. block u // H_kv, head u % H_kv.
+        cache: [N, block_size, 2 * D] device units (a cache, a staging
+            buffer), the last one scratch.
+        fetch_units, fetch_slots: [L, M] (or [M]) int64 lists (``CacheLookup``):
+            the first ``num_fetch[l]`` of list l are copied, pool unit -> cache slot.
+        num_fetch: [L] int64 on the cache's device.
+        num_ctas: Grid size (default ``gather_ctas`` of the device).
+    """
+    if cache.is_cuda:
+        from vllm_infinigen.platforms.cuda.kernels import triton_units
+
+        block_size, width = cache.shape[1], cache.shape[2]
+        words, chunk = unit_words(block_size, width // 2, cache.dtype)
+        triton_units.gather_units(
+            pool.view(torch.int32), cache.view(torch.int32), fetch_units, fetch_slots, num_fetch,
+            num_ctas=num_ctas or gather_ctas(_num_sms(cache.device)), unit_words=words,
+            chunk_words=chunk, per_step=_GATHER_UNITS_PER_STEP)
+        return
+    reference.gather_units_reference(pool, cache, fetch_units, fetch_slots, num_fetch)
+
+
+# -- the writes of a step's new tokens
+
+
+def with_scratch_block(shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """A zeroed tensor of ``shape`` (first dim: block ids) backed by one more
+    block, the scratch that padding writes land in (``scratch_of``)."""
+    storage = torch.zeros((shape[0] + 1, *shape[1:]), dtype=dtype, device=device)
+    return storage[: shape[0]]
+
+
+def scratch_of(view: torch.Tensor) -> torch.Tensor:
+    """The full tensor behind ``with_scratch_block``'s view, scratch block last."""
+    return view.as_strided((view.shape[0] + 1, *view.shape[1:]), view.stride(),
+                           view.storage_offset())
+
+
+def _block_coordinates(slots: torch.Tensor, block_size: int,
+                       scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids, offsets) of ``slots`` [T]; padding -> (scratch, 0)."""
+    valid = slots >= 0
+    blocks = torch.where(valid, slots // block_size, scratch)
+    return blocks, torch.where(valid, slots % block_size, 0)
+
+
+def write_partial_keys(partial_keys: torch.Tensor, key: torch.Tensor, skew: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """The skewed partial keys of new keys, in place, on ``partial_keys``' device.
+
+    Args:
+        partial_keys: [num_blocks, H_kv, R, block_size] (``with_scratch_block``).
+        key: [T, H_kv, D] new keys.
+        skew: [H_kv, D, R] float32 skew columns of the layer.
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+    """
+    full = scratch_of(partial_keys)
+    block_size = partial_keys.shape[-1]
+    slots = slot_mapping.to(full.device, torch.int64)
+    blocks, offsets = _block_coordinates(slots, block_size, partial_keys.shape[0])
+    # partial: [T, H_kv, R]
+    partial = torch.einsum("thd,hdr->thr", key.to(full.device).float(), skew.to(full.device))
+    heads = torch.arange(full.shape[1], device=full.device)
+    full[blocks[:, None], heads[None, :], :, offsets[:, None]] = partial.to(full.dtype)
+
+
+def write_tokens(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor, units: torch.Tensor | None = None,
+                 slot_of: torch.Tensor | None = None, slots_per_head: int = 0) -> None:
+    """The write-through of new K|V into an uncapped pool and, given a cache,
+    into the cached copies of their blocks, on the current stream.
+
+    On CUDA one Triton kernel stores through the pinned pool's UVA pointer
+    (no host sync; a later gather on another stream is ordered after it by
+    ``CudaDataPath.fetch_blocks``' wait on this stream); elsewhere
+    ``reference.write_pool`` and ``reference.write_cached_tokens``.
+
+    Args:
+        pool: [num_blocks, H_kv, block_size, 2 * D] (unit = block id).
+        key, value: [T, H_kv, D] (unit strides within a token).
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+        units: [H_kv * slots_per_head + 1, block_size, 2 * D] a layer's
+            cache (the last unit scratch), or None.
+        slot_of: [num_blocks * H_kv + 1] int32 its slot of each (block, head).
+    """
+    if not key.is_cuda:
+        reference.write_pool(pool, key, value, slot_mapping)
+        if units is not None:
+            cached = reference.cached_token_slots(slot_of, slot_mapping, pool.shape[2],
+                                                  pool.shape[1], slots_per_head)
+            reference.write_cached_tokens(units, cached, slot_mapping, key, value)
+        return
+    from vllm_infinigen.platforms.cuda.kernels import triton_units
+
+    triton_units.write_tokens(pool, units, slot_of, key, value,
+                              slot_mapping.to(key.device, torch.int64), capacity=slots_per_head)
+
+
+def encode_groups(codes: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """The int speculation keys of every 16-token group ``slot_mapping`` closes,
+    read from the pool after ``write_tokens`` of the same tokens (same stream).
+
+    On CUDA one Triton kernel reads the groups through the pinned pool's UVA
+    pointer and writes codes and scales on the device; elsewhere
+    ``reference.write_int_keys``. Byte for byte the CPU kernels' encoding.
+
+    Args:
+        codes: [num_blocks, H_kv, block_size / 16, D, 2 * bits] uint8.
+        scales: [num_blocks, H_kv, block_size / 16, D] float16.
+        pool: [num_blocks, H_kv, block_size, 2 * D].
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+    """
+    if not codes.is_cuda:
+        reference.write_int_keys(codes, scales, pool, slot_mapping)
+        return
+    from vllm_infinigen.platforms.cuda.kernels import triton_units
+
+    triton_units.encode_groups(pool, codes, scales, slot_mapping.to(codes.device, torch.int64))
+
+
+def encode_bounds(bounds: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """The bound speculation keys of every unit ``slot_mapping`` closes, read from
+    the pool after ``write_tokens`` of the same tokens (same stream).
+
+    On CUDA one Triton kernel reads the units through the pinned pool's UVA
+    pointer and writes codes and scales on the device; elsewhere
+    ``reference.write_bounds``. Byte for byte the CPU kernels' encoding.
+
+    Args:
+        bounds: [num_blocks, H_kv, block_size / U, 2, D * bits / 8] uint8.
+        scales: [num_blocks, H_kv, block_size / U] float16.
+        pool: [num_blocks, H_kv, block_size, 2 * D].
+        slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+    """
+    if not bounds.is_cuda:
+        reference.write_bounds(bounds, scales, pool, slot_mapping)
+        return
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
+
+    triton_bounds.encode_bounds(pool, bounds, scales, slot_mapping.to(bounds.device, torch.int64),
+                                unit=pool.shape[2] // bounds.shape[2])
+
+
+# -- attention over units
+
+
+def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
+                 seq_lens: torch.Tensor, *, num_kv_heads: int, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of each (row, KV head) over the units of its table.
+
+    Sequence i = (row i // H_kv, KV head i % H_kv) attends with that head's
+    G query heads over its first ``seq_lens[i]`` tokens, token t lying in
+    unit ``table[i, t // block_size]`` at offset ``t % block_size``; a
+    sequence of length 0 (a padding row) gives 0.
+
+    Args:
+        query: [S, H_q, D] (unit strides within a row).
+        units: [num_units, block_size, 2 * D] K | V per token.
+        table: [S * H_kv, W] int32 or int64 units of each sequence (entries
+            past its blocks are not read).
+        seq_lens: [S * H_kv] int32 tokens of each sequence.
+        out: [S, H_q, D] to write (unit strides within a row), or None.
+
+    Returns:
+        [S, H_q, D] in the query's dtype (``out`` when given).
+    """
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if not query.is_cuda:
+        out.copy_(reference.attend_units_reference(query, units, table, seq_lens,
+                                                   num_kv_heads=num_kv_heads, scale=scale))
+        return out
+    from vllm_infinigen.platforms.cuda.kernels import triton_units
+
+    num_rows, num_heads, head_size = query.shape
+    group = num_heads // num_kv_heads
+    block_size = units.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"the attention kernel needs a power-of-two block size, got {block_size}")
+    num_sequences = num_rows * num_kv_heads
+    num_splits, per_split = attention_splits(num_sequences, table.shape[1],
+                                             _num_sms(query.device))
+    partial = torch.empty((num_sequences, num_splits, group, head_size), dtype=torch.float32,
+                          device=query.device)
+    maxima = torch.empty((num_sequences, num_splits, group), dtype=torch.float32,
+                         device=query.device)
+    triton_units.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                              torch.empty_like(maxima), num_kv_heads=num_kv_heads,
+                              scale=scale, blocks_per_split=per_split)
+    return out
+
+
+def attend_prompt_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor, *,
+                        first: int, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of one request's prompt rows over its units.
+
+    Row r of ``query`` sits at position ``first + r`` and attends to every
+    token at or before it; token t of KV head h lies in unit ``table[h, t //
+    block_size]`` at offset ``t % block_size`` (the request's blocks, its
+    earlier chunks and this step's rows, written before).
+
+    Args:
+        query: [T, H_q, D] the request's rows (unit strides within a row).
+        units: [N, block_size, 2 * D] K | V per token.
+        table: [H_kv, MB] units of each KV head's blocks, in position order.
+        first: Position of the first row (the chunk's start).
+        seq_len: Tokens of the request after this step (first + T).
+
+    Returns:
+        [T, H_q, D] in the query's dtype.
+    """
+    if not query.is_cuda:
+        return reference.attend_prompt_units_reference(query, units, table, first=first,
+                                                       seq_len=seq_len, scale=scale)
+    from vllm_infinigen.platforms.cuda.kernels import triton_units
+
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    triton_units.attend_prompt(query, units, table.contiguous(), out, first=first,
+                               seq_len=seq_len, scale=scale)
+    return out
+
+
+def read_bytes(source_bytes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``source_bytes[offsets]`` (uint8; offsets a power of two of int64 on the
+    GPU) read by a kernel: whether the GPU addresses ``source_bytes`` (pinned
+    host memory, ``host_pool.unreadable_by_kernels``). CUDA only; Triton's
+    launcher raises ValueError where the GPU cannot address it."""
+    from vllm_infinigen.platforms.cuda.kernels import triton_units
+
+    return triton_units.read_bytes(source_bytes, offsets)
