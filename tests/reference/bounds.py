@@ -9,7 +9,7 @@ import math
 import torch
 
 from tests.reference.layouts import present_of
-from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.block_layout import entries_of
 
 
 def scale_at_least(value: torch.Tensor) -> torch.Tensor:

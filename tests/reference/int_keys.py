@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.reference.layouts import present_of
-from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.block_layout import entries_of
 
 GROUP = 16
 

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pure-torch reads of the kernels' block layouts that only the tests need
-(``vllm_infinigen/worker/block_layout.py`` documents the layouts)."""
+(``vllm_infinigen/block_layout.py`` documents the layouts)."""
 
 from __future__ import annotations
 
 import torch
 
-from vllm_infinigen.worker.block_layout import block_coordinates
+from vllm_infinigen.block_layout import block_coordinates
 
 
 def partial_keys_of(partial_keys: torch.Tensor, block_table: torch.Tensor,

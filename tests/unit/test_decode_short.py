@@ -16,7 +16,7 @@ from tests.reference.runtime_step import CONTEXT, DIM, build_step
 from vllm_infinigen.layout import int_key_bits
 from vllm_infinigen.platforms.cpu import kernels
 from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
-from vllm_infinigen.worker import block_layout
+from vllm_infinigen import block_layout
 
 BLOCK = 32  # two 16-token groups per block
 HEADS, GROUP, HEAD_SIZE, RANK = 2, 3, 32, 6

@@ -17,7 +17,7 @@ from tests.reference.selector import select_tokens as select_reference
 from tests.reference.sparse_attention import attend_gathered
 from vllm_infinigen.platforms.cpu import kernels
 from vllm_infinigen.platforms.cpu.kernels import build
-from vllm_infinigen.worker import block_layout
+from vllm_infinigen import block_layout
 from vllm_infinigen.worker.step_plan import token_budget
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -143,6 +143,20 @@ def test_platforms_import_no_patch_and_policies_come_through_the_registry():
     assert not found, "\n".join(found)
 
 
+def test_policies_import_no_worker_module_at_run_time():
+    """The policies sit beside the worker, not above it: what both read (the
+    block layouts, a step's widest selection) lives below both
+    (``block_layout.py``); a policy names the worker's types for type
+    checking only."""
+    modules = _modules()
+    found = [f"{path.relative_to(PACKAGE.parent)} imports {dep}"
+             for name, path in sorted(modules.items())
+             if name.startswith("vllm_infinigen.policies")
+             for dep in sorted(_imports(path, modules, strings=False))
+             if dep.startswith("vllm_infinigen.worker")]
+    assert not found, "\n".join(found)
+
+
 def test_building_the_settings_imports_no_worker_module():
     """``InfiniGenConfig()`` (also what ``--help`` builds) imports no kernel,
     layer state, step plan, runtime or policy module, in a fresh interpreter."""

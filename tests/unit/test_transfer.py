@@ -12,7 +12,7 @@ import torch
 
 from vllm_infinigen.platforms.cpu import transfer as transfer_module
 from vllm_infinigen.platforms.cpu.transfer import CopyTransfer, InPlaceTransfer, make_transfer
-from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.block_layout import entries_of
 
 BLOCK = 16
 

@@ -25,8 +25,7 @@ from vllm_infinigen.policies.base import (
     from_position_mask,
     sparse_slots,
 )
-from vllm_infinigen.worker.block_layout import block_coordinates, entries_of
-from vllm_infinigen.worker.step_plan import widest
+from vllm_infinigen.block_layout import block_coordinates, entries_of, widest
 
 if TYPE_CHECKING:
     from vllm_infinigen.config import InfiniGenConfig

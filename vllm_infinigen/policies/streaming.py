@@ -17,7 +17,7 @@ from vllm_infinigen.policies.base import (
     as_positions,
     from_position_mask,
 )
-from vllm_infinigen.worker.step_plan import widest
+from vllm_infinigen.block_layout import widest
 
 if TYPE_CHECKING:
     from vllm_infinigen.config import InfiniGenConfig

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_infinigen.worker.block_layout import block_coordinates
+from vllm_infinigen.block_layout import block_coordinates
 
 if TYPE_CHECKING:
     from vllm_infinigen.config import InfiniGenConfig
@@ -51,13 +51,6 @@ def token_budget(context_lens: torch.Tensor, budget: float,
     if budget_tokens is not None:
         caps = torch.clamp(caps, max=budget_tokens)
     return torch.clamp(caps, min=1)
-
-
-def widest(context_host: list[int], caps_host: list[int], num_window: int = 0) -> int:
-    """Host-side bound of a step's selection width: the most any row keeps,
-    min(context, budget in tokens + window), at least 1."""
-    return max((min(n, cap + num_window) for n, cap in zip(context_host, caps_host)),
-               default=1)
 
 
 @dataclass(frozen=True)

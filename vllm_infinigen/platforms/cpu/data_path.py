@@ -21,7 +21,7 @@ from vllm_infinigen.platforms.cpu import kernels
 from vllm_infinigen.platforms.cpu.huge_pages import zeros_on_huge_pages
 from vllm_infinigen.platforms.cpu.pool_index import make_pool_index
 from vllm_infinigen.platforms.cpu.transfer import make_transfer
-from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.block_layout import entries_of
 from vllm_infinigen.worker.layer_state import LayerState
 from vllm_infinigen.worker.pool_index import PoolIndex
 from vllm_infinigen.worker.step_plan import RowSet, StepPlan

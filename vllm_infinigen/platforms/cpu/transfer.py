@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from vllm_infinigen.worker.block_layout import entries_of
+from vllm_infinigen.block_layout import entries_of
 
 
 class InPlaceTransfer:

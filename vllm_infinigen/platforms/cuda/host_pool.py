@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side, CUDA platform: the pinned host pool of one sparse layer's K/V.
 
-Layout (as on the CPU build, ``worker/block_layout.py``)::
+Layout (as on the CPU build, ``block_layout.py``)::
 
     kv_pool [units, H_kv, block_size, 2 * D]   a token's K | V side by side
 

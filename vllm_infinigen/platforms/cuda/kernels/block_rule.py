@@ -146,7 +146,7 @@ def partial_token_scores(partial_query: torch.Tensor, partial_keys: torch.Tensor
     """Speculated scores of the tokens of every block in the rows' tables.
 
     Layout: ``partial_keys [num_blocks, H_kv, R, block_size]`` (channel-major
-    per block, ``worker/block_layout.py``).
+    per block, ``block_layout.py``).
 
     Args:
         partial_query: [S, H_kv, G, R] skewed partial queries (G query heads

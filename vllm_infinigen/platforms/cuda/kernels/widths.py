@@ -4,7 +4,7 @@
 A selection's shapes need, before it runs, the most entries a row keeps. There
 are three such bounds, at two granularities and two times::
 
-    step_plan.widest  tokens per row, of one step: the most any of its rows
+    block_layout.widest  tokens per row, of one step: the most any of its rows
                       keeps, min(context, budget in tokens + window), from
                       the step's host lists (``worker/step_plan.py``; the
                       token-granular policies' W, on the CPU build)

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side: the block layouts of the pool and the partial keys, and pure-torch reads of them.
+"""The block layouts of the pool and the partial keys, pure-torch reads of
+them, and the widest selection a step keeps (in tokens): below both the
+worker (``worker/``) and the policies (``policies/``), which read them.
 
 Layouts (one sparse layer; ``block_id`` from the dense group's block table)::
 
@@ -44,3 +46,11 @@ def entries_of(kv_pool: torch.Tensor, block_table: torch.Tensor, positions: torc
         units, offsets = rows // block_size, rows % block_size
     entries = kv_pool[units, heads, offsets]
     return entries.masked_fill(missing[..., None], 0)
+
+
+def widest(context_host: list[int], caps_host: list[int], num_window: int = 0) -> int:
+    """Host-side bound of a step's selection width in tokens: the most any row
+    keeps, min(context, budget in tokens + window), at least 1 (CUDA's bounds
+    in blocks: ``platforms/cuda/kernels/widths.py``)."""
+    return max((min(n, cap + num_window) for n, cap in zip(context_host, caps_host)),
+               default=1)
