@@ -20,7 +20,7 @@ layer from its own attention input. Rows with a context shorter than ``min_conte
 over the pool; prompt rows attend causally over it. Where the bytes live and
 how they move, and the selecting, is the platform's ``DataPath``
 (``data_path.py``; the CPU's compiled kernels in ``platforms/cpu/kernels/``,
-CUDA's Triton kernels in ``platforms/cuda/``).
+CUDA's Triton kernels in ``platforms/cuda/kernels/``).
 """
 
 from __future__ import annotations
