@@ -24,8 +24,8 @@ from benchmarks.gpu.measure import (
 from benchmarks.gpu.decoder import TINY, Decoder, DecoderShape, random_weights
 from benchmarks.gpu.report import markdown_sections
 from benchmarks.gpu.results import gpu_run_metadata
-from benchmarks.harness import report
 from benchmarks.gpu.variants import KVSetup, Streams
+from benchmarks.harness import report
 
 SELF_TEST_OUT = DEFAULT_OUT.with_name("gpu_decode_step_selftest")
 EVERY_TOKEN = 1e9  # an alpha under which the budget binds

@@ -125,7 +125,7 @@ def metadata_markdown(meta: Mapping[str, Any]) -> str:
     runtime = meta.get("runtime") or {}
     source = runtime.get("path")
     # (GPU results written before the one writer: "uncommitted_changes")
-    dirty = meta.get("repo_uncommitted_changes", meta.get("uncommitted_changes"))
+    repo_dirty = meta.get("repo_uncommitted_changes", meta.get("uncommitted_changes"))
     if runtime.get("commit"):
         dirty = " + uncommitted changes" if runtime.get("uncommitted_changes") else ""
         source = f"{source} (commit {runtime['commit'][:10]}{dirty})"
@@ -137,7 +137,7 @@ def metadata_markdown(meta: Mapping[str, Any]) -> str:
         *([f"- device: {device_line(meta)}"] if meta.get("device") else []),
         f"- machine: {meta.get('machine')}, {meta.get('cpus')} CPUs; " + ", ".join(versions),
         f"- repository commit: {meta.get('repo_commit')}"
-        f"{' + uncommitted changes' if dirty else ''}"
+        f"{' + uncommitted changes' if repo_dirty else ''}"
         + (f"; vllm_infinigen from {source}" if source else ""),
         f"- date (UTC): {meta.get('date_utc')}",
     ]

@@ -347,6 +347,22 @@ def test_gpu_runs_share_the_one_provenance_writer(tmp_path, monkeypatch):
     assert "- repository commit: abc1234;" in md_path.read_text()
 
 
+def test_the_markdown_keeps_the_checkouts_and_the_runtimes_changes_apart(tmp_path):
+    """Uncommitted changes in the repository and in the imported runtime are two
+    facts: each is said on its own line, neither hides the other."""
+    base = {"command": "c", "machine": "m", "cpus": 2, "python": "3", "repo_commit": "abc",
+            "date_utc": "d"}
+    cases = [(True, False), (False, True), (True, True), (False, False)]
+    for repo_dirty, runtime_dirty in cases:
+        meta = {**base, "repo_uncommitted_changes": repo_dirty,
+                "runtime": {"path": "/p", "commit": "abc", "uncommitted_changes": runtime_dirty}}
+        line = next(line for line in report.metadata_markdown(meta).splitlines()
+                    if line.startswith("- repository commit:"))
+        repo_part, _, runtime_part = line.partition("; vllm_infinigen from ")
+        assert ("+ uncommitted changes" in repo_part) == repo_dirty, line
+        assert ("+ uncommitted changes" in runtime_part) == runtime_dirty, line
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason=MATPLOTLIB_EXTRA)
     panel = report.Panel("t", "acc", {"infinigen": [(0.2, 0.9), (0.05, 0.5)]}, {"dense": 1.0})

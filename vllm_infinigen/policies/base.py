@@ -21,8 +21,8 @@ each sparse row, -1 padded (W: the step's widest selection, host side).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
