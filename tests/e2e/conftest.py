@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Engines shared across tests and modules: one start (~30 s) instead of several.
+"""Engines shared across tests and modules: one start instead of several.
 
 ``shared_engine(model, **kwargs)`` returns a live engine of the tests'
 settings (``tests.e2e.engines.engine``). The cache holds one engine, the most
 recently requested: a request with another model, other keyword arguments or
 other ``VLLM_*`` environment variables shuts it down first, and it is shut
 down as soon as the next test does not use ``shared_engine`` (directly or
-through its fixtures), so it never outlives its users by more than a test.
+through its fixtures), so it never outlives its users by more than a test,
+and before another engine starts in this process (``engines.BEFORE_IN_PROCESS``:
+vLLM's distributed state is one per process); its next user restarts it.
 Tests that change an engine's state (``set_infinigen_selection``) start their
 own engine instead.
 """
@@ -18,6 +20,7 @@ import os
 
 import pytest
 
+from tests.e2e import engines
 from tests.e2e.engines import engine
 
 ENGINE_CACHE = pytest.StashKey["EngineCache"]()
@@ -49,7 +52,9 @@ class EngineCache:
 def shared_engine(request):
     cache = EngineCache()
     request.config.stash[ENGINE_CACHE] = cache
+    engines.BEFORE_IN_PROCESS.append(cache.close)
     yield cache.get
+    engines.BEFORE_IN_PROCESS.remove(cache.close)
     cache.close()
 
 

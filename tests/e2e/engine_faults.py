@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 
-def run(scenario: str, model: str) -> dict:
+def run(scenario: str, model: str, in_process: bool) -> dict:
     from vllm import SamplingParams
 
     from tests.e2e.engines import engine, random_prompts
@@ -33,7 +32,8 @@ def run(scenario: str, model: str) -> dict:
     prompts = random_prompts([40, 120, 300, 64], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     report: dict = {"error_type": None, "error": None, "outputs": None}
-    with engine(model, kv_manager="infinigen", infinigen_budget=0.2) as llm:
+    with engine(model, processes=not in_process, kv_manager="infinigen",
+                infinigen_budget=0.2) as llm:
         start = time.monotonic()
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -52,9 +52,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--in-process", action="store_true")
     args = parser.parse_args()
-    if args.in_process:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    report = run(args.scenario, args.model)
+    report = run(args.scenario, args.model, args.in_process)
     with open(args.out, "w") as f:
         json.dump(report, f)
 

@@ -118,8 +118,8 @@ def shut_down_while_stepping(llm) -> int | None:
 
 def test_mp_two_ranks_select_all_equals_single_process_and_select_per_rank(
         single_process_stock, two_ranks):
-    with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="mp",
-                **SELECT_ALL) as llm:
+    with engine(str(BUNDLED_MODEL), processes=True, **two_ranks,
+                distributed_executor_backend="mp", **SELECT_ALL) as llm:
         check_select_all_then_select_per_rank(llm, single_process_stock)
 
 
@@ -127,8 +127,8 @@ def test_ray_two_ranks_select_all_equals_single_process_and_select_per_rank(
         single_process_stock, ray_available, two_ranks, cores):
     """vLLM's default Ray executor (RayExecutorV2), a local Ray started by the engine."""
     known = {proc.pid for proc in process_tree(os.getpid())}
-    with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="ray",
-                **SELECT_ALL) as llm:
+    with engine(str(BUNDLED_MODEL), processes=True, **two_ranks,
+                distributed_executor_backend="ray", **SELECT_ALL) as llm:
         assert rank_threads(llm) == [([cores[0]], 1), ([cores[1]], 1)]
         check_select_all_then_select_per_rank(llm, single_process_stock)
         started = engine_processes(known)
@@ -142,7 +142,8 @@ def test_ray_v1_executor_stock_manager_equals_single_process(
     """``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: the compiled-graph executor, vLLM's own manager."""
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
     known = {proc.pid for proc in process_tree(os.getpid())}
-    with engine(str(BUNDLED_MODEL), **two_ranks, distributed_executor_backend="ray") as llm:
+    with engine(str(BUNDLED_MODEL), processes=True, **two_ranks,
+                distributed_executor_backend="ray") as llm:
         assert rank_threads(llm) == [([cores[0]], 1), ([cores[1]], 1)]
         assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == single_process_stock
         started = engine_processes(known)
