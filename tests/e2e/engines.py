@@ -20,7 +20,6 @@ an error that names ``processes=True``.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import random
 from collections.abc import Callable
@@ -57,15 +56,12 @@ def engine(model: str, *, processes: bool = False, **kwargs):
     if _open_in_process:
         raise RuntimeError("another engine is open in this process, and vLLM's distributed "
                            "state is one per process: start one of them with processes=True")
-    with _process_state_kept():
+    with _set_num_threads_kept(), contextlib.ExitStack() as stack:
         with _environment_kept(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-            started = engines.engine(model, **llm_kwargs)
-            llm = started.__enter__()
+            llm = stack.enter_context(engines.engine(model, **llm_kwargs))
         _open_in_process += 1
         try:
-            with contextlib.ExitStack() as stack:
-                stack.push(started)
-                yield llm
+            yield llm
         finally:
             _open_in_process -= 1
 
@@ -94,15 +90,11 @@ def _environment_kept(**overrides: str):
 
 
 @contextlib.contextmanager
-def _process_state_kept():
-    """Undoes what a CPU worker in this process does to the process beyond its engine.
-
-    vLLM's CPU worker replaces ``torch.set_num_threads`` with a warning (its
-    processes bind their threads once) and the engine core freezes the garbage
-    collector's heap (``gc.freeze``): the function, the thread count and the
-    collector are restored when the engine has shut down, so that its cycles are
-    collected and later tests set threads as they would without it.
-    """
+def _set_num_threads_kept():
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a warning (its
+    processes bind their threads once): in this process the function and the
+    thread count are restored when the engine has shut down. (The engine core's
+    ``gc.freeze`` is undone by its own shutdown.)"""
     import torch
 
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -111,8 +103,6 @@ def _process_state_kept():
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
-        gc.unfreeze()
-        gc.collect()
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[dict]:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.paths import REPO
+
 INTERPRETER_TEST = "test_triton_kernels_equal_the_references_in_the_interpreter"
 CHECKS = Path(__file__).with_name("triton_interpreter_checks.py")
-REPO = Path(__file__).parents[2]
 _SELECTED = pytest.StashKey[bool]()
 
 
