@@ -107,6 +107,8 @@ RULES = {rule.name: rule for rule in (
     Rule("budget binding, recent 16", alpha=BINDING, recent=16),
     Rule("bound 8-bit, units of 16, recent 16", alpha=BINDING, unit=16, summary_bits=8,
          recent=16),
+    Rule("bound 8-bit, units of 16, recent 16, same-layer", alpha=BINDING, unit=16,
+         summary_bits=8, recent=16, speculation="same-layer"),
     Rule("mean, units of 16", alpha=BINDING, unit=16, summary="mean"),
     Rule("mean, units of 32", alpha=BINDING, unit=32, summary="mean"),
     Rule("mean, units of 64", alpha=BINDING, unit=64, summary="mean"),
@@ -116,7 +118,8 @@ RULES = {rule.name: rule for rule in (
 )}
 CAP_RULES = ("budget binding", "alpha 5 (paper)", "budget binding, blocks of 16",
              "bound, units of 16", "bound 8-bit, units of 16", "bound 4-bit, units of 16",
-             "budget binding, recent 16", "bound 8-bit, units of 16, recent 16")
+             "budget binding, recent 16", "bound 8-bit, units of 16, recent 16",
+             "bound 8-bit, units of 16, recent 16, same-layer")
 
 
 @dataclass(frozen=True)

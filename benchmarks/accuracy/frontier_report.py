@@ -99,11 +99,13 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 def sections(payload: dict) -> list[str]:
     rows = frontier_rows(payload)
     task_names = list(payload["tasks"])
+    dense_layers = {payload["tasks"][name]["sparse_layers"][0] for name in task_names}
     out = [
         "Accuracy: torch-only (`benchmarks/accuracy/sparse_llama.py`), float32 models; the "
         "token rules score the int speculation keys of a float32 cache (4 bits, one scale "
         "per channel and 16 tokens), the unit rules their unit summaries; "
-        "previous-layer speculation unless named, 2 dense layers, sparse from the first "
+        "previous-layer speculation unless named, "
+        f"{' / '.join(map(str, sorted(dense_layers)))} dense layers, sparse from the first "
         "token. Recall: ÷ dense = accuracy / dense (first ¼: needles in the first quarter); "
         "book: perplexity / dense (1 = no loss). Density: selected / context entries over "
         "the sparse layers, rows and KV heads. Speed: the 16K x 1 float32 decode step over "
