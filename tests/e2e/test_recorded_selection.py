@@ -32,9 +32,9 @@ pytestmark = pytest.mark.slow
 
 # vLLM's float32 kernels against transformers': the partial query starts from
 # the same recorded input (one projection apart: the speculation's bfloat16
-# copy of W_q, which the reference rounds as it does, but whose float32 sums
-# run in another order, so an element can round one bfloat16 step, 2^-8,
-# apart: ~1.6e-3 seen on Gemma 3 after its q_norm); the keys come out of two
+# copy of W_q, which the reference rounds as it does, its float32 sums run in
+# another order; ~1.6e-3 was seen on Gemma 3 after its q_norm when the input
+# and the product were still rounded to bfloat16); the keys come out of two
 # whole model runs.
 QUERY_TOLERANCE = dict(rtol=8e-3, atol=1e-3)
 KEY_TOLERANCE = dict(rtol=2e-3, atol=2e-3)
@@ -86,11 +86,11 @@ class HFReference:
     def query(self, layer_idx: int, hidden: torch.Tensor, positions: torch.Tensor):
         """[S, H_q, D] query of layer ``layer_idx`` from its attention input [S, hidden]."""
         attn = self.model.model.layers[layer_idx].self_attn
-        # As the speculation's copy of W_q computes it: in bfloat16 for a
-        # float32 model (input, weight and product rounded; float32 sums).
+        # As the speculation's copy of W_q computes it: the weight in
+        # bfloat16 for a float32 model, the input and the product in float32
+        # (``kernels.speculation_query``).
         dtype = SPECULATION_WEIGHT_DTYPE.get(torch.float32, torch.float32)
-        query = torch.nn.functional.linear(
-            hidden.to(dtype).float(), attn.q_proj.weight.to(dtype).float()).to(dtype).float()
+        query = torch.nn.functional.linear(hidden, attn.q_proj.weight.to(dtype).float())
         if attn.q_proj.bias is not None:
             query = query + attn.q_proj.bias
         query = query.view(hidden.shape[0], -1, attn.head_dim)

@@ -41,11 +41,18 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
     through the target layer's own modules, in the model's order: projection,
     per-head ``q_norm`` when the model has one (Qwen3: RMSNorm over each
     head's D channels, before RoPE), then ``rotary_emb`` (vLLM's object, so
-    rope scaling such as Llama 3's is applied as in the model).
+    rope scaling such as Llama 3's is applied as in the model). A platform's
+    query projection (``target.query_proj``) may apply the rotary module's
+    rule itself (``rotated``: None where it cannot), when no norm comes between.
     """
     num_heads, head_size = target.num_heads, target.head_size
     projection = target.query_proj
-    if projection is not None:  # only the query rows, prepacked as vLLM's own
+    if projection is not None and target.q_norm is None and target.rotary_emb is not None:
+        # The platform's projection and RoPE in one op, where it can.
+        query = projection.rotated(hidden, positions, target.rotary_emb)
+        if query is not None:
+            return skewed(target, query)
+    if projection is not None:  # only the query rows (a platform's copy)
         query = projection(hidden)
     else:
         qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook

@@ -68,8 +68,10 @@ class LayerState:
             partial keys; None: every channel (bounds or int keys).
         speculation_keys: ``--infinigen-speculation-keys`` of a layer without
             skew: bounds or int.
-        query_proj: The query rows of ``qkv_proj``, prepacked
-            (a platform's; CPU: ``query_weights.py``); None: through ``qkv_proj``.
+        query_proj: The query rows of ``qkv_proj`` (a platform's; CPU:
+            ``query_weights.py``): called with the attention input, and its
+            ``rotated(hidden, positions, rope)`` the query after RoPE, or None
+            where it cannot apply ``rope``; None: through ``qkv_proj``.
         next: The sparse layer this layer speculates for, if any.
         windowed: A sliding-window layer, left to vLLM (neither dense nor sparse).
         pool_layer: Index among the sparse layers (the pool index's layer).

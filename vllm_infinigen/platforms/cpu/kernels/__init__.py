@@ -15,7 +15,8 @@ import torch
 from vllm_infinigen.platforms.cpu.kernels.build import cache_dir, load
 
 __all__ = ["attend_decode", "attend_prefill", "cache_dir", "decode_short", "load", "record_uses",
-           "select_bounds", "select_tokens", "select_tokens_int", "write_int_keys",
+           "select_bounds", "select_tokens", "select_tokens_int", "speculation_query",
+           "write_int_keys",
            "write_bounds", "write_partial_keys", "write_pool"]
 
 
@@ -263,3 +264,28 @@ def record_uses(positions: torch.Tensor, block_table: torch.Tensor, row_map: tor
             uses; each selected entry the pool holds gets +1 and ``tick``.
     """
     _ops().record_uses(positions, block_table, row_map, count, last_used, int(tick))
+
+
+def speculation_query(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      cos_sin_cache: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None, *, head_size: int = 0,
+                      is_neox_style: bool = True) -> torch.Tensor:
+    """The speculation's query: ``hidden`` W^T + ``bias``, then, given the
+    rotary cache, RoPE as vLLM's ``RotaryEmbedding`` (its base rule) applies
+    it to each head; sums and result in float32.
+
+    Args:
+        hidden: [T, K] attention inputs (any float dtype).
+        weight: [N, K] contiguous query rows of ``qkv_proj`` (float32,
+            bfloat16 or float16).
+        cos_sin_cache: [positions, rotary_dim] contiguous float32, cos then
+            sin (the module's ``cos_sin_cache``, converted once by the caller).
+        positions: [T] int64 position of each row (with the cache).
+        head_size: Channels per head (with the cache: the first
+            ``rotary_dim`` of each are rotated).
+
+    Returns:
+        [T, N] float32.
+    """
+    return _ops().speculation_query(hidden, weight, bias, cos_sin_cache, positions,
+                                    int(head_size), bool(is_neox_style))

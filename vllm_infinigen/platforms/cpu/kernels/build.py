@@ -36,7 +36,8 @@ logger = init_logger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 # The schemas, then the CPU implementations and their registration.
 SOURCES = ("ops.cpp", "register.cpp", "write.cpp", "select.cpp", "int_keys.cpp", "bounds.cpp",
-           "attend.cpp", "prefill.cpp", "uses.cpp", "short.cpp")
+           "attend.cpp", "prefill.cpp", "uses.cpp", "short.cpp",
+           "query.cpp")
 # ATen's CPU capability -> compiler flags and the vector implementation macros.
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",

@@ -52,6 +52,11 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
       "float scale, Tensor(b!)? key_codes, Tensor(c!)? key_scales, Tensor(d!)? partial_keys, "
       "Tensor? skew, Tensor(e!)? stats, Tensor(f!)? out, Tensor(g!)? bounds, "
       "Tensor(h!)? bound_scales) -> Tensor");
+  // The speculation's query: layer i+1's query projection of layer i's
+  // attention input, then its RoPE, in float32.
+  m.def(
+      "speculation_query(Tensor hidden, Tensor weight, Tensor? bias, Tensor? cos_sin_cache, "
+      "Tensor? positions, int head_size, bool is_neox_style) -> Tensor");
   m.def(
       "record_uses(Tensor positions, Tensor block_table, Tensor row_map, Tensor(a!) count, "
       "Tensor(b!) last_used, int tick) -> ()");

@@ -88,6 +88,15 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& bounds,
                         const std::optional<at::Tensor>& bound_scales);
 
+// The speculation's query (query.cpp): hidden [T, K] x weight [N, K]^T + bias,
+// then, given cos_sin_cache [positions, rotary_dim] float32 and positions [T]
+// int64, RoPE of each head of head_size channels; [T, N] float32.
+at::Tensor speculation_query(const at::Tensor& hidden, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& cos_sin_cache,
+                             const std::optional<at::Tensor>& positions, int64_t head_size,
+                             bool is_neox_style);
+
 void record_uses(const at::Tensor& positions, const at::Tensor& block_table,
                  const at::Tensor& row_map, at::Tensor& count, at::Tensor& last_used,
                  int64_t tick);

@@ -16,4 +16,5 @@ TORCH_LIBRARY_IMPL(vllm_infinigen_C, CPU, m) {
   m.impl("attend_prefill", &infinigen::attend_prefill);
   m.impl("decode_short", &infinigen::decode_short);
   m.impl("record_uses", &infinigen::record_uses);
+  m.impl("speculation_query", &infinigen::speculation_query);
 }
