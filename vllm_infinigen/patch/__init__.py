@@ -33,9 +33,10 @@ Patch index
     CPU vLLM prepacks ``qkv_proj`` and drops its weight after loading.
     How: while the InfiniGen worker loads the model, the function is wrapped
     to copy the query rows (and bias) of each sparse layer's ``qkv_proj``
-    into a module of their own, prepacked by the original function, before
-    calling it for the layer itself; it is restored when loading ends. Stock
-    engines and other workers never see it.
+    into a module of their own (multiplied by InfiniGen's own op,
+    ``kernels.speculation_query``), before calling it for the layer itself;
+    it is restored when loading ends. Stock engines and other workers never
+    see it.
     Related upstream work: none.
     Future plan: read the query rows from the prepacked weight if vLLM
     exposes it, or keep the slice only where memory is plentiful.
