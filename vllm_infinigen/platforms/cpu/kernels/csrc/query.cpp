@@ -16,7 +16,27 @@ namespace {
 constexpr int64_t kRows = 4;         // output channels per pass
 constexpr int64_t kBlockRows = 32;   // output channels per task of the parallel loop
 
-// y[t, n] = x[t] . w[n] for n in [n0, n1), x already in float32.
+// y[n + r] = x . w[n + r] for r in [0, R): the R rows' accumulators in
+// registers, each input vector loaded once for them; x in float32.
+template <int64_t R, typename W>
+inline void dot_rows(const float* x, const W* w, int64_t in_features, int64_t vector_end,
+                     int64_t n, float* y) {
+  fVec acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = fVec(0.f);
+  for (int64_t k = 0; k < vector_end; k += kVecSize) {
+    const fVec xv = fVec::loadu(x + k);
+    for (int64_t r = 0; r < R; ++r)
+      acc[r] = at::vec::fmadd(load_float(w + (n + r) * in_features + k), xv, acc[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float dot = sum_lanes(acc[r]);
+    const W* row = w + (n + r) * in_features;
+    for (int64_t k = vector_end; k < in_features; ++k) dot += static_cast<float>(row[k]) * x[k];
+    y[n + r] = dot;
+  }
+}
+
+// y[t, n] = x[t] . w[n] for n in [n0, n1): kRows rows a pass, the rest one by one.
 template <typename W>
 void project_block(const float* x, const W* w, int64_t num_tokens, int64_t in_features,
                    int64_t out_features, int64_t n0, int64_t n1, float* y) {
@@ -25,32 +45,8 @@ void project_block(const float* x, const W* w, int64_t num_tokens, int64_t in_fe
     const float* xt = x + t * in_features;
     float* yt = y + t * out_features;
     int64_t n = n0;
-    for (; n + kRows <= n1; n += kRows) {
-      fVec acc[kRows];
-      for (int64_t r = 0; r < kRows; ++r) acc[r] = fVec(0.f);
-      for (int64_t k = 0; k < vector_end; k += kVecSize) {
-        const fVec xv = fVec::loadu(xt + k);
-        for (int64_t r = 0; r < kRows; ++r)
-          acc[r] = at::vec::fmadd(load_float(w + (n + r) * in_features + k), xv, acc[r]);
-      }
-      for (int64_t r = 0; r < kRows; ++r) {
-        float dot = sum_lanes(acc[r]);
-        const W* row = w + (n + r) * in_features;
-        for (int64_t k = vector_end; k < in_features; ++k)
-          dot += static_cast<float>(row[k]) * xt[k];
-        yt[n + r] = dot;
-      }
-    }
-    for (; n < n1; ++n) {
-      const W* row = w + n * in_features;
-      fVec acc(0.f);
-      for (int64_t k = 0; k < vector_end; k += kVecSize)
-        acc = at::vec::fmadd(load_float(row + k), fVec::loadu(xt + k), acc);
-      float dot = sum_lanes(acc);
-      for (int64_t k = vector_end; k < in_features; ++k)
-        dot += static_cast<float>(row[k]) * xt[k];
-      yt[n] = dot;
-    }
+    for (; n + kRows <= n1; n += kRows) dot_rows<kRows>(xt, w, in_features, vector_end, n, yt);
+    for (; n < n1; ++n) dot_rows<1>(xt, w, in_features, vector_end, n, yt);
   }
 }
 
