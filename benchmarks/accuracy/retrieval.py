@@ -47,7 +47,7 @@ from typing import Any
 from benchmarks.harness import report
 from benchmarks.accuracy import sweeps
 from benchmarks.harness import paths
-from vllm_infinigen.config import InfiniGenConfig
+from vllm_infinigen.config import SPECULATIONS, InfiniGenConfig
 
 DEFAULT_MODEL = paths.shared_path("models/recall-llama-1k")
 DEFAULT_DATA = paths.shared_path("data/recall/recall-1k.jsonl")
@@ -183,6 +183,10 @@ def setting_label(setting: dict | None, variant: dict | None) -> str:
     keys = (f"{InfiniGenConfig.speculation_keys} keys" if variant["calibration"] == "default"
             else f"partial keys, {variant['calibration']} skew")  # default: no skew file
     engine = f"{variant['dense_layers']} dense layers, {keys}"
+    if variant.get("budget_tokens"):
+        engine += f", cap {variant['budget_tokens']} tokens"
+    if variant.get("speculation"):
+        engine += f", {variant['speculation']}"
     if sweeps.is_control(setting):
         return f"select all (control), {engine}"
     if setting.get("recent_tokens"):
@@ -234,7 +238,9 @@ def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None
     infinigen = None
     if kv_manager == "infinigen":
         infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"],
-                     "min_context": args.min_context}
+                     "min_context": args.min_context,
+                     "budget_tokens": variant.get("budget_tokens"),
+                     "speculation": variant.get("speculation")}
         if skew_file:  # a calibrated skew: the partial keys it is made for
             infinigen.update(speculation_keys="partial", skew_file=str(skew_file))
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
@@ -296,6 +302,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweeps.add_selection_options(parser, [0.05, 0.1, 0.2])
     parser.add_argument("--dense-layers", type=int, nargs="+", default=[2],
                         help="InfiniGen dense layers; one engine per value")
+    parser.add_argument("--budget-tokens", type=int, default=None,
+                        help="--infinigen-budget-tokens: a cap in tokens beside each budget "
+                             "(default: none)")
+    parser.add_argument("--speculation", default=None, choices=SPECULATIONS,
+                        help="--infinigen-speculation (default: the engine's, previous-layer)")
     parser.add_argument("--calibration", nargs="+", default=["synthetic"],
                         choices=["default", "synthetic"],
                         help="skew calibration text; one engine per value")
@@ -334,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for dense_layers in args.dense_layers:
                 for calibration in args.calibration:
-                    variant = {"dense_layers": dense_layers, "calibration": calibration}
+                    variant = {"dense_layers": dense_layers, "calibration": calibration,
+                               "budget_tokens": args.budget_tokens,
+                               "speculation": args.speculation}
                     results += run_engine(args, kv_manager, rows, variant,
                                           skew_files[calibration])
 

@@ -429,6 +429,14 @@ def test_mode_and_setting_labels():
         "infinigen, 2 dense layers, bounds keys")
     assert retrieval.setting_label(dict(retrieval.STREAMING_APPROX), variant).startswith(
         "streaming approx (sink 4 + recent 128)")
+    fastest = {"dense_layers": 1, "calibration": "default", "budget_tokens": 256,
+               "speculation": "same-layer"}
+    assert retrieval.setting_label({"budget": 0.2}, fastest) == (
+        "infinigen, 1 dense layers, bounds keys, cap 256 tokens, same-layer")
+    args = retrieval.parse_args(["--budget-tokens", "256", "--speculation", "same-layer"])
+    assert (args.budget_tokens, args.speculation) == (256, "same-layer")
+    with pytest.raises(SystemExit):
+        retrieval.parse_args(["--speculation", "next-layer"])
 
 
 def test_perplexity_windows_and_scoring_modes():
