@@ -45,6 +45,8 @@ def entries_of(kv_pool: torch.Tensor, block_table: torch.Tensor, positions: torc
         rows = rows.clamp(min=0)
         units, offsets = rows // block_size, rows % block_size
     entries = kv_pool[units, heads, offsets]
+    if entries.element_size() == 1:  # FP8 (torch has no masked_fill for it): byte 0 is +0.0
+        return entries.view(torch.uint8).masked_fill(missing[..., None], 0).view(entries.dtype)
     return entries.masked_fill(missing[..., None], 0)
 
 

@@ -69,6 +69,13 @@ class Case:
         rows = block_layout.entries_of(self.kv_pool, self.block_table, positions, self.row_map)
         return rows[..., : self.head_size], rows[..., self.head_size:]
 
+    def pool_row(self, block: int, head: int, offset: int) -> tuple[int, int] | None:
+        """(unit, offset) in the pool of an entry; None where a capped pool evicted it."""
+        if self.row_map is None:
+            return block, offset
+        mapped = int(self.row_map[block, head, offset])
+        return None if mapped < 0 else divmod(mapped, BLOCK)
+
     def current(self) -> tuple[torch.Tensor, torch.Tensor]:
         own = self.context_lens[:, None, None].expand(-1, self.num_kv_heads, 1)
         keys, values = self.entries(own)
@@ -104,13 +111,8 @@ def test_write_places_rows_and_partial_keys(dtype, capped):
         block, offset = divmod(slot, BLOCK)
         want_partial[block, :, :, offset] = projected[t]
         for head in range(2):
-            unit, row = block, offset
-            if case.row_map is not None:
-                mapped = int(case.row_map[block, head, offset])
-                if mapped < 0:
-                    continue
-                unit, row = divmod(mapped, BLOCK)
-            want_pool[unit, head, row] = torch.cat([key[t, head], value[t, head]])
+            if (where := case.pool_row(block, head, offset)) is not None:
+                want_pool[where[0], head, where[1]] = torch.cat([key[t, head], value[t, head]])
     assert torch.equal(pool, want_pool)
     _assert_close(partial, want_partial, dtype)
 
@@ -356,8 +358,9 @@ def lesser_instruction_sets() -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", lesser_instruction_sets())
 def test_other_instruction_sets_build_and_agree(capability):
-    """The same source, built for another ISA this machine runs, passes these tests
-    and the int keys' (whose code unpacking has a SIMD path and a portable one)."""
+    """The same source, built for another ISA this machine runs, passes these tests,
+    the int keys' (whose code unpacking has a SIMD path and a portable one) and
+    the FP8 pool's (whose widening has both too)."""
     import os
     import subprocess
     import sys
@@ -368,9 +371,10 @@ def test_other_instruction_sets_build_and_agree(capability):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(),
            "VLLM_INFINIGEN_KERNELS_DIR": str(kernels.cache_dir())}
     int_keys_tests = str(Path(__file__).with_name("test_int_keys.py"))
+    fp8_tests = str(Path(__file__).with_name("test_kernels_fp8.py"))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         int_keys_tests, "-k", "not other_instruction_sets and not instruction_set"],
+         int_keys_tests, fp8_tests, "-k", "not other_instruction_sets and not instruction_set"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert " passed" in proc.stdout

@@ -197,7 +197,8 @@ void attend_rows(const T* const* rows, int64_t count, const float* query, int64_
 
 void check_query_rows(const at::Tensor& query, const at::Tensor& kv_pool) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [rows, H_q, D], last dim contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_pool.scalar_type(), "query and kv_pool: one dtype");
+  TORCH_CHECK(query.scalar_type() == kv_pool.scalar_type() || kv_pool.element_size() == 1,
+              "query and kv_pool: one dtype, or an FP8 pool");
   TORCH_CHECK(kv_pool.size(3) == 2 * query.size(2), "kv_pool rows must be 2 * head size");
   TORCH_CHECK(query.size(1) % kv_pool.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / kv_pool.size(1) <= kMaxGroup, "at most ", kMaxGroup,
@@ -251,10 +252,10 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
   auto output = at::empty({num_rows, num_q_heads, head_size}, query.options());
   std::vector<int64_t> entries(num_rows * num_heads, 0);
 
-  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "attend_decode", [&] {
+  INFINIGEN_DISPATCH_POOL_QUERY(kv_pool.scalar_type(), query.scalar_type(), "attend_decode", [&] {
     const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
-    const scalar_t* query_data = query.data_ptr<scalar_t>();
-    scalar_t* out_data = output.data_ptr<scalar_t>();
+    const query_t* query_data = query.data_ptr<query_t>();
+    query_t* out_data = output.data_ptr<query_t>();
     at::parallel_for(0, num_rows * num_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<const scalar_t*> rows;
       std::vector<int64_t> row_index;  // index into positions, for probs
@@ -295,7 +296,7 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
         const scalar_t* current = row_at(n);
         TORCH_CHECK(current != nullptr, "the current token's entry is not in the pool");
         rows.push_back(current);
-        const scalar_t* qrow = query_data + b * query.stride(0) + h * group * query.stride(1);
+        const query_t* qrow = query_data + b * query.stride(0) + h * group * query.stride(1);
         for (int64_t g = 0; g < group; ++g)
           for (int64_t d = 0; d < head_size; ++d)
             q[g * head_size + d] =
@@ -324,8 +325,8 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
             attend_rows<scalar_t, 0>(rows.data(), count, q.data(), group, head_size, acc.data(),
                                      logit_rows, max_g, sum_g);
         }
-        scalar_t* o = out_data + (b * num_q_heads + h * group) * head_size;
-        for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<scalar_t>(acc[i]);
+        query_t* o = out_data + (b * num_q_heads + h * group) * head_size;
+        for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<query_t>(acc[i]);
         if (probs_out != nullptr) {
           // Each selected row's probability summed over the group, a vector of
           // rows at a time (a scalar exp per (row, query head) costs about as

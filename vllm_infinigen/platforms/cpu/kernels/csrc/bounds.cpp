@@ -79,7 +79,7 @@ void write_bounds(at::Tensor& bounds, at::Tensor& scales, const at::Tensor& kv_p
   uint8_t* code_data = bounds.data_ptr<uint8_t>();
   at::Half* scale_data = scales.data_ptr<at::Half>();
 
-  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "write_bounds", [&] {
+  INFINIGEN_DISPATCH_POOL(kv_pool.scalar_type(), "write_bounds", [&] {
     const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
     at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> high(head_size), low(head_size);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace infinigen {
@@ -40,6 +41,80 @@ inline fVec load_float<at::Half>(const at::Half* p) {
   fVec out;
   at::vec::load_fp32_from_fp16(p, out);
   return out;
+}
+
+// FP8 K/V (vLLM's --kv-cache-dtype fp8 / fp8_e4m3: e4m3fn; fp8_e5m2): one
+// byte per element, widened through float16. An e5m2 byte is a float16's top
+// byte. An e4m3fn byte's exponent and mantissa, shifted into a float16's
+// (bias 7 against 15), read its value times 2^-8, subnormals included; the
+// pool never holds e4m3fn's NaN (writes saturate, to_kv).
+template <typename T>
+struct is_fp8 : std::false_type {};
+template <>
+struct is_fp8<c10::Float8_e4m3fn> : std::true_type {};
+template <>
+struct is_fp8<c10::Float8_e5m2> : std::true_type {};
+
+#if defined(CPU_CAPABILITY_AVX512)
+// kVecSize (16) bytes as 16-bit lanes, each byte in the low half.
+inline __m256i widen_bytes(const void* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+inline fVec half_bits_to_float(__m256i bits) { return fVec(_mm512_cvtph_ps(bits)); }
+#define INFINIGEN_EPI16(OP) _mm256_##OP##_epi16
+#define INFINIGEN_SET1_EPI16 _mm256_set1_epi16
+#define INFINIGEN_AND _mm256_and_si256
+#define INFINIGEN_OR _mm256_or_si256
+#elif defined(CPU_CAPABILITY_AVX2)
+// kVecSize (8) bytes as 16-bit lanes, each byte in the low half.
+inline __m128i widen_bytes(const void* p) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+}
+inline fVec half_bits_to_float(__m128i bits) { return fVec(_mm256_cvtph_ps(bits)); }
+#define INFINIGEN_EPI16(OP) _mm_##OP##_epi16
+#define INFINIGEN_SET1_EPI16 _mm_set1_epi16
+#define INFINIGEN_AND _mm_and_si128
+#define INFINIGEN_OR _mm_or_si128
+#endif
+
+template <>
+inline fVec load_float<c10::Float8_e5m2>(const c10::Float8_e5m2* p) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return half_bits_to_float(INFINIGEN_EPI16(slli)(widen_bytes(p), 8));
+#else
+  alignas(64) float tmp[kVecSize];
+  for (int64_t i = 0; i < kVecSize; ++i) tmp[i] = static_cast<float>(p[i]);
+  return fVec::loadu(tmp);
+#endif
+}
+template <>
+inline fVec load_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const auto bytes = widen_bytes(p);
+  const auto sign = INFINIGEN_EPI16(slli)(INFINIGEN_AND(bytes, INFINIGEN_SET1_EPI16(0x80)), 8);
+  const auto magnitude =
+      INFINIGEN_EPI16(slli)(INFINIGEN_AND(bytes, INFINIGEN_SET1_EPI16(0x7f)), 7);
+  return half_bits_to_float(INFINIGEN_OR(sign, magnitude)) * fVec(256.f);
+#else
+  alignas(64) float tmp[kVecSize];
+  for (int64_t i = 0; i < kVecSize; ++i) tmp[i] = static_cast<float>(p[i]);
+  return fVec::loadu(tmp);
+#endif
+}
+
+// A float as a pool element: FP8 saturates at its largest finite value, as
+// vLLM's CUDA quantization does (c10's conversion would make NaN of it).
+template <typename T>
+inline T to_kv(float x) {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::Float8_e4m3fn to_kv<c10::Float8_e4m3fn>(float x) {
+  return c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, x)));
+}
+template <>
+inline c10::Float8_e5m2 to_kv<c10::Float8_e5m2>(float x) {
+  return c10::Float8_e5m2(std::min(57344.f, std::max(-57344.f, x)));
 }
 
 // Sum of a vector's lanes (ATen's generic reduce_add does not compile for DEFAULT).
@@ -135,6 +210,68 @@ inline PoolLayout pool_layout(const at::Tensor& kv_pool,
       default:                                                                   \
         TORCH_CHECK(false, NAME, ": KV dtype must be float32, bfloat16 or float16, got ", \
                     TYPE);                                                       \
+    }                                                                            \
+  }()
+
+// The pool's element types: the model's dtypes and FP8 (`scalar_t`), for ops
+// that read the pool into floats.
+#define INFINIGEN_DISPATCH_POOL(TYPE, NAME, ...)                                 \
+  [&] {                                                                          \
+    switch (TYPE) {                                                              \
+      case at::kFloat8_e4m3fn: {                                                 \
+        using scalar_t = c10::Float8_e4m3fn;                                     \
+        return __VA_ARGS__();                                                    \
+      }                                                                          \
+      case at::kFloat8_e5m2: {                                                   \
+        using scalar_t = c10::Float8_e5m2;                                       \
+        return __VA_ARGS__();                                                    \
+      }                                                                          \
+      default:                                                                   \
+        return INFINIGEN_DISPATCH_KV(TYPE, NAME, __VA_ARGS__);                   \
+    }                                                                            \
+  }()
+
+// The query's (and output's) dtype as `query_t` beside an FP8 pool's `scalar_t`.
+#define INFINIGEN_DISPATCH_QUERY_OF_FP8(QUERY, NAME, ...)                        \
+  switch (QUERY) {                                                               \
+    case at::kFloat: {                                                           \
+      using query_t = float;                                                     \
+      return __VA_ARGS__();                                                      \
+    }                                                                            \
+    case at::kBFloat16: {                                                        \
+      using query_t = at::BFloat16;                                              \
+      return __VA_ARGS__();                                                      \
+    }                                                                            \
+    case at::kHalf: {                                                            \
+      using query_t = at::Half;                                                  \
+      return __VA_ARGS__();                                                      \
+    }                                                                            \
+    default:                                                                     \
+      TORCH_CHECK(false, NAME, ": the query dtype must be float32, bfloat16 or float16, got ", \
+                  QUERY);                                                        \
+  }
+
+// The pool's element type (`scalar_t`) and the query's (`query_t`, also the
+// new K/V's and the output's): one dtype, or an FP8 pool beside any of the
+// model's dtypes.
+#define INFINIGEN_DISPATCH_POOL_QUERY(POOL, QUERY, NAME, ...)                    \
+  [&] {                                                                          \
+    switch (POOL) {                                                              \
+      case at::kFloat8_e4m3fn: {                                                 \
+        using scalar_t = c10::Float8_e4m3fn;                                     \
+        INFINIGEN_DISPATCH_QUERY_OF_FP8(QUERY, NAME, __VA_ARGS__)                \
+      }                                                                          \
+      case at::kFloat8_e5m2: {                                                   \
+        using scalar_t = c10::Float8_e5m2;                                       \
+        INFINIGEN_DISPATCH_QUERY_OF_FP8(QUERY, NAME, __VA_ARGS__)                \
+      }                                                                          \
+      default:                                                                   \
+        TORCH_CHECK(QUERY == POOL, NAME, ": the query and a ", POOL,             \
+                    " pool must share a dtype, got ", QUERY);                    \
+        return INFINIGEN_DISPATCH_KV(POOL, NAME, [&] {                           \
+          using query_t = scalar_t;                                              \
+          return __VA_ARGS__();                                                  \
+        });                                                                      \
     }                                                                            \
   }()
 

@@ -196,7 +196,7 @@ void write_int_keys(at::Tensor& codes, at::Tensor& scales, const at::Tensor& kv_
   uint8_t* code_data = codes.data_ptr<uint8_t>();
   at::Half* scale_data = scales.data_ptr<at::Half>();
 
-  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "write_int_keys", [&] {
+  INFINIGEN_DISPATCH_POOL(kv_pool.scalar_type(), "write_int_keys", [&] {
     const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
     at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> keys(kGroupTokens * head_size);
@@ -287,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
 
   // Pass 1: scores, group by group: complete groups from the codes, the open
   // group (the row's context ends inside it) from the full keys in the pool.
-  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "select_tokens_int", [&] {
+  INFINIGEN_DISPATCH_POOL(kv_pool.scalar_type(), "select_tokens_int", [&] {
     const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
     at::parallel_for(0, num_rows * num_blocks_max, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> weights(query_group * head_size), offsets(query_group);

@@ -22,7 +22,8 @@ void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tenso
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [T, H_q, D]");
   TORCH_CHECK(output.sizes() == query.sizes() && output.scalar_type() == query.scalar_type(),
               "output must match query");
-  TORCH_CHECK(query.scalar_type() == kv_pool.scalar_type(), "query and kv_pool: one dtype");
+  TORCH_CHECK(query.scalar_type() == kv_pool.scalar_type() || kv_pool.element_size() == 1,
+              "query and kv_pool: one dtype, or an FP8 pool");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table: int32 [num_reqs, max_blocks]");
   TORCH_CHECK(query_start.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -46,18 +47,20 @@ void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tenso
     if (num_queries <= 0) continue;
     const int64_t first = seq_len - num_queries;
     const int32_t* blocks = table + req * table_stride;
-    // keys, values: [H_kv, seq_len, D]; earlier[h]: how many of 0..first-1 are held.
-    auto keys = at::empty({num_heads, seq_len, head_size}, kv_pool.options());
+    // keys, values: [H_kv, seq_len, D] in the query's dtype (an FP8 pool's
+    // widened); earlier[h]: how many of 0..first-1 are held.
+    auto keys = at::empty({num_heads, seq_len, head_size}, query.options());
     auto values = at::empty_like(keys);
     std::vector<int64_t> earlier(num_heads, 0);
-    INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "attend_prefill", [&] {
+    INFINIGEN_DISPATCH_POOL_QUERY(kv_pool.scalar_type(), query.scalar_type(), "attend_prefill",
+                                  [&] {
       const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
-      scalar_t* key_out = keys.data_ptr<scalar_t>();
-      scalar_t* value_out = values.data_ptr<scalar_t>();
+      query_t* key_out = keys.data_ptr<query_t>();
+      query_t* value_out = values.data_ptr<query_t>();
       at::parallel_for(0, num_heads, 1, [&](int64_t begin, int64_t end) {
         for (int64_t h = begin; h < end; ++h) {
-          scalar_t* k_dst = key_out + h * seq_len * head_size;
-          scalar_t* v_dst = value_out + h * seq_len * head_size;
+          query_t* k_dst = key_out + h * seq_len * head_size;
+          query_t* v_dst = value_out + h * seq_len * head_size;
           int64_t held = 0;
           for (int64_t p = 0; p < seq_len; ++p) {
             const int64_t entry = layout.entry(blocks[p / block_size], h, p % block_size);
@@ -65,9 +68,17 @@ void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tenso
               TORCH_CHECK(p < first, "a token of this step is not in the pool");
               continue;
             }
-            std::copy(pool + entry, pool + entry + head_size, k_dst + held * head_size);
-            std::copy(pool + entry + head_size, pool + entry + 2 * head_size,
-                      v_dst + held * head_size);
+            if constexpr (std::is_same_v<query_t, scalar_t>) {
+              std::copy(pool + entry, pool + entry + head_size, k_dst + held * head_size);
+              std::copy(pool + entry + head_size, pool + entry + 2 * head_size,
+                        v_dst + held * head_size);
+            } else {
+              for (int64_t d = 0; d < head_size; ++d) {
+                k_dst[held * head_size + d] = static_cast<query_t>(static_cast<float>(pool[entry + d]));
+                v_dst[held * head_size + d] =
+                    static_cast<query_t>(static_cast<float>(pool[entry + head_size + d]));
+              }
+            }
             ++held;
           }
           earlier[h] = held - num_queries;

@@ -12,9 +12,7 @@ void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& va
                 const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value: [T, H_kv, D]");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: last dim contiguous");
-  TORCH_CHECK(key.scalar_type() == kv_pool.scalar_type() &&
-                  value.scalar_type() == kv_pool.scalar_type(),
-              "key, value and kv_pool must share a dtype");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "slot_mapping: contiguous int64");
   const int64_t num_tokens = std::min(key.size(0), slot_mapping.size(0));
@@ -28,10 +26,11 @@ void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& va
   const int64_t num_blocks =
       row_map.has_value() ? row_map->size(0) : kv_pool.size(0);
 
-  INFINIGEN_DISPATCH_KV(kv_pool.scalar_type(), "write_pool", [&] {
+  // An FP8 pool takes the model's K/V rounded to its format (saturating, to_kv).
+  INFINIGEN_DISPATCH_POOL_QUERY(kv_pool.scalar_type(), key.scalar_type(), "write_pool", [&] {
     scalar_t* pool = kv_pool.data_ptr<scalar_t>();
-    const scalar_t* key_data = key.data_ptr<scalar_t>();
-    const scalar_t* value_data = value.data_ptr<scalar_t>();
+    const query_t* key_data = key.data_ptr<query_t>();
+    const query_t* value_data = value.data_ptr<query_t>();
     at::parallel_for(0, num_tokens * num_heads, 16, [&](int64_t begin, int64_t end) {
       for (int64_t index = begin; index < end; ++index) {
         const int64_t token = index / num_heads, head = index % num_heads;
@@ -42,10 +41,17 @@ void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& va
         const int64_t entry = layout.entry(block_id, head, offset);
         if (entry < 0) continue;
         TORCH_CHECK(entry + 2 * head_size <= pool_numel, "pool row beyond the pool");
-        const scalar_t* k = key_data + token * key.stride(0) + head * key.stride(1);
-        const scalar_t* v = value_data + token * value.stride(0) + head * value.stride(1);
-        std::copy(k, k + head_size, pool + entry);
-        std::copy(v, v + head_size, pool + entry + head_size);
+        const query_t* k = key_data + token * key.stride(0) + head * key.stride(1);
+        const query_t* v = value_data + token * value.stride(0) + head * value.stride(1);
+        if constexpr (std::is_same_v<query_t, scalar_t>) {
+          std::copy(k, k + head_size, pool + entry);
+          std::copy(v, v + head_size, pool + entry + head_size);
+        } else {
+          for (int64_t d = 0; d < head_size; ++d) {
+            pool[entry + d] = to_kv<scalar_t>(static_cast<float>(k[d]));
+            pool[entry + head_size + d] = to_kv<scalar_t>(static_cast<float>(v[d]));
+          }
+        }
       }
     });
   });

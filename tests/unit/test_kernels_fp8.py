@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The compiled CPU kernels over an FP8 pool (``--kv-cache-dtype fp8``,
+``fp8_e4m3``, ``fp8_e5m2``), against the same kernels or the torch reference
+over a float32 pool holding the same values.
+
+An FP8 element widens to float32 exactly, so every op that reads the pool
+into floats (the speculation keys' encoders, the int keys' open group) must
+give exactly what it gives over the widened pool; the attention outputs agree
+within the query dtype's tolerance, as the kernels' own tests allow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference.sparse_attention import attend_gathered
+from tests.unit.test_kernels import BLOCK, TOLERANCE, Case, _random_positions
+from vllm_infinigen import block_layout
+from vllm_infinigen.platforms.cpu import kernels
+from vllm_infinigen.worker.step_plan import token_budget
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+QUERY_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def fp8_case(fp8: torch.dtype, query_dtype: torch.dtype, **kwargs) -> Case:
+    """``Case`` whose pool is FP8 (values rounded from the random float32
+    pool) and whose query stays in ``query_dtype``."""
+    case = Case(dtype=query_dtype, **kwargs)
+    case.kv_pool = case.kv_pool.float().to(fp8)
+    return case
+
+
+def every_byte(fp8: torch.dtype) -> torch.Tensor:
+    """[256] every finite value of the format, in byte order (NaN bytes as 0)."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    return torch.where(values.isfinite(), values, 0.0)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_every_byte_widens_exactly(fp8):
+    """A row attending only its own token returns that token's V: 256 channels
+    holding every byte of the format (the vector path and, at head size 260,
+    the tail)."""
+    for head_size in (256, 260):
+        values = torch.cat([every_byte(fp8), every_byte(fp8)[:head_size - 256]])
+        pool = torch.zeros((2, 1, BLOCK, 2 * head_size), dtype=fp8)
+        pool[1, 0, 0, head_size:] = values.to(fp8)
+        query = torch.zeros((1, 1, head_size))
+        got = kernels.attend_decode(query, pool, torch.tensor([[1]], dtype=torch.int32),
+                                    torch.zeros(1, dtype=torch.int64), None, scale=1.0)
+        assert torch.equal(got[0, 0], values), head_size
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES)
+@pytest.mark.parametrize("capped", [False, True])
+def test_write_rounds_to_the_pool_format(fp8, query_dtype, capped):
+    """The model's K/V rounded as torch rounds them (to nearest), saturating at
+    the format's largest finite value (values past it in the first key)."""
+    case = fp8_case(fp8, query_dtype, seed=1, num_kv_heads=2, group=2, head_size=32,
+                    context_lens=[70, 5], evict_fraction=0.3 if capped else 0.0)
+    gen = torch.Generator().manual_seed(2)
+    slots = torch.tensor([0, 5, 33, -1, 64 + 7, 31], dtype=torch.int64) + BLOCK * 2
+    slots[3] = -1
+    key = (torch.randn((6, 2, 32), generator=gen) * 4).to(query_dtype)
+    value = torch.randn((6, 2, 32), generator=gen).to(query_dtype)
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 6e4, -7e4]).to(query_dtype)  # past e4m3's 448
+    pool = case.kv_pool.clone()
+    kernels.write_pool(pool, key, value, slots, case.row_map)
+    want = case.kv_pool.clone()
+    largest = torch.finfo(fp8).max  # torch saturates e4m3fn itself, not e5m2
+    new = torch.cat([key, value], dim=-1).float().clamp(-largest, largest).to(fp8)
+    assert new.float().isfinite().all() and (new.float().abs() == largest).sum() >= 2
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, BLOCK)
+        for head in range(2):
+            if (where := case.pool_row(block, head, offset)) is not None:
+                want[where[0], head, where[1]] = new[t, head]
+    assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES)
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_size"), [(4, 1, 32), (2, 4, 64),
+                                                                  (1, 12, 36)])
+def test_attend_selected_over_fp8(fp8, query_dtype, num_kv_heads, group, head_size):
+    case = fp8_case(fp8, query_dtype, seed=8, num_kv_heads=num_kv_heads, group=group,
+                    head_size=head_size, context_lens=[130, 3, 64, 257])
+    positions = _random_positions(case, 0.3, seed=9)
+    probs = torch.zeros(positions.shape)
+    got = kernels.attend_decode(case.query, case.kv_pool, case.block_table, case.context_lens,
+                                positions, scale=case.scale, probs=probs)
+    keys, values = case.entries(positions.to(torch.int64))
+    want, want_probs = attend_gathered(
+        case.query.float(), keys.float(), values.float(), positions >= 0,
+        *[t.float() for t in case.current()], case.scale, return_probs=True)
+    assert got.dtype == query_dtype
+    atol, rtol = TOLERANCE[query_dtype]
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+    torch.testing.assert_close(probs, want_probs.masked_fill(positions < 0, 0.0), atol=1e-5,
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("capped", [False, True])
+def test_attend_dense_over_fp8_equals_the_widened_pool(fp8, capped):
+    """Float32 queries: the FP8 pool gives what its float32 widening gives."""
+    case = fp8_case(fp8, torch.float32, seed=10, num_kv_heads=2, group=2, head_size=64,
+                    context_lens=[1, 45, 200], evict_fraction=0.4 if capped else 0.0)
+    got = kernels.attend_decode(case.query, case.kv_pool, case.block_table, case.context_lens,
+                                None, scale=case.scale, row_map=case.row_map)
+    widened = kernels.attend_decode(case.query, case.kv_pool.float(), case.block_table,
+                                    case.context_lens, None, scale=case.scale,
+                                    row_map=case.row_map)
+    torch.testing.assert_close(got, widened, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("capped", [False, True])
+def test_prefill_over_fp8_equals_the_widened_pool(fp8, query_dtype, capped):
+    seq_lens, new_rows = [50, 170], [50, 40]
+    case = fp8_case(fp8, query_dtype, seed=14, num_kv_heads=2, group=2, head_size=64,
+                    context_lens=[n - 1 for n in seq_lens], evict_fraction=0.3 if capped else 0.0)
+    if case.row_map is not None:  # this step's rows were just written: held
+        for req, (seq_len, rows) in enumerate(zip(seq_lens, new_rows)):
+            positions = torch.arange(seq_len - rows, seq_len)[None]
+            blocks, offsets = block_layout.block_coordinates(
+                positions, case.block_table[req:req + 1], BLOCK)
+            held = case.row_map[blocks[0], :, offsets[0]]
+            fresh = torch.arange(held.numel(), dtype=torch.int32).view_as(held)
+            case.row_map[blocks[0], :, offsets[0]] = torch.where(held < 0, fresh + 7, held)
+    gen = torch.Generator().manual_seed(15)
+    query = torch.randn((sum(new_rows), 4, 64), generator=gen).to(query_dtype)
+    args = (case.block_table, torch.tensor([0, 50, 90], dtype=torch.int64),
+            torch.tensor(seq_lens), torch.tensor([0, 1], dtype=torch.int64))
+    got, want = torch.zeros_like(query), torch.zeros_like(query)
+    kernels.attend_prefill(query, got, case.kv_pool, *args, scale=case.scale,
+                           row_map=case.row_map)
+    # The widened pool in the query's dtype holds the same values (FP8 fits in each).
+    kernels.attend_prefill(query, want, case.kv_pool.to(query_dtype), *args, scale=case.scale,
+                           row_map=case.row_map)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("keys", ["bounds", "int"])
+def test_speculation_keys_from_fp8_equal_those_from_the_widened_pool(fp8, keys):
+    """The bounds and the int keys are encoded from the pool's values: the same
+    codes and scales as from a float32 pool of those values, and the int keys'
+    selection (its open group read from the pool) the same positions."""
+    case = fp8_case(fp8, torch.float32, seed=3, num_kv_heads=2, group=2, head_size=64,
+                    context_lens=[100, 37, 250])
+    widened = case.kv_pool.float()
+    slots = torch.arange(case.num_blocks * BLOCK, dtype=torch.int64)  # every unit closes
+    if keys == "bounds":
+        units = BLOCK // 16
+        make = lambda: (torch.zeros((case.num_blocks, 2, units, 2, 64), dtype=torch.uint8),
+                        torch.zeros((case.num_blocks, 2, units), dtype=torch.float16))
+        write = kernels.write_bounds
+    else:
+        make = lambda: (torch.zeros((case.num_blocks, 2, BLOCK // 16, 64, 8), dtype=torch.uint8),
+                        torch.zeros((case.num_blocks, 2, BLOCK // 16, 64), dtype=torch.float16))
+        write = kernels.write_int_keys
+    got, want = make(), make()
+    write(*got, case.kv_pool, slots)
+    write(*want, widened, slots)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got[0].any()
+    if keys == "int":
+        query = torch.randn((3, 2, 2, 64), generator=torch.Generator().manual_seed(4))
+        caps = token_budget(case.context_lens, 0.2)
+        select = lambda pool: kernels.select_tokens_int(
+            query, *got, pool, case.block_table, case.context_lens, caps, scale=case.scale,
+            alpha=4.0)
+        for a, b in zip(select(case.kv_pool), select(widened)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_decode_short_over_fp8(fp8):
+    """The short path's one op: the write rounded to the pool, then dense attention."""
+    case = fp8_case(fp8, torch.bfloat16, seed=20, num_kv_heads=2, group=2, head_size=64,
+                    context_lens=[20, 50])
+    gen = torch.Generator().manual_seed(21)
+    key = torch.randn((2, 2, 64), generator=gen).to(torch.bfloat16)
+    value = torch.randn((2, 2, 64), generator=gen).to(torch.bfloat16)
+    own = block_layout.block_coordinates(case.context_lens[:, None], case.block_table, BLOCK)
+    slots = (own[0][:, 0].to(torch.int64) * BLOCK + own[1][:, 0]).contiguous()
+    pool = case.kv_pool.clone()
+    got = kernels.decode_short(case.query, key, value, pool, slots, case.block_table,
+                               case.context_lens, scale=case.scale)
+    want_pool = case.kv_pool.clone()
+    kernels.write_pool(want_pool, key, value, slots)
+    assert torch.equal(pool.view(torch.uint8), want_pool.view(torch.uint8))
+    want = kernels.attend_decode(case.query, want_pool, case.block_table, case.context_lens,
+                                 None, scale=case.scale)
+    assert torch.equal(got, want)
+
+
+def test_a_wide_pool_and_another_query_dtype_are_refused():
+    pool = torch.zeros((1, 1, BLOCK, 64), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="one dtype, or an FP8 pool"):
+        kernels.attend_decode(torch.zeros(1, 1, 32), pool, torch.zeros(1, 1, dtype=torch.int32),
+                              torch.zeros(1, dtype=torch.int64), None, scale=1.0)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        kernels.write_pool(pool, torch.zeros(1, 1, 32), torch.zeros(1, 1, 32),
+                           torch.zeros(1, dtype=torch.int64))
