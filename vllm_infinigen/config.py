@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_infinigen.architectures import AttentionPlan
-from vllm_infinigen.layout import BOUND_BITS, BOUND_UNIT, SPECULATION_KEYS, ModelLayout
+from vllm_infinigen.layout import (BOUND_BITS, BOUND_UNIT, SPECULATION_KEYS, ModelLayout,
+                                   kv_dtype)
 from vllm_infinigen.policies import POLICY_NAMES, POLICY_TRAITS
 
 KV_MANAGERS = ("vllm", "infinigen")
@@ -330,13 +331,19 @@ class EngineSetup:
 
     config: InfiniGenConfig
     layout: ModelLayout
-    dtype_bytes: int  # of the model's K/V (the pool, the partial keys)
+    dtype_bytes: int  # of the model's dtype (the speculation keys)
     step_tokens: int  # tokens one step writes at most (--max-num-batched-tokens)
+    # Of a cached K/V element (vLLM's pages, the pool): the model's dtype, 1 in FP8.
+    kv_dtype_bytes: int = 0  # 0: dtype_bytes
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype_bytes:
+            object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
 
     @property
     def pool_bytes_per_token(self) -> int:
         """K/V bytes of every sparse layer for one token, all ranks."""
-        return self.layout.pool_bytes_per_token(self.dtype_bytes)
+        return self.layout.pool_bytes_per_token(self.kv_dtype_bytes)
 
 
 # id(additional_config) -> (that dict, its setup): one parse per process and
@@ -369,6 +376,7 @@ def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None,
             speculation_keys=config.speculation_keys)
     layout = dataclasses.replace(layout, head_dim=model.get_head_size())
     setup = EngineSetup(config, layout, model.dtype.itemsize,
-                        vllm_config.scheduler_config.max_num_batched_tokens)
+                        vllm_config.scheduler_config.max_num_batched_tokens,
+                        kv_dtype(vllm_config.cache_config.cache_dtype, model.dtype).itemsize)
     _setups[id(additional)] = (additional, setup)
     return setup

@@ -47,6 +47,31 @@ def closes_key_group(slots) -> bool:
     return bool(((slots >= 0) & (slots % KEY_GROUP == KEY_GROUP - 1)).any())
 
 
+# --kv-cache-dtype values InfiniGen takes beside "auto", and the element its
+# pool stores for each: vLLM's CPU build reads "fp8" as e4m3 (its own pages
+# are bytes of the same formats).
+FP8_KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                       "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_dtype(cache_dtype: str | None, model_dtype):
+    """The torch dtype of InfiniGen's pool for vLLM's ``--kv-cache-dtype``
+    (``auto``: the model's dtype).
+
+    Raises:
+        ValueError: For a value InfiniGen does not take (the front end refuses
+            it first, ``frontend/checks.py``).
+    """
+    if cache_dtype in (None, "auto"):
+        return model_dtype
+    if cache_dtype not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {cache_dtype} is not supported with --kv-manager "
+                         f"infinigen; use auto or one of {sorted(FP8_KV_CACHE_DTYPES)}")
+    import torch
+
+    return getattr(torch, FP8_KV_CACHE_DTYPES[cache_dtype])
+
+
 def int_key_bits(dtype_bytes: int) -> int:
     """Bits per channel of the int form: 4 in a float32 cache, 2 in a 16-bit one
     (then it costs the bytes of the partial form at r = 0.2, or fewer)."""

@@ -41,17 +41,24 @@ class BlockCosts:
 
 
 def block_costs(layout: ModelLayout, dtype_bytes: int, block_size: int,
-                kv_heads: int) -> BlockCosts:
+                kv_heads: int, kv_dtype_bytes: int | None = None) -> BlockCosts:
     """What one block id costs a worker with ``kv_heads`` KV heads (its
     rank's): per block id vLLM stores one page per layer of a group
     (``group_size`` pages, ``layout.kv_cache_group_size``); the speculation
     keys and the pool cover every token of the dense group in every sparse
-    layer. A platform splits its grant by these (``platforms/<name>/memory.py``)."""
+    layer. A platform splits its grant by these (``platforms/<name>/memory.py``).
+
+    Args:
+        dtype_bytes: Of the model's dtype (the speculation keys).
+        kv_dtype_bytes: Of a cached K/V element, vLLM's pages and the pool
+            (1 with ``--kv-cache-dtype fp8``; None: ``dtype_bytes``).
+    """
+    kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
     return BlockCosts(
         pages=layout.group_size * block_size * layout.kv_bytes_per_token_layer(
-            dtype_bytes, kv_heads),
+            kv_bytes, kv_heads),
         partial=block_size * layout.partial_bytes_per_token(dtype_bytes, kv_heads),
-        pool=block_size * layout.pool_bytes_per_token(dtype_bytes, kv_heads))
+        pool=block_size * layout.pool_bytes_per_token(kv_bytes, kv_heads))
 
 
 def cap_rows(cpu_pool_gib: float | None, pool_bytes_per_token: int,

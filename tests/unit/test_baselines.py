@@ -88,7 +88,7 @@ def test_incremental_pages_equal_pages_rebuilt_from_the_pool():
         block_size = 16
         plan = PoolPlan(num_rows=num_slots, num_slots=num_slots, block_size=block_size,
                         num_bytes=0, sized_by="")
-        data_path.allocate(state, plan, num_slots // block_size, torch.float32)
+        data_path.allocate(state, plan, num_slots // block_size, torch.float32, torch.float32)
         return state
 
     data_path = CpuDataPath("in-place")

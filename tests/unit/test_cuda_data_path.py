@@ -45,7 +45,7 @@ class _Case:
         torch.manual_seed(0)
         self.path = CudaDataPath("cpu", slots_per_head)
         self.layer = _layer(int_keys=int_keys)
-        self.path.allocate(self.layer, _plan(), NUM_BLOCKS, torch.float32)
+        self.path.allocate(self.layer, _plan(), NUM_BLOCKS, torch.float32, torch.float32)
         self.path.configure(InfiniGenConfig(alpha=1.0, min_context=0))
         self.table = torch.tensor([[3, 7, 1, 9], [0, 5, 11, 2]], dtype=torch.int32)
         self.keys = torch.randn(2, 4 * BLOCK, KV_HEADS, DIM)  # [row, position, H, D]
@@ -227,7 +227,7 @@ def test_writes_land_in_the_host_pool_and_the_device_speculation_keys():
     (the int keys need 16-token groups: test_cuda_writes.py)."""
     case, cpu, reference = _Case(), CpuDataPath("in-place"), _layer()
     reference.skew = case.layer.skew
-    cpu.allocate(reference, _plan(), NUM_BLOCKS, torch.float32)
+    cpu.allocate(reference, _plan(), NUM_BLOCKS, torch.float32, torch.float32)
     for row, upto in ((0, 13), (1, 16)):
         case.write(row, upto)
         slots = torch.tensor([case.slot(row, p) for p in range(upto)])
@@ -240,7 +240,7 @@ def test_writes_land_in_the_host_pool_and_the_device_speculation_keys():
 
 def test_prompt_rows_attend_as_the_cpu_platform():
     case, cpu, reference = _Case(), CpuDataPath("in-place"), _layer()
-    cpu.allocate(reference, _plan(), NUM_BLOCKS, torch.float32)
+    cpu.allocate(reference, _plan(), NUM_BLOCKS, torch.float32, torch.float32)
     config = InfiniGenConfig(alpha=1.0, min_context=0)
     # request 0 decodes at position 6; request 1's prompt chunk is positions 3..9
     metadata = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 8]),
@@ -263,7 +263,7 @@ def test_a_capped_pool_is_refused_naming_the_flag():
     capped = PoolPlan(num_rows=8, num_slots=NUM_BLOCKS * BLOCK, block_size=BLOCK,
                       num_bytes=0, sized_by="")
     with pytest.raises(ValueError, match="--infinigen-cpu-pool-gib"):
-        path.allocate(_layer(), capped, NUM_BLOCKS, torch.float32)
+        path.allocate(_layer(), capped, NUM_BLOCKS, torch.float32, torch.float32)
 
 
 def test_settings_change_in_place_and_widening_changes_are_refused():
@@ -283,7 +283,7 @@ def test_settings_change_in_place_and_widening_changes_are_refused():
         with pytest.raises(ValueError, match=flag):
             case.path.configure(InfiniGenConfig(**{"alpha": 1.0, "min_context": 0, **change}))
     capped = CudaDataPath("cpu", 16)
-    capped.allocate(_layer(3), _plan(), NUM_BLOCKS, torch.float32)
+    capped.allocate(_layer(3), _plan(), NUM_BLOCKS, torch.float32, torch.float32)
     capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=8))
     capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=4))
     for cap in (None, 9):
@@ -310,7 +310,7 @@ def test_the_block_rule_keeps_a_needles_block_at_a_small_budget(keys):
     num_blocks = 12
     path.allocate(layer, PoolPlan(num_rows=num_blocks * block, num_slots=num_blocks * block,
                                   block_size=block, num_bytes=0, sized_by=""),
-                  num_blocks, torch.float32)
+                  num_blocks, torch.float32, torch.float32)
     path.configure(InfiniGenConfig(alpha=math.inf, budget=0.1, min_context=0))
     gen = torch.Generator().manual_seed(4)
     direction = torch.randn(KV_HEADS, 32, generator=gen)

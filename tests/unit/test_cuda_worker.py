@@ -60,7 +60,7 @@ def test_the_worker_split_counts_speculation_keys_cache_and_vllm_pages():
     layout = ModelLayout("llama", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
                          dense_layers=2, partial_ratio=0.25)
     worker = SimpleNamespace(
-        infinigen=SimpleNamespace(layout=layout, dtype_bytes=2),
+        infinigen=SimpleNamespace(layout=layout, dtype_bytes=2, kv_dtype_bytes=2),
         cache_config=SimpleNamespace(block_size=16),
         infinigen_runtime=SimpleNamespace(sparse_layers=[SimpleNamespace(num_kv_heads=2)],
                                           data_path=SimpleNamespace(slots_per_head=5)))

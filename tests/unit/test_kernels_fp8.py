@@ -38,6 +38,17 @@ def every_byte(fp8: torch.dtype) -> torch.Tensor:
     return torch.where(values.isfinite(), values, 0.0)
 
 
+def own_entries(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bfloat16 K and V [B, H_kv, D] of each row's own token, and its slot [B]."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(case.context_lens), case.num_kv_heads, case.head_size)
+    key = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    value = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    blocks, offsets = block_layout.block_coordinates(case.context_lens[:, None],
+                                                     case.block_table, BLOCK)
+    return key, value, (blocks[:, 0].to(torch.int64) * BLOCK + offsets[:, 0]).contiguous()
+
+
 @pytest.mark.parametrize("fp8", FP8)
 def test_every_byte_widens_exactly(fp8):
     """A row attending only its own token returns that token's V: 256 channels
@@ -186,11 +197,7 @@ def test_decode_short_over_fp8(fp8):
     """The short path's one op: the write rounded to the pool, then dense attention."""
     case = fp8_case(fp8, torch.bfloat16, seed=20, num_kv_heads=2, group=2, head_size=64,
                     context_lens=[20, 50])
-    gen = torch.Generator().manual_seed(21)
-    key = torch.randn((2, 2, 64), generator=gen).to(torch.bfloat16)
-    value = torch.randn((2, 2, 64), generator=gen).to(torch.bfloat16)
-    own = block_layout.block_coordinates(case.context_lens[:, None], case.block_table, BLOCK)
-    slots = (own[0][:, 0].to(torch.int64) * BLOCK + own[1][:, 0]).contiguous()
+    key, value, slots = own_entries(case, seed=21)
     pool = case.kv_pool.clone()
     got = kernels.decode_short(case.query, key, value, pool, slots, case.block_table,
                                case.context_lens, scale=case.scale)
@@ -210,3 +217,44 @@ def test_a_wide_pool_and_another_query_dtype_are_refused():
     with pytest.raises(RuntimeError, match="must share a dtype"):
         kernels.write_pool(pool, torch.zeros(1, 1, 32), torch.zeros(1, 1, 32),
                            torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_kv_scales_divide_the_write_and_multiply_the_attention_back(fp8):
+    """vLLM's k_scale / v_scale: the pool holds K / k_scale and V / v_scale,
+    and every attention op reads K and V as the pool's values times them."""
+    k_scale, v_scale = 2.5, 0.375
+    case = fp8_case(fp8, torch.bfloat16, seed=30, num_kv_heads=2, group=2, head_size=64,
+                    context_lens=[20, 70])
+    key, value, slots = own_entries(case, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    scales = {"key_scale": k_scale, "value_scale": v_scale}
+    pool = case.kv_pool.clone()
+    kernels.write_pool(pool, key, value, slots, **scales)
+    unscaled = case.kv_pool.clone()
+    kernels.write_pool(unscaled, (key.float() / k_scale).to(torch.bfloat16),
+                       (value.float() / v_scale).to(torch.bfloat16), slots)
+    # The division in float32 before the rounding: at most one FP8 step apart.
+    assert (pool.float() - unscaled.float()).abs().max() <= (unscaled.float().abs() / 4).max()
+    # What the scaled attention must equal: the float32 pool of K * k_scale, V * v_scale.
+    rescaled = pool.float()
+    rescaled[..., :64] *= k_scale
+    rescaled[..., 64:] *= v_scale
+    query = case.query.float()
+    got = kernels.attend_decode(query, pool, case.block_table, case.context_lens, None,
+                                scale=case.scale, **scales)
+    want = kernels.attend_decode(query, rescaled, case.block_table, case.context_lens, None,
+                                 scale=case.scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    short_pool = case.kv_pool.clone()
+    short = kernels.decode_short(query, key.float(), value.float(), short_pool, slots,
+                                 case.block_table, case.context_lens, scale=case.scale, **scales)
+    assert torch.equal(short_pool.view(torch.uint8), pool.view(torch.uint8))
+    torch.testing.assert_close(short, want, atol=1e-5, rtol=1e-5)
+    prompt = torch.randn((20, 4, 64), generator=gen)
+    args = (case.block_table, torch.tensor([0, 20], dtype=torch.int64),
+            torch.tensor([21], dtype=torch.int64), torch.tensor([0], dtype=torch.int64))
+    got_prompt, want_prompt = torch.zeros_like(prompt), torch.zeros_like(prompt)
+    kernels.attend_prefill(prompt, got_prompt, pool, *args, scale=case.scale, **scales)
+    kernels.attend_prefill(prompt, want_prompt, rescaled, *args, scale=case.scale)
+    torch.testing.assert_close(got_prompt, want_prompt, atol=1e-5, rtol=1e-5)

@@ -81,3 +81,25 @@ def test_worker_pool_rows_cap_and_refuse_below_one_step():
     with pytest.raises(ValueError, match="--max-num-batched-tokens.*--gpu-memory-utilization"
                        ".*--kv-cache-memory-bytes.*--infinigen-cpu-pool-gib"):
         pool(2048 * 100, 256)
+
+
+def test_fp8_pages_and_pool_cost_one_byte_an_element_the_keys_the_models():
+    """``--kv-cache-dtype fp8``: vLLM's pages and the pool in FP8, the
+    speculation keys (partial keys here) in the model's dtype."""
+    import torch
+
+    from vllm_infinigen.layout import ModelLayout, kv_dtype
+    from vllm_infinigen.memory import block_costs
+
+    layout = ModelLayout(model_type="llama", num_layers=5, num_heads=8, num_kv_heads=4,
+                         head_dim=32, speculation_keys="partial")  # rank 6
+    model = block_costs(layout, 4, 128, 4)
+    fp8 = block_costs(layout, 4, 128, 4, kv_dtype("fp8", torch.float32).itemsize)
+    assert model == COSTS
+    assert (fp8.pages, fp8.pool, fp8.partial) == (COSTS.pages // 4, COSTS.pool // 4,
+                                                  COSTS.partial)
+    assert kv_dtype("fp8_e4m3", torch.bfloat16) == torch.float8_e4m3fn
+    assert kv_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
+    assert kv_dtype("auto", torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_inc is not supported"):
+        kv_dtype("fp8_inc", torch.bfloat16)

@@ -184,7 +184,8 @@ def test_check_engine_args_accepts_plain_args():
          "--kv-transfer-config"),
         ({"kv_offloading_size": 4.0}, "--kv-offloading-size"),
         ({"worker_cls": "my.Worker"}, "--worker-cls"),
-        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype"),
+        ({"kv_cache_dtype": "fp8_inc"}, "--kv-cache-dtype"),
+        ({"kv_cache_dtype": "bfloat16"}, "--kv-cache-dtype"),
         ({"enable_sleep_mode": True}, "--enable-sleep-mode"),
     ],
     ids=lambda value: value if isinstance(value, str) else None,
@@ -194,6 +195,17 @@ def test_check_engine_args_refuses(kwargs, flag):
         checks.check_engine_args(EngineArgs(model=STORIES_DIR, **kwargs))
     assert str(info.value).startswith("--kv-manager infinigen: ")
     assert flag in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_is_taken_for_infinigens_own_policy(dtype):
+    from vllm_infinigen.config import InfiniGenConfig
+
+    args = EngineArgs(model=STORIES_DIR, kv_cache_dtype=dtype)
+    assert checks.check_engine_args(args, InfiniGenConfig()) is None
+    with pytest.raises(ValueError, match=f"--kv-cache-dtype {dtype}: --infinigen-policy h2o "
+                                         "reads the pool with torch"):
+        checks.check_engine_args(args, InfiniGenConfig(policy="h2o"))
 
 
 def test_cuda_accepts_graphs_and_an_eager_engine_and_names_its_worker(monkeypatch):

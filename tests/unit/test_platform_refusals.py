@@ -104,13 +104,15 @@ def test_cuda_refuses_a_piecewise_graph_around_host_planning(monkeypatch, kwargs
     ({"policy": "h2o"}, "--infinigen-policy"),
     ({"transfer": "copy"}, "--infinigen-transfer"),
     ({"residency": "device-first"}, "--enable-dbo"),
-], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo"])
+    ({}, "--kv-cache-dtype auto"),
+], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo", "fp8-kv"])
 def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag):
     """With vLLM's default graphs, through the front end (platform faked)."""
     from vllm.platforms import current_platform
 
     config = InfiniGenConfig(**settings)
-    kwargs = {"enable_dbo": True} if "residency" in settings else {}
+    kwargs = ({"enable_dbo": True} if "residency" in settings else
+              {"kv_cache_dtype": "fp8"} if not settings else {})
     assert refusal_for("cpu", _args(**kwargs), config) is None
     assert flag in refusal_for("cuda", _args(**kwargs), config)
     monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)

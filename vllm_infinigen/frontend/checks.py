@@ -25,9 +25,10 @@ from vllm_infinigen.config import (
     V1_RUNNER_REFUSAL,
     V2_RUNNER_ENV,
     InfiniGenConfig,
+    flag,
     infinigen_config_of,
 )
-from vllm_infinigen.layout import ModelLayout, read_hf_config
+from vllm_infinigen.layout import FP8_KV_CACHE_DTYPES, ModelLayout, read_hf_config
 from vllm_infinigen.platforms import WORKERS, platform_name, refusal_for, worker_cls_for
 from vllm_infinigen.skewing.tables import local_model_dir
 
@@ -107,7 +108,13 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         refuse("sleep mode would not remap InfiniGen's pool and partial keys; "
                "remove --enable-sleep-mode")
     if args.kv_cache_dtype not in ("auto", None):
-        refuse("--kv-cache-dtype must be 'auto' (quantized KV is not supported)")
+        if args.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            refuse(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; use auto or "
+                   f"one of {', '.join(FP8_KV_CACHE_DTYPES)}")
+        if config.policy != "infinigen":
+            refuse(f"--kv-cache-dtype {args.kv_cache_dtype}: {flag('policy')} {config.policy} "
+                   f"reads the pool with torch in the model's dtype; use --kv-cache-dtype auto "
+                   f"or {flag('policy')} infinigen")
     reason = model_type_refusal(hf_config)
     if reason is None:
         if attention is None:

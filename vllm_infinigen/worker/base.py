@@ -31,6 +31,7 @@ import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
 from vllm_infinigen.config import V1_RUNNER_REFUSAL, EngineSetup, InfiniGenConfig, engine_setup
+from vllm_infinigen.layout import kv_dtype
 from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
@@ -85,7 +86,8 @@ def rank_kv_heads(runtime: InfiniGenRuntime) -> int:
 def rank_block_costs(setup: EngineSetup, block_size: int,
                      runtime: InfiniGenRuntime) -> BlockCosts:
     """What one block id of the dense group costs this rank (``memory.block_costs``)."""
-    return block_costs(setup.layout, setup.dtype_bytes, block_size, rank_kv_heads(runtime))
+    return block_costs(setup.layout, setup.dtype_bytes, block_size, rank_kv_heads(runtime),
+                       setup.kv_dtype_bytes)
 
 
 def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
@@ -202,12 +204,13 @@ class InfiniGenWorkerMixin:
         kv_heads = rank_kv_heads(runtime)
         plan = plan_pool(
             num_blocks=kv_cache_config.num_blocks, block_size=self.cache_config.block_size,
-            bytes_per_token=setup.layout.pool_bytes_per_token(setup.dtype_bytes, kv_heads),
+            bytes_per_token=setup.layout.pool_bytes_per_token(setup.kv_dtype_bytes, kv_heads),
             step_tokens=setup.step_tokens,
             cap=cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token,
                          setup.step_tokens),
             budget=budget, sized_by=sized_by, free=psutil.virtual_memory().available)
-        runtime.allocate_pool(plan, kv_cache_config.num_blocks, self.model_config.dtype)
+        runtime.allocate_pool(plan, kv_cache_config.num_blocks, self.model_config.dtype,
+                              kv_dtype(self.cache_config.cache_dtype, self.model_config.dtype))
         if not runtime.data_path.plans_on_device:  # (the CPU's; CUDA's graphs left as they are)
             skip_sparse_slot_mappings(self.model_runner, kv_cache_config.kv_cache_groups)
         self._dense_group = dense_group_index(kv_cache_config.kv_cache_groups)

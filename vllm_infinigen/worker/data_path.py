@@ -66,10 +66,11 @@ class DataPath(Protocol):
         """
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         """Sets ``layer.num_blocks``, ``layer.kv_pool`` [units, H_kv, block_size,
-        2 * D] (host), the layer's speculation keys (device; ``layer_state.py``)
-        and its ``selector``."""
+        2 * D] (host) of ``kv_dtype`` (the model's ``dtype``, or FP8 with
+        ``--kv-cache-dtype fp8``), the layer's speculation keys (device;
+        ``layer_state.py``, of the model's ``dtype``) and its ``selector``."""
 
     def pool_index(self, num_layers: int, num_heads: int, num_slots: int, num_rows: int,
                    eviction: str, *, block_size: int) -> PoolIndex:

@@ -94,6 +94,7 @@ class LayerState:
         self.num_kv_heads = impl.num_kv_heads
         self.head_size = impl.head_size
         self.scale = impl.scale
+        self._attn = attn  # its k_scale and v_scale (``kv_scales``)
         self.qkv_proj = getattr(self_attn, "qkv_proj", None)
         self.rotary_emb = getattr(self_attn, "rotary_emb", None)
         # Per-head RMSNorm of the query before RoPE (Qwen3); the keys reach
@@ -124,6 +125,17 @@ class LayerState:
         # (CPU: token positions; CUDA: whole blocks on the device).
         self.selector: Callable[[RowSet, torch.Tensor, torch.Tensor | None],
                                 object] | None = None
+
+    def kv_scales(self) -> dict[str, float]:
+        """vLLM's ``k_scale`` and ``v_scale`` of this layer as the kernels'
+        ``key_scale`` and ``value_scale``: an FP8 pool (``--kv-cache-dtype
+        fp8``) holds K / k_scale and V / v_scale, as vLLM's FP8 pages do; any
+        other pool holds K and V themselves (1.0). Read at each call: vLLM
+        may set them at the first forward (``--calculate-kv-scales``)."""
+        if self.kv_pool is None or self.kv_pool.element_size() != 1:
+            return {"key_scale": 1.0, "value_scale": 1.0}
+        return {"key_scale": float(getattr(self._attn, "_k_scale_float", 1.0)),
+                "value_scale": float(getattr(self._attn, "_v_scale_float", 1.0))}
 
     def capture(self, hidden: torch.Tensor | None) -> None:
         """Copies this step's attention input [T, hidden] into the layer's

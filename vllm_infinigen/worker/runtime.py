@@ -142,21 +142,25 @@ class InfiniGenRuntime:
         """[num_blocks, H_kv, block_size] rows of ``state``'s entries in a capped pool."""
         return self.pool_index.row_map_of(state.pool_layer)
 
-    def allocate_pool(self, plan: PoolPlan, num_blocks: int, dtype: torch.dtype) -> None:
+    def allocate_pool(self, plan: PoolPlan, num_blocks: int, dtype: torch.dtype,
+                      kv_dtype: torch.dtype | None = None) -> None:
         """Allocates every sparse layer's pool and partial keys, as planned.
 
         Args:
             plan: The worker's pool (``memory.plan_pool``).
             num_blocks: Blocks of the dense group (its block ids address the pool).
+            dtype: The model's (the speculation keys').
+            kv_dtype: The pool's elements (``config.kv_dtype``; None: ``dtype``).
         """
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
         sparse = self.sparse_layers
         block_size = plan.block_size
         check_block_size(block_size)  # the policies' pages
         kv_heads = sparse[0].num_kv_heads  # of this rank
         self.block_size = block_size
-        self.pool_entry_bytes = self.layout.kv_bytes_per_token_layer(dtype.itemsize, 1)
+        self.pool_entry_bytes = self.layout.kv_bytes_per_token_layer(kv_dtype.itemsize, 1)
         for state in sparse:
-            self.data_path.allocate(state, plan, num_blocks, dtype)
+            self.data_path.allocate(state, plan, num_blocks, dtype, kv_dtype)
         self.data_path.configure(self.config)
         self.pool_index = self.data_path.pool_index(
             len(sparse), kv_heads, plan.num_slots, plan.num_rows, self.config.eviction,
@@ -166,9 +170,9 @@ class InfiniGenRuntime:
                          * self.layout.partial_bytes_per_token(dtype.itemsize, kv_heads))
         logger.info(
             "InfiniGen: pool of %d tokens per sparse layer and KV head (%d layers x %d "
-            "KV heads), %s: %.3f GiB host memory, sized by %s; speculation keys for %d "
+            "KV heads, %s), %s: %.3f GiB host memory, sized by %s; speculation keys for %d "
             "tokens: %.3f GiB device memory; %s",
-            plan.num_rows, len(sparse), kv_heads,
+            plan.num_rows, len(sparse), kv_heads, str(kv_dtype).removeprefix("torch."),
             f"capped below the dense group's {plan.num_slots} slots, {self.config.eviction} "
             f"eviction" if plan.capped else "a row per dense slot (uncapped)",
             plan.num_bytes / 2**30, plan.sized_by, plan.num_slots, partial_bytes / 2**30,

@@ -54,10 +54,11 @@ class CpuDataPath:
                         "recent_tokens": config.recent_tokens}
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
         layer.num_blocks = num_blocks
         layer.kv_pool, self._pages = zeros_on_huge_pages(
-            (plan.num_units, layer.num_kv_heads, plan.block_size, 2 * layer.head_size), dtype)
+            (plan.num_units, layer.num_kv_heads, plan.block_size, 2 * layer.head_size),
+            kv_dtype)
         layer.selector = functools.partial(self.select, layer)  # tokens, in the kernels
         layer.allocate_speculation_keys(num_blocks, plan.block_size, dtype, CPU)
 
@@ -78,15 +79,18 @@ class CpuDataPath:
         """
         if self._window is None:
             raise RuntimeError("CpuDataPath.configure was not called")
+        if layer.bound_keys or layer.int_keys:
+            # Encoded from the pool, which holds K / k_scale (FP8).
+            scale = layer.scale * layer.kv_scales()["key_scale"]
         if layer.bound_keys:
             selection, _ = kernels.select_bounds(
                 query.float().contiguous(), layer.bounds, layer.bound_scales, layer.kv_pool,
-                rows.block_table, rows.context_lens, rows.token_caps, scale=layer.scale,
+                rows.block_table, rows.context_lens, rows.token_caps, scale=scale,
                 row_map=row_map, **self._window)
         elif layer.int_keys:
             selection, _ = kernels.select_tokens_int(
                 query.float().contiguous(), layer.key_codes, layer.key_scales, layer.kv_pool,
-                rows.block_table, rows.context_lens, rows.token_caps, scale=layer.scale,
+                rows.block_table, rows.context_lens, rows.token_caps, scale=scale,
                 row_map=row_map, **self._window)
         else:
             selection, _ = kernels.select_tokens(
@@ -99,7 +103,7 @@ class CpuDataPath:
               closes_group: bool = True) -> None:
         # Host and device memory are one: the bounds and int keys are
         # encoded from the pool, so the write-through comes first.
-        kernels.write_pool(layer.kv_pool, key, value, slots, row_map)
+        kernels.write_pool(layer.kv_pool, key, value, slots, row_map, **layer.kv_scales())
         if layer.bound_keys:
             if closes_group:  # a unit closes only where a group does
                 kernels.write_bounds(layer.bounds, layer.bound_scales, layer.kv_pool, slots,
@@ -125,7 +129,8 @@ class CpuDataPath:
         if staged is None:
             out = kernels.attend_decode(
                 query, layer.kv_pool, rows.block_table, rows.context_lens, positions,
-                scale=layer.scale, row_map=row_map, probs=probs, stats=layer.stats)
+                scale=layer.scale, row_map=row_map, probs=probs, stats=layer.stats,
+                **layer.kv_scales())
         else:
             out = self._attend_staged(layer, rows, query, staged, positions, row_map, probs)
         return out, waited
@@ -134,7 +139,7 @@ class CpuDataPath:
                      row_map: torch.Tensor | None) -> torch.Tensor:
         return kernels.attend_decode(query, layer.kv_pool, rows.block_table, rows.context_lens,
                                      None, scale=layer.scale, row_map=row_map,
-                                     stats=layer.stats)
+                                     stats=layer.stats, **layer.kv_scales())
 
     def decode_short(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
                      key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
@@ -151,13 +156,13 @@ class CpuDataPath:
                              key_codes=layer.key_codes, key_scales=layer.key_scales,
                              partial_keys=layer.partial_keys, skew=layer.skew,
                              stats=layer.stats, out=out, bounds=layer.bounds,
-                             bound_scales=layer.bound_scales)
+                             bound_scales=layer.bound_scales, **layer.kv_scales())
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
         kernels.attend_prefill(query, output, layer.kv_pool, plan.all_block_table,
                                plan.query_start, plan.seq_lens, plan.prompt_requests,
-                               scale=layer.scale, row_map=row_map)
+                               scale=layer.scale, row_map=row_map, **layer.kv_scales())
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Nothing is kept by block id beside the pool (its index frees the rows)."""
@@ -192,4 +197,4 @@ class CpuDataPath:
         return kernels.attend_decode(
             query, staged_pool, torch.arange(num_rows, dtype=torch.int32, device=CPU)[:, None],
             torch.full((num_rows,), width, dtype=torch.int64, device=CPU), staged_positions,
-            scale=layer.scale, probs=probs)
+            scale=layer.scale, probs=probs, **layer.kv_scales())

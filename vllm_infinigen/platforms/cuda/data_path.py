@@ -144,11 +144,12 @@ class CudaDataPath:
                                            self.device)
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        if kv_dtype != dtype:  # (refused before an engine starts: refusals.py)
+            raise ValueError("CUDA keeps K/V in the model's dtype: --kv-cache-dtype auto")
         if plan.capped:
-            raise ValueError(
-                f"the CUDA data path gathers whole blocks from a pool with a row per slot; "
-                f"unset {CAP_FLAG} (or give it room for every slot)")
+            raise ValueError(f"the CUDA data path gathers whole blocks from a pool with a row "
+                             f"per slot; unset {CAP_FLAG} (or give it room for every slot)")
         block_size, heads, head_size = plan.block_size, layer.num_kv_heads, layer.head_size
         host_pool = None
         if self._host_pool is not None:

@@ -26,8 +26,13 @@ def _ops():
 
 
 def write_pool(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               slot_mapping: torch.Tensor, row_map: torch.Tensor | None = None) -> None:
+               slot_mapping: torch.Tensor, row_map: torch.Tensor | None = None, *,
+               key_scale: float = 1.0, value_scale: float = 1.0) -> None:
     """The host write-through: new K|V rows into one layer's pool, in place.
+
+    The pool may be FP8 beside K/V of the model's dtype: it takes K / ``key_scale``
+    and V / ``value_scale`` (vLLM's ``k_scale``, ``v_scale``), rounded to
+    nearest and saturating at the format's largest finite value.
 
     Args:
         kv_pool: [units, H_kv, block_size, 2 * D] one layer's pool.
@@ -36,7 +41,8 @@ def write_pool(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         row_map: [num_blocks, H_kv, block_size] int32 rows of a capped pool
             (evicted entries are not written).
     """
-    _ops().write_pool(kv_pool, key, value, slot_mapping, row_map)
+    _ops().write_pool(kv_pool, key, value, slot_mapping, row_map, float(key_scale),
+                      float(value_scale))
 
 
 def write_partial_keys(partial_keys: torch.Tensor, key: torch.Tensor, skew: torch.Tensor,
@@ -179,7 +185,8 @@ def select_bounds(query: torch.Tensor, bounds: torch.Tensor, bound_scales: torch
 def attend_decode(query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
                   context_lens: torch.Tensor, positions: torch.Tensor | None, *, scale: float,
                   row_map: torch.Tensor | None = None, probs: torch.Tensor | None = None,
-                  stats: torch.Tensor | None = None) -> torch.Tensor:
+                  stats: torch.Tensor | None = None, key_scale: float = 1.0,
+                  value_scale: float = 1.0) -> torch.Tensor:
     """One query row per entry of ``context_lens`` over the pool, in place.
 
     Each row attends over ``positions`` (or, when None, every position before
@@ -192,12 +199,14 @@ def attend_decode(query: torch.Tensor, kv_pool: torch.Tensor, block_table: torch
             position received, summed over the KV head's query group.
         stats: [2] float64, incremented by (entries attended besides the
             rows' own, summed over KV heads; context tokens of the rows).
+        key_scale, value_scale: The pool holds K / key_scale and V /
+            value_scale (``write_pool``); the attention multiplies them back.
 
     Returns:
-        [B, H_q, D] in the query's dtype.
+        [B, H_q, D] in the query's dtype (the pool's, or any beside an FP8 pool).
     """
     return _ops().attend_decode(query, kv_pool, block_table, context_lens, positions, row_map,
-                                float(scale), probs, stats)
+                                float(scale), probs, stats, float(key_scale), float(value_scale))
 
 
 def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -208,7 +217,8 @@ def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  partial_keys: torch.Tensor | None = None, skew: torch.Tensor | None = None,
                  stats: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  bounds: torch.Tensor | None = None,
-                 bound_scales: torch.Tensor | None = None) -> torch.Tensor:
+                 bound_scales: torch.Tensor | None = None, key_scale: float = 1.0,
+                 value_scale: float = 1.0) -> torch.Tensor:
     """A sparse layer's short decode step in one call (every row below
     ``--infinigen-min-context``): ``write_pool``, then ``write_int_keys`` (int
     keys; only when a slot closes a 16-token group), ``write_bounds`` (only
@@ -226,6 +236,7 @@ def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         bounds, bound_scales: its bounds (``write_bounds``); none: the pool alone.
         stats: [2] float64 counters (``attend_decode``).
         out: [T, H_q, D] whose first rows receive the output, or None.
+        key_scale, value_scale: ``write_pool``'s and ``attend_decode``'s.
 
     Returns:
         [len(context_lens), H_q, D] in the query's dtype.
@@ -233,13 +244,14 @@ def decode_short(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return _ops().decode_short(query, key, value, kv_pool, slot_mapping, block_table,
                                context_lens, row_map, float(scale), key_codes, key_scales,
                                partial_keys, skew, stats, out, bounds,
-                               bound_scales)
+                               bound_scales, float(key_scale), float(value_scale))
 
 
 def attend_prefill(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
                    block_table: torch.Tensor, query_start: torch.Tensor,
                    seq_lens: torch.Tensor, requests: torch.Tensor, *, scale: float,
-                   row_map: torch.Tensor | None = None) -> None:
+                   row_map: torch.Tensor | None = None, key_scale: float = 1.0,
+                   value_scale: float = 1.0) -> None:
     """Causal attention of the prompt rows of ``requests``, written into ``output``.
 
     Args:
@@ -248,9 +260,10 @@ def attend_prefill(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Ten
         query_start: [num_reqs + 1] int64 first row of each request.
         seq_lens: [num_reqs] int64 tokens of each request after this step.
         requests: [R] int64 the requests whose rows to compute.
+        key_scale, value_scale: ``attend_decode``'s.
     """
     _ops().attend_prefill(query, output, kv_pool, block_table, query_start, seq_lens,
-                          requests, row_map, float(scale))
+                          requests, row_map, float(scale), float(key_scale), float(value_scale))
 
 
 def record_uses(positions: torch.Tensor, block_table: torch.Tensor, row_map: torch.Tensor,

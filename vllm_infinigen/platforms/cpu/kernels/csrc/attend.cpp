@@ -212,7 +212,8 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
                          const std::optional<at::Tensor>& positions,
                          const std::optional<at::Tensor>& row_map, double scale,
                          const std::optional<at::Tensor>& probs,
-                         const std::optional<at::Tensor>& stats) {
+                         const std::optional<at::Tensor>& stats, double key_scale,
+                         double value_scale) {
   check_query_rows(query, kv_pool);
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table: int32 [B, max_blocks]");
@@ -251,6 +252,9 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
   const int64_t table_stride = block_table.stride(0);
   auto output = at::empty({num_rows, num_q_heads, head_size}, query.options());
   std::vector<int64_t> entries(num_rows * num_heads, 0);
+  // The pool's K and V over key_scale and value_scale: the first folds into the query.
+  const float logit_scale = static_cast<float>(scale * key_scale);
+  const float output_scale = static_cast<float>(value_scale);
 
   INFINIGEN_DISPATCH_POOL_QUERY(kv_pool.scalar_type(), query.scalar_type(), "attend_decode", [&] {
     const scalar_t* pool = kv_pool.data_ptr<scalar_t>();
@@ -300,7 +304,7 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
         for (int64_t g = 0; g < group; ++g)
           for (int64_t d = 0; d < head_size; ++d)
             q[g * head_size + d] =
-                static_cast<float>(qrow[g * query.stride(1) + d]) * static_cast<float>(scale);
+                static_cast<float>(qrow[g * query.stride(1) + d]) * logit_scale;
         const int64_t count = static_cast<int64_t>(rows.size());
         if (probs_out != nullptr) logits.resize(group * count);
         float* logit_rows = probs_out ? logits.data() : nullptr;
@@ -326,7 +330,8 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
                                      logit_rows, max_g, sum_g);
         }
         query_t* o = out_data + (b * num_q_heads + h * group) * head_size;
-        for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<query_t>(acc[i]);
+        for (int64_t i = 0; i < group * head_size; ++i)
+          o[i] = static_cast<query_t>(acc[i] * output_scale);
         if (probs_out != nullptr) {
           // Each selected row's probability summed over the group, a vector of
           // rows at a time (a scalar exp per (row, query head) costs about as

@@ -4,11 +4,14 @@
 // under its own dispatch key (the CPU ones: cpu/register.cpp).
 #include <torch/library.h>
 
+// key_scale, value_scale: vLLM's k_scale and v_scale (--kv-cache-dtype fp8):
+// the pool holds K / key_scale and V / value_scale, and attention multiplies
+// them back (the first into the logits' scale, the second into the output).
 TORCH_LIBRARY(vllm_infinigen_C, m) {
   // The host write-through: new K|V rows of a sparse layer into its pool.
   m.def(
       "write_pool(Tensor(a!) kv_pool, Tensor key, Tensor value, Tensor slot_mapping, "
-      "Tensor? row_map) -> ()");
+      "Tensor? row_map, float key_scale=1.0, float value_scale=1.0) -> ()");
   // The device write: the new keys' skewed partial keys.
   m.def(
       "write_partial_keys(Tensor(a!) partial_keys, Tensor key, Tensor skew, "
@@ -39,11 +42,11 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
   m.def(
       "attend_decode(Tensor query, Tensor kv_pool, Tensor block_table, Tensor context_lens, "
       "Tensor? positions, Tensor? row_map, float scale, Tensor(a!)? probs, "
-      "Tensor(b!)? stats) -> Tensor");
+      "Tensor(b!)? stats, float key_scale=1.0, float value_scale=1.0) -> Tensor");
   m.def(
       "attend_prefill(Tensor query, Tensor(a!) output, Tensor kv_pool, Tensor block_table, "
       "Tensor query_start, Tensor seq_lens, Tensor requests, Tensor? row_map, "
-      "float scale) -> ()");
+      "float scale, float key_scale=1.0, float value_scale=1.0) -> ()");
   // The short path in one call: write_pool, the speculation keys' write,
   // attend_decode over every position (a decode step below min_context).
   m.def(
@@ -51,7 +54,7 @@ TORCH_LIBRARY(vllm_infinigen_C, m) {
       "Tensor slot_mapping, Tensor block_table, Tensor context_lens, Tensor? row_map, "
       "float scale, Tensor(b!)? key_codes, Tensor(c!)? key_scales, Tensor(d!)? partial_keys, "
       "Tensor? skew, Tensor(e!)? stats, Tensor(f!)? out, Tensor(g!)? bounds, "
-      "Tensor(h!)? bound_scales) -> Tensor");
+      "Tensor(h!)? bound_scales, float key_scale=1.0, float value_scale=1.0) -> Tensor");
   // The speculation's query: layer i+1's query projection of layer i's
   // attention input, then its RoPE, in float32.
   m.def(

@@ -9,7 +9,8 @@
 namespace infinigen {
 
 void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& value,
-                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map);
+                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map,
+                double key_scale, double value_scale);
 
 void write_partial_keys(at::Tensor& partial_keys, const at::Tensor& key, const at::Tensor& skew,
                         const at::Tensor& slot_mapping);
@@ -62,12 +63,14 @@ at::Tensor attend_decode(const at::Tensor& query, const at::Tensor& kv_pool,
                          const std::optional<at::Tensor>& positions,
                          const std::optional<at::Tensor>& row_map, double scale,
                          const std::optional<at::Tensor>& probs,
-                         const std::optional<at::Tensor>& stats);
+                         const std::optional<at::Tensor>& stats, double key_scale,
+                         double value_scale);
 
 void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tensor& kv_pool,
                     const at::Tensor& block_table, const at::Tensor& query_start,
                     const at::Tensor& seq_lens, const at::Tensor& requests,
-                    const std::optional<at::Tensor>& row_map, double scale);
+                    const std::optional<at::Tensor>& row_map, double scale, double key_scale,
+                    double value_scale);
 
 // The short path of a sparse layer in one call (short.cpp): write_pool, then
 // write_int_keys (when a slot closes a group; key_codes/key_scales given),
@@ -86,7 +89,8 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& stats,
                         const std::optional<at::Tensor>& out,
                         const std::optional<at::Tensor>& bounds,
-                        const std::optional<at::Tensor>& bound_scales);
+                        const std::optional<at::Tensor>& bound_scales, double key_scale,
+                        double value_scale);
 
 // The speculation's query (query.cpp): hidden [T, K] x weight [N, K]^T + bias,
 // then, given cos_sin_cache [positions, rotary_dim] float32 and positions [T]

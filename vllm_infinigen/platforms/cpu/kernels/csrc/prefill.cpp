@@ -18,7 +18,9 @@ namespace infinigen {
 void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tensor& kv_pool,
                     const at::Tensor& block_table, const at::Tensor& query_start,
                     const at::Tensor& seq_lens, const at::Tensor& requests,
-                    const std::optional<at::Tensor>& row_map, double scale) {
+                    const std::optional<at::Tensor>& row_map, double scale, double key_scale,
+                    double value_scale) {
+  scale *= key_scale;  // the pool holds K / key_scale and V / value_scale
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [T, H_q, D]");
   TORCH_CHECK(output.sizes() == query.sizes() && output.scalar_type() == query.scalar_type(),
               "output must match query");
@@ -112,6 +114,7 @@ void attend_prefill(const at::Tensor& query, at::Tensor& output, const at::Tenso
         result = (recent_out.to(at::kFloat) * w_recent + early_out.to(at::kFloat) * w_early) /
                  (w_recent + w_early);
       }
+      if (value_scale != 1.0) result = result.to(at::kFloat) * value_scale;
       output.slice(0, q_begin, q_end)
           .slice(1, h * group, (h + 1) * group)
           .copy_(result[0].transpose(0, 1));

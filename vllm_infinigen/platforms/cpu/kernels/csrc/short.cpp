@@ -21,7 +21,8 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& stats,
                         const std::optional<at::Tensor>& out,
                         const std::optional<at::Tensor>& bounds,
-                        const std::optional<at::Tensor>& bound_scales) {
+                        const std::optional<at::Tensor>& bound_scales, double key_scale,
+                        double value_scale) {
   TORCH_CHECK(key_codes.has_value() == key_scales.has_value(),
               "decode_short: key_codes and key_scales go together (the int keys)");
   TORCH_CHECK(partial_keys.has_value() == skew.has_value(),
@@ -38,7 +39,7 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
 
   // The write-through first: the int keys and bounds are encoded from the pool, and each
   // row attends over its own new entry.
-  write_pool(kv_pool, key, value, slots, row_map);
+  write_pool(kv_pool, key, value, slots, row_map, key_scale, value_scale);
   if (key_codes.has_value()) {
     // Encodes only where a slot closes a 16-token group (write_int_keys returns
     // at once in a step without one).
@@ -56,7 +57,7 @@ at::Tensor decode_short(const at::Tensor& query, const at::Tensor& key, const at
   // Every row densely (positions None), over the step's first num_rows query rows.
   at::Tensor result = attend_decode(query.narrow(0, 0, num_rows), kv_pool, block_table,
                                     context_lens, std::nullopt, row_map, scale, std::nullopt,
-                                    stats);
+                                    stats, key_scale, value_scale);
   if (out.has_value()) {
     TORCH_CHECK(out->size(0) >= num_rows && out->size(1) == result.size(1) &&
                     out->size(2) == result.size(2) && out->scalar_type() == result.scalar_type(),

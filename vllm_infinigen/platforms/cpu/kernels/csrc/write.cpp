@@ -9,7 +9,9 @@ namespace infinigen {
 // ids of the dense group (< 0: padding, skipped). kv_pool: [units, H_kv,
 // block_size, 2 * D]; row_map: a capped pool's rows (evicted: not written).
 void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& value,
-                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map) {
+                const at::Tensor& slot_mapping, const std::optional<at::Tensor>& row_map,
+                double key_scale, double value_scale) {
+  TORCH_CHECK(key_scale > 0 && value_scale > 0, "write_pool: key_scale and value_scale > 0");
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value: [T, H_kv, D]");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: last dim contiguous");
   TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value must share a dtype");
@@ -26,7 +28,11 @@ void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& va
   const int64_t num_blocks =
       row_map.has_value() ? row_map->size(0) : kv_pool.size(0);
 
-  // An FP8 pool takes the model's K/V rounded to its format (saturating, to_kv).
+  // An FP8 pool takes the model's K/V over their scales, rounded to its format
+  // (saturating, to_kv).
+  const bool unscaled = key_scale == 1.0 && value_scale == 1.0;
+  const float key_inv = static_cast<float>(1.0 / key_scale);
+  const float value_inv = static_cast<float>(1.0 / value_scale);
   INFINIGEN_DISPATCH_POOL_QUERY(kv_pool.scalar_type(), key.scalar_type(), "write_pool", [&] {
     scalar_t* pool = kv_pool.data_ptr<scalar_t>();
     const query_t* key_data = key.data_ptr<query_t>();
@@ -44,13 +50,15 @@ void write_pool(at::Tensor& kv_pool, const at::Tensor& key, const at::Tensor& va
         const query_t* k = key_data + token * key.stride(0) + head * key.stride(1);
         const query_t* v = value_data + token * value.stride(0) + head * value.stride(1);
         if constexpr (std::is_same_v<query_t, scalar_t>) {
-          std::copy(k, k + head_size, pool + entry);
-          std::copy(v, v + head_size, pool + entry + head_size);
-        } else {
-          for (int64_t d = 0; d < head_size; ++d) {
-            pool[entry + d] = to_kv<scalar_t>(static_cast<float>(k[d]));
-            pool[entry + head_size + d] = to_kv<scalar_t>(static_cast<float>(v[d]));
+          if (unscaled) {
+            std::copy(k, k + head_size, pool + entry);
+            std::copy(v, v + head_size, pool + entry + head_size);
+            continue;
           }
+        }
+        for (int64_t d = 0; d < head_size; ++d) {
+          pool[entry + d] = to_kv<scalar_t>(static_cast<float>(k[d]) * key_inv);
+          pool[entry + head_size + d] = to_kv<scalar_t>(static_cast<float>(v[d]) * value_inv);
         }
       }
     });

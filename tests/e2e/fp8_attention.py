@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's CPU FP8 attention for the end-to-end tests: a test double.
+
+vLLM 0.32's CPU backend runs FP8 K/V (``--kv-cache-dtype fp8``, ``fp8_e4m3``,
+``fp8_e5m2``) only with AVX-512 or AMX (``cpu_attn._get_attn_isa`` refuses
+otherwise, and its AVX2 library has no FP8 kernel). This project's machines
+are AVX-512 some days and AVX2 on others, so the end-to-end FP8 tests run
+vLLM's attention through this double:
+
+- the KV-cache write rounds K / k_scale and V / v_scale to the FP8 format in
+  torch (to nearest, saturating), widens them back times the scales (exact:
+  each FP8 value is a float32, bfloat16 and float16 value) and writes them
+  with vLLM's own kernel, ``kv_cache_dtype="auto"``, into a shadow of vLLM's
+  byte pages in the model's dtype (vLLM's kernels keep their own layout in a
+  page, so the double leaves the byte pages alone);
+- the attention calls vLLM's own kernel on the shadow pages, ``"auto"``.
+
+It is the arithmetic of a kernel that widens FP8 inside (as InfiniGen's do),
+on the values vLLM's CUDA build writes (rounded to nearest, saturating), not
+vLLM's CPU FP8 kernel itself. The tests use it on every host, AVX-512 ones
+too, so that they check the same thing every day: the stock engine and
+InfiniGen's dense layers both go through it, and select-all compares
+InfiniGen's FP8 pool with these FP8 pages. How vLLM's own AVX-512 kernel
+rounds was not checked here (no such host was available when this was
+written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+           "fp8_e5m2": torch.float8_e5m2}
+
+
+def _rounded(x: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
+    """``x`` as the FP8 pages hold it (x / scale, rounded, saturating), widened
+    back times ``scale`` in ``x``'s dtype."""
+    largest = torch.finfo(fmt).max
+    return ((x.float() / scale).clamp(-largest, largest).to(fmt).float() * scale).to(x.dtype)
+
+
+@contextlib.contextmanager
+def emulated():
+    """vLLM's CPU attention with the double's FP8 write and read, restored
+    afterwards. Engines in this process only: patches vLLM's module functions."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import cpu_attn
+
+    original_isa = cpu_attn._get_attn_isa
+    original_write = ops.cpu_attn_reshape_and_cache
+    original_attend = ops.cpu_attention_with_kv_cache
+    original_metadata = ops.cpu_attn_get_scheduler_metadata
+
+    def get_attn_isa(dtype, block_size, head_size=None, kv_cache_dtype=None):
+        if kv_cache_dtype in FORMATS and head_size is not None and head_size % 32:
+            return original_isa(dtype, block_size, head_size, kv_cache_dtype)  # its refusal
+        return original_isa(dtype, block_size, head_size,
+                            "auto" if kv_cache_dtype in FORMATS else kv_cache_dtype)
+
+    shadows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def shadow(key_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (key, value) shadow pages of a layer's byte pages, in ``dtype``."""
+        pages = shadows.get(key_cache.data_ptr())
+        if pages is None:
+            num_blocks, heads, block_size, head_size = key_cache.shape
+            full = torch.zeros((num_blocks, heads, 2 * block_size, head_size), dtype=dtype)
+            pages = shadows[key_cache.data_ptr()] = full.chunk(2, dim=2)
+        return pages
+
+    def write(key, value, key_cache, value_cache, slot_mapping, isa, k_scale=1.0, v_scale=1.0,
+              kv_cache_dtype="auto"):
+        if kv_cache_dtype not in FORMATS:
+            return original_write(key, value, key_cache, value_cache, slot_mapping, isa,
+                                  k_scale, v_scale, kv_cache_dtype)
+        fmt = FORMATS[kv_cache_dtype]
+        return original_write(_rounded(key, k_scale, fmt), _rounded(value, v_scale, fmt),
+                              *shadow(key_cache, key.dtype), slot_mapping, isa, 1.0, 1.0, "auto")
+
+    def attend(query, key_cache, value_cache, output, *args, k_scale=1.0, v_scale=1.0,
+               kv_cache_dtype="auto", **kwargs):
+        if kv_cache_dtype in FORMATS:
+            key_cache, value_cache = shadow(key_cache, query.dtype)
+            kv_cache_dtype, k_scale, v_scale = "auto", 1.0, 1.0
+        return original_attend(query, key_cache, value_cache, output, *args, k_scale=k_scale,
+                               v_scale=v_scale, kv_cache_dtype=kv_cache_dtype, **kwargs)
+
+    def metadata(*args, kv_cache_dtype="auto", **kwargs):
+        return original_metadata(
+            *args, kv_cache_dtype="auto" if kv_cache_dtype in FORMATS else kv_cache_dtype,
+            **kwargs)
+
+    patches = [(cpu_attn, "_get_attn_isa", get_attn_isa),
+               (ops, "cpu_attn_reshape_and_cache", write),
+               (ops, "cpu_attention_with_kv_cache", attend),
+               (ops, "cpu_attn_get_scheduler_metadata", metadata)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
