@@ -157,7 +157,8 @@ def run_engine(args: argparse.Namespace, kv_manager: str,
                      "sink_tokens": args.sink_tokens, "recent_tokens": args.recent_tokens}
     results = []
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
-                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes,
+                             kv_cache_dtype=args.kv_cache_dtype) as llm:
         for setting in sweeps.sweep(llm, kv_manager, settings):
             result = score(llm, windows, kv_manager, setting, args.scoring)
             print(f"[{result['label']} budget {result['budget']}] perplexity "
@@ -233,6 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: P + S + 1")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    sweeps.add_kv_cache_dtype_option(parser)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="output path without suffix")
     args = parser.parse_args(argv)
@@ -260,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     token_ids = tokenize_text(str(args.model), Path(args.text).read_text(encoding="utf-8"))
     windows = cut_windows(token_ids, args.prompt_tokens, args.score_tokens,
                           args.num_windows or None)
-    results = [result for kv_manager in args.kv_manager
-               for result in run_engine(args, kv_manager, windows)]
+    with sweeps.kv_cache_dtype_run(args.kv_cache_dtype) as attention:
+        results = [result for kv_manager in args.kv_manager
+                   for result in run_engine(args, kv_manager, windows)]
 
     meta = report.run_metadata(model=str(args.model), text=str(args.text))
     sections = [
@@ -269,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt tokens + {args.score_tokens} scored tokens ({len(windows) * args.score_tokens} "
         f"scored in all), model {Path(args.model).name}. Scoring: `decode` = each scored "
         "token teacher-forced through a decode step; `eval-prefill` = InfiniGen's evaluation "
-        "mode (`--infinigen-eval-dense-prefix`), the same rule in one prefill.",
+        "mode (`--infinigen-eval-dense-prefix`), the same rule in one prefill."
+        + (f" {attention}." if attention else ""),
         "## Perplexity per policy and budget", budget_table(results),
         "## Every setting", results_table(results),
         "'select all (control)': InfiniGen at budget 1 with alpha 1e4 selects every token, "

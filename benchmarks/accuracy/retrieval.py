@@ -44,9 +44,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import report
 from benchmarks.accuracy import sweeps
-from benchmarks.harness import paths
+from benchmarks.harness import paths, report
 from vllm_infinigen.config import SPECULATIONS, InfiniGenConfig
 
 DEFAULT_MODEL = paths.shared_path("models/recall-llama-1k")
@@ -176,8 +175,15 @@ def answer(llm, rows: Sequence[dict], decode_prompt_tokens: int, batch_size: int
     return predictions, logprobs
 
 
-def setting_label(setting: dict | None, variant: dict | None) -> str:
-    """"dense", or the policy (control, streaming approximation) and the engine variant."""
+def setting_label(setting: dict | None, variant: dict | None,
+                  kv_cache_dtype: str = "auto") -> str:
+    """"dense", or the policy (control, streaming approximation) and the engine
+    variant; then the K/V format where it is not the model's."""
+    cache = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} K/V"
+    return _setting_label(setting, variant) + cache
+
+
+def _setting_label(setting: dict | None, variant: dict | None) -> str:
     if setting is None or variant is None:
         return "dense"
     keys = (f"{InfiniGenConfig.speculation_keys} keys" if variant["calibration"] == "default"
@@ -197,7 +203,7 @@ def setting_label(setting: dict | None, variant: dict | None) -> str:
 
 def evaluate(llm, rows, args, kv_manager: str, setting: dict | None,
              variant: dict | None) -> dict:
-    label = setting_label(setting, variant)
+    label = setting_label(setting, variant, args.kv_cache_dtype)
     start = time.perf_counter()
     with sweeps.SelectionMeter(llm) as meter:
         predictions, logprobs = answer(llm, rows, args.decode_prompt_tokens, args.batch_size,
@@ -244,7 +250,8 @@ def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None
         if skew_file:  # a calibrated skew: the partial keys it is made for
             infinigen.update(speculation_keys="partial", skew_file=str(skew_file))
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
-                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes) as llm:
+                             infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes,
+                             kv_cache_dtype=args.kv_cache_dtype) as llm:
         return [evaluate(llm, rows, args, kv_manager, setting, variant)
                 for setting in sweeps.sweep(llm, kv_manager, settings)]
 
@@ -307,6 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: none)")
     parser.add_argument("--speculation", default=None, choices=SPECULATIONS,
                         help="--infinigen-speculation (default: the engine's, previous-layer)")
+    sweeps.add_kv_cache_dtype_option(parser)
     parser.add_argument("--calibration", nargs="+", default=["synthetic"],
                         choices=["default", "synthetic"],
                         help="skew calibration text; one engine per value")
@@ -335,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = load_examples(args.data, args.limit)
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, \
+            sweeps.kv_cache_dtype_run(args.kv_cache_dtype) as attention:
         skew_files = {"default": None}
         if "infinigen" in args.kv_manager and "synthetic" in args.calibration:
             skew_files["synthetic"] = calibration_skew_file(args.model, Path(tmp))
@@ -357,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens; needle = the queried key's position), model {args.model.name}; InfiniGen "
         f"selects from context {args.min_context or 0} (--infinigen-min-context). The last {args.decode_prompt_tokens} prompt tokens and the answer are "
         "teacher-forced through decode, so the answer is predicted in a decode step under the "
-        "selection; correct = argmax is the expected value token.",
+        "selection; correct = argmax is the expected value token."
+        + (f" {attention}." if attention else ""),
         "## Accuracy per needle bucket", results_table(results),
     ]
     streaming = [r for r in results if r.get("recent_tokens")]

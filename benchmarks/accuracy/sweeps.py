@@ -16,6 +16,8 @@ the counter difference over its own scoring calls::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from benchmarks.accuracy.teacher_forcing import engine_kwargs
+from benchmarks.harness import fp8_attention
 from benchmarks.harness.engines import (
     SELECT_ALL,
     engine,
@@ -75,6 +78,7 @@ def start_engine(
     max_model_len: int,
     infinigen: dict[str, Any] | None = None,
     kv_cache_memory_bytes: int = 256 << 20,
+    kv_cache_dtype: str = "auto",
     **llm_kwargs: Any,
 ) -> AbstractContextManager[Any]:
     """An offline float32, eager engine set up for teacher forcing.
@@ -90,6 +94,7 @@ def start_engine(
         infinigen: ``infinigen_*`` start-up settings without the prefix
             (e.g. ``{"budget": 0.2, "dense_layers": 1}``); InfiniGen only.
         kv_cache_memory_bytes: KV space (CPU: size it explicitly).
+        kv_cache_dtype: vLLM's ``--kv-cache-dtype`` (inside ``kv_cache_dtype_run``).
         llm_kwargs: Other ``LLM`` keyword arguments (e.g. ``max_logprobs``).
     """
     if kv_manager not in KV_MANAGERS:
@@ -99,7 +104,8 @@ def start_engine(
     return engine(model, **with_selection_everywhere(dict(
         kv_manager=kv_manager, **infinigen_kwargs(infinigen), **engine_kwargs(),
         max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
-        enforce_eager=True, **llm_kwargs)))
+        enforce_eager=True, **({} if kv_cache_dtype == "auto" else
+                               {"kv_cache_dtype": kv_cache_dtype}), **llm_kwargs)))
 
 
 def sweep(llm, kv_manager: str, settings: Sequence[dict[str, Any]]) -> Iterator[dict | None]:
@@ -177,6 +183,28 @@ def add_run_options(parser: argparse.ArgumentParser, *, max_model_len: int,
                         help="requests per engine call (progress granularity)")
     parser.add_argument("--out", type=Path, default=out,
                         help="results stem: writes .json, .md and .png")
+
+
+def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
+    """``--kv-cache-dtype``: vLLM's, for every engine of the run."""
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", *fp8_attention.FORMATS],
+                        help="vLLM's --kv-cache-dtype, for every engine (FP8: vLLM's own "
+                             "attention where the host has it, else emulated in this process; "
+                             "the report says which)")
+
+
+@contextlib.contextmanager
+def kv_cache_dtype_run(kv_cache_dtype: str) -> Iterator[str]:
+    """The run's engines with ``kv_cache_dtype``: FP8 on a host whose vLLM has no
+    FP8 attention through ``fp8_attention``'s double, in this process. Yields
+    what the report says of it ("" for ``auto``)."""
+    if kv_cache_dtype == "auto" or fp8_attention.native():
+        yield fp8_attention.described(kv_cache_dtype)
+        return
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the double patches this process
+    with fp8_attention.emulated():
+        yield fp8_attention.described(kv_cache_dtype)
 
 
 def check_budgets(parser: argparse.ArgumentParser, budgets: Sequence[float]) -> None:

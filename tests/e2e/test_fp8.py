@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.harness.paths import BUNDLED_MODEL
-from tests.e2e import fp8_attention
+from benchmarks.harness import fp8_attention
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
 from vllm_infinigen.scheduler.metrics import summarize
 

@@ -434,9 +434,27 @@ def test_mode_and_setting_labels():
     assert retrieval.setting_label({"budget": 0.2}, fastest) == (
         "infinigen, 1 dense layers, bounds keys, cap 256 tokens, same-layer")
     args = retrieval.parse_args(["--budget-tokens", "256", "--speculation", "same-layer"])
-    assert (args.budget_tokens, args.speculation) == (256, "same-layer")
+    assert (args.budget_tokens, args.speculation, args.kv_cache_dtype) == (256, "same-layer",
+                                                                          "auto")
     with pytest.raises(SystemExit):
         retrieval.parse_args(["--speculation", "next-layer"])
+    assert retrieval.parse_args(["--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(SystemExit):
+        retrieval.parse_args(["--kv-cache-dtype", "int8"])
+    assert retrieval.setting_label(None, None, "fp8") == "dense, fp8 K/V"
+    assert retrieval.setting_label({"budget": 0.2}, fastest, "fp8_e5m2").endswith(
+        "same-layer, fp8_e5m2 K/V")
+
+
+def test_fp8_reports_name_the_attention_they_ran(monkeypatch):
+    from benchmarks.harness import fp8_attention
+
+    assert fp8_attention.described("auto") == ""
+    monkeypatch.setattr(fp8_attention, "native", lambda: False)
+    assert "**emulated**" in fp8_attention.described("fp8")
+    monkeypatch.setattr(fp8_attention, "native", lambda: True)
+    assert fp8_attention.described("fp8_e5m2") == (
+        "--kv-cache-dtype fp8_e5m2: vLLM's own CPU FP8 attention")
 
 
 def test_perplexity_windows_and_scoring_modes():

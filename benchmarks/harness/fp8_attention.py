@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's CPU FP8 attention for the end-to-end tests: a test double.
+"""vLLM's CPU FP8 attention where this host's vLLM has none: a double, for the
+end-to-end tests (always) and the accuracy benchmarks (on AVX2 hosts).
 
 vLLM 0.32's CPU backend runs FP8 K/V (``--kv-cache-dtype fp8``, ``fp8_e4m3``,
 ``fp8_e5m2``) only with AVX-512 or AMX (``cpu_attn._get_attn_isa`` refuses
 otherwise, and its AVX2 library has no FP8 kernel). This project's machines
 are AVX-512 some days and AVX2 on others, so the end-to-end FP8 tests run
-vLLM's attention through this double:
+vLLM's attention through this double, and so do the accuracy benchmarks on a
+host without vLLM's own FP8 kernel (``native()``; their reports say which):
 
 - the KV-cache write rounds K / k_scale and V / v_scale to the FP8 format in
   torch (to nearest, saturating), widens them back times the scales (exact:
@@ -40,6 +42,22 @@ def _rounded(x: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
     back times ``scale`` in ``x``'s dtype."""
     largest = torch.finfo(fmt).max
     return ((x.float() / scale).clamp(-largest, largest).to(fmt).float() * scale).to(x.dtype)
+
+
+def native() -> bool:
+    """Whether this host's vLLM runs FP8 K/V itself (its own test of the host)."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_supported())
+
+
+def described(kv_cache_dtype: str) -> str:
+    """What a report says of its FP8 attention: vLLM's own or this double."""
+    if kv_cache_dtype not in FORMATS:
+        return ""
+    if native():
+        return f"--kv-cache-dtype {kv_cache_dtype}: vLLM's own CPU FP8 attention"
+    return (f"--kv-cache-dtype {kv_cache_dtype}: vLLM's CPU FP8 attention **emulated** "
+            "(benchmarks/harness/fp8_attention.py: this host's vLLM has no FP8 kernel, it "
+            "needs AVX-512 or AMX), engines in the benchmark's process")
 
 
 @contextlib.contextmanager
