@@ -203,3 +203,22 @@ def test_device_slots_are_not_checked_on_the_host():
     runtime.write(runtime.layers[2], torch.zeros(2, 1, DIM), torch.zeros(2, 1, DIM),
                   torch.tensor([3, 4]))  # on the host: checked, closes none
     assert seen == [("meta", True), ("cpu", False)]
+
+
+def test_a_layer_reads_vllms_kv_scales_for_an_fp8_pool_only():
+    """``--kv-cache-dtype fp8``: the pool holds K / k_scale, V / v_scale, read
+    from vLLM's layer at each call; any other pool holds K and V (1.0)."""
+    from types import SimpleNamespace
+
+    from vllm_infinigen.worker.layer_state import LayerState
+
+    attn = SimpleNamespace(impl=SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=32,
+                                                scale=0.1),
+                           _k_scale_float=2.0, _v_scale_float=0.5)
+    state = LayerState(2, "l2", attn, None, sparse=True, skew=None)
+    state.kv_pool = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    assert dict(state.kv_scales()) == {"key_scale": 1.0, "value_scale": 1.0}
+    state.kv_pool = state.kv_pool.to(torch.float8_e4m3fn)
+    assert state.kv_scales() == {"key_scale": 2.0, "value_scale": 0.5}
+    attn._k_scale_float = 3.0  # vLLM sets them at the first forward (--calculate-kv-scales)
+    assert state.kv_scales()["key_scale"] == 3.0

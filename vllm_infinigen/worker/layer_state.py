@@ -24,8 +24,9 @@ Uncapped, a unit is a block id; with ``--infinigen-cpu-pool-gib`` each
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,9 @@ from vllm_infinigen.worker.capture_buffers import CaptureBuffers, graph_tokens
 
 if TYPE_CHECKING:
     from vllm_infinigen.worker.step_plan import RowSet
+
+
+UNSCALED = MappingProxyType({"key_scale": 1.0, "value_scale": 1.0})  # K/V as they are
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -126,14 +130,14 @@ class LayerState:
         self.selector: Callable[[RowSet, torch.Tensor, torch.Tensor | None],
                                 object] | None = None
 
-    def kv_scales(self) -> dict[str, float]:
+    def kv_scales(self) -> Mapping[str, float]:
         """vLLM's ``k_scale`` and ``v_scale`` of this layer as the kernels'
         ``key_scale`` and ``value_scale``: an FP8 pool (``--kv-cache-dtype
         fp8``) holds K / k_scale and V / v_scale, as vLLM's FP8 pages do; any
         other pool holds K and V themselves (1.0). Read at each call: vLLM
         may set them at the first forward (``--calculate-kv-scales``)."""
         if self.kv_pool is None or self.kv_pool.element_size() != 1:
-            return {"key_scale": 1.0, "value_scale": 1.0}
+            return UNSCALED
         return {"key_scale": float(getattr(self._attn, "_k_scale_float", 1.0)),
                 "value_scale": float(getattr(self._attn, "_v_scale_float", 1.0))}
 
