@@ -48,12 +48,6 @@ inline fVec load_float<at::Half>(const at::Half* p) {
 // byte. An e4m3fn byte's exponent and mantissa, shifted into a float16's
 // (bias 7 against 15), read its value times 2^-8, subnormals included; the
 // pool never holds e4m3fn's NaN (writes saturate, to_kv).
-template <typename T>
-struct is_fp8 : std::false_type {};
-template <>
-struct is_fp8<c10::Float8_e4m3fn> : std::true_type {};
-template <>
-struct is_fp8<c10::Float8_e5m2> : std::true_type {};
 
 #if defined(CPU_CAPABILITY_AVX512)
 // kVecSize (16) bytes as 16-bit lanes, each byte in the low half.
