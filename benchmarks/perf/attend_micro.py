@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -42,9 +43,17 @@ from vllm_infinigen.platforms.cpu import kernels
 from vllm_infinigen.platforms.cpu.kernels import build
 
 CSRC_REL = "vllm_infinigen/platforms/cpu/kernels/csrc"
-SCHEMA = ("attend_decode(Tensor query, Tensor kv_pool, Tensor block_table, "
-          "Tensor context_lens, Tensor? positions, Tensor? row_map, float scale, "
-          "Tensor(a!)? probs, Tensor(b!)? stats) -> Tensor")
+
+
+def attend_schema(ops_cpp: str) -> str:
+    """attend_decode's schema as a revision's ``ops.cpp`` declares it (its
+    ``m.def`` string literals joined)."""
+    for block in ops_cpp.split("m.def(")[1:]:
+        literals = re.findall(r'"((?:[^"\\]|\\.)*)"', block.split(");")[0])
+        schema = "".join(literals)
+        if schema.startswith("attend_decode("):
+            return schema
+    raise ValueError("ops.cpp declares no attend_decode")
 
 
 def build_baseline(rev: str, build_root: Path):
@@ -53,13 +62,15 @@ def build_baseline(rev: str, build_root: Path):
     isa = build.target_isa()
     src = build_root / f"src-{rev}"
     src.mkdir(parents=True, exist_ok=True)
-    for name in ("attend.cpp", "common.h", "ops.h"):
-        text = subprocess.run(["git", "show", f"{rev}:{CSRC_REL}/{name}"], cwd=repo, check=True,
+    def show(name: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{CSRC_REL}/{name}"], cwd=repo, check=True,
                               capture_output=True, text=True).stdout
-        (src / name).write_text(text)
+
+    for name in ("attend.cpp", "common.h", "ops.h"):
+        (src / name).write_text(show(name))
     (src / "register.cpp").write_text(
         '#include <torch/library.h>\n#include "ops.h"\n'
-        f'TORCH_LIBRARY(attend_baseline, m) {{ m.def("{SCHEMA}"); }}\n'
+        f'TORCH_LIBRARY(attend_baseline, m) {{ m.def("{attend_schema(show("ops.cpp"))}"); }}\n'
         "TORCH_LIBRARY_IMPL(attend_baseline, CPU, m) {\n"
         '  m.impl("attend_decode", &infinigen::attend_decode);\n}\n')
     from torch.utils.cpp_extension import load as load_extension

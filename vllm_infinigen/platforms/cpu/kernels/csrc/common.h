@@ -46,29 +46,35 @@ inline fVec load_float<at::Half>(const at::Half* p) {
 // FP8 K/V (vLLM's --kv-cache-dtype fp8 / fp8_e4m3: e4m3fn; fp8_e5m2): one
 // byte per element, widened through float16. An e5m2 byte is a float16's top
 // byte. An e4m3fn byte's exponent and mantissa, shifted into a float16's
-// (bias 7 against 15), read its value times 2^-8, subnormals included; the
-// pool never holds e4m3fn's NaN (writes saturate, to_kv).
+// (bias 7 against 15), read its value times 2^-8, subnormals included: the
+// byte sign-extended to 16 bits and shifted left by 7 puts its sign in bit 15
+// (and a copy in bit 14, cleared) and the rest in bits 7-13. The pool never
+// holds e4m3fn's NaN (writes saturate, to_kv).
 
 #if defined(CPU_CAPABILITY_AVX512)
-// kVecSize (16) bytes as 16-bit lanes, each byte in the low half.
+// kVecSize (16) bytes as 16-bit lanes, each byte in the low half (zero- or sign-extended).
 inline __m256i widen_bytes(const void* p) {
   return _mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+inline __m256i widen_signed_bytes(const void* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p)));
 }
 inline fVec half_bits_to_float(__m256i bits) { return fVec(_mm512_cvtph_ps(bits)); }
 #define INFINIGEN_EPI16(OP) _mm256_##OP##_epi16
 #define INFINIGEN_SET1_EPI16 _mm256_set1_epi16
 #define INFINIGEN_AND _mm256_and_si256
-#define INFINIGEN_OR _mm256_or_si256
 #elif defined(CPU_CAPABILITY_AVX2)
-// kVecSize (8) bytes as 16-bit lanes, each byte in the low half.
+// kVecSize (8) bytes as 16-bit lanes, each byte in the low half (zero- or sign-extended).
 inline __m128i widen_bytes(const void* p) {
   return _mm_cvtepu8_epi16(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+}
+inline __m128i widen_signed_bytes(const void* p) {
+  return _mm_cvtepi8_epi16(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
 }
 inline fVec half_bits_to_float(__m128i bits) { return fVec(_mm256_cvtph_ps(bits)); }
 #define INFINIGEN_EPI16(OP) _mm_##OP##_epi16
 #define INFINIGEN_SET1_EPI16 _mm_set1_epi16
 #define INFINIGEN_AND _mm_and_si128
-#define INFINIGEN_OR _mm_or_si128
 #endif
 
 template <>
@@ -84,11 +90,9 @@ inline fVec load_float<c10::Float8_e5m2>(const c10::Float8_e5m2* p) {
 template <>
 inline fVec load_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  const auto bytes = widen_bytes(p);
-  const auto sign = INFINIGEN_EPI16(slli)(INFINIGEN_AND(bytes, INFINIGEN_SET1_EPI16(0x80)), 8);
-  const auto magnitude =
-      INFINIGEN_EPI16(slli)(INFINIGEN_AND(bytes, INFINIGEN_SET1_EPI16(0x7f)), 7);
-  return half_bits_to_float(INFINIGEN_OR(sign, magnitude)) * fVec(256.f);
+  const auto shifted = INFINIGEN_EPI16(slli)(widen_signed_bytes(p), 7);
+  return half_bits_to_float(INFINIGEN_AND(shifted, INFINIGEN_SET1_EPI16(
+             static_cast<int16_t>(0xBF80)))) * fVec(256.f);
 #else
   alignas(64) float tmp[kVecSize];
   for (int64_t i = 0; i < kVecSize; ++i) tmp[i] = static_cast<float>(p[i]);
