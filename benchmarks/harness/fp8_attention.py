@@ -30,6 +30,7 @@ written).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -78,16 +79,23 @@ def emulated():
         return original_isa(dtype, block_size, head_size,
                             "auto" if kv_cache_dtype in FORMATS else kv_cache_dtype)
 
-    shadows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # Per byte pages' base tensor (the views differ per call), holding it
+    # weakly: a later engine's pages may sit at a freed one's address, or
+    # even reuse its id, and must not find its shadow.
+    shadows: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
 
     def shadow(key_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The (key, value) shadow pages of a layer's byte pages, in ``dtype``."""
-        pages = shadows.get(key_cache.data_ptr())
-        if pages is None:
+        base = key_cache if key_cache._base is None else key_cache._base
+        held = shadows.get(id(base))
+        if (held is None or held[0]() is not base or held[1].shape != key_cache.shape
+                or held[1].dtype != dtype):
+            for gone in [key for key, (ref, *_) in shadows.items() if ref() is None]:
+                del shadows[gone]  # an engine shut down: its shadows' memory back
             num_blocks, heads, block_size, head_size = key_cache.shape
             full = torch.zeros((num_blocks, heads, 2 * block_size, head_size), dtype=dtype)
-            pages = shadows[key_cache.data_ptr()] = full.chunk(2, dim=2)
-        return pages
+            held = shadows[id(base)] = (weakref.ref(base), *full.chunk(2, dim=2))
+        return held[1], held[2]
 
     def write(key, value, key_cache, value_cache, slot_mapping, isa, k_scale=1.0, v_scale=1.0,
               kv_cache_dtype="auto"):
