@@ -334,11 +334,7 @@ class EngineSetup:
     dtype_bytes: int  # of the model's dtype (the speculation keys)
     step_tokens: int  # tokens one step writes at most (--max-num-batched-tokens)
     # Of a cached K/V element (vLLM's pages, the pool): the model's dtype, 1 in FP8.
-    kv_dtype_bytes: int = 0  # 0: dtype_bytes
-
-    def __post_init__(self) -> None:
-        if not self.kv_dtype_bytes:
-            object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
+    kv_dtype_bytes: int
 
     @property
     def pool_bytes_per_token(self) -> int:
