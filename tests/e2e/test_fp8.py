@@ -6,7 +6,9 @@ their attention widening it inside the kernels.
 
 With everything selected the greedy output equals stock vLLM's in the same
 format, with an uncapped pool, a capped one that holds the working set, and
-``device-first`` moving to the pool in the middle of a batch. Stock vLLM's
+``device-first`` moving to the pool in the middle of a batch; on the CPU
+platform's data path and on the CUDA platform's (``cuda_path_worker.py``:
+its FP8 pool and device block cache, on CPU tensors). Stock vLLM's
 FP8 attention needs AVX-512 or AMX: on every host both sides run vLLM's
 attention through ``fp8_attention.py``'s double (what it is and is not:
 that module's docstring).
@@ -14,10 +16,13 @@ that module's docstring).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from benchmarks.harness.paths import BUNDLED_MODEL
 from benchmarks.harness import fp8_attention
+from tests.e2e.cuda_path_worker import with_cuda_data_path
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
 from vllm_infinigen.scheduler.metrics import summarize
 
@@ -48,6 +53,10 @@ def _pool_formats(worker) -> list[str]:
     return sorted({str(state.kv_pool.dtype) for state in worker.infinigen_runtime.sparse_layers})
 
 
+def _data_path(worker) -> str:
+    return type(worker.infinigen_runtime.data_path).__name__
+
+
 def _first_logprobs(llm, prompts) -> list[float]:
     from vllm import SamplingParams
 
@@ -63,13 +72,16 @@ def test_select_all_equals_stock_in_fp8(fmt, tiny_models, shared_engine, emulate
     with engine(model, kv_cache_dtype=fmt) as llm:
         stock = greedy_tokens(llm, PROMPTS, MAX_TOKENS)
         stock_logprobs = _first_logprobs(llm, PROMPTS)
-    runs = {"uncapped": {}}
+    runs = {"uncapped": {}, "CUDA data path": {}}
     if fmt == "fp8":
         runs["capped, holding everything"] = {"infinigen_cpu_pool_gib": FITTING_POOL_GIB}
     for name, settings in runs.items():
-        with engine(model, kv_cache_dtype=fmt, **SELECT_ALL, **settings) as llm:
+        worker = with_cuda_data_path() if name == "CUDA data path" else contextlib.nullcontext()
+        with worker, engine(model, kv_cache_dtype=fmt, **SELECT_ALL, **settings) as llm:
             assert llm.collective_rpc(_pool_formats) == [
                 [str(fp8_attention.FORMATS[fmt])]], name
+            assert llm.collective_rpc(_data_path) == [
+                "CudaDataPath" if name == "CUDA data path" else "CpuDataPath"], name
             assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == stock, name
             ours_logprobs = _first_logprobs(llm, PROMPTS)
             counters = summarize(llm.get_metrics())
@@ -79,12 +91,20 @@ def test_select_all_equals_stock_in_fp8(fmt, tiny_models, shared_engine, emulate
     assert stock_logprobs != pytest.approx(unquantized, abs=1e-6)
 
 
-def test_device_first_moves_in_fp8_and_equals_stock(shared_engine, emulated):
-    """The residency switch with FP8 pages on both sides of the move."""
+@pytest.fixture(scope="module")
+def stock_burst(emulated):
     with engine(str(BUNDLED_MODEL), kv_cache_dtype="fp8") as llm:
-        stock = greedy_tokens(llm, BURST, MAX_TOKENS)
-    with engine(str(BUNDLED_MODEL), kv_cache_dtype="fp8", kv_cache_memory_bytes=BURST_MOVES,
-                infinigen_residency="device-first", **SELECT_ALL) as llm:
+        return greedy_tokens(llm, BURST, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("data_path", ["cpu", "cuda"])
+def test_device_first_moves_in_fp8_and_equals_stock(shared_engine, stock_burst, data_path):
+    """The residency switch with FP8 pages on both sides of the move."""
+    stock = stock_burst
+    worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
+    with worker, engine(str(BUNDLED_MODEL), kv_cache_dtype="fp8",
+                        kv_cache_memory_bytes=BURST_MOVES, infinigen_residency="device-first",
+                        **SELECT_ALL) as llm:
         ours = greedy_tokens(llm, BURST, MAX_TOKENS)
         metrics = llm.get_metrics()
     moves = [m for m in metrics if m.name == "vllm:infinigen_residency_moves"]

@@ -280,3 +280,50 @@ def test_counters_reach_the_host_one_drain_late_and_none_is_lost():
                        "lookups": sum(v for k, v in seen.items()
                                       if k.startswith(("cache_hits.", "cache_misses.")))})
     assert totals[0] == totals[1] and totals[0]["lookups"] > 0
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pool_writes_gather_and_attention_equal_the_references(fmt):
+    """``--kv-cache-dtype fp8``: the write-through into a pinned FP8 pool byte for
+    byte the reference's (rounded to nearest, saturating: sm_90's conversion after
+    ``_round_fp8``), its gather, and the decode and prompt attention over FP8 units
+    (widened to bf16 on the tensor cores) within bf16's tolerance of float32."""
+    from vllm_infinigen.platforms.cuda import host_pool
+
+    gen = torch.Generator().manual_seed(3)
+    heads, head_size, block, blocks = 8, 128, 16, 12
+    scales = {"key_scale": 0.37, "value_scale": 2.5}
+    key = (torch.randn(blocks * block, heads, head_size, generator=gen) * 30).to(torch.bfloat16)
+    value = torch.randn(blocks * block, heads, head_size, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(blocks * block, generator=gen)
+    expected = torch.zeros(blocks, heads, block, 2 * head_size, dtype=fmt)
+    cuda_reference.write_pool(expected, key, value, slots, **scales)
+    pinned = host_pool.allocate_host_pool(blocks, heads, block, head_size, fmt)
+    pinned.tensor.zero_()
+    kernels.write_tokens(pinned.tensor, key.to(CUDA), value.to(CUDA), slots.to(CUDA), **scales)
+    torch.cuda.synchronize()
+    assert torch.equal(pinned.tensor.view(torch.uint8), expected.view(torch.uint8))
+    count = blocks * heads
+    cache = torch.zeros(count + 1, block, 2 * head_size, dtype=fmt, device=CUDA)
+    kernels.gather_units(pinned.tensor, cache, torch.arange(count, device=CUDA),
+                         torch.arange(count, device=CUDA), torch.tensor([count], device=CUDA))
+    torch.cuda.synchronize()
+    assert torch.equal(cache[:-1].cpu().view(torch.uint8),
+                       expected.view(-1, block, 2 * head_size).view(torch.uint8))
+    pinned.close()
+    query = torch.randn(2, heads * 4, head_size, generator=gen).to(torch.bfloat16)
+    table = torch.arange(count).view(blocks, heads).t().repeat(2, 1)  # [2 * H, blocks]
+    seq_lens = torch.tensor([blocks * block] * heads + [100] * heads, dtype=torch.int32)
+    want = cuda_reference.attend_units_reference(query, cache.cpu(), table, seq_lens,
+                                                 num_kv_heads=heads, scale=0.088, **scales)
+    got = kernels.attend_units(query.to(CUDA), cache, table.to(CUDA), seq_lens.to(CUDA),
+                               num_kv_heads=heads, scale=0.088, **scales).cpu()
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    rows = torch.randn(50, heads * 4, head_size, generator=gen).to(torch.bfloat16)
+    want = cuda_reference.attend_prompt_units_reference(
+        rows, cache.cpu(), table[:heads], first=blocks * block - 50, seq_len=blocks * block,
+        scale=0.088, **scales)
+    got = kernels.attend_prompt_units(rows.to(CUDA), cache, table[:heads].to(CUDA),
+                                      first=blocks * block - 50, seq_len=blocks * block,
+                                      scale=0.088, **scales).cpu()
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

@@ -25,12 +25,15 @@ BLOCK, HEADS, KV_HEADS, DIM, RANK, NUM_BLOCKS = 4, 4, 2, 8, 3, 12
 UNIT_BYTES = BLOCK * 2 * DIM * 4  # one KV head's block, K and V, float32
 
 
-def _layer(index: int = 2, int_keys: bool = False) -> LayerState:
+def _layer(index: int = 2, int_keys: bool = False, kv_scales: tuple[float, float] = (1.0, 1.0),
+           speculation_keys: str = "int") -> LayerState:
+    """A sparse layer; ``kv_scales``: vLLM's k_scale and v_scale (an FP8 pool's)."""
     impl = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=DIM,
                            scale=1 / math.sqrt(DIM))
-    skew = None if int_keys else torch.randn(KV_HEADS, DIM, RANK)
-    return LayerState(index, f"model.layers.{index}.self_attn.attn", SimpleNamespace(impl=impl),
-                      None, True, skew=skew)
+    skew = None if int_keys or speculation_keys != "int" else torch.randn(KV_HEADS, DIM, RANK)
+    attn = SimpleNamespace(impl=impl, _k_scale_float=kv_scales[0], _v_scale_float=kv_scales[1])
+    return LayerState(index, f"model.layers.{index}.self_attn.attn", attn, None, True,
+                      skew=skew, speculation_keys=speculation_keys)
 
 
 def _plan(num_blocks: int = NUM_BLOCKS) -> PoolPlan:
@@ -41,11 +44,12 @@ def _plan(num_blocks: int = NUM_BLOCKS) -> PoolPlan:
 class _Case:
     """Two requests' contexts written through one layer; rows decode their next token."""
 
-    def __init__(self, slots_per_head: int = 16, int_keys: bool = False):
+    def __init__(self, slots_per_head: int = 16, int_keys: bool = False,
+                 kv_dtype: torch.dtype = torch.float32, **layer_settings):
         torch.manual_seed(0)
         self.path = CudaDataPath("cpu", slots_per_head)
-        self.layer = _layer(int_keys=int_keys)
-        self.path.allocate(self.layer, _plan(), NUM_BLOCKS, torch.float32, torch.float32)
+        self.layer = _layer(int_keys=int_keys, **layer_settings)
+        self.path.allocate(self.layer, _plan(), NUM_BLOCKS, torch.float32, kv_dtype)
         self.path.configure(InfiniGenConfig(alpha=1.0, min_context=0))
         self.table = torch.tensor([[3, 7, 1, 9], [0, 5, 11, 2]], dtype=torch.int32)
         self.keys = torch.randn(2, 4 * BLOCK, KV_HEADS, DIM)  # [row, position, H, D]

@@ -104,15 +104,13 @@ def test_cuda_refuses_a_piecewise_graph_around_host_planning(monkeypatch, kwargs
     ({"policy": "h2o"}, "--infinigen-policy"),
     ({"transfer": "copy"}, "--infinigen-transfer"),
     ({"residency": "device-first"}, "--enable-dbo"),
-    ({}, "--kv-cache-dtype auto"),
-], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo", "fp8-kv"])
+], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo"])
 def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag):
     """With vLLM's default graphs, through the front end (platform faked)."""
     from vllm.platforms import current_platform
 
     config = InfiniGenConfig(**settings)
-    kwargs = ({"enable_dbo": True} if "residency" in settings else
-              {"kv_cache_dtype": "fp8"} if not settings else {})
+    kwargs = {"enable_dbo": True} if "residency" in settings else {}
     assert refusal_for("cpu", _args(**kwargs), config) is None
     assert flag in refusal_for("cuda", _args(**kwargs), config)
     monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)
@@ -120,6 +118,22 @@ def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag)
         checks.check_engine_args(_args(**kwargs), config)
     assert str(info.value).startswith("--kv-manager infinigen: ")
     assert flag in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_both_platforms_take_fp8_kv_with_infinigens_policy(monkeypatch, dtype):
+    """The pinned pool, the device block cache and the Triton attention hold
+    FP8 too (``platforms/cuda/kernels``); the baselines' policies stay refused
+    in FP8 on every platform (``frontend/checks.py``)."""
+    from vllm.platforms import current_platform
+
+    args = _args(kv_cache_dtype=dtype)
+    assert refusal_for("cpu", args, InfiniGenConfig()) is None
+    assert refusal_for("cuda", args, InfiniGenConfig()) is None
+    monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)
+    checks.check_engine_args(args, InfiniGenConfig())  # no refusal
+    with pytest.raises(ValueError, match="--infinigen-policy"):
+        checks.check_engine_args(args, InfiniGenConfig(policy="h2o"))
 
 
 def test_cuda_runs_device_first_with_vllms_default_graphs():

@@ -4,7 +4,8 @@ without a GPU: Triton's NVIDIA backend and ptxas come with the wheel, so what th
 interpreter tolerates and the compiler refuses (a plain global inside a jitted function,
 a loop-carried variable changing type, a dot of the wrong shape) fails here, not on the
 GPU. The arguments are the launches' at the 8B model's shapes (8 KV heads, 4 query heads
-each, head_dim 128, 16-token blocks), bf16 and float32."""
+each, head_dim 128, 16-token blocks), bf16 and float32, and FP8 pools (float8_e4m3fn,
+float8_e5m2) beside bf16 queries and keys."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from vllm_infinigen.platforms.cuda.kernels import (  # noqa: E402
     triton_bounds,
+    triton_prompt,
     triton_scoring,
     triton_select,
     triton_units,
@@ -24,32 +26,43 @@ from vllm_infinigen.platforms.cuda.kernels import (  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 HEADS = {"H": 8, "G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16}
+NOT_FP8 = {"FP8_M": 0, "FP8_EMIN": 0, "FP8_MAX": 0.0}
+
+
+def _unit_cases(query: str, units: str, ieee: bool, fp8: dict):
+    """The ops on pool units for a query and pool (units) element type."""
+    i32, i64 = "i32", "i64"
+    is_fp8 = fp8["FP8_M"] > 0
+    yield (triton_units._attend_units,
+           {"query": f"*{query}", "units": f"*{units}", "table": "*i64", "seq_lens": "*i32",
+            "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
+            "value_scale": "fp32", "query_row_stride": i64, "table_stride": i64,
+            "blocks_per_split": i32},
+           {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": ieee, "FP8": is_fp8})
+    yield (triton_prompt._attend_prompt,
+           {"query": f"*{query}", "units": f"*{units}", "table": "*i64", "out": f"*{query}",
+            "scale": "fp32", "value_scale": "fp32", "first": i32, "seq_len": i32,
+            "num_rows": i32, "query_row_stride": i64, "out_row_stride": i64,
+            "table_stride": i64},
+           {"G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16, "BLOCK_M": 64, "BLOCK_N": 64,
+            "IEEE": ieee, "FP8": is_fp8})
+    yield (triton_units._write_tokens,
+           {"pool": f"*{units}", "units": f"*{units}", "slot_of": "*i32", "key": f"*{query}",
+            "value": f"*{query}", "slots": "*i64", "key_row_stride": i64,
+            "value_row_stride": i64, "capacity": i32, "key_inverse": "fp32",
+            "value_inverse": "fp32"},
+           {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "CACHED": True, **fp8})
 
 
 def _kernel_cases():
     """(kernel, argument types, constexprs) of each launch."""
     i32, i64 = "i32", "i64"
     for dtype, ieee in (("bf16", False), ("fp32", True)):
-        yield (triton_units._attend_units,
-               {"query": f"*{dtype}", "units": f"*{dtype}", "table": "*i64", "seq_lens": "*i32",
-                "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
-                "query_row_stride": i64, "table_stride": i64, "blocks_per_split": i32},
-               {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": ieee})
+        yield from _unit_cases(dtype, dtype, ieee, NOT_FP8)
         yield (triton_units._merge_splits,
                {"partial": "*fp32", "maxima": "*fp32", "sums": "*fp32", "out": f"*{dtype}",
                 "out_row_stride": i64, "num_splits": i32},
                {"H": 8, "G": 4, "G_PAD": 4, "D": 128, "D_PAD": 128})
-        yield (triton_units._attend_prompt,
-               {"query": f"*{dtype}", "units": f"*{dtype}", "table": "*i64", "out": f"*{dtype}",
-                "scale": "fp32", "first": i32, "seq_len": i32, "num_rows": i32,
-                "query_row_stride": i64, "out_row_stride": i64, "table_stride": i64},
-               {"G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16, "BLOCK_M": 64, "BLOCK_N": 64,
-                "IEEE": ieee})
-        yield (triton_units._write_tokens,
-               {"pool": f"*{dtype}", "units": f"*{dtype}", "slot_of": "*i32", "key": f"*{dtype}",
-                "value": f"*{dtype}", "slots": "*i64", "key_row_stride": i64,
-                "value_row_stride": i64, "capacity": i32},
-               {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "CACHED": True})
         bits = 2 if dtype == "bf16" else 4
         yield (triton_units._encode_groups,
                {"pool": f"*{dtype}", "codes": "*u8", "scales": "*fp16", "slots": "*i64"},
@@ -93,8 +106,23 @@ def _kernel_cases():
     yield (triton_units._attend_units,
            {"query": "*fp32", "units": "*bf16", "table": "*i64", "seq_lens": "*i32",
             "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
-            "query_row_stride": i64, "table_stride": i64, "blocks_per_split": i32},
-           {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": False})
+            "value_scale": "fp32", "query_row_stride": i64, "table_stride": i64,
+            "blocks_per_split": i32},
+           {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": False, "FP8": False})
+    # FP8 pools (--kv-cache-dtype fp8 / fp8_e5m2): bf16 and fp16 queries widen the
+    # units to their type; a float32 query runs the dots in float32 (IEEE).
+    for fp8, formats in (("fp8e4nv", (3, -6, 448.0)), ("fp8e5", (2, -14, 57344.0))):
+        constants = dict(zip(("FP8_M", "FP8_EMIN", "FP8_MAX"), formats))
+        for query, ieee in (("bf16", False), ("fp16", False), ("fp32", True)):
+            yield from _unit_cases(query, fp8, ieee, constants)
+        yield (triton_units._encode_groups,
+               {"pool": f"*{fp8}", "codes": "*u8", "scales": "*fp16", "slots": "*i64"},
+               {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "BITS": 2, "HALF": 1.5,
+                "TOP": 3.0})
+        yield (triton_bounds._encode_bounds,
+               {"pool": f"*{fp8}", "bounds": "*u8", "scales": "*fp16", "slots": "*i64"},
+               {"H": 8, "BLOCK": 16, "UNIT": 16, "D": 128, "HALF": 64, "HALF_PAD": 64,
+                "BITS": 8, "OFF": 128.0})
     yield (triton_units._read_bytes, {"source": "*u8", "offsets": "*i64", "out": "*u8"},
            {"N": 2})
     yield (triton_units._gather_units,

@@ -43,6 +43,13 @@ def triton_units():
 
 
 @pytest.fixture(scope="module")
+def triton_prompt():
+    from vllm_infinigen.platforms.cuda.kernels import triton_prompt
+
+    return triton_prompt
+
+
+@pytest.fixture(scope="module")
 def triton_scoring():
     from vllm_infinigen.platforms.cuda.kernels import triton_scoring
 
@@ -475,7 +482,7 @@ def test_write_tokens_equals_the_reference(triton_units, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("first,rows,group,head_size", [(0, 37, 2, 16), (45, 20, 4, 8),
                                                         (130, 70, 1, 24)])
-def test_prompt_attention_equals_the_reference(triton_units, dtype, first, rows, group,
+def test_prompt_attention_equals_the_reference(triton_prompt, dtype, first, rows, group,
                                                head_size):
     """A request's prompt rows (a first chunk, or a later one of a chunked prefill),
     causal over its units in a shuffled table; tiles of 16 rows and 16 keys, so
@@ -492,8 +499,8 @@ def test_prompt_attention_equals_the_reference(triton_units, dtype, first, rows,
     expected = reference.attend_prompt_units_reference(query, units, table, first=first,
                                                        seq_len=seq_len, scale=0.4)
     got = torch.empty_like(expected)
-    triton_units.attend_prompt(query, units, table, got, first=first, seq_len=seq_len,
-                               scale=0.4, block_m=16, block_n=16)
+    triton_prompt.attend_prompt(query, units, table, got, first=first, seq_len=seq_len,
+                                scale=0.4, block_m=16, block_n=16)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
@@ -532,3 +539,123 @@ def test_bound_kernels_equal_the_cpu_kernels(bits, unit):
     triton_bounds.unit_counts(out, settings, counts, unit=unit, chunk=16)
     assert torch.equal(counts, block_rule.unit_alpha_counts(want, settings[0], unit))
     assert int(counts[-2:].sum()) == 0  # the padding row
+
+
+# -- FP8 pools (--kv-cache-dtype fp8 / fp8_e5m2): K / key_scale, V / value_scale
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+KEY_SCALE, VALUE_SCALE = 0.37, 2.5
+
+
+def _fp8_tokens(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Values across the FP8 range: ordinary, past the largest finite value
+    (saturated), below the smallest normal (subnormal), exact ties, -0."""
+    values = torch.randn(shape, generator=gen) * 10 ** torch.randint(-4, 5, shape,
+                                                                     generator=gen).float()
+    flat = values.view(-1)
+    flat[:6] = torch.tensor([1e6, -1e6, 1.0625, -1.1875, 3e-4, -0.0])  # ties (e4m3), ...
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_write_tokens_equal_the_reference_byte_for_byte(triton_units, fmt, dtype):
+    """The write-through and the cached copies of an FP8 pool: the model's K/V over
+    their scales, rounded to nearest even and saturating (``_round_fp8``, whatever the
+    interpreter's own rounding), byte for byte ``reference.pool_rows``."""
+    gen = torch.Generator().manual_seed(21)
+    heads, head_size, block, capacity = 2, 12, 8, 3
+    pool = torch.zeros(6, heads, block, 2 * head_size, dtype=fmt)
+    units = torch.zeros(heads * capacity + 1, block, 2 * head_size, dtype=fmt)
+    slot_of = torch.full((6 * heads + 1,), -1, dtype=torch.int32)
+    slot_of[2 * heads + 1] = 2
+    slot_of[4 * heads + 0] = 0
+    key = _fp8_tokens(gen, (9, heads, head_size), dtype)
+    value = _fp8_tokens(gen, (9, heads, head_size), dtype)
+    slots = torch.tensor([16, 17, 18, 33, 34, 5, 47, -1, 20])
+    expected = (pool.clone(), units.clone())
+    kernels.write_tokens(expected[0], key, value, slots, expected[1], slot_of, capacity,
+                         key_scale=KEY_SCALE, value_scale=VALUE_SCALE)
+    triton_units.write_tokens(pool, units, slot_of, key, value, slots, capacity=capacity,
+                              key_scale=KEY_SCALE, value_scale=VALUE_SCALE)
+    as_bytes = functools.partial(torch.Tensor.view, dtype=torch.uint8)
+    assert torch.equal(as_bytes(pool), as_bytes(expected[0]))
+    assert torch.equal(as_bytes(units[:-1]), as_bytes(expected[1][:-1]))
+    assert pool.float().abs().max() == torch.finfo(fmt).max  # saturated, not NaN
+    assert not pool.float().isnan().any()
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_attention_equals_the_reference(triton_units, fmt, query_dtype):
+    """Decode attention over FP8 units, the key scale in the logits, the value
+    scale in the output; strided rows, an empty sequence, several splits."""
+    gen = torch.Generator().manual_seed(8)
+    rows, heads, group, head_size, block = 3, 2, 3, 8, 4
+    units = (torch.randn(20, block, 2 * head_size, generator=gen) * 4).to(fmt)
+    table = torch.randint(0, 20, (rows * heads, 5), generator=gen)
+    seq_lens = torch.tensor([17, 3, 9, 20, 0, 6], dtype=torch.int32)
+    query = torch.randn(rows, heads * group, head_size, generator=gen).to(query_dtype)
+    scales = {"key_scale": KEY_SCALE, "value_scale": VALUE_SCALE}
+    expected = reference.attend_units_reference(query, units, table, seq_lens,
+                                                num_kv_heads=heads, scale=0.3, **scales)
+    unscaled = reference.attend_units_reference(query, units, table, seq_lens,
+                                                num_kv_heads=heads, scale=0.3)
+    assert not torch.allclose(expected.float(), unscaled.float(), atol=1e-2)
+    tolerance = 1e-5 if query_dtype == torch.float32 else 2e-2
+    for splits in (1, 2, 5):
+        out = torch.full_like(query, 9.0)
+        partial = torch.empty(rows * heads, splits, group, head_size)
+        maxima = torch.empty(rows * heads, splits, group)
+        triton_units.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                                  torch.empty_like(maxima), num_kv_heads=heads,
+                                  scale=0.3 * KEY_SCALE, blocks_per_split=-(-5 // splits),
+                                  value_scale=VALUE_SCALE)
+        torch.testing.assert_close(out.float(), expected.float(), atol=tolerance,
+                                   rtol=tolerance)
+        assert (out[2, :group] == 0).all()  # the empty sequence (row 2, KV head 0)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_prompt_attention_equals_the_reference(triton_prompt, fmt):
+    gen = torch.Generator().manual_seed(9)
+    kv_heads, group, head_size, block, first, rows = 2, 2, 16, 4, 45, 20
+    seq_len = first + rows
+    blocks = -(-seq_len // block)
+    units = (torch.randn(kv_heads * blocks + 3, block, 2 * head_size, generator=gen) * 3).to(fmt)
+    table = torch.randperm(kv_heads * blocks + 3, generator=gen)[:kv_heads * blocks]
+    table = table.view(kv_heads, blocks)
+    query = torch.randn(rows, kv_heads * group, head_size, generator=gen).to(torch.bfloat16)
+    expected = reference.attend_prompt_units_reference(
+        query, units, table, first=first, seq_len=seq_len, scale=0.4, key_scale=KEY_SCALE,
+        value_scale=VALUE_SCALE)
+    got = torch.empty_like(expected)
+    triton_prompt.attend_prompt(query, units, table, got, first=first, seq_len=seq_len,
+                                scale=0.4 * KEY_SCALE, value_scale=VALUE_SCALE, block_m=16,
+                                block_n=16)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_pools_encode_the_references_keys(triton_units, fmt):
+    """The int keys and the bounds of an FP8 pool's groups and units: its values
+    (K / key_scale) widened, byte for byte the references'."""
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
+
+    pool32, key, value, slots = _write_case(torch.float32)
+    pool = pool32.to(fmt)
+    reference.write_pool(pool, key, value, slots, key_scale=KEY_SCALE)
+    groups, head_size = pool.shape[2] // 16, key.shape[-1]
+    codes = (torch.zeros(6, 2, groups, head_size, 4, dtype=torch.uint8),
+             torch.zeros(6, 2, groups, head_size, dtype=torch.float16))
+    expected = (codes[0].clone(), codes[1].clone())
+    reference.write_int_keys(*expected, pool, slots)
+    triton_units.encode_groups(pool, *codes, slots)
+    assert torch.equal(codes[0], expected[0]) and torch.equal(codes[1], expected[1])
+    bounds = (torch.zeros(6, 2, pool.shape[2] // 16, 2, head_size, dtype=torch.uint8),
+              torch.zeros(6, 2, pool.shape[2] // 16, dtype=torch.float16))
+    expected = (bounds[0].clone(), bounds[1].clone())
+    reference.write_bounds(*expected, pool, slots)
+    triton_bounds.encode_bounds(pool, *bounds, slots, unit=16)
+    assert torch.equal(bounds[0], expected[0]) and torch.equal(bounds[1], expected[1])
+    assert (expected[1] != 0).sum() > 0

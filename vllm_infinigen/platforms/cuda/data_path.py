@@ -3,7 +3,8 @@
 
 Per sparse layer (``DataPath``, ``worker/data_path.py``)::
 
-    host      kv_pool [num_blocks, H_kv, block_size, 2 * D], pinned on CUDA (host_pool.py)
+    host      kv_pool [num_blocks, H_kv, block_size, 2 * D], pinned on CUDA (host_pool.py),
+              in the model's dtype or FP8 (K / k_scale, V / v_scale: ``kernels``)
     device    speculation keys (bounds, int or partial, ``layer_state.py``)
               block cache units [H_kv * slots + 1, block_size, 2 * D]
               and its bookkeeping (block_cache.py)
@@ -145,8 +146,6 @@ class CudaDataPath:
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-        if kv_dtype != dtype:  # (refused before an engine starts: refusals.py)
-            raise ValueError("CUDA keeps K/V in the model's dtype: --kv-cache-dtype auto")
         if plan.capped:
             raise ValueError(f"the CUDA data path gathers whole blocks from a pool with a row "
                              f"per slot; unset {CAP_FLAG} (or give it room for every slot)")
@@ -157,11 +156,11 @@ class CudaDataPath:
         elif self._stream is not None:
             from vllm_infinigen.platforms.cuda.host_pool import allocate_host_pool
 
-            host_pool = allocate_host_pool(num_blocks, heads, block_size, head_size, dtype)
+            host_pool = allocate_host_pool(num_blocks, heads, block_size, head_size, kv_dtype)
             layer.kv_pool = host_pool.tensor
         else:
             layer.kv_pool = torch.zeros((num_blocks, heads, block_size, 2 * head_size),
-                                        dtype=dtype, device=torch.device("cpu"))
+                                        dtype=kv_dtype, device=torch.device("cpu"))
         layer.num_blocks = num_blocks
         layer.selector = functools.partial(self.select, layer)  # whole blocks, on the device
         layer.allocate_speculation_keys(num_blocks, block_size, dtype, self.device,
@@ -169,7 +168,7 @@ class CudaDataPath:
         if self._cache is not None:
             raise RuntimeError("CudaDataPath.allocate after the cache was made (configure)")
         units = torch.zeros((heads * self.slots_per_head + 1, block_size, 2 * head_size),
-                            dtype=dtype, device=self.device)
+                            dtype=kv_dtype, device=self.device)
         self._layers[layer.layer_idx] = _LayerCache(len(self._layers), units, host_pool,
                                                     (num_blocks, heads))
 
@@ -210,14 +209,15 @@ class CudaDataPath:
         table = rows.block_table.to(self.device)
         context_lens = rows.context_lens.to(self.device)
         query = query.to(self.device)
+        scale = layer.scale * layer.kv_scales()["key_scale"]  # keys encoded from the pool
         if layer.bound_keys:
             units, blocks = kernels.bound_scores(
-                query, layer.bounds, layer.bound_scales, table, context_lens, scale=layer.scale,
+                query, layer.bounds, layer.bound_scales, table, context_lens, scale=scale,
                 block_size=block_size)
             counts = kernels.unit_counts(units, self.settings, unit=BOUND_UNIT)
         else:
             tokens, blocks = (kernels.int_scores(
-                query, layer.key_codes, layer.key_scales, table, context_lens, scale=layer.scale,
+                query, layer.key_codes, layer.key_scales, table, context_lens, scale=scale,
                 settings=self.settings) if layer.int_keys else kernels.partial_scores(
                 query, layer.partial_keys, table, context_lens, scale=layer.scale))
             counts = kernels.alpha_counts(tokens, blocks, context_lens, self.settings,
@@ -244,7 +244,7 @@ class CudaDataPath:
         # On the compute stream: the next gather (side stream) waits for it.
         kernels.write_tokens(layer.kv_pool, key.to(self.device), value.to(self.device),
                              device_slots, entry.units, self._cache.slot_of[entry.index],
-                             self.slots_per_head)
+                             self.slots_per_head, **layer.kv_scales())
         if layer.int_keys and closes_group:
             kernels.encode_groups(layer.key_codes, layer.key_scales, layer.kv_pool, device_slots)
         if layer.bound_keys and closes_group:
@@ -312,7 +312,7 @@ class CudaDataPath:
         out = kernels.attend_units(query.to(self.device), entry.units,
                                    entry.slots.view(num_rows * num_heads, width),
                                    entry.selection.seq_lens, num_kv_heads=num_heads,
-                                   scale=layer.scale, out=out)
+                                   scale=layer.scale, out=out, **layer.kv_scales())
         entry.selection = entry.slots = entry.context_lens = None
         return out, 0.0
 

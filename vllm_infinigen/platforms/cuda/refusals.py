@@ -37,10 +37,6 @@ def refusal(args: EngineArgs, config: InfiniGenConfig) -> str | None:
     slot; the baselines read the pool with host-side torch, which on CUDA is
     pinned host memory; the copy worker is the CPU build's.
     """
-    if args.kv_cache_dtype not in ("auto", None):
-        return (f"--kv-cache-dtype {args.kv_cache_dtype} runs on the CPU build only so far "
-                f"(on CUDA the pinned pool, the device block cache and the Triton attention "
-                f"keep the model's dtype); use --kv-cache-dtype auto")
     if config.cpu_pool_gib is not None:
         return (f"{flag('cpu_pool_gib')} is not supported on CUDA (the device block cache "
                 f"gathers whole blocks from a pool with a row per slot); remove it")

@@ -37,7 +37,7 @@ def attend_dense(layer: LayerState, rows: RowSet, query: torch.Tensor,
     seq_lens = seq_lens.reshape(-1).to(torch.int32)
     out = kernels.attend_units(query.to(device), staged,
                                table.reshape(num_rows * heads, width), seq_lens,
-                               num_kv_heads=heads, scale=layer.scale)
+                               num_kv_heads=heads, scale=layer.scale, **layer.kv_scales())
     attended = seq_lens.to(torch.float64).sum() - seq_lens.shape[0]
     context = context_lens.to(torch.float64).sum()
     layer.stats += torch.stack([attended, context]).to(layer.stats.device)
@@ -60,7 +60,7 @@ def attend_prompt(layer: LayerState, plan: StepPlan, query: torch.Tensor,
                  + torch.arange(heads, device=device)[:, None])
         out = kernels.attend_prompt_units(query[start:end].to(device), staged, table,
                                           first=seq_len - (end - start), seq_len=seq_len,
-                                          scale=layer.scale)
+                                          scale=layer.scale, **layer.kv_scales())
         output[start:end] = out.to(output.device)
 
 

@@ -71,7 +71,7 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
         slots = runtime.data_path.slots_per_head
         cache = cache_bytes(num_sparse=layout.num_sparse, kv_heads=kv_heads,
                             slots_per_head=slots, block_size=block_size,
-                            head_size=layout.head_dim, dtype_bytes=setup.dtype_bytes)
+                            head_size=layout.head_dim, dtype_bytes=setup.kv_dtype_bytes)
         costs = rank_block_costs(setup, block_size, runtime)  # its pool: host memory
         # the speculation keys and the cache's lookup of each block
         speculation = costs.partial + layout.num_sparse * kv_heads * BLOCK_BOOKKEEPING_BYTES

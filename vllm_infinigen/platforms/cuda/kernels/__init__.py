@@ -15,7 +15,7 @@ host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
     encode_groups        triton_units.encode_groups        reference.write_int_keys
     encode_bounds        triton_bounds.encode_bounds       reference.write_bounds
     attend_units         triton_units.attend_units         reference.attend_units_reference
-    attend_prompt_units  triton_units.attend_prompt        reference.attend_prompt_units_reference
+    attend_prompt_units  triton_prompt.attend_prompt       reference.attend_prompt_units_reference
     read_bytes           triton_units.read_bytes           - (CUDA only: host_pool's check)
     int_scores           triton_scoring.int_scores         block_rule.int_token_scores,
                                                            block_rule.block_scores
@@ -35,10 +35,17 @@ The room::
     reference.py       the torch references of the ops on pool units and the placement
     block_rule.py      InfiniGen's rule in blocks in torch: the selection's
                        references, and the host-side rule of the accuracy studies
-    triton_units.py    the Triton kernels of gather, writes and attention
+    triton_units.py    the Triton kernels of gather, writes and decode attention
+    triton_prompt.py   the Triton kernel of the prompts' attention
     triton_scoring.py  the Triton kernels scoring tokens from the int keys
     triton_bounds.py   the Triton kernels of the bound keys (encode, score, count)
     triton_select.py   the Triton kernels of the alpha count, the rule and the placement
+
+An FP8 pool (``--kv-cache-dtype fp8``) holds K / key_scale and V /
+value_scale (vLLM's ``k_scale``, ``v_scale``): ``write_tokens`` divides and
+rounds, the attention widens and multiplies back (``key_scale`` /
+``value_scale`` arguments), the encoders read the pool's values (the scores
+then take ``scale * key_scale``), the gather moves bytes.
 
 The tests hold each Triton kernel to its reference in Triton's interpreter
 (``tests/unit/triton_interpreter_checks.py``) and on a GPU (``tests/gpu/``),

@@ -16,6 +16,12 @@ in Triton's interpreter; ``tests/gpu/``)::
     attend_prompt_units_reference attend_prompt_units
     place_lru_reference           place_lru
     write_own_tokens              (tests and benchmarks: a row's own token into its unit)
+    pool_rows                     a pool's K|V rows of new tokens (FP8: over the scales)
+
+An FP8 pool (``--kv-cache-dtype fp8``) holds K / key_scale and V / value_scale
+(vLLM's ``k_scale`` and ``v_scale``), rounded to nearest and saturating, as the
+CPU kernels' and vLLM's FP8 writes; the attention multiplies the scales back
+(key_scale into the logits' scale, value_scale into the output).
 
 The CPU build writes with its compiled kernels (``platforms/cpu/kernels/csrc/``);
 the writes here are the same in torch, held to those kernels byte for byte
@@ -54,8 +60,8 @@ def gather_units_reference(pool: torch.Tensor, cache: torch.Tensor, fetch_units:
 
 
 def attend_units_reference(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
-                           seq_lens: torch.Tensor, *, num_kv_heads: int,
-                           scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, *, num_kv_heads: int, scale: float,
+                           key_scale: float = 1.0, value_scale: float = 1.0) -> torch.Tensor:
     """``attend_units`` in torch, float32 softmax; [S, H_q, D]."""
     num_sequences, width = table.shape
     block_size, head_size = units.shape[1], units.shape[2] // 2
@@ -63,18 +69,20 @@ def attend_units_reference(query: torch.Tensor, units: torch.Tensor, table: torc
     tokens = units[table.to(torch.int64).clamp(min=0)].reshape(
         num_sequences, width * block_size, -1).float()
     keys, values = tokens[..., :head_size], tokens[..., head_size:]
-    scores = torch.einsum("ngd,ntd->ngt", grouped, keys) * scale
+    scores = torch.einsum("ngd,ntd->ngt", grouped, keys) * (scale * key_scale)
     positions = torch.arange(width * block_size, device=query.device)
     live = positions[None, :] < seq_lens.to(torch.int64)[:, None].to(query.device)
     scores = scores.masked_fill(~live[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty sequence: 0
-    out = torch.einsum("ngt,ntd->ngd", weights, values)
+    out = torch.einsum("ngt,ntd->ngd", weights, values) * value_scale
     return out.reshape(query.shape).to(query.dtype)
 
 
 def attend_prompt_units_reference(query: torch.Tensor, units: torch.Tensor,
                                   table: torch.Tensor, *, first: int, seq_len: int,
-                                  scale: float, rows_per_chunk: int = 256) -> torch.Tensor:
+                                  scale: float, key_scale: float = 1.0,
+                                  value_scale: float = 1.0,
+                                  rows_per_chunk: int = 256) -> torch.Tensor:
     """``attend_prompt_units`` in torch, float32 softmax, ``rows_per_chunk`` rows at a time."""
     num_rows, num_heads, head_size = query.shape
     kv_heads = table.shape[0]
@@ -86,11 +94,12 @@ def attend_prompt_units_reference(query: torch.Tensor, units: torch.Tensor,
     for chunk in range(0, num_rows, rows_per_chunk):
         stop = min(chunk + rows_per_chunk, num_rows)
         rows = query[chunk:stop].float().view(-1, kv_heads, group, head_size)
-        scores = torch.einsum("thgd,hld->thgl", rows, keys) * scale
+        scores = torch.einsum("thgd,hld->thgl", rows, keys) * (scale * key_scale)
         position = first + torch.arange(chunk, stop, device=query.device)
         visible = tokens[None, :] <= position[:, None]
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        attended = torch.einsum("thgl,hld->thgd", torch.softmax(scores, dim=-1), values)
+        attended = torch.einsum("thgl,hld->thgd", torch.softmax(scores, dim=-1),
+                                values) * value_scale
         out[chunk:stop] = attended.reshape(stop - chunk, num_heads, head_size).to(out.dtype)
     return out
 
@@ -98,19 +107,38 @@ def attend_prompt_units_reference(query: torch.Tensor, units: torch.Tensor,
 # -- the writes of a step's new tokens
 
 
+def pool_rows(key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype,
+              key_scale: float = 1.0, value_scale: float = 1.0) -> torch.Tensor:
+    """[T, H_kv, 2 * D] the K|V rows a pool (or cache) of ``dtype`` holds for
+    ``key``, ``value`` [T, H_kv, D]: in FP8, K and V times the float32 inverses
+    of their scales, saturated at the format's largest finite value and
+    rounded to nearest even (the CPU kernels' ``to_kv``); else K and V as
+    ``dtype``."""
+    if dtype.itemsize != 1:
+        return torch.cat([key, value], dim=-1).to(dtype)
+    limit = torch.finfo(dtype).max
+    inverses = [torch.tensor(1.0 / s, dtype=torch.float32, device=key.device)
+                for s in (key_scale, value_scale)]
+    rows = torch.cat([key.float() * inverses[0], value.float() * inverses[1]], dim=-1)
+    return rows.clamp(-limit, limit).to(dtype)
+
+
 def write_pool(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               slot_mapping: torch.Tensor) -> None:
+               slot_mapping: torch.Tensor, key_scale: float = 1.0,
+               value_scale: float = 1.0) -> None:
     """The host write-through: K|V rows of the new tokens into an uncapped pool.
 
     Args:
         kv_pool: [num_blocks, H_kv, block_size, 2 * D] (unit = block id).
         key, value: [T, H_kv, D] on any device (copied to the pool's).
         slot_mapping: [T] int64 slot ids of the dense group (< 0: padding).
+        key_scale, value_scale: An FP8 pool's (``pool_rows``).
     """
     block_size = kv_pool.shape[2]
     slots = slot_mapping.to(kv_pool.device, torch.int64)
     keep = slots >= 0
-    rows = torch.cat([key, value], dim=-1).to(kv_pool.device, kv_pool.dtype)[keep]
+    rows = pool_rows(key, value, kv_pool.dtype, key_scale,
+                     value_scale).to(kv_pool.device)[keep]
     kept = slots[keep]
     kv_pool[kept // block_size, :, kept % block_size] = rows
 
@@ -128,7 +156,8 @@ def cached_token_slots(slot_of: torch.Tensor, slot_mapping: torch.Tensor, block_
 
 def write_cached_tokens(units: torch.Tensor, flat_slots: torch.Tensor,
                         slot_mapping: torch.Tensor, key: torch.Tensor,
-                        value: torch.Tensor) -> None:
+                        value: torch.Tensor, key_scale: float = 1.0,
+                        value_scale: float = 1.0) -> None:
     """The device write of new tokens into the cached copies of their blocks.
 
     Args:
@@ -137,12 +166,14 @@ def write_cached_tokens(units: torch.Tensor, flat_slots: torch.Tensor,
         flat_slots: [T, H_kv] from ``DeviceBlockCache.cached_token_slots`` (-1: not cached).
         slot_mapping: [T] int64 slot ids of the dense group.
         key, value: [T, H_kv, D].
+        key_scale, value_scale: An FP8 cache's (``pool_rows``).
     """
     block_size = units.shape[1]
     scratch = units.shape[0] - 1
     target = torch.where(flat_slots >= 0, flat_slots, scratch)  # [T, H]
     offset = (slot_mapping.clamp(min=0) % block_size)[:, None].expand_as(target)
-    units[target, offset] = torch.cat([key, value], dim=-1).to(units.dtype)
+    units[target, offset] = pool_rows(key, value, units.dtype, key_scale,
+                                      value_scale).to(units.device)
 
 
 def write_own_tokens(units: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,

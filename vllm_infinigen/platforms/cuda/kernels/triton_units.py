@@ -8,13 +8,15 @@
     write_tokens   a step's K|V written through to the pinned pool and into
                    the cached copies of their blocks
     encode_groups  the int speculation keys of the groups a step closes
-    attend_prompt  causal attention of a request's prompt rows over its
-                   units (flash attention)
 
-The selection's kernels are in ``triton_select.py``.
+The prompts' flash attention is in ``triton_prompt.py``, the selection's
+kernels in ``triton_select.py``.
 
 They read and write pool-shaped units, one KV head's block each:
-[block_size, 2 * D], a token's K | V side by side. The pool is read through
+[block_size, 2 * D], a token's K | V side by side, in the model's dtype or
+FP8 (``--kv-cache-dtype fp8``: K / key_scale and V / value_scale, written
+rounded to nearest and saturating by ``_round_fp8``, widened to the query's
+16-bit type inside the attention, the scales multiplied back there). The pool is read through
 its UVA pointer (pinned host memory passed as a kernel argument: Triton's
 launcher resolves the device address), so one kernel moves every missing
 block of a layer. Under ``TRITON_INTERPRET=1`` (set before this module is
@@ -32,6 +34,36 @@ import triton.language as tl
 # Triton's interpreter (CI) computes 16-bit dots inexactly: products in float32 there.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _TOKENS_PER_STEP = 64  # attention: K|V tokens loaded per loop step (4 blocks of 16)
+# FP8 formats: (mantissa bits, smallest normal exponent, largest finite value).
+FP8_FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
+
+
+def fp8_format(dtype: torch.dtype) -> dict[str, float]:
+    """``_round_fp8``'s constexprs for a pool of ``dtype`` (FP8_M = 0: not FP8)."""
+    mantissa, exponent, largest = FP8_FORMATS.get(dtype, (0, 0, 0.0))
+    return {"FP8_M": mantissa, "FP8_EMIN": exponent, "FP8_MAX": largest}
+
+
+@triton.jit
+def _round_fp8(x, M: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
+    """float32 ``x`` rounded to nearest even on the grid of an FP8 format (M
+    mantissa bits, smallest normal exponent EMIN), saturated at +-MAX: a value
+    the format holds exactly, so that the conversion after it cannot round,
+    whatever the backend's rounding (the interpreter's is not to nearest).
+    Equals torch's conversion of ``x`` clamped to +-MAX, -0 included."""
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude = tl.minimum(tl.abs(x), MAX)
+    exponent = tl.maximum(((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)
+    quantum = ((exponent - M + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - exponent + M) << 23).to(tl.float32, bitcast=True)
+    steps = magnitude * inverse  # exact: a power of two
+    whole = tl.floor(steps)
+    frac = steps - whole
+    odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
+    rounded = tl.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole) * quantum
+    rounded = tl.minimum(rounded, MAX)
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32,
+                                                                             bitcast=True)
 
 
 @triton.jit
@@ -74,10 +106,11 @@ def gather_units(pool_words, cache_words, fetch_units, fetch_slots, num_fetch, *
 
 
 @triton.jit
-def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
+def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale, value_scale,
                   query_row_stride, table_stride, blocks_per_split, H: tl.constexpr,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK: tl.constexpr, UNITS: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK: tl.constexpr, UNITS: tl.constexpr, IEEE: tl.constexpr,
+                  FP8: tl.constexpr):
     """One decode query group over one sequence's units, one split of its blocks.
 
     Grid (sequences, splits); sequence i is (row i // H, KV head i % H), whose
@@ -86,7 +119,9 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
     (UNITS x BLOCK tokens) are read per step: K and V tiles loaded once for
     the G heads. Writes the split's unnormalised output, running max and sum
     (flash-decoding); ``_merge_splits`` combines them. A split past the
-    sequence reads nothing.
+    sequence reads nothing. FP8 units widen to the query's 16-bit type (or
+    float32 with IEEE); ``scale`` carries the key scale, the output is
+    multiplied by ``value_scale``.
     """
     sequence = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -105,7 +140,7 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
     if IEEE:
         q = q.to(tl.float32)
-    else:  # the dot's operands in the units' 16-bit type (a float32 query too)
+    elif not FP8:  # the dot's operands in the units' 16-bit type (a float32 query too)
         q = q.to(units.dtype.element_ty)
     running_max = tl.full([G_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([G_PAD], tl.float32)
@@ -119,12 +154,7 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
         mask = token_ok[:, None] & dim_ok[None, :]
         k = tl.load(base[:, None] + dims[None, :], mask=mask, other=0.0)
         v = tl.load(base[:, None] + D + dims[None, :], mask=mask, other=0.0)
-        if IEEE:  # float32 (and the interpreter, whose 16-bit dot is not exact)
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale  # [G_PAD, UNITS * BLOCK]
+        scores, v = _tile_scores(q, k, v, scale, IEEE, FP8)  # [G_PAD, UNITS * BLOCK]
         scores = tl.where(token_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp(running_max - new_max)
@@ -137,10 +167,34 @@ def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale,
         acc = acc * correction[:, None] + update
         running_max = new_max
     slot = sequence * num_splits + split
-    tl.store(out + (slot * G + heads[:, None]) * D + dims[None, :], acc,
+    tl.store(out + (slot * G + heads[:, None]) * D + dims[None, :], acc * value_scale,
              mask=head_ok[:, None] & dim_ok[None, :])
     tl.store(out_max + slot * G + heads, running_max, mask=head_ok)
     tl.store(out_sum + slot * G + heads, running_sum, mask=head_ok)
+
+
+@triton.jit
+def _tile_scores(q, k, v, scale, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """(q . k^T x scale, v) of one key tile, the dots' operands as the attention
+    kernels take them: float32 with IEEE (and the interpreter, whose 16-bit dot
+    is not exact), FP8 units widened to the query's 16-bit type, else as loaded."""
+    if IEEE:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k)) * scale
+    return scores, v
+
+
+def _ieee(query: torch.Tensor, units: torch.Tensor) -> bool:
+    """Whether the attention's dots run in float32: float32 units, FP8 units
+    under a float32 query, and the interpreter (whose 16-bit dot is inexact)."""
+    return (_INTERPRETING or units.dtype == torch.float32
+            or (units.element_size() == 1 and query.dtype == torch.float32))
 
 
 @triton.jit
@@ -191,7 +245,7 @@ def _merge_splits(partial, maxima, sums, out, out_row_stride, num_splits, H: tl.
 
 def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, *,
                  num_kv_heads: int, scale: float, blocks_per_split: int,
-                 num_warps: int = 4) -> None:
+                 value_scale: float = 1.0, num_warps: int = 4) -> None:
     """Launches ``_attend_units`` and ``_merge_splits`` on the current stream
     (arguments: ``kernels.attend_units``; query, out [S, H_q, D] with unit
     strides but the row's; partial [N, splits, G, D])."""
@@ -199,12 +253,12 @@ def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, 
     block_size = units.shape[1]
     common = {"H": num_kv_heads, "G": group, "D": head_size}
     _attend_units[(num_sequences, num_splits)](
-        query, units, table, seq_lens, partial, out_max, out_sum, scale, query.stride(0),
-        table.stride(0), blocks_per_split, BLOCK=block_size,
+        query, units, table, seq_lens, partial, out_max, out_sum, scale, value_scale,
+        query.stride(0), table.stride(0), blocks_per_split, BLOCK=block_size,
         UNITS=max(1, _TOKENS_PER_STEP // block_size),
         G_PAD=max(16, triton.next_power_of_2(group)),
         D_PAD=max(16, triton.next_power_of_2(head_size)),
-        IEEE=units.dtype == torch.float32 or _INTERPRETING, num_warps=num_warps, **common)
+        IEEE=_ieee(query, units), FP8=units.element_size() == 1, num_warps=num_warps, **common)
     _merge_splits[(num_sequences,)](partial, out_max, out_sum, out, out.stride(0), num_splits,
                                     G_PAD=triton.next_power_of_2(group),
                                     D_PAD=triton.next_power_of_2(head_size),
@@ -213,12 +267,15 @@ def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, 
 
 @triton.jit
 def _write_tokens(pool, units, slot_of, key, value, slots, key_row_stride, value_row_stride,
-                  capacity, H: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                  D_PAD: tl.constexpr, CACHED: tl.constexpr):
+                  capacity, key_inverse, value_inverse, H: tl.constexpr, BLOCK: tl.constexpr,
+                  D: tl.constexpr, D_PAD: tl.constexpr, CACHED: tl.constexpr,
+                  FP8_M: tl.constexpr, FP8_EMIN: tl.constexpr, FP8_MAX: tl.constexpr):
     """Token ``slots[token]``'s K|V of one KV head: into its pool row (the
     write-through, through the pinned pool's UVA pointer) and, with CACHED,
     into its block's cached copy when the cache holds that block
-    (``slot_of``). Grid (tokens, heads); padding (slot < 0) is skipped."""
+    (``slot_of``). Grid (tokens, heads); padding (slot < 0) is skipped.
+    An FP8 pool (FP8_M > 0) takes K x key_inverse and V x value_inverse
+    rounded by ``_round_fp8``."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     slot = tl.load(slots + token)
@@ -227,6 +284,9 @@ def _write_tokens(pool, units, slot_of, key, value, slots, key_row_stride, value
         ok = dims < D
         k = tl.load(key + token * key_row_stride + head * D + dims, mask=ok)
         v = tl.load(value + token * value_row_stride + head * D + dims, mask=ok)
+        if FP8_M > 0:
+            k = _round_fp8(k.to(tl.float32) * key_inverse, FP8_M, FP8_EMIN, FP8_MAX)
+            v = _round_fp8(v.to(tl.float32) * value_inverse, FP8_M, FP8_EMIN, FP8_MAX)
         block = slot // BLOCK
         offset = slot % BLOCK
         row = pool + ((block * H + head) * BLOCK + offset) * (2 * D)
@@ -241,13 +301,15 @@ def _write_tokens(pool, units, slot_of, key, value, slots, key_row_stride, value
 
 
 def write_tokens(pool, units, slot_of, key, value, slots, *, capacity: int,
+                 key_scale: float = 1.0, value_scale: float = 1.0,
                  num_warps: int = 1) -> None:
     """Launches ``_write_tokens`` on the current stream (arguments: ``kernels.write_tokens``)."""
     num_tokens, heads, head_size = key.shape
     _write_tokens[(num_tokens, heads)](
         pool, units, slot_of, key, value, slots, key.stride(0), value.stride(0), capacity,
-        H=heads, BLOCK=pool.shape[2], D=head_size, D_PAD=triton.next_power_of_2(head_size),
-        CACHED=units is not None, num_warps=num_warps)
+        1.0 / key_scale, 1.0 / value_scale, H=heads, BLOCK=pool.shape[2], D=head_size,
+        D_PAD=triton.next_power_of_2(head_size), CACHED=units is not None,
+        num_warps=num_warps, **fp8_format(pool.dtype))
 
 
 @triton.jit
@@ -304,78 +366,3 @@ def encode_groups(pool, codes, scales, slots, *, num_warps: int = 2) -> None:
         pool, codes, scales, slots, H=pool.shape[1], BLOCK=pool.shape[2], D=head_size,
         D_PAD=triton.next_power_of_2(head_size), BITS=bits, HALF=((1 << bits) - 1) / 2,
         TOP=float((1 << bits) - 1), num_warps=num_warps)
-
-
-@triton.jit
-def _attend_prompt(query, units, table, out, scale, first, seq_len, num_rows,
-                   query_row_stride, out_row_stride, table_stride, G: tl.constexpr,
-                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Causal attention of BLOCK_M prompt rows of one query head over the request's
-    units (flash attention: key tiles of BLOCK_N tokens, online softmax).
-
-    Grid (row tiles, query heads). Row r sits at position ``first + r``; key
-    token t of KV head h lies in unit ``table[h, t // BLOCK]`` at ``t % BLOCK``;
-    a row sees the tokens at or before its position, below ``seq_len``.
-    """
-    tile = tl.program_id(0)
-    query_head = tl.program_id(1)
-    head = query_head // G
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    positions = first + rows
-    dims = tl.arange(0, D_PAD)
-    dim_ok = dims < D
-    q = tl.load(query + rows[:, None].to(tl.int64) * query_row_stride + query_head * D
-                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if IEEE:
-        q = q.to(tl.float32)
-    else:  # the dot's operands in the units' type
-        q = q.to(units.dtype.element_ty)
-    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    last = tl.minimum(seq_len, first + (tile + 1) * BLOCK_M)
-    for start in range(0, last, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        token_ok = tokens < seq_len
-        unit = tl.load(table + head * table_stride + tokens // BLOCK, mask=token_ok,
-                       other=0).to(tl.int64)
-        base = (unit * BLOCK + tokens % BLOCK) * (2 * D)
-        mask = token_ok[:, None] & dim_ok[None, :]
-        k = tl.load(units + base[:, None] + dims[None, :], mask=mask, other=0.0)
-        v = tl.load(units + base[:, None] + D + dims[None, :], mask=mask, other=0.0)
-        if IEEE:  # float32 (and the interpreter, whose 16-bit dot is not exact)
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        visible = (tokens[None, :] <= positions[:, None]) & token_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        if IEEE:
-            update = tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-        else:
-            update = tl.dot(weights.to(v.dtype), v)
-        acc = acc * correction[:, None] + update
-        running_max = new_max
-    result = acc / running_sum[:, None]
-    tl.store(out + rows[:, None].to(tl.int64) * out_row_stride + query_head * D + dims[None, :],
-             result.to(out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-def attend_prompt(query, units, table, out, *, first: int, seq_len: int, scale: float,
-                  block_m: int = 64, block_n: int = 64, num_warps: int = 4) -> None:
-    """Launches ``_attend_prompt`` on the current stream (arguments:
-    ``kernels.attend_prompt_units``; query, out [T, H_q, D], table [H_kv, MB])."""
-    num_rows, num_heads, head_size = query.shape
-    _attend_prompt[(triton.cdiv(num_rows, block_m), num_heads)](
-        query, units, table, out, scale, first, seq_len, num_rows, query.stride(0),
-        out.stride(0), table.stride(0), G=num_heads // table.shape[0], D=head_size,
-        D_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK=units.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=query.dtype == torch.float32 or _INTERPRETING,
-        num_warps=num_warps)

@@ -7,6 +7,7 @@
                         the gather stalls the compute beside it; confined, it
                         still reaches 49-50 GB/s on an H100, GPU_DATA_PATH.md),
                         one fetch list per KV head, counts on the device
+                        (bytes: FP8 units move as they are)
     attend_units        decode attention of each (row, KV head) over its units
                         (the cache's slots of its selection), splits merged
                         into the caller's rows: two launches
@@ -157,7 +158,8 @@ def write_partial_keys(partial_keys: torch.Tensor, key: torch.Tensor, skew: torc
 
 def write_tokens(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor, units: torch.Tensor | None = None,
-                 slot_of: torch.Tensor | None = None, slots_per_head: int = 0) -> None:
+                 slot_of: torch.Tensor | None = None, slots_per_head: int = 0, *,
+                 key_scale: float = 1.0, value_scale: float = 1.0) -> None:
     """The write-through of new K|V into an uncapped pool and, given a cache,
     into the cached copies of their blocks, on the current stream.
 
@@ -173,18 +175,22 @@ def write_tokens(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         units: [H_kv * slots_per_head + 1, block_size, 2 * D] a layer's
             cache (the last unit scratch), or None.
         slot_of: [num_blocks * H_kv + 1] int32 its slot of each (block, head).
+        key_scale, value_scale: An FP8 pool's: it holds K / key_scale and V /
+            value_scale, rounded to nearest and saturating (``reference.pool_rows``).
     """
+    scales = {"key_scale": key_scale, "value_scale": value_scale}
     if not key.is_cuda:
-        reference.write_pool(pool, key, value, slot_mapping)
+        reference.write_pool(pool, key, value, slot_mapping, **scales)
         if units is not None:
             cached = reference.cached_token_slots(slot_of, slot_mapping, pool.shape[2],
                                                   pool.shape[1], slots_per_head)
-            reference.write_cached_tokens(units, cached, slot_mapping, key, value)
+            reference.write_cached_tokens(units, cached, slot_mapping, key, value, **scales)
         return
     from vllm_infinigen.platforms.cuda.kernels import triton_units
 
     triton_units.write_tokens(pool, units, slot_of, key, value,
-                              slot_mapping.to(key.device, torch.int64), capacity=slots_per_head)
+                              slot_mapping.to(key.device, torch.int64), capacity=slots_per_head,
+                              **scales)
 
 
 def encode_groups(codes: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
@@ -239,7 +245,8 @@ def encode_bounds(bounds: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor
 
 def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
                  seq_lens: torch.Tensor, *, num_kv_heads: int, scale: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, key_scale: float = 1.0,
+                 value_scale: float = 1.0) -> torch.Tensor:
     """Decode attention of each (row, KV head) over the units of its table.
 
     Sequence i = (row i // H_kv, KV head i % H_kv) attends with that head's
@@ -254,6 +261,7 @@ def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
             past its blocks are not read).
         seq_lens: [S * H_kv] int32 tokens of each sequence.
         out: [S, H_q, D] to write (unit strides within a row), or None.
+        key_scale, value_scale: FP8 units' (K and V over them; 1.0 otherwise).
 
     Returns:
         [S, H_q, D] in the query's dtype (``out`` when given).
@@ -261,8 +269,9 @@ def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if not query.is_cuda:
-        out.copy_(reference.attend_units_reference(query, units, table, seq_lens,
-                                                   num_kv_heads=num_kv_heads, scale=scale))
+        out.copy_(reference.attend_units_reference(
+            query, units, table, seq_lens, num_kv_heads=num_kv_heads, scale=scale,
+            key_scale=key_scale, value_scale=value_scale))
         return out
     from vllm_infinigen.platforms.cuda.kernels import triton_units
 
@@ -280,12 +289,14 @@ def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
                          device=query.device)
     triton_units.attend_units(query, units, table, seq_lens, out, partial, maxima,
                               torch.empty_like(maxima), num_kv_heads=num_kv_heads,
-                              scale=scale, blocks_per_split=per_split)
+                              scale=scale * key_scale, blocks_per_split=per_split,
+                              value_scale=value_scale)
     return out
 
 
 def attend_prompt_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor, *,
-                        first: int, seq_len: int, scale: float) -> torch.Tensor:
+                        first: int, seq_len: int, scale: float, key_scale: float = 1.0,
+                        value_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of one request's prompt rows over its units.
 
     Row r of ``query`` sits at position ``first + r`` and attends to every
@@ -299,18 +310,21 @@ def attend_prompt_units(query: torch.Tensor, units: torch.Tensor, table: torch.T
         table: [H_kv, MB] units of each KV head's blocks, in position order.
         first: Position of the first row (the chunk's start).
         seq_len: Tokens of the request after this step (first + T).
+        key_scale, value_scale: FP8 units' (as ``attend_units``).
 
     Returns:
         [T, H_q, D] in the query's dtype.
     """
     if not query.is_cuda:
-        return reference.attend_prompt_units_reference(query, units, table, first=first,
-                                                       seq_len=seq_len, scale=scale)
-    from vllm_infinigen.platforms.cuda.kernels import triton_units
+        return reference.attend_prompt_units_reference(
+            query, units, table, first=first, seq_len=seq_len, scale=scale,
+            key_scale=key_scale, value_scale=value_scale)
+    from vllm_infinigen.platforms.cuda.kernels import triton_prompt
 
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    triton_units.attend_prompt(query, units, table.contiguous(), out, first=first,
-                               seq_len=seq_len, scale=scale)
+    triton_prompt.attend_prompt(query, units, table.contiguous(), out, first=first,
+                                seq_len=seq_len, scale=scale * key_scale,
+                                value_scale=value_scale)
     return out
 
 
