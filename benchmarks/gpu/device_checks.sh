@@ -2,7 +2,8 @@
 # Every GPU check in one call, for a lent GPU machine (torch and Triton, no vLLM):
 # the GPU tests, the decode-step benchmark (32K x 1 and 8, 128K x 1; eager and
 # graph, with the per-kernel profile and each kernel against the limits) and the
-# tokens/s comparison (128K and 32K). On an H200 on 2026-11-26 the whole took
+# tokens/s comparison (128K and 32K); fp8 (not in the default): the tokens/s at 128K with
+# the K/V in bf16 and in FP8 (issue 46: dense with FP8 K/V, the baseline users run). On an H200 on 2026-11-26 the whole took
 # about 5 minutes (tests 40 s, decode 2 min, throughput 2 min); the timeouts add
 # up to 540 s, inside a lent machine's 600 s per call.
 #
@@ -11,7 +12,8 @@
 #       bash benchmarks/gpu/device_checks.sh OUT_DIR
 # INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
 # tree carries a stale .git). CHECKS picks some of them (kernels, not in the
-# default: the selection kernels' candidate forms, kernel_candidates.py, ~1 min).
+# default: the selection kernels' candidate forms, kernel_candidates.py, ~1 min; fp8,
+# not in the default: throughput at 128K in both K/V dtypes, under 200 s, not yet run).
 # Everything lands in OUT_DIR/gpu_checks.tgz (rewritten after each check, so a run stopped by its
 # time limit keeps what finished; a lent machine returns at most 8 files) and
 # the summaries on stdout. HOST_POOL_GIB (default 32): the pinned pool, which
@@ -60,5 +62,13 @@ if [[ $checks == *" throughput "* ]]; then
         --out "$work/gpu_throughput_32k" > "$work/throughput_32k.log" 2>&1
     echo "throughput 32K: rc=$?"; pack
     grep -h "tokens/s\|does not fit" "$work"/throughput*.log | head -16
+fi
+if [[ $checks == *" fp8 "* ]]; then  # issue 46: dense and InfiniGen, K/V in bf16 and FP8
+    timeout 200 python3 -m benchmarks.gpu.throughput --contexts 131072 --batches 16 32 \
+        --selections cap=4096 --full-batches --kv-cache-dtypes auto fp8 \
+        --host-pool-gib "$pool" --out "$work/gpu_throughput_fp8" > "$work/throughput_fp8.log" 2>&1
+    echo "throughput fp8: rc=$?"; pack
+    grep -h "tokens/s\|does not fit" "$work"/throughput_fp8.log | head -12
+    grep -h "issue 46" -A4 "$work"/gpu_throughput_fp8.md 2>/dev/null
 fi
 ls -l "$work"

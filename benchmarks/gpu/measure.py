@@ -72,9 +72,12 @@ def speculation_bytes_per_block(shape: DecoderShape, keys: str, dtype: torch.dty
 
 
 def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width: int,
-                 factor: float, dtype: torch.dtype, keys: str = DEFAULT_KEYS) -> int:
-    """Device memory a variant adds to the weights (estimate, temporaries included)."""
-    layer = shape.layer_kv_bytes(batch, context, dtype)
+                 factor: float, dtype: torch.dtype, keys: str = DEFAULT_KEYS,
+                 kv_dtype: torch.dtype | None = None) -> int:
+    """Device memory a variant adds to the weights (estimate, temporaries included);
+    ``kv_dtype``: the K/V's elements (None: the model's ``dtype``)."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    layer = shape.layer_kv_bytes(batch, context, kv_dtype)
     sparse = shape.num_layers - shape.dense_layers
     if name in ("dense", "dense_units"):
         return shape.num_layers * layer + layer
@@ -82,18 +85,19 @@ def device_bytes(name: str, shape: DecoderShape, batch: int, context: int, width
         return 3 * layer
     blocks = batch * shape.blocks_per_row(context)
     speculation = blocks * speculation_bytes_per_block(shape, keys, dtype)
-    held = factor * batch * shape.num_kv_heads * width * shape.unit_bytes(dtype) * sparse
+    held = factor * batch * shape.num_kv_heads * width * shape.unit_bytes(kv_dtype) * sparse
     scores = batch * shape.num_kv_heads * shape.blocks_per_row(context) * shape.block_size * 4
     if name == "infinigen_resident":  # every layer's K/V beside the product's structures
         return int(shape.num_layers * layer + layer + sparse * speculation + held)
     return int(shape.dense_layers * layer + sparse * speculation + held + 4 * scores)
 
 
-def fits(name, shape, batch, context, width, factor, dtype, keys) -> bool:
+def fits(name, shape, batch, context, width, factor, dtype, keys, kv_dtype=None) -> bool:
     if not torch.cuda.is_available():
         return True
     free, _ = torch.cuda.mem_get_info()
-    return device_bytes(name, shape, batch, context, width, factor, dtype, keys) + MARGIN < free
+    needed = device_bytes(name, shape, batch, context, width, factor, dtype, keys, kv_dtype)
+    return needed + MARGIN < free
 
 
 class Stepper:
@@ -245,13 +249,34 @@ def make_pool(shape: DecoderShape, num_bytes: int, device: torch.device,
 
     pool = allocate_host_pool(count, 1, shape.block_size, shape.head_dim, dtype)
     units = pool.tensor.view(count, shape.block_size, 2 * shape.head_dim)
-    chunk = torch.randn(64 << 20, device=device).to(dtype)
+    fill_random(units, device)
+    return units, pool
+
+
+def fill_random(units: torch.Tensor, device: torch.device) -> None:
+    """Standard normal values in ``units``' dtype (on CUDA, drawn on the device in
+    64 Mi-element chunks and copied into the pinned memory)."""
+    if device.type != "cuda":
+        units.copy_(torch.randn(units.shape).to(units.dtype))
+        return
+    chunk = torch.randn(64 << 20, device=device).to(units.dtype)
     flat = units.view(-1)
     for start in range(0, flat.numel(), chunk.numel()):
         piece = flat[start : start + chunk.numel()]
         piece.copy_(chunk[: piece.numel()], non_blocking=True)
     torch.cuda.synchronize()
-    return units, pool
+
+
+def pool_as(pool: torch.Tensor, kv_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The same host memory as units of ``kv_dtype`` (FP8: twice bf16's units),
+    refilled with random values of that type (speed only; the bytes of another
+    type would read as NaN here and there); ``pool`` itself when it has the type."""
+    if pool.dtype == kv_dtype:
+        return pool
+    block_size, width = pool.shape[1], pool.shape[2]
+    units = pool.view(torch.uint8).view(kv_dtype).view(-1, block_size, width)
+    fill_random(units, device)
+    return units
 
 
 @dataclass
@@ -327,13 +352,14 @@ def measure_variant(name: str, setup: KVSetup, decoder: Decoder, x: torch.Tensor
         budget, budget_tokens: The computed selection's budget and token cap.
     """
     shape, batch, context = setup.shape, setup.batch, setup.context
-    dtype = setup.pool.dtype
+    dtype, kv_dtype = x.dtype, setup.pool.dtype  # the model's, the K/V's
     budget = args.budget if budget is None else budget
     factors = CACHE_FACTORS if name == "infinigen" else (1.0,)
-    factor = next((f for f in factors
-                   if fits(name, shape, batch, context, width, f, dtype, args.keys)), None)
+    factor = next((f for f in factors if fits(name, shape, batch, context, width, f, dtype,
+                                              args.keys, kv_dtype)), None)
     if factor is None:
-        needed = device_bytes(name, shape, batch, context, width, factors[-1], dtype, args.keys)
+        needed = device_bytes(name, shape, batch, context, width, factors[-1], dtype, args.keys,
+                              kv_dtype)
         return {"skipped": f"does not fit ({needed / 2**30:.1f} GiB beside the weights)"}
     variant = step = None
     try:

@@ -91,7 +91,7 @@ class Product(Variant):
         self.runtime.allocate_pool(PoolPlan(num_rows=slots, num_slots=slots,
                                             block_size=shape.block_size, num_bytes=0,
                                             sized_by="the benchmark"), num_blocks,
-                                   setup.pool.dtype)
+                                   weights[0].qkv.dtype, kv_dtype=setup.pool.dtype)
         self._random_keys()
         self.dense = [setup.region(layer).to(device) for layer in range(shape.dense_layers)]
         self.metadata = SimpleNamespace(

@@ -3,7 +3,7 @@
 
 python -m benchmarks.gpu.throughput [--contexts 32768 131072] [--batches 8 16 32]
     [--selections budget=0.2 budget=0.05 cap=2048 cap=4096] [--full-batches 8]
-    [--modes graph] [--host-pool-gib 48]
+    [--modes graph] [--host-pool-gib 48] [--kv-cache-dtypes auto fp8]
 python -m benchmarks.gpu.throughput --self-test      # CPU, tiny shapes, references
 python -m benchmarks.gpu.throughput --render benchmarks/results/gpu_throughput.json
 python -m benchmarks.gpu.throughput --plan 79.1 139.8   # what fits, by the estimate (no GPU)
@@ -24,6 +24,15 @@ the device block cache sees recorded step-to-step reuse; each point reports
 its hit rate and PCIe bytes per generated token. Where host memory is
 short, the layers share pool regions (``variants.KVSetup``): the bandwidth
 is real, the contents repeat. A point that does not fit the device says so.
+
+``--kv-cache-dtypes auto fp8`` measures every point with the K/V in the
+model's dtype and in FP8 (vLLM's ``--kv-cache-dtype``): the FP8 pool is the
+same pinned memory as twice as many FP8 units. Dense with FP8 K/V is what a
+vLLM user turns on first (twice the batch); torch's SDPA has no FP8 K/V, so
+its point is ``dense_units``: InfiniGen's Triton decode attention over every
+block of the device-resident FP8 K/V (the same kernel family as InfiniGen's,
+said in the table). Each point gives the host memory its K/V needs beside the
+pool it ran on (``host_GiB_needed``).
 
 tokens/s = batch x 1000 / ms per step (the median step, CUDA events, one host
 sync per step). Writes benchmarks/results/gpu_throughput.{json,md} (command,
@@ -52,21 +61,25 @@ from benchmarks.gpu.measure import (
     MARGIN,
     MODES,
     device_bytes,
+    fill_random,
     make_pool,
     measure_variant,
     open_gpu_bench,
+    pool_as,
     product_width,
     replay_for,
 )
 from benchmarks.gpu.results import gpu_run_metadata
 from benchmarks.gpu.variants import KVSetup, Streams
 from benchmarks.harness import paths, report
+from vllm_infinigen.layout import FP8_KV_CACHE_DTYPES, kv_dtype
 from vllm_infinigen.platforms.cuda import kernels
 
 DEFAULT_OUT = paths.RESULTS / "gpu_throughput"
 SELF_TEST_OUT = paths.RESULTS / "gpu_throughput_selftest"
 PLAN_OUT = paths.RESULTS / "gpu_throughput_plan"
 CAP_BUDGET = 0.2  # the fraction beside a token cap (the product's default budget)
+KV_CACHE_DTYPES = ("auto", *sorted(FP8_KV_CACHE_DTYPES))  # vLLM's --kv-cache-dtype
 
 
 @dataclass(frozen=True)
@@ -98,13 +111,43 @@ class Selection:
 
 
 def dense_largest_batch(shape: DecoderShape, context: int, dtype: torch.dtype,
-                        free_bytes: int) -> int:
-    """The largest batch whose dense K/V (with the benchmark's temporaries and
-    ``MARGIN``) fits in ``free_bytes`` beside the weights; 0 when none does."""
+                        free_bytes: int, kv: torch.dtype | None = None) -> int:
+    """The largest batch whose dense K/V (of ``kv``, default ``dtype``; with the
+    benchmark's temporaries and ``MARGIN``) fits in ``free_bytes`` beside the
+    weights; 0 when none does."""
     batch = 0
-    while device_bytes("dense", shape, batch + 1, context, 0, 1.0, dtype) + MARGIN < free_bytes:
+    while device_bytes("dense", shape, batch + 1, context, 0, 1.0, dtype,
+                       kv_dtype=kv) + MARGIN < free_bytes:
         batch += 1
     return batch
+
+
+def dense_variant(dtype: torch.dtype, kv: torch.dtype) -> str:
+    """Dense's point: torch's SDPA, or over FP8 K/V (which SDPA does not take)
+    InfiniGen's Triton attention over every device-resident block."""
+    return "dense" if kv == dtype else "dense_units"
+
+
+def kv_pools(pool: torch.Tensor, names: list[str], dtype: torch.dtype,
+             device: torch.device):
+    """(name, K/V dtype, units) per ``--kv-cache-dtypes`` entry, lazily: the
+    pool's host memory as units of each type, refilled when the type changes."""
+    for index, name in enumerate(names):
+        kv = kv_dtype(name, dtype)
+        if kv == pool.dtype and index > 0 and kv_dtype(names[index - 1], dtype) != kv:
+            fill_random(pool, device)  # the bytes of another type read as NaN here and there
+        yield name, kv, pool_as(pool, kv, device)
+
+
+def host_bytes_needed(name: str, shape: DecoderShape, batch: int, context: int,
+                      kv: torch.dtype) -> int | None:
+    """Pinned host memory the point's K/V needs (the pool it ran on may be smaller:
+    layers then share regions): every layer's for full offload, the sparse layers'
+    for InfiniGen, none for dense."""
+    layers = {"full": shape.num_layers, "infinigen": shape.num_layers - shape.dense_layers}
+    if name not in layers:
+        return None
+    return layers[name] * shape.layer_kv_bytes(batch, context, kv)
 
 
 def memory_plan(device_gib: list[float], contexts: list[int], batches: list[int],
@@ -137,6 +180,10 @@ def memory_plan(device_gib: list[float], contexts: list[int], batches: list[int]
     return {"weights_GiB": weights / 2**30, "context_GiB": context_gib, "plans": plans}
 
 
+def _gib(num_bytes: int | None) -> float | None:
+    return None if num_bytes is None else num_bytes / 2**30
+
+
 def tokens_per_second(batch: int, ms_per_step: float) -> float:
     return batch * 1000.0 / ms_per_step
 
@@ -147,7 +194,10 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
                   selection: Selection | None = None) -> dict[str, Any]:
     """One (variant, batch, selection) at ``context``: its step and tokens/s."""
     point: dict[str, Any] = {"variant": name, "mode": mode, "batch": batch, "context": context,
-                             "selection": selection.label if selection else None}
+                             "selection": selection.label if selection else None,
+                             "kv_dtype": str(pool.dtype).removeprefix("torch."),
+                             "host_GiB_needed": _gib(host_bytes_needed(
+                                 name, shape, batch, context, pool.dtype))}
     began = time.perf_counter()
     setup = KVSetup(shape, batch, context, pool, device)
     decoder = Decoder(shape, layers, lm_head)
@@ -175,16 +225,21 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
 
 def measure_context(shape, layers, lm_head, pool, device, dtype, *, context: int,
                     free_bytes: int, args: argparse.Namespace, streams: Streams,
-                    limits: dict[str, float] | None) -> dict[str, Any]:
-    """Dense at its largest batch, full offload and InfiniGen at one context."""
-    largest = dense_largest_batch(shape, context, dtype, free_bytes)
-    out: dict[str, Any] = {"context": context, "free_bytes": free_bytes,
-                           "dense_largest_batch": largest, "points": []}
+                    limits: dict[str, float] | None,
+                    kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """Dense at its largest batch, full offload and InfiniGen at one context, the
+    K/V in ``pool``'s dtype (``kv_cache_dtype``: its --kv-cache-dtype)."""
+    kv = pool.dtype
+    largest = dense_largest_batch(shape, context, dtype, free_bytes, kv)
+    out: dict[str, Any] = {"context": context, "kv_cache_dtype": kv_cache_dtype,
+                           "free_bytes": free_bytes, "dense_largest_batch": largest,
+                           "points": []}
     common = {"context": context, "args": args, "streams": streams, "limits": limits}
     for mode in args.modes:
         if largest:
-            out["points"].append(measure_point("dense", shape, layers, lm_head, pool, device,
-                                               dtype, batch=largest, mode=mode, **common))
+            out["points"].append(measure_point(dense_variant(dtype, kv), shape, layers, lm_head,
+                                               pool, device, dtype, batch=largest, mode=mode,
+                                               **common))
         for batch in args.full_batches:
             out["points"].append(measure_point("full", shape, layers, lm_head, pool, device,
                                                dtype, batch=batch, mode=mode, **common))
@@ -199,9 +254,11 @@ def measure_context(shape, layers, lm_head, pool, device, dtype, *, context: int
 def self_test(out: Path | None = SELF_TEST_OUT,
               trace: Path = selection_trace.DEFAULT_TRACE) -> dict[str, Any]:
     """Every point of the benchmark on the CPU with tiny shapes and the kernels'
-    references (eager): dense at the batch a made-up free memory allows, full
-    offload, InfiniGen at two batches with a fraction and a cap; each measured
-    point has its tokens/s and the replay keeps about the selection's fraction."""
+    references (eager), with the K/V in float32 and in FP8: dense at the batch a
+    made-up free memory allows, full offload, InfiniGen at two batches with a
+    fraction and a cap; each measured point has its tokens/s, the replay keeps
+    about the selection's fraction, and FP8 moves a quarter of float32's bytes
+    over PCIe at each InfiniGen point."""
     torch.manual_seed(0)
     shape, device, dtype = TINY, torch.device("cpu"), torch.float32
     streams = Streams(device)
@@ -214,25 +271,34 @@ def self_test(out: Path | None = SELF_TEST_OUT,
                               modes=["eager"], batches=batches, full_batches=[2],
                               selections=[Selection(0.2), Selection(CAP_BUDGET, context // 8)],
                               budget=CAP_BUDGET)
-    measured = measure_context(shape, layers, lm_head, pool, device, dtype, context=context,
-                               free_bytes=free, args=args, streams=streams, limits=None)
-    points = measured["points"]
+    contexts = [measure_context(shape, layers, lm_head, units, device, dtype, context=context,
+                                free_bytes=free, args=args, streams=streams, limits=None,
+                                kv_cache_dtype=name)
+                for name, _, units in kv_pools(pool, ["auto", "fp8"], dtype, device)]
+    points = [p for measured in contexts for p in measured["points"]]
     sparse = [p for p in points if p["variant"] == "infinigen"]
+    pcie = {(p["kv_dtype"], p["batch"], p["selection"]): p.get("pcie_bytes_per_token")
+            for p in sparse}
     checks = {
-        "dense_largest_batch": measured["dense_largest_batch"],
+        "dense_largest_batch": [measured["dense_largest_batch"] for measured in contexts],
+        "dense_variants": [p["variant"] for p in points if p["variant"].startswith("dense")],
         "all_measured": all("tokens_per_s" in p for p in points),
         "replay_fractions": [(p["selected_fraction"], p["replay"]["kept_fraction"])
                              for p in sparse],
+        "fp8_pcie_over_float32": sorted({pcie[("float8_e4m3fn", b, s)] / pcie[("float32", b, s)]
+                                         for (_, b, s) in pcie if pcie[("float32", b, s)]}),
     }
     checks["passed"] = bool(
-        checks["dense_largest_batch"] == 2 and checks["all_measured"]
-        and len(points) == 1 + 1 + len(batches) * 2
+        checks["dense_largest_batch"][0] == 2 and checks["dense_largest_batch"][1] >= 6
+        and checks["dense_variants"] == ["dense", "dense_units"] and checks["all_measured"]
+        and len(points) == 2 * (1 + 1 + len(batches) * 2)
+        and checks["fp8_pcie_over_float32"] == [0.25]
         # the replay keeps the selection's fraction, within a recorded block's rounding
         # and the sink and own blocks it always adds
         and all(abs(kept - wanted) < 0.05 + wanted / 2
                 for wanted, kept in checks["replay_fractions"]))
     if out is not None:
-        results = {"checks": checks, "contexts": [measured]}
+        results = {"checks": checks, "contexts": contexts}
         report.write_results(out, gpu_run_metadata(), throughput_report.TITLE + ": CPU self-test",
                              {"shape": "TINY", "dtype": "float32"}, results,
                              throughput_report.markdown_sections(results))
@@ -264,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--host-pool-gib", type=float, default=48.0,
                         help="pinned host memory for the K/V; layers share it when it is smaller")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES,
+                        default=["auto"], help="vLLM's --kv-cache-dtype of each pass over "
+                        "every point (auto: the model's bf16)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     args.profile = False
@@ -289,12 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     layers, lm_head, pool, limits = bench.layers, bench.lm_head, bench.pool, bench.limits
     results: dict[str, Any] = {"h2d_limits": limits, "pool_GiB": bench.setup["pool_GiB"],
                                "weights_GiB": shape.weight_bytes(dtype) / 2**30, "contexts": []}
-    for context in args.contexts:
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info()
-        results["contexts"].append(measure_context(
-            shape, layers, lm_head, pool, device, dtype, context=context, free_bytes=free,
-            args=args, streams=streams, limits=limits))
+    for name, _, units in kv_pools(pool, args.kv_cache_dtypes, dtype, device):
+        for context in args.contexts:
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info()
+            results["contexts"].append(measure_context(
+                shape, layers, lm_head, units, device, dtype, context=context,
+                free_bytes=free, args=args, streams=streams, limits=limits,
+                kv_cache_dtype=name))
     settings = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                    if k != "selections"},
                 "selections": [s.label for s in args.selections],

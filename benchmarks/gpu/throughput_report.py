@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The GPU throughput benchmark's report (``throughput.py``): its table, the
-targets of issue 35 against the measured points, and the plot."""
+targets of issues 35 and 46 (FP8 K/V) against the measured points, and the plot."""
 
 from __future__ import annotations
 
@@ -14,11 +14,26 @@ from benchmarks.harness.report import metadata_markdown
 # against dense at its largest batch, in tokens/s; the batch InfiniGen serves.
 TARGET_SPEEDUP, TARGET_BATCH_RATIO, TARGET_CAP = 2.0, 4.0, 4096
 TITLE = "Tokens per second on one GPU: dense, full offload, InfiniGen"
+# Issue 46's: with FP8 K/V, InfiniGen (cap 4096) against dense with FP8 K/V.
+FP8_TARGET_SPEEDUP = 2.0
+DENSE = ("dense", "dense_units")  # dense's point: SDPA, or over FP8 K/V the Triton kernel
+
+
+def kv_of(context: dict[str, Any]) -> str:
+    """A context entry's --kv-cache-dtype (results before FP8 have none: auto)."""
+    return context.get("kv_cache_dtype", "auto")
+
+
+def _key(context: dict[str, Any]) -> str:
+    kv = kv_of(context)
+    return str(context["context"]) + ("" if kv == "auto" else f" {kv}")
 
 
 def point_line(point: dict[str, Any]) -> str:
     """One line per measured point, for the log."""
     what = f"{point['variant']} ({point['mode']}) x{point['batch']} at {point['context']}"
+    if point.get("kv_dtype"):
+        what += f", K/V {point['kv_dtype']}"
     if point.get("selection"):
         what += f", {point['selection']}"
     if "tokens_per_s" in point:
@@ -29,12 +44,13 @@ def point_line(point: dict[str, Any]) -> str:
 
 def _dense(context: dict[str, Any]) -> dict[str, Any] | None:
     return next((p for p in context["points"]
-                 if p["variant"] == "dense" and "tokens_per_s" in p), None)
+                 if p["variant"] in DENSE and "tokens_per_s" in p), None)
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
-    """At each context: dense's largest batch and tokens/s, InfiniGen's best
-    tokens/s per selection and over dense, its largest measured batch."""
+    """At each context (and K/V dtype, keyed "131072 fp8" beside "131072"):
+    dense's largest batch and tokens/s, InfiniGen's best tokens/s per
+    selection and over dense, its largest measured batch."""
     out = {}
     for context in results["contexts"]:
         dense = _dense(context)
@@ -50,11 +66,12 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
             "infinigen_largest_batch": max((p["batch"] for p in sparse), default=0),
             "best": {label: {"batch": p["batch"], "tokens_per_s": p["tokens_per_s"],
                              "over_dense": (p["tokens_per_s"] / dense["tokens_per_s"]
-                                            if dense else None)}
+                                            if dense else None),
+                             "pcie_bytes_per_token": p.get("pcie_bytes_per_token")}
                      for label, p in best.items()}}
         if context["dense_largest_batch"]:
             row["batch_ratio"] = row["infinigen_largest_batch"] / context["dense_largest_batch"]
-        out[str(context["context"])] = row
+        out[_key(context)] = row
     return out
 
 
@@ -64,30 +81,38 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 
 def _table(context: dict[str, Any]) -> list[str]:
     dense = _dense(context)
-    lines = [f"### Context {context['context']}: dense fits {context['dense_largest_batch']} "
-             f"request(s) beside the weights ({context['free_bytes'] / 2**30:.1f} GiB free)", "",
-             "| variant | selection | batch | ms/step | tokens/s | x dense's largest batch "
-             "| hit rate | PCIe MB/token | kept (replayed) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    kv = kv_of(context)
+    lines = [f"### Context {context['context']}, --kv-cache-dtype {kv}: dense fits "
+             f"{context['dense_largest_batch']} request(s) beside the weights "
+             f"({context['free_bytes'] / 2**30:.1f} GiB free)", ""]
+    if dense is not None and dense["variant"] == "dense_units":
+        lines += ["Dense over FP8 K/V is `dense_units`: InfiniGen's Triton decode attention "
+                  "over every device-resident block (torch's SDPA takes no FP8 K/V; a kernel "
+                  "of InfiniGen's own family, not vLLM's).", ""]
+    lines += ["| variant | selection | batch | ms/step | tokens/s | x dense's largest batch "
+              "| hit rate | PCIe MB/token | kept (replayed) | host GiB needed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for p in context["points"]:
         head = f"| {p['variant']} ({p['mode']}) | {p.get('selection') or '-'} | {p['batch']} |"
+        host = _fmt(p.get("host_GiB_needed"), ".3g")
         if "tokens_per_s" not in p:
-            lines.append(f"{head} {p.get('skipped') or p.get('error')} | | | | | |")
+            lines.append(f"{head} {p.get('skipped') or p.get('error')} | | | | | | {host} |")
             continue
         over = p["tokens_per_s"] / dense["tokens_per_s"] if dense else None
         kept = (f"{p['selected_fraction']:.3f} ({p['replay']['kept_fraction']:.3f})"
                 if "replay" in p else "-")
         lines.append(f"{head} {p['ms_per_step']:.2f} | {p['tokens_per_s']:.1f} | "
                      f"{_fmt(over)}x | {_fmt(p.get('hit_rate'))} | "
-                     f"{p['pcie_bytes_per_token'] / 1e6:.1f} | {kept} |")
+                     f"{p['pcie_bytes_per_token'] / 1e6:.1f} | {kept} | {host} |")
     return lines
 
 
 def _targets(results: dict[str, Any]) -> list[str]:
     rows = summary(results)
-    if not rows:
-        return []
-    longest = max(rows, key=int)
+    plain = {key: row for key, row in rows.items() if " " not in key}
+    if not plain:
+        return _fp8_targets(rows)
+    longest = max(plain, key=int)
     row = rows[longest]
     capped = row["best"].get(f"cap {TARGET_CAP}")
     speedup = capped["over_dense"] if capped else None
@@ -105,7 +130,35 @@ def _targets(results: dict[str, Any]) -> list[str]:
         "residency switch, --infinigen-residency device-first, attends densely while the "
         "blocks last: benchmarks.gpu.decode_step's infinigen_resident variant; every "
         "InfiniGen point here selects)",
-    ]
+    ] + _fp8_targets(rows)
+
+
+def _fp8_targets(rows: dict[str, Any]) -> list[str]:
+    """Issue 46's, at the longest context measured in FP8: InfiniGen (cap 4096)
+    over dense, both with FP8 K/V; PCIe bytes per token against the model's dtype."""
+    fp8 = [key for key in rows if " " in key]
+    if not fp8:
+        return []
+    key = max(fp8, key=lambda k: int(k.split()[0]))
+    context, kv = key.split()
+    row, plain = rows[key], rows.get(context)
+    capped = row["best"].get(f"cap {TARGET_CAP}")
+    speedup = capped["over_dense"] if capped else None
+    lines = ["", "## Targets (issue 46, FP8 K/V)", "",
+             f"- {context} tokens, --kv-cache-dtype {kv}, cap {TARGET_CAP}: best InfiniGen "
+             f"tokens/s over dense with the same K/V at its largest batch "
+             f"({row['dense_largest_batch']}): {_fmt(speedup)}x (target >= "
+             f"{FP8_TARGET_SPEEDUP:g}x)"
+             + (f"; {'met' if speedup >= FP8_TARGET_SPEEDUP else 'missed'}" if speedup
+                else "; not measured")]
+    if plain and capped and plain["best"].get(f"cap {TARGET_CAP}"):
+        before = plain["best"][f"cap {TARGET_CAP}"]
+        ratio = (capped["pcie_bytes_per_token"] / before["pcie_bytes_per_token"]
+                 if before.get("pcie_bytes_per_token") else None)
+        lines.append(f"- PCIe bytes per generated token, FP8 over the model's dtype, at each "
+                     f"one's best batch (x{capped['batch']}, x{before['batch']}): "
+                     f"{_fmt(ratio)} (target 0.5)")
+    return lines
 
 
 def markdown_sections(results: dict[str, Any]) -> list[str]:
@@ -159,6 +212,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
         series: dict[str, list[tuple[int, float]]] = {}
         for p in measured:
             label = p["variant"] + (f", {p['selection']}" if p.get("selection") else "")
+            label += f", {p['kv_dtype']}" if p.get("kv_dtype", "bfloat16") != "bfloat16" else ""
             series.setdefault(label, []).append((p["batch"], p["tokens_per_s"]))
         for label, values in sorted(series.items()):
             values.sort()
@@ -168,7 +222,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
         if context["dense_largest_batch"]:
             ax.axvline(context["dense_largest_batch"], color="grey", linestyle=":",
                        label="dense's largest batch")
-        ax.set_title(f"context {context['context']}")
+        ax.set_title(f"context {context['context']}, K/V {kv_of(context)}")
         ax.set_xlabel("batch (requests)")
         ax.set_ylabel("tokens/s")
         ax.legend(fontsize=7)

@@ -3,7 +3,8 @@
 
     dense        K/V of every layer in GPU memory, torch SDPA
     dense_units  the same K/V as pool units in GPU memory, the Triton kernel
-                 InfiniGen attends with (shows that kernel's cost against SDPA)
+                 InfiniGen attends with (shows that kernel's cost against SDPA;
+                 with FP8 K/V, dense's stand-in: torch has no FP8 attention)
     full         every layer's K/V copied from the pinned pool (one copy_ per
                  layer, layer i+1's during layer i, on the transfer stream)
 
@@ -139,6 +140,8 @@ class Dense(Variant):
 
     def __init__(self, setup: KVSetup, streams: Streams):
         super().__init__(setup, streams)
+        if setup.pool.element_size() == 1:
+            raise ValueError("torch's SDPA has no FP8 K/V: dense_units attends FP8 units")
         self.kv = [setup.dense_kv(layer) for layer in range(self.shape.num_layers)]
 
     def attend(self, layer, query, key, value):

@@ -74,12 +74,49 @@ def test_the_summary_compares_infinigen_with_dense_at_its_largest_batch():
     row = throughput_report.summary(results)["131072"]
     assert row["dense_tokens_per_s"] == pytest.approx(100.0)
     assert row["best"]["cap 4096"] == {"batch": 16, "tokens_per_s": 250.0,
-                                       "over_dense": 2.5}
+                                       "over_dense": 2.5, "pcie_bytes_per_token": 1e6}
     assert row["best"]["budget 0.2"]["over_dense"] == pytest.approx(0.5)
     assert row["infinigen_largest_batch"] == 16  # 32 did not fit
     assert row["batch_ratio"] == pytest.approx(16 / 3)
     text = "\n\n".join(throughput_report.markdown_sections(results))
     assert "2.50x (target >= 2x); met" in text and "does not fit" in text
+
+
+def test_fp8_entries_compare_with_dense_in_fp8_and_halve_the_pcie_bytes():
+    """Issue 46's targets: InfiniGen over dense, both with FP8 K/V (dense's point
+    ``dense_units``, said in the table), and PCIe bytes per token against bf16's."""
+    def entry(kv, points, largest):
+        return {"context": 131072, "kv_cache_dtype": kv, "free_bytes": 60 << 30,
+                "dense_largest_batch": largest, "points": points}
+
+    fp8_capped = {**_point("infinigen", 32, 64.0, "cap 4096"), "pcie_bytes_per_token": 5e5}
+    results = {"contexts": [
+        entry("auto", [_point("dense", 3, 30.0), _point("infinigen", 32, 96.0, "cap 4096")], 3),
+        entry("fp8", [_point("dense_units", 6, 30.0), fp8_capped], 6)]}  # 200 vs 500 tokens/s
+    rows = throughput_report.summary(results)
+    assert set(rows) == {"131072", "131072 fp8"}
+    assert rows["131072 fp8"]["best"]["cap 4096"]["over_dense"] == pytest.approx(2.5)
+    text = "\n\n".join(throughput_report.markdown_sections(results))
+    assert "--kv-cache-dtype fp8, cap 4096" in text and "2.50x (target >= 2x); met" in text
+    assert "FP8 over the model's dtype, at each one's best batch (x32, x32): 0.50" in text
+    assert "Dense over FP8 K/V is `dense_units`" in text
+    assert "| host GiB needed |" in text
+
+
+def test_kv_pools_view_one_pool_in_each_format_and_refill_it_between_them():
+    pool = torch.randn(8, TINY.block_size, 2 * TINY.head_dim).to(torch.bfloat16)
+    seen = []
+    for name, kv, units in throughput.kv_pools(pool, ["auto", "fp8", "auto"], torch.bfloat16,
+                                               torch.device("cpu")):
+        seen.append((name, units.dtype, units.shape[0], units.data_ptr() == pool.data_ptr()))
+        assert not units.float().isnan().any()  # refilled in its own type
+    assert seen == [("auto", torch.bfloat16, 8, True), ("fp8", torch.float8_e4m3fn, 16, True),
+                    ("auto", torch.bfloat16, 8, True)]
+    # 128K x 32 in FP8: 30 sparse layers x 32 rows x 0.25 GiB (beyond a 128 GiB host)
+    assert throughput.host_bytes_needed("infinigen", LLAMA_31_8B, 32, 131072,
+                                        torch.float8_e4m3fn) == pytest.approx(240 * 2**30,
+                                                                              rel=1e-3)
+    assert throughput.host_bytes_needed("dense", LLAMA_31_8B, 32, 131072, torch.bfloat16) is None
 
 
 def test_the_memory_plan_says_what_fits_by_the_benchmarks_estimate():
