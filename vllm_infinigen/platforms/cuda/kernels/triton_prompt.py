@@ -71,7 +71,7 @@ def _attend_prompt(query, units, table, out, scale, value_scale, first, seq_len,
             update = tl.dot(weights.to(v.dtype), v)
         acc = acc * correction[:, None] + update
         running_max = new_max
-    result = acc * (value_scale / running_sum)[:, None]
+    result = acc / running_sum[:, None] * value_scale  # (x 1.0 exactly when not FP8)
     tl.store(out + rows[:, None].to(tl.int64) * out_row_stride + query_head * D + dims[None, :],
              result.to(out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
