@@ -139,6 +139,15 @@ def kv_pools(pool: torch.Tensor, names: list[str], dtype: torch.dtype,
         yield name, kv, pool_as(pool, kv, device)
 
 
+def dense_bound_ms(shape: DecoderShape, batch: int, context: int, dtype: torch.dtype,
+                   kv: torch.dtype, read_GBps: float) -> float:
+    """Dense's step at the device's streaming read: the weights and every
+    layer's K/V read once (its bytes bound, beside the kernel measured)."""
+    num_bytes = shape.weight_bytes(dtype) + shape.num_layers * shape.layer_kv_bytes(batch,
+                                                                                  context, kv)
+    return num_bytes / read_GBps / 1e6
+
+
 def host_bytes_needed(name: str, shape: DecoderShape, batch: int, context: int,
                       kv: torch.dtype) -> int | None:
     """Pinned host memory the point's K/V needs (the pool it ran on may be smaller:
@@ -218,6 +227,9 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
     if "ms_per_step" in result:
         point["tokens_per_s"] = tokens_per_second(batch, result["ms_per_step"])
         point["pcie_bytes_per_token"] = result["pcie_bytes_per_step"] / batch
+    if name.startswith("dense") and limits and limits.get("read_GBps"):
+        point["bytes_bound_ms"] = dense_bound_ms(shape, batch, context, dtype, pool.dtype,
+                                                 limits["read_GBps"])
     point["seconds"] = time.perf_counter() - began
     print(throughput_report.point_line(point), flush=True)
     return point

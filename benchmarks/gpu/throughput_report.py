@@ -90,20 +90,22 @@ def _table(context: dict[str, Any]) -> list[str]:
                   "over every device-resident block (torch's SDPA takes no FP8 K/V; a kernel "
                   "of InfiniGen's own family, not vLLM's).", ""]
     lines += ["| variant | selection | batch | ms/step | tokens/s | x dense's largest batch "
-              "| hit rate | PCIe MB/token | kept (replayed) | host GiB needed |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| hit rate | PCIe MB/token | kept (replayed) | host GiB needed | bytes bound "
+              "ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in context["points"]:
         head = f"| {p['variant']} ({p['mode']}) | {p.get('selection') or '-'} | {p['batch']} |"
         host = _fmt(p.get("host_GiB_needed"), ".3g")
+        bound = _fmt(p.get("bytes_bound_ms"))
         if "tokens_per_s" not in p:
-            lines.append(f"{head} {p.get('skipped') or p.get('error')} | | | | | | {host} |")
+            lines.append(f"{head} {p.get('skipped') or p.get('error')} | | | | | | {host} | "
+                         f"{bound} |")
             continue
         over = p["tokens_per_s"] / dense["tokens_per_s"] if dense else None
         kept = (f"{p['selected_fraction']:.3f} ({p['replay']['kept_fraction']:.3f})"
                 if "replay" in p else "-")
         lines.append(f"{head} {p['ms_per_step']:.2f} | {p['tokens_per_s']:.1f} | "
                      f"{_fmt(over)}x | {_fmt(p.get('hit_rate'))} | "
-                     f"{p['pcie_bytes_per_token'] / 1e6:.1f} | {kept} | {host} |")
+                     f"{p['pcie_bytes_per_token'] / 1e6:.1f} | {kept} | {host} | {bound} |")
     return lines
 
 
@@ -165,8 +167,11 @@ def markdown_sections(results: dict[str, Any]) -> list[str]:
     sections = []
     if "h2d_limits" in results:
         limits = results["h2d_limits"]
+        read = (f", streaming read of device memory {limits['read_GBps']:.0f} GB/s (dense's "
+                "bytes bound: the weights and every layer's K/V at that rate)"
+                if limits.get("read_GBps") else "")
         sections.append(f"Pinned host-to-device copy {limits['copy_GBps']:.1f} GB/s, gather "
-                        f"kernel {limits['gather_GBps']:.1f} GB/s; host pool "
+                        f"kernel {limits['gather_GBps']:.1f} GB/s{read}; host pool "
                         f"{results['pool_GiB']:.0f} GiB (layers share regions where it is "
                         f"smaller than the K/V); weights {results['weights_GiB']:.1f} GiB.")
     if "checks" in results:

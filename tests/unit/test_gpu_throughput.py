@@ -117,6 +117,14 @@ def test_kv_pools_view_one_pool_in_each_format_and_refill_it_between_them():
                                         torch.float8_e4m3fn) == pytest.approx(240 * 2**30,
                                                                               rel=1e-3)
     assert throughput.host_bytes_needed("dense", LLAMA_31_8B, 32, 131072, torch.bfloat16) is None
+    # dense's bytes bound: 16 GB of bf16 weights and 7 x 16 GiB of bf16 K/V at 4 TB/s;
+    # FP8 K/V halve the K/V's part
+    bf16 = throughput.dense_bound_ms(LLAMA_31_8B, 7, 131072, torch.bfloat16, torch.bfloat16, 4000)
+    fp8 = throughput.dense_bound_ms(LLAMA_31_8B, 7, 131072, torch.bfloat16,
+                                    torch.float8_e4m3fn, 4000)
+    weights = LLAMA_31_8B.weight_bytes(torch.bfloat16) / 4000 / 1e6
+    assert bf16 == pytest.approx(weights + 7 * 16 * 2**30 / 4e9, rel=1e-2)
+    assert fp8 - weights == pytest.approx((bf16 - weights) / 2)
 
 
 def test_the_memory_plan_says_what_fits_by_the_benchmarks_estimate():
