@@ -108,6 +108,17 @@ def _row(name: str, num_bytes: float, ms: float, **extra: Any) -> dict[str, Any]
             "GBps": num_bytes / ms / 1e6 if ms > 0 else None, **timing, **extra}
 
 
+def streaming_read_ms(device: torch.device, num_bytes: int = 1 << 30,
+                      generator: torch.Generator | None = None):
+    """The time of a streaming read of ``num_bytes`` of device memory (a
+    reduction of bf16 values); the memory is freed before it returns."""
+    stream = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_(
+        generator=generator)
+    ms = timed(lambda: stream.sum(dtype=torch.float32), device)
+    stream.resize_(0)  # its memory back before the caller's tensors
+    return ms
+
+
 def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32768,
                   kv_heads: int = 8, group: int = 4, head_size: int = 128, block: int = 16,
                   budget: float = 0.2, stream_bytes: int = 1 << 30,
@@ -116,11 +127,8 @@ def kernel_limits(device: torch.device, dtype: torch.dtype, *, context: int = 32
     gen = torch.Generator(device=device).manual_seed(0)
     blocks = context // block + 1
     scale = head_size ** -0.5
-    stream = torch.empty(stream_bytes // 2, dtype=torch.bfloat16, device=device).normal_(
-        generator=gen)
     rows: list[dict[str, Any]] = [_row("streaming read (reduction)", stream_bytes,
-                                       timed(lambda: stream.sum(dtype=torch.float32), device))]
-    stream.resize_(0)  # its memory back before the kernels' tensors
+                                       streaming_read_ms(device, stream_bytes, gen))]
     # K|V units of one request, every block of every head, in the pool's order
     units = torch.randn(blocks * kv_heads + 1, block, 2 * head_size, device=device,
                         generator=gen).to(dtype)

@@ -233,11 +233,9 @@ def h2d_limits(pool: torch.Tensor, device: torch.device) -> dict[str, float]:
                                   device, repeats=5, graph_calls=0)
     gather_ms = kernel_limits.timed(lambda: kernels.gather_units(pool, cache, units, slots, number),
                                     device, repeats=5, graph_calls=0)
-    stream = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
-    read_ms = kernel_limits.timed(lambda: stream.sum(dtype=torch.float32), device)
-    del stream
+    read_ms = kernel_limits.streaming_read_ms(device, 1 << 30)
     return {"copy_GBps": count * flat.element_size() / copy_ms / 1e6,
-            "read_GBps": (1 << 30) / read_ms / 1e6,
+            "read_GBps": (1 << 30) / float(read_ms) / 1e6,
             "gather_GBps": unit_count * cache[0].numel() * cache.element_size() / gather_ms / 1e6,
             "gather_ctas": kernels.gather_ctas(
                 torch.cuda.get_device_properties(device).multi_processor_count)}

@@ -25,6 +25,7 @@ imported) they run on CPU tensors, as the unit tests do.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -34,14 +35,27 @@ import triton.language as tl
 # Triton's interpreter (CI) computes 16-bit dots inexactly: products in float32 there.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _TOKENS_PER_STEP = 64  # attention: K|V tokens loaded per loop step (4 blocks of 16)
-# FP8 formats: (mantissa bits, smallest normal exponent, largest finite value).
-FP8_FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
 
 
 def fp8_format(dtype: torch.dtype) -> dict[str, float]:
-    """``_round_fp8``'s constexprs for a pool of ``dtype`` (FP8_M = 0: not FP8)."""
-    mantissa, exponent, largest = FP8_FORMATS.get(dtype, (0, 0, 0.0))
-    return {"FP8_M": mantissa, "FP8_EMIN": exponent, "FP8_MAX": largest}
+    """``_round_fp8``'s constexprs for a pool of ``dtype`` (FP8_M = 0: not FP8):
+    mantissa bits, smallest normal exponent and largest finite value, from
+    torch's ``finfo`` (e4m3fn: 3, -6, 448; e5m2: 2, -14, 57344)."""
+    if dtype.itemsize != 1:
+        return {"FP8_M": 0, "FP8_EMIN": 0, "FP8_MAX": 0.0}
+    info = torch.finfo(dtype)
+    return {"FP8_M": -math.frexp(info.eps)[1] + 1,
+            "FP8_EMIN": math.frexp(info.smallest_normal)[1] - 1, "FP8_MAX": info.max}
+
+
+@triton.jit
+def _round_half_even(x):
+    """``x`` rounded to the nearest integer, ties to even (as torch and the CPU
+    kernels round), in float32 arithmetic that every backend computes alike."""
+    whole = tl.floor(x)
+    frac = x - whole
+    odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole)
 
 
 @triton.jit
@@ -57,11 +71,7 @@ def _round_fp8(x, M: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
     quantum = ((exponent - M + 127) << 23).to(tl.float32, bitcast=True)
     inverse = ((127 - exponent + M) << 23).to(tl.float32, bitcast=True)
     steps = magnitude * inverse  # exact: a power of two
-    whole = tl.floor(steps)
-    frac = steps - whole
-    odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
-    rounded = tl.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole) * quantum
-    rounded = tl.minimum(rounded, MAX)
+    rounded = tl.minimum(_round_half_even(steps) * quantum, MAX)
     return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32,
                                                                              bitcast=True)
 
@@ -343,11 +353,7 @@ def _encode_groups(pool, codes, scales, slots, H: tl.constexpr, BLOCK: tl.conste
         step = scale.to(tl.float32)
         safe = tl.where(step > 0, step, 1.0)
         scaled = tl.math.div_rn(keys, safe[None, :]) + HALF
-        whole = tl.floor(scaled)
-        frac = scaled - whole
-        odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
-        rounded = tl.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole)
-        rounded = tl.minimum(tl.maximum(rounded, 0.0), TOP)
+        rounded = tl.minimum(tl.maximum(_round_half_even(scaled), 0.0), TOP)
         code = tl.where(step[None, :] > 0, rounded, 0.0).to(tl.int64)
         word = tl.sum(code << (BITS * tokens).to(tl.int64)[:, None], axis=0)  # [D_PAD]
         lanes = tl.arange(0, 2 * BITS)
