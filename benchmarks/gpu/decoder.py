@@ -105,8 +105,9 @@ class Decoder:
     def __init__(self, shape: DecoderShape, layers: list[LayerWeights], lm_head: torch.Tensor):
         self.shape, self.layers, self.lm_head = shape, layers, lm_head
 
-    def step(self, x: torch.Tensor, variant) -> torch.Tensor:
-        """[B, vocab] logits of the step whose inputs are x [B, hidden]."""
+    def step(self, x: torch.Tensor, variant, *, last_only: bool = False) -> torch.Tensor:
+        """[B, vocab] logits of the step whose inputs are x [B, hidden] (``last_only``:
+        [1, vocab], the last row's, as a prefill chunk samples)."""
         shape = self.shape
         num_q = shape.num_heads * shape.head_dim
         num_kv = shape.num_kv_heads * shape.head_dim
@@ -123,4 +124,4 @@ class Decoder:
             gate, up = (rms_norm(x) @ weights.gate_up).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ weights.down
         variant.end_step()
-        return rms_norm(x) @ self.lm_head
+        return rms_norm(x[-1:] if last_only else x) @ self.lm_head

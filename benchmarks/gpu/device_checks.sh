@@ -13,7 +13,9 @@
 # INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
 # tree carries a stale .git). CHECKS picks some of them (kernels, not in the
 # default: the selection kernels' candidate forms, kernel_candidates.py, ~1 min; fp8,
-# not in the default: throughput at 128K in both K/V dtypes, under 200 s, not yet run).
+# not in the default: throughput at 128K in both K/V dtypes, under 200 s, not yet run;
+# prefill, not in the default: time to first token at 32K and 128K, prefill.py, under
+# 240 s, not yet run).
 # Everything lands in OUT_DIR/gpu_checks.tgz (rewritten after each check, so a run stopped by its
 # time limit keeps what finished; a lent machine returns at most 8 files) and
 # the summaries on stdout. HOST_POOL_GIB (default 32): the pinned pool, which
@@ -62,6 +64,12 @@ if [[ $checks == *" throughput "* ]]; then
         --out "$work/gpu_throughput_32k" > "$work/throughput_32k.log" 2>&1
     echo "throughput 32K: rc=$?"; pack
     grep -h "tokens/s\|does not fit" "$work"/throughput*.log | head -16
+fi
+if [[ $checks == *" prefill "* ]]; then  # issue 47: time to first token, ~2 min
+    timeout 240 python3 -m benchmarks.gpu.prefill --contexts 32768 131072 --chunk 8192 \
+        --host-pool-gib "$pool" --out "$work/gpu_prefill" > "$work/prefill.log" 2>&1
+    echo "prefill: rc=$?"; pack
+    grep -h "^| \|Logits" "$work"/gpu_prefill.md 2>/dev/null | head -14
 fi
 if [[ $checks == *" fp8 "* ]]; then  # issue 46: dense and InfiniGen, K/V in bf16 and FP8
     timeout 200 python3 -m benchmarks.gpu.throughput --contexts 131072 --batches 16 32 \

@@ -18,9 +18,11 @@ streaming read of device memory (a reduction over 1 GiB) and one pinned host-to-
     place          the cache placement of one step's selection
     gather         a selection's units from the pinned pool
     prompt         a prompt of the context's length: the write-through, the
-                   staging from the pool and the flash-attention kernel,
-                   against SDPA's causal flash attention on the same rows
-                   (one layer's attention part of the time to first token)
+                   staging from the pool and ``attend_prompt_units``, against
+                   SDPA's causal flash attention on the same rows (one
+                   layer's attention part of the time to first token); also
+                   ``attend_prompt_units`` alone over device units (a prompt
+                   the block cache holds) and the Triton prompt kernel alone
 
 ``python -m benchmarks.gpu.decode_step --kernels`` runs it (``--self-test``
 runs it at tiny sizes on the CPU, to check the code, not to time it).
@@ -286,6 +288,17 @@ def _prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen):
                                     scale=head_size ** -0.5)
 
     product_ms = timed(product, device, repeats=3, graph_calls=0)  # host copies, ~30 ms
+    cached_ms = timed(lambda: kernels.attend_prompt_units(
+        query, staged, table, first=0, seq_len=context, scale=head_size ** -0.5), device,
+        repeats=3, graph_calls=0)
+    triton_ms = None
+    if device.type == "cuda":
+        from vllm_infinigen.platforms.cuda.kernels import triton_prompt
+
+        out = torch.empty_like(query)
+        triton_ms = timed(lambda: triton_prompt.attend_prompt(
+            query, staged, table, out, first=0, seq_len=context, scale=head_size ** -0.5),
+            device, repeats=3, graph_calls=0)
     q = query.view(1, context, -1, head_size).transpose(1, 2)
     k, v = key.view(1, context, kv_heads, head_size).transpose(1, 2), None
     v = value.view(1, context, kv_heads, head_size).transpose(1, 2)
@@ -295,8 +308,9 @@ def _prompt_row(device, dtype, context, kv_heads, group, head_size, block, gen):
     if owner is not None:
         owner.close()
     kv_bytes = 2 * context * kv_heads * head_size * key.element_size()
-    return _row("prompt (write-through, staging, flash kernel)", 3 * kv_bytes, product_ms,
-                sdpa_causal_ms=dense_ms, ratio_to_sdpa=product_ms / dense_ms)
+    return _row("prompt (write-through, staging, attend_prompt_units)", 3 * kv_bytes,
+                product_ms, sdpa_causal_ms=dense_ms, ratio_to_sdpa=product_ms / dense_ms,
+                over_device_units_ms=cached_ms, triton_kernel_ms=triton_ms)
 
 
 def markdown(limits: dict[str, Any]) -> str:
@@ -310,7 +324,10 @@ def markdown(limits: dict[str, Any]) -> str:
              "|---|---:|---:|---:|---:|---|"]
     for row in limits["rows"]:
         share = row["GBps"] / stream if row["GBps"] and stream else None
-        note = (f"SDPA causal {row['sdpa_causal_ms']:.2f} ms: {row['ratio_to_sdpa']:.2f}x"
+        note = (f"SDPA causal {row['sdpa_causal_ms']:.2f} ms: {row['ratio_to_sdpa']:.2f}x; "
+                f"over device units {float(row['over_device_units_ms']):.2f} ms"
+                + (f"; the Triton kernel {float(row['triton_kernel_ms']):.2f} ms"
+                   if row.get("triton_kernel_ms") is not None else "")
                 if "ratio_to_sdpa" in row else (f"width {row['width']}" if "width" in row
                                                 else ""))
         if row.get("timing"):

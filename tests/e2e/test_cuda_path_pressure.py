@@ -112,7 +112,7 @@ def test_the_burst_moves_preempts_and_the_lone_request_runs_resident_again(phase
                            for name in ("after_burst", "after_lone", "after_again"))
     assert burst_["pool"] >= 1
     assert metric_total(phases["after_burst"], "vllm:num_preemptions_total") > 0
-    assert metric_total(phases["after_burst"], "vllm:infinigen_cache_misses_total") > 0
+    assert metric_total(phases["after_burst"], "vllm:infinigen_cache_hits_total") > 0
     assert phases["lone_tokens"] == 16
     assert metric_total(phases["after_lone"], "vllm:infinigen_resident") == 1.0
     assert lone["device"] >= 1 and lone["pool"] == burst_["pool"]

@@ -10,11 +10,39 @@ import torch
 from vllm_infinigen.platforms.cuda import kernels
 from vllm_infinigen.platforms.cuda.kernels import reference
 from vllm_infinigen.scheduler.metrics import COUNTERS
-from vllm_infinigen.platforms.cuda.block_cache import (
-    CACHE_COUNTERS,
-    DeviceBlockCache,
-    substitute_block_table,
-)
+from vllm_infinigen.platforms.cuda.block_cache import CACHE_COUNTERS, DeviceBlockCache
+
+
+def substitute_block_table(slots: torch.Tensor, context_lens: torch.Tensor,
+                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table an attention kernel over cached blocks takes, one row per (row, KV
+    head), from ``lookup``'s slots (the product's step attends over ``place``'s
+    slots with the selection's lengths, ``CudaDataPath.attend_selected``).
+
+    vLLM's paged attention has one block table per sequence, shared by its KV
+    heads; InfiniGen selects per KV head. So each (row, KV head) becomes a
+    sequence of one KV head with the G query heads of its group: query
+    [S * H_kv, G, D], K and V the cache units' halves viewed as
+    [num_units, block_size, 1, D] (row stride 2D), and this table.
+
+    The selected blocks keep their order (``select_blocks``: ascending, the
+    row's own block last), so positions run in order and only the own block
+    is partial: it holds ``context_len % block_size + 1`` tokens, its own
+    token included (written into the cache before attending).
+
+    Args:
+        slots: [S, H_kv, W] flat cache slots of the selection, valid first, -1 after.
+        context_lens: [S] tokens before each row's own.
+
+    Returns:
+        (table [S * H_kv, W] int32 with padding as 0, seq_lens [S * H_kv] int32).
+    """
+    num_rows, num_heads, width = slots.shape
+    num_valid = (slots >= 0).sum(dim=-1)  # [S, H]
+    partial = context_lens.to(torch.int64)[:, None] % block_size + 1
+    seq_lens = (num_valid - 1) * block_size + partial
+    table = slots.clamp(min=0).reshape(num_rows * num_heads, width).to(torch.int32)
+    return table, seq_lens.reshape(-1).to(torch.int32)
 
 
 def _ids(*heads):

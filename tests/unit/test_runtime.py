@@ -205,6 +205,33 @@ def test_device_slots_are_not_checked_on_the_host():
     assert seen == [("meta", True), ("cpu", False)]
 
 
+def test_a_steps_prompts_are_placed_before_their_write_over_the_pool_only():
+    """The data path places a step's prompt rows (CUDA: into its device block
+    cache) before the layer's write; not in a decode-only step, not while resident."""
+    calls = []
+
+    class Recording(CpuDataPath):
+        def place_prompts(self, layer, plan):
+            calls.append(("place", layer.layer_idx, plan.prompt_requests.tolist()))
+
+        def write(self, layer, key, value, slots, row_map, closes_group=True):
+            calls.append(("write", layer.layer_idx))
+
+    runtime, decode, new_slot = build_step("int", lambda config: Recording(config.transfer))
+    calls.clear()
+    layer, one, four = runtime.layers[2], torch.zeros(1, 1, DIM), torch.zeros(4, 1, DIM)
+    runtime.write(layer, one, one, new_slot, decode)
+    slots = torch.tensor([CONTEXT, 3 * BLOCK, 3 * BLOCK + 1, 3 * BLOCK + 2])
+    for resident in (False, True):
+        runtime.set_resident(resident)
+        prompt = SimpleNamespace(query_start_loc=torch.tensor([0, 1, 4]),
+                                 seq_lens=torch.tensor([CONTEXT + 1, 3]),
+                                 block_table=torch.tensor([[0, 1, 2], [3, 0, 0]],
+                                                          dtype=torch.int32))
+        runtime.write(layer, four, four, slots, prompt)
+    assert calls == [("write", 2), ("place", 2, [1]), ("write", 2), ("write", 2)]
+
+
 def test_a_layer_reads_vllms_kv_scales_for_an_fp8_pool_only():
     """``--kv-cache-dtype fp8``: the pool holds K / k_scale, V / v_scale, read
     from vLLM's layer at each call; any other pool holds K and V (1.0)."""

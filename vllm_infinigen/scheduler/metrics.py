@@ -33,9 +33,11 @@ COUNTERS = {
     # 0 on the CPU build, where the pool is read in place).
     "cache_hits": "Selected K/V blocks (one layer, one KV head) found in the device "
     "block cache.",
-    "cache_misses": "Selected K/V blocks (one layer, one KV head) fetched from the host pool.",
-    "pcie_bytes": "Bytes of K/V blocks fetched from the host pool into the device block "
-    "cache.",
+    "cache_misses": "K/V blocks (one layer, one KV head) fetched from the host pool into "
+    "the device block cache: selected, or a prompt's earlier chunks.",
+    "pcie_bytes": "Bytes of K/V blocks copied from the host pool to the device: fetched "
+    "into the device block cache, or staged for rows attended beside it (contexts below "
+    "the min context, prompts the cache cannot hold).",
 }
 
 

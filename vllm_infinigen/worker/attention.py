@@ -127,7 +127,7 @@ def _write(runtime: InfiniGenRuntime, state: LayerState, context, dense_metadata
     slots = context.slot_mapping[runtime.reference_layer]
     runtime.begin_step(dense_metadata, slots)
     num_tokens = slots.shape[0]
-    runtime.write(state, key[:num_tokens], value[:num_tokens], slots)
+    runtime.write(state, key[:num_tokens], value[:num_tokens], slots, dense_metadata)
 
 
 def layer_sources(model: torch.nn.Module, vllm_config, skew: list[torch.Tensor | None],

@@ -23,6 +23,8 @@ which policy selects, when the next layer's selection is made. A platform's
     decode_short    a short decode-only step's write and dense attention of a
                     layer; one fused call where ``has_fused_short`` (the CPU's),
                     which the runtime then uses (``runtime.fuses_short``)
+    place_prompts   before the write of a step with prompt rows (CUDA: their
+                    blocks into the device cache, to be written and read there)
     attend_prompt   prompt rows, causally over the pool and the step's tokens
                     (the pool need not be addressable by the attention kernel)
     release_blocks  a finished or preempted request's block ids (a device
@@ -121,6 +123,10 @@ class DataPath(Protocol):
         """``write`` and ``attend_dense`` of a short decode-only step, ``rows``
         being the step's first rows, their output written into ``out``
         (query, out: [T, H_q, D]; key, value: [T, H_kv, D]; slots: [T])."""
+
+    def place_prompts(self, layer: LayerState, plan: StepPlan) -> None:
+        """Before ``write`` in a step with prompt rows: whatever keeps their tokens
+        where their attention reads them (CUDA: their blocks in the device cache)."""
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:

@@ -283,13 +283,17 @@ class InfiniGenRuntime:
         self.pool_index.admit(slot_mapping.to(torch.int64))
 
     def write(self, state: LayerState, key: torch.Tensor, value: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """New K/V [T, H_kv, D] of a sparse layer into the pool; slot_mapping [T]."""
+              slot_mapping: torch.Tensor, attn_metadata=None) -> None:
+        """New K/V [T, H_kv, D] of a sparse layer into the pool; slot_mapping [T]; the
+        prompt rows placed first (``attn_metadata``: the dense group's)."""
         slots = slot_mapping.to(torch.int64)
+        if attn_metadata is not None and not self.resident:
+            plan = self.plan_for(attn_metadata, self.block_size)
+            if plan.has_other_rows:
+                self.data_path.place_prompts(state, plan)
         # Checked once per step: every layer writes the same slot tensor. On a
-        # device (or a data path planning there) the check would cost a host
-        # sync per step: there the data path's encoding kernel finds the closed
-        # groups itself.
+        # device (or a data path planning there) the check costs a host sync
+        # per step: there the data path's encoding kernel finds them itself.
         if self._closing is None or self._closing[0] is not slot_mapping:
             on_host = slots.is_cpu and not self.data_path.plans_on_device
             self._closing = (slot_mapping, not on_host or closes_key_group(slots))

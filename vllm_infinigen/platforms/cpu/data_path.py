@@ -158,6 +158,9 @@ class CpuDataPath:
                              stats=layer.stats, out=out, bounds=layer.bounds,
                              bound_scales=layer.bound_scales, **layer.kv_scales())
 
+    def place_prompts(self, layer: LayerState, plan: StepPlan) -> None:
+        """Nothing: the prompts attend over the pool in place."""
+
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
         kernels.attend_prefill(query, output, layer.kv_pool, plan.all_block_table,

@@ -23,10 +23,14 @@ Triton's interpreter)::
                         selection's width (``widths.py``)
     block_cache.py      device block cache bookkeeping: ``place`` (the device
                         step's, one kernel: ``kernels.place_lru``),
+                        ``place_prompt`` (a prompt's blocks, torch),
                         ``lookup`` (both eviction rules, torch: the reuse study)
     host_pool.py        the pinned host pool (cudaHostRegister on huge pages)
+    prompts.py          prompt rows: their blocks placed in the cache before
+                        their write, attended there
     staged.py           rows of a host-planned step that attend without the
-                        cache (prompt rows, short rows), staged from the pool
+                        cache (short rows, prompts it cannot hold), staged
+                        from the pool
     data_path.py        ``CudaDataPath``: the ``DataPath`` over all of the above
     memory.py           the GPU grant split (speculation keys, block cache)
     refusals.py         what CUDA cannot run, naming the flag
@@ -44,7 +48,10 @@ between the compute stream and the lower-priority transfer stream):
    which keeps a cached partial block current) and before it attends;
 3. the next step's gather into the layer's cache starts after this step's
    attention of that layer (the side stream waits for the compute stream
-   before it is issued).
+   before it is issued);
+4. a prompt's blocks are placed (on the compute stream, after the layer's
+   gather) before the write that fills them, never over the slots of the
+   decode rows' selection in flight.
 
 The cache names blocks by the dense group's block ids and fetches pool unit
 ``block_id * H_kv + head``: the uncapped pool. With ``--infinigen-cpu-pool-gib``

@@ -48,7 +48,7 @@ EVICTION_RULES = ("lru", "counter")
 CACHE_COUNTERS = ("cache_hits", "cache_misses", "pcie_bytes")
 # What ``DeviceBlockCache.counters`` counts per (layer, KV head): entries attended
 # besides the rows' own and context tokens (head 0), written by ``place``; hits
-# and misses, by ``lookup`` and ``place``.
+# and misses, by ``lookup`` and ``place`` (misses also by ``place_prompt``).
 COUNTS = ("attended", "context", "hits", "misses")
 _BIG = 1 << 62  # sorts after every block id and unit
 _NEWER_HALF = 1 << 61
@@ -107,6 +107,8 @@ class DeviceBlockCache:
                                     device=self.device)
         self.ticks = torch.zeros((num_layers, num_kv_heads), dtype=torch.int64,
                                  device=self.device)
+        # Per layer: units staged from the pool beside the cache (``staged.py``).
+        self.staged = torch.zeros((num_layers, 1), dtype=torch.int64, device=self.device)
         self._heads = torch.arange(num_kv_heads, device=self.device)[:, None]  # [H, 1]
 
     @property
@@ -255,6 +257,72 @@ class DeviceBlockCache:
         # A stable sort breaks ties by slot index: the same slots on every device.
         return torch.sort(key, dim=-1, stable=True).indices[:, :count]
 
+    def place_prompt(self, layer: int, block_ids: torch.Tensor, written: int,
+                     keep: list[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A prompt request's blocks placed in ``layer``'s cache before the step
+        writes its tokens, so that they are written into the cache as well as the
+        pool and attended there (``platforms/cuda/prompts.py``). Least recently
+        used slots evicted, never one of ``keep``; reads the fit back to the host
+        (a prompt step is planned on the host).
+
+        Args:
+            block_ids: [n] int64 the request's blocks in position order, each
+                < ``num_blocks``.
+            written: Leading blocks that hold tokens of earlier steps (chunked
+                prefill): those missing are fetched from the pool; the rest
+                receive this step's tokens only and are not.
+            keep: Flat slots (-1: none) of any shape that must stay: the
+                selection in flight (``CacheLookup.slots``) and the prompts
+                placed before in the step (this method's slots).
+
+        Returns:
+            (slots [H_kv, n] int64 flat cache slot of each block, fetch_units,
+            fetch_slots [F] int64 ascending by pool unit, for
+            ``kernels.gather_units``); or None, the cache untouched, when a head
+            has fewer slots to give than the request misses.
+        """
+        num_heads, capacity = self.num_kv_heads, self.slots_per_head
+        heads, count = self._heads, block_ids.shape[0]
+        slot_of, block_of = self.slot_of[layer], self.block_of[layer]
+        last_used = self.last_used[layer]
+        ids = block_ids.to(self.device, torch.int64)[None, :].expand(num_heads, -1)  # [H, n]
+        entries = ids * num_heads + heads
+        cached = slot_of[entries].to(torch.int64)
+        hit, miss = cached >= 0, cached < 0
+        kept = torch.zeros(num_heads * capacity + 1, dtype=torch.bool, device=self.device)
+        for flat in keep:  # flat slot = head * capacity + slot
+            flat = flat.reshape(-1).to(self.device, torch.int64)
+            kept[torch.where(flat >= 0, flat, num_heads * capacity)] = True
+        protected = torch.zeros(num_heads, capacity + 1, dtype=torch.bool, device=self.device)
+        protected[:, :capacity] = kept[:-1].view(num_heads, capacity)
+        protected.scatter_(1, torch.where(hit, cached, capacity), True)
+        num_miss = miss.sum(dim=1)
+        if bool((num_miss > capacity - protected[:, :capacity].sum(dim=1)).any()):
+            return None
+        self.ticks[layer] += 1
+        tick = self.ticks[layer][:, None].expand(num_heads, count)
+        last_used.scatter_(1, torch.where(hit, cached, capacity), tick)
+        # The misses, in position order, take the free then least recent slots.
+        key = torch.where(protected[:, :capacity], _BIG, last_used[:, :capacity] + 1)
+        order = torch.sort(key, dim=1, stable=True).indices
+        rank = (miss.cumsum(dim=1) - 1).clamp(min=0)
+        victim = torch.where(miss, order.gather(1, rank), capacity)  # [H, n]
+        scratch_entry = slot_of.shape[0] - 1
+        old = block_of.gather(1, victim)
+        slot_of.index_fill_(0, torch.where(miss & (old >= 0), old.clamp(min=0) * num_heads
+                                           + heads, scratch_entry).flatten(), -1)
+        slot_of.index_put_((torch.where(miss, entries, scratch_entry).flatten(),),
+                           victim.to(torch.int32).flatten())
+        slot_of[scratch_entry] = -1
+        block_of.scatter_(1, victim, torch.where(miss, ids, -1))
+        last_used.scatter_(1, victim, tick)
+        fetch = miss & (torch.arange(count, device=self.device)[None, :] < written)
+        self.counters[layer, :, COUNTS.index("misses")] += fetch.sum(dim=1)
+        flat = heads * capacity + torch.where(hit, cached, victim)
+        units, order = entries[fetch].sort()
+        return flat, units, flat[fetch][order]
+
     # -- writes of new tokens (worker, ``write``)
 
     def cached_token_slots(self, layer: int, slot_mapping: torch.Tensor,
@@ -296,38 +364,10 @@ class DeviceBlockCache:
         return counts[0], counts[1]
 
     def take_counter_tensor(self) -> torch.Tensor:
-        """[layers, 2] (hits, misses) on the device since the last call, the
-        counters zeroed (in stream order)."""
-        counts = self.counters[:, :, COUNTS.index("hits"):].sum(dim=1)
+        """[layers, 3] (hits, misses, units staged) on the device since the last
+        call, the counters zeroed (in stream order)."""
+        counts = torch.cat([self.counters[:, :, COUNTS.index("hits"):].sum(dim=1),
+                            self.staged], dim=1)
         self.counters[:, :, COUNTS.index("hits"):].zero_()
+        self.staged.zero_()
         return counts
-
-
-def substitute_block_table(slots: torch.Tensor, context_lens: torch.Tensor,
-                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The table an attention kernel over cached blocks takes, one row per (row, KV head).
-
-    vLLM's paged attention has one block table per sequence, shared by its KV
-    heads; InfiniGen selects per KV head. So each (row, KV head) becomes a
-    sequence of one KV head with the G query heads of its group: query
-    [S * H_kv, G, D], K and V the cache units' halves viewed as
-    [num_units, block_size, 1, D] (row stride 2D), and this table.
-
-    The selected blocks keep their order (``select_blocks``: ascending, the
-    row's own block last), so positions run in order and only the own block
-    is partial: it holds ``context_len % block_size + 1`` tokens, its own
-    token included (written into the cache before attending).
-
-    Args:
-        slots: [S, H_kv, W] flat cache slots of the selection, valid first, -1 after.
-        context_lens: [S] tokens before each row's own.
-
-    Returns:
-        (table [S * H_kv, W] int32 with padding as 0, seq_lens [S * H_kv] int32).
-    """
-    num_rows, num_heads, width = slots.shape
-    num_valid = (slots >= 0).sum(dim=-1)  # [S, H]
-    partial = context_lens.to(torch.int64)[:, None] % block_size + 1
-    seq_lens = (num_valid - 1) * block_size + partial
-    table = slots.clamp(min=0).reshape(num_rows * num_heads, width).to(torch.int32)
-    return table, seq_lens.reshape(-1).to(torch.int32)

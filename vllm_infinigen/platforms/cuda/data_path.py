@@ -21,6 +21,8 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
                     bounds or int keys of the units they close (one kernel)
     attend_selected waits for the gather, attends each (row, KV head) over
                     its cached blocks (attention and merge: two kernels)
+    place_prompts,  a step's prompt rows: their blocks placed in the cache
+    attend_prompt   before the write, attended there (``prompts.py``)
 
 A decode step of the device-only plan (``plans_on_device``) reads nothing back
 to the host and allocates the same shapes whatever the selection (widths from
@@ -31,8 +33,8 @@ a CUDA graph.
 Attention over the cached blocks is ``kernels.attend_units`` (Triton on CUDA,
 torch elsewhere): every token of a selected block, the cache slots of a (row,
 KV head)'s blocks being its table; not vLLM's paged attention, whose table is
-per request for all KV heads (docs/design.md). Dense and prompt rows of a
-host-planned step stage their blocks from the pool and attend in torch.
+per request for all KV heads (docs/design.md). Dense rows of a host-planned
+step, and prompts the cache cannot hold, stage their blocks (``staged.py``).
 
 With ``device="cpu"`` the whole path runs in torch on the CPU (CI).
 """
@@ -45,11 +47,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_infinigen.config import InfiniGenConfig, flag
+from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.layout import BOUND_UNIT
 from vllm_infinigen.memory import CAP_FLAG, PoolPlan
-from vllm_infinigen.platforms.cuda import kernels, staged
+from vllm_infinigen.platforms.cuda import kernels, prompts, staged
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
+from vllm_infinigen.platforms.cuda.memory import widening
 from vllm_infinigen.platforms.cuda.kernels import (
     DeviceSelection,
     blocks_of_positions,
@@ -72,6 +75,7 @@ class _LayerCache:
     slots: torch.Tensor | None = None  # [S, H_kv, W] flat cache slots of its blocks
     context_lens: torch.Tensor | None = None  # [S] the placement read them
     ready: object | None = None  # torch.cuda.Event recorded after the gather
+    prompts: tuple[StepPlan, dict] | None = None  # the step's cached prompts (prompts.place)
 
 
 class CudaDataPath:
@@ -131,7 +135,7 @@ class CudaDataPath:
             self.settings = values
             self._start = config
         else:
-            refused = _widening(self._start, config)
+            refused = widening(self._start, config)
             if refused:
                 raise ValueError(
                     f"on CUDA, {refused} cannot change that way in a running engine (the "
@@ -286,6 +290,7 @@ class CudaDataPath:
                                      lookup.fetch_slots, lookup.num_fetch)
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(self._stream)
+        entry.prompts = None  # this placement may have evicted their blocks
         # Held until the attention, after which the placement has read them.
         entry.selection, entry.slots, entry.context_lens = selection, lookup.slots, context_lens
 
@@ -319,7 +324,8 @@ class CudaDataPath:
     def attend_dense(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
                      row_map: torch.Tensor | None) -> torch.Tensor:
         """Each row over its whole context, its blocks staged from the pool (no cache)."""
-        return staged.attend_dense(layer, rows, query, self.device)
+        return staged.attend_dense(layer, rows, query, self.device,
+                                   self._cache.staged[self._layers[layer.layer_idx].index])
 
     def decode_short(self, layer: LayerState, rows: RowSet, query: torch.Tensor, key, value,
                      slots: torch.Tensor, row_map: None, out: torch.Tensor) -> None:
@@ -327,11 +333,23 @@ class CudaDataPath:
         n = rows.context_lens.shape[0]
         out[:n] = self.attend_dense(layer, rows, query[:n], row_map)
 
+    def place_prompts(self, layer: LayerState, plan: StepPlan) -> None:
+        """Before the write of a step with prompt rows: their blocks into the
+        layer's cache, never over the decode rows' selection (``prompts.place``)."""
+        entry = self._layers[layer.layer_idx]
+        self._wait(entry)
+        entry.prompts = plan, prompts.place(self._cache, entry.index, entry.units, layer,
+                                            plan, entry.slots)
+
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
-        """Causal attention of each prompt request over its blocks staged from the
-        pool (the step's tokens were written through before), in torch."""
-        staged.attend_prompt(layer, plan, query, output, self.device)
+        """Causal attention of each prompt request over its cached blocks, or
+        over blocks staged from the pool where the cache could not hold them."""
+        entry = self._layers[layer.layer_idx]
+        placed, entry.prompts = entry.prompts, None
+        tables = placed[1] if placed is not None and placed[0] is plan else {}
+        prompts.attend(tables, entry.units, layer, plan, query, output, self.device,
+                       self._cache.staged[entry.index])
 
     def shutdown(self) -> None:
         for entry in self._layers.values():
@@ -357,21 +375,21 @@ class CudaDataPath:
 
     def take_stats(self, wait: bool = False) -> dict[str, int]:
         """``block_cache.CACHE_COUNTERS`` since the last call, keyed
-        ``"<counter>.<layer_idx>"`` (hits, misses, bytes over PCIe): one
-        asynchronous copy per step for every layer, read a step later on a
-        GPU (``worker/counters.py``; ``wait``: now)."""
+        ``"<counter>.<layer_idx>"`` (PCIe bytes: the misses and staged units),
+        one asynchronous copy per step, read a step later on a GPU
+        (``worker/counters.py``; ``wait``: now)."""
         if self._cache is None:
             return {}
         counts = self._stats_drain(self._cache.take_counter_tensor(), wait=wait)
         if counts is None:
             return {}
-        hits, misses = counts.t().tolist()
         stats: dict[str, int] = {}
-        for (layer_idx, entry), hit, miss in zip(self._layers.items(), hits, misses):
-            if hit or miss:
+        for (layer_idx, entry), (hit, miss, staged_units) in zip(self._layers.items(),
+                                                                 counts.tolist()):
+            if hit or miss or staged_units:
                 unit_bytes = entry.units[0].numel() * entry.units.element_size()
                 stats.update({f"cache_hits.{layer_idx}": hit, f"cache_misses.{layer_idx}": miss,
-                              f"pcie_bytes.{layer_idx}": miss * unit_bytes})
+                              f"pcie_bytes.{layer_idx}": (miss + staged_units) * unit_bytes})
         return stats
 
     # -- helpers
@@ -380,21 +398,3 @@ class CudaDataPath:
         if entry.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.ready)
             entry.ready = None
-
-
-
-def _widening(start: InfiniGenConfig, config: InfiniGenConfig) -> str | None:
-    """The flag whose change from ``start`` a device step sized by it cannot follow."""
-    if config.budget > start.budget:
-        return flag("budget")
-    if config.min_context > start.min_context:
-        return flag("min_context")
-    if start.budget_tokens is not None and (config.budget_tokens is None
-                                            or config.budget_tokens > start.budget_tokens):
-        return flag("budget_tokens")
-    # Kernel arguments and host decisions a captured graph keeps.
-    for name in ("sink_tokens", "recent_tokens", "speculation", "policy",
-                 "eval_dense_prefix"):
-        if getattr(config, name) != getattr(start, name):
-            return flag(name)
-    return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_infinigen.config import InfiniGenConfig, flag
 from vllm_infinigen.platforms.cuda.kernels import static_width, window_blocks
 
 # Slots per head as a multiple of the widest step's blocks: replaying selections
@@ -97,3 +98,21 @@ def split_device_grant(granted: int, *, pages: int, speculation: int,
             "--infinigen-budget")
     kv_space = rest * pages // (pages + speculation)
     return DeviceSplit(kv_space, rest - kv_space, cache)
+
+
+def widening(start: InfiniGenConfig, config: InfiniGenConfig) -> str | None:
+    """The flag whose change from ``start`` (the settings that sized the device
+    block cache and the captured graphs) a running engine cannot follow, or None."""
+    if config.budget > start.budget:
+        return flag("budget")
+    if config.min_context > start.min_context:
+        return flag("min_context")
+    if start.budget_tokens is not None and (config.budget_tokens is None
+                                            or config.budget_tokens > start.budget_tokens):
+        return flag("budget_tokens")
+    # Kernel arguments and host decisions a captured graph keeps.
+    for name in ("sink_tokens", "recent_tokens", "speculation", "policy",
+                 "eval_dense_prefix"):
+        if getattr(config, name) != getattr(start, name):
+            return flag(name)
+    return None

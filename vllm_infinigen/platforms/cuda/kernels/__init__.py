@@ -16,6 +16,8 @@ host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
     encode_bounds        triton_bounds.encode_bounds       reference.write_bounds
     attend_units         triton_units.attend_units         reference.attend_units_reference
     attend_prompt_units  triton_prompt.attend_prompt       reference.attend_prompt_units_reference
+                         (a float32 query; a 16-bit one:
+                         torch's SDPA on every device)
     read_bytes           triton_units.read_bytes           - (CUDA only: host_pool's check)
     int_scores           triton_scoring.int_scores         block_rule.int_token_scores,
                                                            block_rule.block_scores

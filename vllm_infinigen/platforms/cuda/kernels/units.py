@@ -18,7 +18,10 @@
     encode_groups       the int keys of the groups new tokens close, from the pool
     encode_bounds       the bounds of the units new tokens close, from the pool
     attend_prompt_units causal attention of one request's prompt rows over
-                        its units (prefill, chunked or not): flash attention
+                        its units (prefill, chunked or not): with a 16-bit
+                        query, torch's SDPA (FlashAttention on CUDA) over the
+                        units gathered in position order; else a Triton
+                        flash-attention kernel over the units
     read_bytes          a kernel's read of pinned host memory (``host_pool``'s check)
 
 A call on CUDA tensors launches the Triton kernel (``triton_units.py``,
@@ -315,6 +318,9 @@ def attend_prompt_units(query: torch.Tensor, units: torch.Tensor, table: torch.T
     Returns:
         [T, H_q, D] in the query's dtype.
     """
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return _prompt_sdpa(query, units, table, seq_len=seq_len, scale=scale * key_scale,
+                            value_scale=value_scale)
     if not query.is_cuda:
         return reference.attend_prompt_units_reference(
             query, units, table, first=first, seq_len=seq_len, scale=scale,
@@ -326,6 +332,27 @@ def attend_prompt_units(query: torch.Tensor, units: torch.Tensor, table: torch.T
                                 seq_len=seq_len, scale=scale * key_scale,
                                 value_scale=value_scale)
     return out
+
+
+def _prompt_sdpa(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor, *,
+                 seq_len: int, scale: float, value_scale: float) -> torch.Tensor:
+    """``attend_prompt_units`` through torch's SDPA: the request's tokens gathered
+    from its units in position order (FP8 widened exactly to the query's type),
+    each KV head's repeated for its query heads, the causal mask aligned to the
+    last row (``causal_lower_right``: row r at position seq_len - T + r).
+    Measured on an H200 at 32K (one layer, bf16): 13.3 ms against 32.4 for
+    the Triton kernel over staged units (``kernel_limits.py``)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    num_rows, num_heads, head_size = query.shape
+    kv_heads = table.shape[0]
+    rows = units[table.to(torch.int64)].reshape(kv_heads, -1, 2 * head_size)[:, :seq_len]
+    rows = rows.to(query.dtype).repeat_interleave(num_heads // kv_heads, dim=0)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], rows[None, ..., :head_size], rows[None, ..., head_size:],
+        attn_mask=causal_lower_right(num_rows, seq_len), scale=scale)
+    out = out[0].transpose(0, 1)
+    return out if value_scale == 1.0 else (out * value_scale).to(query.dtype)
 
 
 def read_bytes(source_bytes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
