@@ -205,6 +205,47 @@ def test_a_token_written_after_its_block_was_fetched_reaches_the_cached_copy():
     torch.testing.assert_close(out, case.oracle(query, [10], [[[0, 2], [1, 2]]]))
 
 
+def test_the_write_leaves_the_gather_in_flight_and_the_attention_reads_no_stale_token(
+        monkeypatch):
+    """The overlap's order (a gather issued in the layer before): the layer's write
+    waits for nothing, so the next layer's selection and gather follow at once; the
+    new token reaches its block's cached copy after the gather has landed and
+    before the attention reads it (events recorded as a CUDA stream would see them)."""
+    events = []
+
+    class Stream:
+        def wait_event(self, event):
+            events.append(("wait", event))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    write_cached = cuda_data_path.kernels.write_cached_tokens
+
+    def spy(*args, **kwargs):
+        events.append(("cached write",))
+        write_cached(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_data_path.kernels, "write_cached_tokens", spy)
+    case = _Case()
+    case.write(0, 9)
+    positions = _positions([[[1], [5]]])
+    _decode(case, positions, [9])  # the own block (id 1) cached, holding token 9 only
+    entry, cache = case.path._layers[case.layer.layer_idx], case.path._cache
+    rows = case.rows([10])
+    case.path.start_fetch(case.layer, rows, positions, None)
+    entry.ready = "gathered"  # the side stream's event
+    events.clear()
+    case.write(0, 11)  # token 10: block 2 (id 1), offset 2
+    assert events == []  # no wait, nothing written into the cache yet
+    copy = entry.units[int(cache.slot_of[0, 1 * KV_HEADS])]
+    assert not torch.equal(copy[2, :DIM], case.keys[0, 10, 0])
+    assert torch.equal(case.layer.kv_pool[1, 0, 2, :DIM], case.keys[0, 10, 0])  # the pool has it
+    query = torch.randn(1, HEADS, DIM)
+    out, _ = case.path.attend_selected(case.layer, rows, query, positions, None, None)
+    assert events == [("wait", "gathered"), ("cached write",)]
+    assert torch.equal(copy[2, :DIM], case.keys[0, 10, 0])
+    torch.testing.assert_close(out, case.oracle(query, [10], [[[0, 2], [1, 2]]]))
+
+
 def test_release_drops_a_finished_requests_blocks_and_they_are_fetched_again():
     case = _Case()
     case.write(0, 13)

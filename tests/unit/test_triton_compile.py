@@ -51,7 +51,13 @@ def _unit_cases(query: str, units: str, ieee: bool, fp8: dict):
             "value": f"*{query}", "slots": "*i64", "key_row_stride": i64,
             "value_row_stride": i64, "capacity": i32, "key_inverse": "fp32",
             "value_inverse": "fp32"},
-           {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "CACHED": True, **fp8})
+           {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "POOL": True, "CACHED": True, **fp8})
+    yield (triton_units._write_tokens,  # the cached copies alone (kernels.write_cached_tokens)
+           {"pool": f"*{units}", "units": f"*{units}", "slot_of": "*i32", "key": f"*{query}",
+            "value": f"*{query}", "slots": "*i64", "key_row_stride": i64,
+            "value_row_stride": i64, "capacity": i32, "key_inverse": "fp32",
+            "value_inverse": "fp32"},
+           {"H": 8, "BLOCK": 16, "D": 128, "D_PAD": 128, "POOL": False, "CACHED": True, **fp8})
 
 
 def _kernel_cases():

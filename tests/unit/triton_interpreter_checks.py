@@ -477,6 +477,10 @@ def test_write_tokens_equals_the_reference(triton_units, dtype):
     # (the reference writes uncached tokens into the scratch unit, the kernel skips them)
     assert torch.equal(pool, expected[0]) and torch.equal(units[:-1], expected[1][:-1])
     assert units[:-1].abs().sum() > 0
+    # the cached copies alone (``kernels.write_cached_tokens``): the same units
+    alone = torch.zeros_like(units)
+    triton_units.write_tokens(None, alone, slot_of, key, value, slots, capacity=capacity)
+    assert torch.equal(alone[:-1], expected[1][:-1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -581,6 +585,10 @@ def test_fp8_write_tokens_equal_the_reference_byte_for_byte(triton_units, fmt, d
     as_bytes = functools.partial(torch.Tensor.view, dtype=torch.uint8)
     assert torch.equal(as_bytes(pool), as_bytes(expected[0]))
     assert torch.equal(as_bytes(units[:-1]), as_bytes(expected[1][:-1]))
+    alone = torch.zeros_like(units)  # the cached copies alone, byte for byte the same
+    triton_units.write_tokens(None, alone, slot_of, key, value, slots, capacity=capacity,
+                              key_scale=KEY_SCALE, value_scale=VALUE_SCALE)
+    assert torch.equal(as_bytes(alone[:-1]), as_bytes(expected[1][:-1]))
     assert pool.float().abs().max() == torch.finfo(fmt).max  # saturated, not NaN
     assert not pool.float().isnan().any()
 

@@ -43,9 +43,12 @@ between the compute stream and the lower-priority transfer stream):
 
 1. a step's host write-through of new K/V lands before a later gather can
    read those blocks from the pool;
-2. the layer's gather (issued in the layer before) completes before the
-   layer writes the step's tokens into cached blocks (``kernels.write_tokens``,
-   which keeps a cached partial block current) and before it attends;
+2. the layer's write-through and key encoding do not wait for the layer's
+   gather (issued in the layer before), so the next layer's selection and
+   gather follow at once (the side stream busy layer after layer); the gather
+   completes before the step's tokens go into the cached copies of their
+   blocks (``kernels.write_cached_tokens``, which keeps a cached partial block
+   current) and before the layer attends (``CudaDataPath._flush``);
 3. the next step's gather into the layer's cache starts after this step's
    attention of that layer (the side stream waits for the compute stream
    before it is issued);

@@ -363,6 +363,13 @@ class DeviceBlockCache:
         counts = self.take_counter_tensor().t().tolist()
         return counts[0], counts[1]
 
+    def take_attended(self) -> torch.Tensor:
+        """[layers, 2] (entries attended besides the rows' own, context tokens)
+        counted by ``place`` since the last call, zeroed (in stream order)."""
+        counts = self.counters[:, :, :2].sum(dim=1)
+        self.counters[:, :, :2].zero_()
+        return counts
+
     def take_counter_tensor(self) -> torch.Tensor:
         """[layers, 3] (hits, misses, units staged) on the device since the last
         call, the counters zeroed (in stream order)."""

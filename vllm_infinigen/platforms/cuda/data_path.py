@@ -16,11 +16,11 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
                     the fetch list) and gathers the missing (block, KV head)
                     units (one kernel); on CUDA on a side stream of low
                     priority, finished by an event
-    write           the layer's new K|V written through to the pool and into
-                    the cached copies of their blocks (one kernel), the
-                    bounds or int keys of the units they close (one kernel)
-    attend_selected waits for the gather, attends each (row, KV head) over
-                    its cached blocks (attention and merge: two kernels)
+    write           the layer's new K|V written through to the pool, the bounds
+                    or int keys of the units they close: no wait for the gather
+    attend_selected waits for the gather, writes the new K|V into the cached
+                    copies of their blocks (``_flush``), attends each (row, KV
+                    head) over its cached blocks (attention and merge)
     place_prompts,  a step's prompt rows: their blocks placed in the cache
     attend_prompt   before the write, attended there (``prompts.py``)
 
@@ -31,10 +31,9 @@ the device until ``add_counts``; settings in a device tensor): it can run in
 a CUDA graph.
 
 Attention over the cached blocks is ``kernels.attend_units`` (Triton on CUDA,
-torch elsewhere): every token of a selected block, the cache slots of a (row,
-KV head)'s blocks being its table; not vLLM's paged attention, whose table is
-per request for all KV heads (docs/design.md). Dense rows of a host-planned
-step, and prompts the cache cannot hold, stage their blocks (``staged.py``).
+torch elsewhere), the cache slots of a (row, KV head)'s blocks being its table
+(docs/design.md). Dense rows of a host-planned step, and prompts the cache
+cannot hold, stage their blocks (``staged.py``).
 
 With ``device="cpu"`` the whole path runs in torch on the CPU (CI).
 """
@@ -52,7 +51,7 @@ from vllm_infinigen.layout import BOUND_UNIT
 from vllm_infinigen.memory import CAP_FLAG, PoolPlan
 from vllm_infinigen.platforms.cuda import kernels, prompts, staged
 from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
-from vllm_infinigen.platforms.cuda.memory import widening
+from vllm_infinigen.platforms.cuda.memory import refuse_widening
 from vllm_infinigen.platforms.cuda.kernels import (
     DeviceSelection,
     blocks_of_positions,
@@ -76,6 +75,7 @@ class _LayerCache:
     context_lens: torch.Tensor | None = None  # [S] the placement read them
     ready: object | None = None  # torch.cuda.Event recorded after the gather
     prompts: tuple[StepPlan, dict] | None = None  # the step's cached prompts (prompts.place)
+    pending: tuple | None = None  # (key, value, slots) written, not yet into the cache
 
 
 class CudaDataPath:
@@ -111,8 +111,8 @@ class CudaDataPath:
         self._stats_drain = CounterDrain()
 
     def describe(self) -> str:
-        where = "pinned host pool, Triton gather on a side stream" if self._stream else \
-            "torch reference on " + str(self.device)
+        where = ("pinned host pool, Triton gather on a side stream" if self._stream
+                 else f"torch reference on {self.device}")
         return (f"device block cache of {self.slots_per_head} blocks per layer and KV head "
                 f"(lru), {where}; decode steps planned on the device")
 
@@ -124,10 +124,8 @@ class CudaDataPath:
         settings of the first call size every selection (``width``).
 
         Raises:
-            ValueError: If a change would widen the selection past what the
-                cache and captured graphs were sized for (a larger budget, cap in
-                tokens or min context), or changes the sink or recent windows
-                (kernel arguments a captured graph keeps), naming the flag.
+            ValueError: On a change the cache and captured graphs cannot follow
+                (``memory.refuse_widening``), naming the flag.
         """
         values = kernels.settings_tensor(config.alpha, config.budget, config.min_context,
                                          self.device, config.budget_tokens)
@@ -135,12 +133,7 @@ class CudaDataPath:
             self.settings = values
             self._start = config
         else:
-            refused = widening(self._start, config)
-            if refused:
-                raise ValueError(
-                    f"on CUDA, {refused} cannot change that way in a running engine (the "
-                    "device block cache and the captured CUDA graphs are sized by its "
-                    "start-up value); restart the engine with the new value")
+            refuse_widening(self._start, config)
             self.settings.copy_(values)  # in place: a captured graph reads this tensor
         entries = list(self._layers.values())
         if entries and self._cache is None:
@@ -155,16 +148,16 @@ class CudaDataPath:
                              f"per slot; unset {CAP_FLAG} (or give it room for every slot)")
         block_size, heads, head_size = plan.block_size, layer.num_kv_heads, layer.head_size
         host_pool = None
+        shape = (num_blocks, heads, block_size, head_size)
         if self._host_pool is not None:
             layer.kv_pool = self._host_pool(layer, num_blocks)
         elif self._stream is not None:
             from vllm_infinigen.platforms.cuda.host_pool import allocate_host_pool
 
-            host_pool = allocate_host_pool(num_blocks, heads, block_size, head_size, kv_dtype)
+            host_pool = allocate_host_pool(*shape, kv_dtype)
             layer.kv_pool = host_pool.tensor
         else:
-            layer.kv_pool = torch.zeros((num_blocks, heads, block_size, 2 * head_size),
-                                        dtype=kv_dtype, device=torch.device("cpu"))
+            layer.kv_pool = torch.zeros(shape[:3] + (2 * head_size,), dtype=kv_dtype)
         layer.num_blocks = num_blocks
         layer.selector = functools.partial(self.select, layer)  # whole blocks, on the device
         layer.allocate_speculation_keys(num_blocks, block_size, dtype, self.device,
@@ -179,9 +172,8 @@ class CudaDataPath:
     def width(self, table_blocks: int, block_size: int) -> int:
         """Blocks per KV head of every selection (``kernels.static_width`` of
         the start-up settings)."""
-        if self._start is None:
+        if (start := self._start) is None:
             raise RuntimeError("CudaDataPath.configure was not called")
-        start = self._start
         sink, recent = self._windows(block_size)
         return kernels.static_width(table_blocks, block_size, budget=start.budget,
                                     min_context=start.min_context, sink_blocks=sink,
@@ -193,8 +185,7 @@ class CudaDataPath:
 
     def pool_index(self, num_layers: int, num_heads: int, num_slots: int, num_rows: int,
                    eviction: str, *, block_size: int) -> PoolIndex:
-        """A row per dense slot: this platform's pool is never capped (refused
-        at start-up, ``refusals.py``)."""
+        """A row per dense slot: a capped pool is refused at start-up (``refusals.py``)."""
         if num_rows < num_slots:
             raise RuntimeError(f"a capped pool ({num_rows} rows for {num_slots} slots) on "
                                "CUDA: --infinigen-cpu-pool-gib is refused at start-up")
@@ -207,7 +198,6 @@ class CudaDataPath:
         Args:
             query: [S, H_kv, G, R] (``policies.infinigen.skewed``): every
                 channel (bounds, int keys), or the skewed partial query.
-            row_map: Always None (``pool_index``: a row per slot).
         """
         block_size = layer.block_size
         table = rows.block_table.to(self.device)
@@ -236,23 +226,28 @@ class CudaDataPath:
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor, row_map: torch.Tensor | None,
               closes_group: bool = True) -> None:
-        """The write-through and the cached copies of the new tokens' blocks, then
-        the bounds or int keys. The layer's gather (issued in the layer before) lands first:
-        a new token of a cached block is written into its cached copy too, or
-        attention would read it stale."""
+        """The write-through of the new tokens and their cached copies, then the
+        bounds or int keys they close. With a gather in flight towards the layer
+        (issued in the layer before) nothing waits for it: the next layer's
+        selection and gather follow at once, the cached copies once it has
+        landed (``_flush``)."""
         entry = self._layers[layer.layer_idx]
-        self._wait(entry)
+        if entry.pending is not None:  # the last step's, if nothing read the cache since
+            self._flush(entry, layer)
         device_slots = slots.to(self.device, torch.int64)
         if layer.speculation_keys == "partial":
             kernels.write_partial_keys(layer.partial_keys, key, layer.skew, device_slots)
+        key, value = key.to(self.device), value.to(self.device)
+        in_flight = entry.slots is not None  # else no gather to race: the copies at once
+        cache = () if in_flight else (entry.units, self._cache.slot_of[entry.index],
+                                      self.slots_per_head)
         # On the compute stream: the next gather (side stream) waits for it.
-        kernels.write_tokens(layer.kv_pool, key.to(self.device), value.to(self.device),
-                             device_slots, entry.units, self._cache.slot_of[entry.index],
-                             self.slots_per_head, **layer.kv_scales())
+        kernels.write_tokens(layer.kv_pool, key, value, device_slots, *cache, **layer.kv_scales())
         if layer.int_keys and closes_group:
             kernels.encode_groups(layer.key_codes, layer.key_scales, layer.kv_pool, device_slots)
         if layer.bound_keys and closes_group:
             kernels.encode_bounds(layer.bounds, layer.bound_scales, layer.kv_pool, device_slots)
+        entry.pending = (key, value, device_slots) if in_flight else None
 
     def start_fetch(self, layer: LayerState, rows: RowSet,
                     selection: DeviceSelection | torch.Tensor,
@@ -269,6 +264,7 @@ class CudaDataPath:
                                           layer.block_size, width)
             selection = selection_of_blocks(logical, rows, layer.block_size)
         entry = self._layers[layer.layer_idx]
+        self._flush(entry, layer)  # (eval mode: a selection made after the layer's write)
         context_lens = rows.context_lens.to(self.device)
         if self._stream is None:
             lookup = self._cache.place(entry.index, selection.physical, selection.seq_lens,
@@ -276,11 +272,9 @@ class CudaDataPath:
             kernels.gather_units(layer.kv_pool, entry.units, lookup.fetch_units,
                                  lookup.fetch_slots, lookup.num_fetch)
         else:
-            # No record_stream (a captured graph takes none): the compute stream
-            # waits for ``ready`` before it writes or attends, so the placement has
-            # read the selection before the compute stream can free and reuse it;
-            # and the side stream waits for the compute stream before each placement,
-            # so the slots it made are not reused before this layer's attention read them.
+            # No record_stream (a captured graph takes none): the entry holds what the
+            # placement reads until the compute stream has waited for ``ready``; the
+            # side stream waits for the compute stream (the last step's attention).
             compute = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(compute)  # the selection, and last step's attention
             with torch.cuda.stream(self._stream):
@@ -307,12 +301,11 @@ class CudaDataPath:
         """
         entry = self._layers[layer.layer_idx]
         if entry.slots is None:
-            raise RuntimeError(f"InfiniGen: sparse layer {layer.layer_idx} attends with no "
-                               "fetch started for it")
+            raise RuntimeError(f"InfiniGen: sparse layer {layer.layer_idx} attends unfetched")
         if probs is not None:
             raise ValueError("the CUDA data path does not report the attention each "
                              "selected entry received")
-        self._wait(entry)
+        self._flush(entry, layer)
         num_rows, num_heads, width = entry.slots.shape
         out = kernels.attend_units(query.to(self.device), entry.units,
                                    entry.slots.view(num_rows * num_heads, width),
@@ -324,8 +317,10 @@ class CudaDataPath:
     def attend_dense(self, layer: LayerState, rows: RowSet, query: torch.Tensor,
                      row_map: torch.Tensor | None) -> torch.Tensor:
         """Each row over its whole context, its blocks staged from the pool (no cache)."""
+        entry = self._layers[layer.layer_idx]
+        self._flush(entry, layer)
         return staged.attend_dense(layer, rows, query, self.device,
-                                   self._cache.staged[self._layers[layer.layer_idx].index])
+                                   self._cache.staged[entry.index])
 
     def decode_short(self, layer: LayerState, rows: RowSet, query: torch.Tensor, key, value,
                      slots: torch.Tensor, row_map: None, out: torch.Tensor) -> None:
@@ -334,8 +329,7 @@ class CudaDataPath:
         out[:n] = self.attend_dense(layer, rows, query[:n], row_map)
 
     def place_prompts(self, layer: LayerState, plan: StepPlan) -> None:
-        """Before the write of a step with prompt rows: their blocks into the
-        layer's cache, never over the decode rows' selection (``prompts.place``)."""
+        """Before the write of a step with prompt rows: their blocks into the cache."""
         entry = self._layers[layer.layer_idx]
         self._wait(entry)
         entry.prompts = plan, prompts.place(self._cache, entry.index, entry.units, layer,
@@ -343,9 +337,9 @@ class CudaDataPath:
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
-        """Causal attention of each prompt request over its cached blocks, or
-        over blocks staged from the pool where the cache could not hold them."""
+        """Each prompt request over its cached blocks, or staged (``prompts.attend``)."""
         entry = self._layers[layer.layer_idx]
+        self._flush(entry, layer)
         placed, entry.prompts = entry.prompts, None
         tables = placed[1] if placed is not None and placed[0] is plan else {}
         prompts.attend(tables, entry.units, layer, plan, query, output, self.device,
@@ -366,21 +360,17 @@ class CudaDataPath:
     def add_counts(self, stats: torch.Tensor) -> None:
         """Adds the entries the selections attended and the rows' context tokens,
         counted on the device per layer, to the runtime's [layers, 2] ``stats``."""
-        if self._cache is None:
-            return
-        counts = self._cache.counters[:, :, :2].sum(dim=1).to(stats.dtype)  # [L, 2]
-        layers = torch.tensor(list(self._layers), device=stats.device)
-        stats.index_add_(0, layers, counts.to(stats.device))
-        self._cache.counters[:, :, :2].zero_()
+        if self._cache is not None:
+            layers = torch.tensor(list(self._layers), device=stats.device)
+            stats.index_add_(0, layers, self._cache.take_attended().to(stats.device, stats.dtype))
 
     def take_stats(self, wait: bool = False) -> dict[str, int]:
         """``block_cache.CACHE_COUNTERS`` since the last call, keyed
         ``"<counter>.<layer_idx>"`` (PCIe bytes: the misses and staged units),
         one asynchronous copy per step, read a step later on a GPU
         (``worker/counters.py``; ``wait``: now)."""
-        if self._cache is None:
-            return {}
-        counts = self._stats_drain(self._cache.take_counter_tensor(), wait=wait)
+        counts = (None if self._cache is None
+                  else self._stats_drain(self._cache.take_counter_tensor(), wait=wait))
         if counts is None:
             return {}
         stats: dict[str, int] = {}
@@ -398,3 +388,13 @@ class CudaDataPath:
         if entry.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(entry.ready)
             entry.ready = None
+
+    def _flush(self, entry: _LayerCache, layer: LayerState) -> None:
+        """Waits for the layer's gather, then writes the step's new tokens into the
+        cached copies of their blocks (gathered, or placed for a prompt, before)."""
+        self._wait(entry)
+        if entry.pending is not None:
+            (key, value, slots), entry.pending = entry.pending, None
+            kernels.write_cached_tokens(entry.units, self._cache.slot_of[entry.index],
+                                        self.slots_per_head, key, value, slots,
+                                        **layer.kv_scales())

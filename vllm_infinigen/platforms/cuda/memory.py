@@ -100,6 +100,16 @@ def split_device_grant(granted: int, *, pages: int, speculation: int,
     return DeviceSplit(kv_space, rest - kv_space, cache)
 
 
+def refuse_widening(start: InfiniGenConfig, config: InfiniGenConfig) -> None:
+    """Raises ValueError naming the flag whose change ``widening`` finds."""
+    refused = widening(start, config)
+    if refused:
+        raise ValueError(
+            f"on CUDA, {refused} cannot change that way in a running engine (the device "
+            "block cache and the captured CUDA graphs are sized by its start-up value); "
+            "restart the engine with the new value")
+
+
 def widening(start: InfiniGenConfig, config: InfiniGenConfig) -> str | None:
     """The flag whose change from ``start`` (the settings that sized the device
     block cache and the captured graphs) a running engine cannot follow, or None."""

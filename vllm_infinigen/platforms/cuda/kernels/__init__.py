@@ -11,6 +11,8 @@ host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
     gather_units         triton_units.gather_units         reference.gather_units_reference
     write_tokens         triton_units.write_tokens         reference.write_pool,
                                                            reference.write_cached_tokens
+    write_cached_tokens  triton_units.write_tokens         reference.write_cached_tokens
+                         (no pool)
     write_partial_keys   (torch on every device)           -
     encode_groups        triton_units.encode_groups        reference.write_int_keys
     encode_bounds        triton_bounds.encode_bounds       reference.write_bounds
@@ -82,6 +84,7 @@ from vllm_infinigen.platforms.cuda.kernels.units import (
     scratch_of,
     unit_words,
     with_scratch_block,
+    write_cached_tokens,
     write_partial_keys,
     write_tokens,
 )
@@ -92,4 +95,5 @@ __all__ = ["SETTINGS", "DeviceSelection", "alpha_counts", "attend_prompt_units",
            "encode_groups", "gather_ctas", "gather_units", "int_scores", "partial_scores",
            "place_lru", "read_bytes", "scratch_of", "select", "selection_of_blocks",
            "settings_tensor", "static_width", "step_width", "unit_counts", "unit_words",
-           "window_blocks", "with_scratch_block", "write_partial_keys", "write_tokens"]
+           "window_blocks", "with_scratch_block", "write_cached_tokens", "write_partial_keys",
+           "write_tokens"]

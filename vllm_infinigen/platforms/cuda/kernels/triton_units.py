@@ -278,10 +278,11 @@ def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, 
 @triton.jit
 def _write_tokens(pool, units, slot_of, key, value, slots, key_row_stride, value_row_stride,
                   capacity, key_inverse, value_inverse, H: tl.constexpr, BLOCK: tl.constexpr,
-                  D: tl.constexpr, D_PAD: tl.constexpr, CACHED: tl.constexpr,
-                  FP8_M: tl.constexpr, FP8_EMIN: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Token ``slots[token]``'s K|V of one KV head: into its pool row (the
-    write-through, through the pinned pool's UVA pointer) and, with CACHED,
+                  D: tl.constexpr, D_PAD: tl.constexpr, POOL: tl.constexpr,
+                  CACHED: tl.constexpr, FP8_M: tl.constexpr, FP8_EMIN: tl.constexpr,
+                  FP8_MAX: tl.constexpr):
+    """Token ``slots[token]``'s K|V of one KV head: with POOL, into its pool row
+    (the write-through, through the pinned pool's UVA pointer) and, with CACHED,
     into its block's cached copy when the cache holds that block
     (``slot_of``). Grid (tokens, heads); padding (slot < 0) is skipped.
     An FP8 pool (FP8_M > 0) takes K x key_inverse and V x value_inverse
@@ -299,9 +300,10 @@ def _write_tokens(pool, units, slot_of, key, value, slots, key_row_stride, value
             v = _round_fp8(v.to(tl.float32) * value_inverse, FP8_M, FP8_EMIN, FP8_MAX)
         block = slot // BLOCK
         offset = slot % BLOCK
-        row = pool + ((block * H + head) * BLOCK + offset) * (2 * D)
-        tl.store(row + dims, k.to(pool.dtype.element_ty), mask=ok)
-        tl.store(row + D + dims, v.to(pool.dtype.element_ty), mask=ok)
+        if POOL:
+            row = pool + ((block * H + head) * BLOCK + offset) * (2 * D)
+            tl.store(row + dims, k.to(pool.dtype.element_ty), mask=ok)
+            tl.store(row + D + dims, v.to(pool.dtype.element_ty), mask=ok)
         if CACHED:
             cached = tl.load(slot_of + block * H + head).to(tl.int64)
             if cached >= 0:
@@ -313,13 +315,15 @@ def _write_tokens(pool, units, slot_of, key, value, slots, key_row_stride, value
 def write_tokens(pool, units, slot_of, key, value, slots, *, capacity: int,
                  key_scale: float = 1.0, value_scale: float = 1.0,
                  num_warps: int = 1) -> None:
-    """Launches ``_write_tokens`` on the current stream (arguments: ``kernels.write_tokens``)."""
+    """Launches ``_write_tokens`` on the current stream (arguments: ``kernels.write_tokens``;
+    ``pool`` None: the cached copies alone, ``kernels.write_cached_tokens``)."""
     num_tokens, heads, head_size = key.shape
+    target = pool if pool is not None else units
     _write_tokens[(num_tokens, heads)](
-        pool, units, slot_of, key, value, slots, key.stride(0), value.stride(0), capacity,
-        1.0 / key_scale, 1.0 / value_scale, H=heads, BLOCK=pool.shape[2], D=head_size,
-        D_PAD=triton.next_power_of_2(head_size), CACHED=units is not None,
-        num_warps=num_warps, **fp8_format(pool.dtype))
+        target, units, slot_of, key, value, slots, key.stride(0), value.stride(0), capacity,
+        1.0 / key_scale, 1.0 / value_scale, H=heads, BLOCK=target.shape[-2], D=head_size,
+        D_PAD=triton.next_power_of_2(head_size), POOL=pool is not None,
+        CACHED=units is not None, num_warps=num_warps, **fp8_format(target.dtype))
 
 
 @triton.jit

@@ -13,6 +13,7 @@
                         into the caller's rows: two launches
     write_tokens        the write-through of new K|V into the pinned pool and
                         into the cached copies of their blocks: one launch
+    write_cached_tokens the cached copies alone (the same kernel without the pool)
     write_partial_keys  the skewed partial keys of new keys (torch on every
                         device: a matrix product and a scatter)
     encode_groups       the int keys of the groups new tokens close, from the pool
@@ -194,6 +195,27 @@ def write_tokens(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     triton_units.write_tokens(pool, units, slot_of, key, value,
                               slot_mapping.to(key.device, torch.int64), capacity=slots_per_head,
                               **scales)
+
+
+def write_cached_tokens(units: torch.Tensor, slot_of: torch.Tensor, slots_per_head: int,
+                        key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
+                        key_scale: float = 1.0, value_scale: float = 1.0) -> None:
+    """The new K|V into the cached copies of their blocks alone (the pool written
+    before, by ``write_tokens`` without a cache), on the current stream: the
+    same bytes as the pool's (arguments: ``write_tokens``'). One launch on
+    CUDA (``triton_units.write_tokens`` without the pool); elsewhere
+    ``reference.write_cached_tokens``."""
+    scales = {"key_scale": key_scale, "value_scale": value_scale}
+    if not key.is_cuda:
+        cached = reference.cached_token_slots(slot_of, slot_mapping, units.shape[1],
+                                              key.shape[1], slots_per_head)
+        reference.write_cached_tokens(units, cached, slot_mapping, key, value, **scales)
+        return
+    from vllm_infinigen.platforms.cuda.kernels import triton_units
+
+    triton_units.write_tokens(None, units, slot_of, key, value,
+                              slot_mapping.to(key.device, torch.int64),
+                              capacity=slots_per_head, **scales)
 
 
 def encode_groups(codes: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor,
