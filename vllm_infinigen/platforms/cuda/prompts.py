@@ -11,8 +11,9 @@ attends at device speed and its first decode steps find its blocks there::
              never a slot of the selection in flight for the step's decode
              rows). Of the blocks missing, those holding earlier chunks'
              tokens (chunked prefill) are gathered from the pool; the others
-             only receive the step's tokens, which ``kernels.write_tokens``
-             stores into the cached copies beside the pool.
+             only receive the step's tokens, which the write stores into the
+             cached copies beside the pool (at once, or once a gather in
+             flight towards the layer has landed: ``CudaDataPath._flush``).
     attend   each prompt request causally over its cached blocks
              (``kernels.attend_prompt_units`` on the cache units: for a
              16-bit model, torch's SDPA over them gathered in order).
