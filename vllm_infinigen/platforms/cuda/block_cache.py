@@ -188,8 +188,7 @@ class DeviceBlockCache:
         self.ticks[layer] += 1
         tick = self.ticks[layer][:, None].expand(num_heads, per_head)
         heads, capacity = self._heads, self.slots_per_head
-        slot_of, block_of = self.slot_of[layer], self.block_of[layer]
-        scratch_entry = slot_of.shape[0] - 1
+        slot_of = self.slot_of[layer]
         # ids: [H, M] per head; each (block, head) once, ascending (the first of equals)
         ids = block_ids.permute(1, 0, 2).reshape(num_heads, per_head).to(torch.int64)
         keyed = torch.where(ids >= 0, ids, _BIG).sort(dim=-1).values
@@ -206,20 +205,11 @@ class DeviceBlockCache:
         missing = torch.where(miss, keyed, _BIG).sort(dim=-1).values  # ascending, then _BIG
         take = torch.arange(per_head, device=self.device)[None, :] < num_miss[:, None]
         victims = self._victims(layer, hit_slots, per_head)  # [H, M]
-        # Unmap what the victims held, then map the missing blocks to them.
-        old = block_of.gather(1, victims)
-        unmap = torch.where(take & (old >= 0), old.clamp(min=0) * num_heads + heads,
-                            scratch_entry)
-        slot_of.index_fill_(0, unmap.flatten(), -1)
         new_blocks = torch.where(take, missing, 0)
         dest = torch.where(take, victims, capacity)
-        block_of.scatter_(1, dest, torch.where(take, missing, -1))
-        self.last_used[layer].scatter_(1, dest, tick)
+        self._map(layer, take, new_blocks, dest, tick)
         self.inserted[layer].scatter_(1, dest, tick)
         self.num_uses[layer].scatter_(1, dest, 1)
-        mapped = torch.where(take, new_blocks * num_heads + heads, scratch_entry)
-        slot_of.index_put_((mapped.flatten(),), victims.flatten().to(torch.int32))
-        slot_of[scratch_entry] = -1
         self.counters[layer, :, COUNTS.index("hits")] += hit.sum(dim=1)
         self.counters[layer, :, COUNTS.index("misses")] += num_miss
         # Every selected entry's flat slot, in the selection's order.
@@ -234,6 +224,21 @@ class DeviceBlockCache:
         fetching = units < _BIG
         return CacheLookup(slots, torch.where(fetching, units, -1),
                            torch.where(fetching, flat_dest, -1), num_miss.sum().view(1))
+
+    def _map(self, layer: int, take: torch.Tensor, blocks: torch.Tensor, dest: torch.Tensor,
+             tick: torch.Tensor) -> None:
+        """Where ``take`` [H, M]: block ``blocks`` into slot ``dest`` (capacity
+        elsewhere), the block the slot held unmapped, its last use ``tick``."""
+        heads, slot_of, block_of = self._heads, self.slot_of[layer], self.block_of[layer]
+        scratch_entry = slot_of.shape[0] - 1
+        old = block_of.gather(1, dest)
+        slot_of.index_fill_(0, torch.where(take & (old >= 0), old.clamp(min=0) * self.num_kv_heads
+                                           + heads, scratch_entry).flatten(), -1)
+        slot_of.index_put_((torch.where(take, blocks * self.num_kv_heads + heads,
+                                        scratch_entry).flatten(),), dest.to(torch.int32).flatten())
+        slot_of[scratch_entry] = -1
+        block_of.scatter_(1, dest, torch.where(take, blocks, -1))
+        self.last_used[layer].scatter_(1, dest, tick)
 
     def _victims(self, layer: int, hit_slots: torch.Tensor, count: int) -> torch.Tensor:
         """[H, count] slots with the lowest eviction keys, never one hit this step
@@ -284,8 +289,7 @@ class DeviceBlockCache:
         """
         num_heads, capacity = self.num_kv_heads, self.slots_per_head
         heads, count = self._heads, block_ids.shape[0]
-        slot_of, block_of = self.slot_of[layer], self.block_of[layer]
-        last_used = self.last_used[layer]
+        slot_of, last_used = self.slot_of[layer], self.last_used[layer]
         ids = block_ids.to(self.device, torch.int64)[None, :].expand(num_heads, -1)  # [H, n]
         entries = ids * num_heads + heads
         cached = slot_of[entries].to(torch.int64)
@@ -308,15 +312,7 @@ class DeviceBlockCache:
         order = torch.sort(key, dim=1, stable=True).indices
         rank = (miss.cumsum(dim=1) - 1).clamp(min=0)
         victim = torch.where(miss, order.gather(1, rank), capacity)  # [H, n]
-        scratch_entry = slot_of.shape[0] - 1
-        old = block_of.gather(1, victim)
-        slot_of.index_fill_(0, torch.where(miss & (old >= 0), old.clamp(min=0) * num_heads
-                                           + heads, scratch_entry).flatten(), -1)
-        slot_of.index_put_((torch.where(miss, entries, scratch_entry).flatten(),),
-                           victim.to(torch.int32).flatten())
-        slot_of[scratch_entry] = -1
-        block_of.scatter_(1, victim, torch.where(miss, ids, -1))
-        last_used.scatter_(1, victim, tick)
+        self._map(layer, miss, ids, victim, tick)
         fetch = miss & (torch.arange(count, device=self.device)[None, :] < written)
         self.counters[layer, :, COUNTS.index("misses")] += fetch.sum(dim=1)
         flat = heads * capacity + torch.where(hit, cached, victim)
