@@ -189,8 +189,9 @@ def _setting_label(setting: dict | None, variant: dict | None) -> str:
     keys = (f"{InfiniGenConfig.speculation_keys} keys" if variant["calibration"] == "default"
             else f"partial keys, {variant['calibration']} skew")  # default: no skew file
     engine = f"{variant['dense_layers']} dense layers, {keys}"
-    if variant.get("budget_tokens"):
-        engine += f", cap {variant['budget_tokens']} tokens"
+    cap = setting.get("budget_tokens", variant.get("budget_tokens"))
+    if cap:
+        engine += f", cap {cap} tokens"
     if variant.get("speculation"):
         engine += f", {variant['speculation']}"
     if sweeps.is_control(setting):
@@ -236,11 +237,16 @@ def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None
                skew_file: Path | None) -> list[dict]:
     """One engine: dense, or one InfiniGen variant (dense layers, calibration) swept."""
     settings = sweeps.selection_grid(args.budget, args.policy)
+    if len(args.budget_tokens or []) > 1:  # the caps swept on the engine, each budget's
+        settings = [{**setting, "budget_tokens": cap} for setting in settings
+                    for cap in args.budget_tokens]
     if args.streaming_approx:
         explicit = {"policy": "infinigen"} if "policy" in settings[0] else {}
         settings.append({**explicit, **STREAMING_APPROX})
     if args.select_all_control:
-        settings += sweeps.selection_grid([], args.policy, select_all_control=True)
+        settings += [{**control, **({"budget_tokens": None} if args.budget_tokens else {})}
+                     for control in sweeps.selection_grid([], args.policy,
+                                                          select_all_control=True)]
     infinigen = None
     if kv_manager == "infinigen":
         infinigen = {"budget": args.budget[0], "dense_layers": variant["dense_layers"],
@@ -309,9 +315,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweeps.add_selection_options(parser, [0.05, 0.1, 0.2])
     parser.add_argument("--dense-layers", type=int, nargs="+", default=[2],
                         help="InfiniGen dense layers; one engine per value")
-    parser.add_argument("--budget-tokens", type=int, default=None,
-                        help="--infinigen-budget-tokens: a cap in tokens beside each budget "
-                             "(default: none)")
+    parser.add_argument("--budget-tokens", type=int, nargs="+", default=None,
+                        help="--infinigen-budget-tokens: a cap in tokens beside each budget; "
+                             "several: each swept on the engine (default: none)")
     parser.add_argument("--speculation", default=None, choices=SPECULATIONS,
                         help="--infinigen-speculation (default: the engine's, previous-layer)")
     sweeps.add_kv_cache_dtype_option(parser)
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             for dense_layers in args.dense_layers:
                 for calibration in args.calibration:
                     variant = {"dense_layers": dense_layers, "calibration": calibration,
-                               "budget_tokens": args.budget_tokens,
+                               "budget_tokens": (args.budget_tokens or [None])[0],
                                "speculation": args.speculation}
                     results += run_engine(args, kv_manager, rows, variant,
                                           skew_files[calibration])

@@ -87,13 +87,14 @@ def select_all_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, 
 
 
 def graph_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, batch: int,
-                context: int, streams: Streams, budget: float, trace: Path) -> dict[str, Any]:
+                context: int, streams: Streams, budget: float,
+                traces: list[Path]) -> dict[str, Any]:
     """Each variant's third step, eager and replayed from a captured graph (after
     the same two eager steps), with InfiniGen's replayed selections: the same logits."""
     setup = KVSetup(shape, batch, context, pool, device)
     decoder = Decoder(shape, layers, lm_head)
     x = torch.randn(batch, shape.hidden, device=device).to(dtype)
-    replay, _ = replay_for(trace, shape, batch, context, 8, device)
+    replay, _ = replay_for(traces, shape, batch, context, 8, device, budget)
     errors = {}
     for name in VARIANTS:
         logits = []
@@ -113,7 +114,7 @@ def graph_check(shape: DecoderShape, layers, lm_head, pool, device, dtype, *, ba
 
 
 def self_test(out: Path | None = SELF_TEST_OUT,
-              trace: Path = selection_trace.DEFAULT_TRACE) -> dict[str, Any]:
+              traces: list[Path] | None = None) -> dict[str, Any]:
     """The benchmark on the CPU with tiny shapes and the kernels' references: select-all
     equals dense in every variant; with the trace replayed, the cache's size changes no
     output (the same logits with 1x and 2x the widest step's slots) while a larger cache
@@ -122,7 +123,9 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     shape, device, dtype = TINY, torch.device("cpu"), torch.float32
     streams = Streams(device)
     layers, lm_head = random_weights(shape, device, dtype)
-    batch, context = 2, 2 * 68 * shape.block_size  # two blocks per recorded block
+    traces = selection_trace.recorded_traces() if traces is None else traces
+    blocks = selection_trace.load_trace(selection_trace.trace_for(0.2, traces))[0].shape[-1]
+    batch, context = 2, 2 * blocks * shape.block_size  # two blocks per recorded block
     pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(batch, context, dtype),
                         device, dtype)
     checks = {"select_all": select_all_check(shape, layers, lm_head, pool, device, dtype,
@@ -133,13 +136,13 @@ def self_test(out: Path | None = SELF_TEST_OUT,
               "select_all_partial_keys": select_all_check(
                   shape, layers, lm_head, pool, device, dtype, batch=batch, context=context,
                   streams=streams, keys="partial")}
-    args = argparse.Namespace(trace=trace, warmup=1, steps=4, budget=0.2, keys=DEFAULT_KEYS,
+    args = argparse.Namespace(traces=traces, warmup=1, steps=4, budget=0.2, keys=DEFAULT_KEYS,
                               variants=list(VARIANTS), modes=["eager"], profile=False)
     measured = measure_config(shape, layers, lm_head, pool, device, dtype, batch=batch,
                               context=context, args=args, streams=streams, limits=None)
     setup = KVSetup(shape, batch, context, pool, device)
     decoder = Decoder(shape, layers, lm_head)
-    replay, _ = replay_for(trace, shape, batch, context, 4, device)
+    replay, _ = replay_for(traces, shape, batch, context, 4, device, 0.2)
     x = torch.randn(batch, shape.hidden)
     logits: dict[str, list[torch.Tensor]] = {}
     fetched: dict[str, int] = {}

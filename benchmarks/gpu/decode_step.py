@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", choices=KEYS, default=DEFAULT_KEYS,
                         help="speculation keys the computed selection scores (the product's "
                         "--infinigen-speculation-keys; default: its default)")
-    parser.add_argument("--trace", type=Path, default=selection_trace.DEFAULT_TRACE)
+    parser.add_argument("--traces", type=Path, nargs="+", default=selection_trace.recorded_traces(),
+                        help="recorded selections to replay, the one at --budget's fraction "
+                        "(default: recall-llama-12l-4k's, benchmarks/gpu/traces/)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--host-pool-gib", type=float, default=48.0,
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.self_test:
-        result = checks.self_test(args.out or checks.SELF_TEST_OUT, args.trace)
+        result = checks.self_test(args.out or checks.SELF_TEST_OUT, args.traces)
         print(result)
         return 0 if result["passed"] else 1
     if not torch.cuda.is_available():
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "select_all": checks.select_all_check(shape, layers, lm_head, pool, device, dtype,
                                               keys=args.keys, **small),
         "graph_vs_eager": (checks.graph_check(shape, layers, lm_head, pool, device, dtype,
-                                              budget=args.budget, trace=args.trace, **small)
+                                              budget=args.budget, traces=args.traces, **small)
                            if "graph" in args.modes else None),
         "configs": []}
     print(results["select_all"], results["graph_vs_eager"], limits, flush=True)

@@ -322,22 +322,25 @@ def open_gpu_bench(batches: list[int], contexts: list[int],
                     h2d_limits(pool, device), setup, owner)
 
 
-def replay_for(trace: Path, shape: DecoderShape, batch: int, context: int, steps: int,
-               device: torch.device,
-               fraction: float | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The trace's blocks replayed at ``context`` (``selection_trace.replay_blocks``),
-    at about ``fraction`` of the context when given (below the recorded one)."""
+def replay_for(traces: list[Path], shape: DecoderShape, batch: int, context: int, steps: int,
+               device: torch.device, fraction: float) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The trace of ``traces`` recorded at the fraction nearest above ``fraction``
+    (``selection_trace.trace_for``), its blocks replayed at ``context``
+    (``selection_trace.replay_blocks``), thinned to about ``fraction`` of the context."""
+    trace = selection_trace.trace_for(fraction, traces)
     masks, provenance = selection_trace.load_trace(trace)
     context_blocks = context // shape.block_size
-    per_block = (None if fraction is None
-                 else selection_trace.per_block_for(masks, context_blocks, fraction))
+    per_block = selection_trace.per_block_for(masks, context_blocks, fraction,
+                                              provenance["selection_fraction"])
     replay = selection_trace.replay_blocks(
         masks, num_layers=shape.num_layers - shape.dense_layers, num_kv_heads=shape.num_kv_heads,
         num_rows=batch, context_blocks=context_blocks, num_steps=steps, per_block=per_block)
     kept = float((replay >= 0).sum()) / (replay[:, :, :, :, 0].numel()
                                           * shape.blocks_per_row(context))
-    return replay.to(device), {"trace": trace.name, "kept_fraction": kept,
-                               "recorded_on": provenance.get("model")}
+    return replay.to(device), {
+        "trace": trace.name, "kept_fraction": kept, "recorded_on": provenance.get("model"),
+        "recorded_context": provenance.get("context_tokens"),
+        "recorded_fraction": provenance["selection_fraction"]}
 
 
 def measure_variant(name: str, setup: KVSetup, decoder: Decoder, x: torch.Tensor, layers, *,
@@ -394,7 +397,8 @@ def measure_config(shape, layers, lm_head, pool, device, dtype, *, batch: int, c
     decoder = Decoder(shape, layers, lm_head)
     x = torch.randn(batch, shape.hidden, device=device).to(dtype)
     total = args.warmup + args.steps + 8
-    replay, replayed = replay_for(args.trace, shape, batch, context, total, device)
+    replay, replayed = replay_for(args.traces, shape, batch, context, total, device,
+                                  args.budget)
     out: dict[str, Any] = {"batch": batch, "context": context, "replay": replayed,
                            "layer_kv_bytes": shape.layer_kv_bytes(batch, context, dtype),
                            "distinct_pool_layers": setup.num_regions, "variants": {}}

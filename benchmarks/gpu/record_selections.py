@@ -2,7 +2,8 @@
 """Records InfiniGen's block selections on a trained model, and how much consecutive steps reuse.
 
 python -m benchmarks.gpu.record_selections [--models gutenberg-llama-2k ...]
-    [--budgets 0.1 0.2] [--token-caps 256 512] [--keys int|partial] [--alpha A]
+    [--budgets 0.1 0.2] [--token-caps 256 512] [--keys bounds|int|partial] [--alpha A]
+    [--trace-model recall-llama-12l-4k|none] [--trace-dir DIR]
 
 HF transformers + torch on the CPU, no vLLM. One request: ``--context``
 tokens of prefill, then ``--steps`` decode steps teacher-forced with the
@@ -16,14 +17,19 @@ layer l's speculation keys, best over the query heads of each KV head and
 over each block's tokens; the budget (``--budgets``, each token cap of
 ``--token-caps`` at the largest budget), or with ``--alpha`` the paper's
 count capped by it, rounded up to blocks, plus the sink block and the own
-block. Keys (``--keys``): ``int``, the product's default (every channel in
-4 bits, one scale per channel and 16 tokens, as a float32 cache holds them),
-or ``partial`` (r = 0.2 of the skewed channels, the skew from
+block. Keys (``--keys``): ``bounds``, the product's default (each unit of
+16 tokens: every channel's max and min key in 8 bits, the unit scores its
+upper bound of q . k, ``block_rule.bound_unit_scores``), ``int`` (every
+channel in 4 bits, one scale per channel and 16 tokens, as a float32 cache
+holds them), or ``partial`` (r = 0.2 of the skewed channels, the skew from
 ``compute_skew_tables`` on the bundled calibration text for gutenberg, on
-other recall prompts for the recall models).
+other recall prompts for the recall models). The window is the product's
+(``--recent-tokens``, default 16: the block before the row's own is kept too).
 
-Writes the trace of ``--trace-budget`` under benchmarks/gpu/traces/ (a few
-KiB, with provenance), and benchmarks/results/selection_reuse.{json,md}:
+Writes ``--trace-model``'s selections, one trace per budget and cap, under
+benchmarks/gpu/traces/ (a few KiB each, with provenance: the GPU benchmarks
+replay the one recorded at the fraction of the context they select,
+``selection_trace.trace_for``), and benchmarks/results/selection_reuse.{json,md}:
 step-to-step reuse and the device block cache's hit rate on the recorded
 selections for each eviction rule and cache size.
 """
@@ -44,8 +50,11 @@ import torch
 from benchmarks.gpu import selection_trace
 from benchmarks.gpu.results import gpu_run_metadata
 from benchmarks.harness import paths, report
-from vllm_infinigen.platforms.cuda.kernels import block_rule as rule
+from vllm_infinigen.layout import BOUND_BITS, BOUND_UNIT
 from vllm_infinigen.platforms.cuda.block_cache import EVICTION_RULES, DeviceBlockCache
+from vllm_infinigen.platforms.cuda.kernels import block_rule as rule
+from vllm_infinigen.platforms.cuda.kernels.reference import bound_key_codes
+from vllm_infinigen.platforms.cuda.kernels.widths import window_blocks
 
 MODELS = {
     "gutenberg-llama-2k": ("text", "data/text/gutenberg-frankenstein.txt"),
@@ -112,32 +121,62 @@ def _partial_query(model, target: int, captured, skew: torch.Tensor) -> torch.Te
     return torch.einsum("hgd,hdr->hgr", grouped.float(), skew)[None]
 
 
-def _block_scores(model, target: int, capture: _Capture, skew: torch.Tensor | None,
-                  context: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token scores [1, H_kv, NB * bs], block scores [1, H_kv, NB]) of ``target`` at this
-    step; ``skew`` None: the int keys (every channel, 4-bit codes per channel and 16 tokens,
-    the row's open block with its full keys)."""
+def _block_scores(model, target: int, capture: _Capture, keys_kind: str,
+                  skew: torch.Tensor | None, context: int,
+                  block_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(token scores [1, H_kv, NB * bs] or None for the bounds, block scores [1, H_kv, NB])
+    of ``target`` at this step: ``keys_kind`` bounds (each complete unit's bound from its
+    8-bit codes, the row's open unit unscored: the rule keeps it as recent), int (4-bit
+    codes per channel and 16 tokens, the row's open block with its full keys) or partial
+    (``skew``)."""
     keys = capture.keys[target][:, :context].float()  # [H_kv, ctx, D]
+    num_kv_heads, _, head_dim = keys.shape
+    num_blocks = context // block_size + 1
+    table = torch.arange(num_blocks)[None]
+    lens = torch.tensor([context])
+    if keys_kind == "bounds":
+        query = _partial_query(model, target, capture.inputs[target - 1],
+                               torch.eye(head_dim).expand(num_kv_heads, head_dim, head_dim))
+        return None, bound_block_scores(query, keys, block_size)
     if skew is None:
         from benchmarks.accuracy.key_forms import quantize_blocks
 
-        num_kv_heads, _, head_dim = keys.shape
         skew = torch.eye(head_dim).expand(num_kv_heads, head_dim, head_dim)
         closed = context // 16 * 16
         keys = torch.cat([torch.stack([quantize_blocks(k[:closed], 4, False) for k in keys]),
                           keys[:, closed:]], dim=1)
     query = _partial_query(model, target, capture.inputs[target - 1], skew)
     partial = torch.einsum("htd,hdr->htr", keys, skew)  # [H_kv, ctx, R]
-    num_blocks = context // block_size + 1
     padded = torch.zeros(partial.shape[0], num_blocks * block_size, partial.shape[2])
     padded[:, :context] = partial
     # today's layout: [num_blocks, H_kv, R, block_size]
     partial_keys = padded.view(partial.shape[0], num_blocks, block_size, -1).permute(1, 0, 3, 2)
-    table = torch.arange(num_blocks)[None]
     scale = 1.0 / math.sqrt(skew.shape[1])
     tokens = rule.partial_token_scores(query, partial_keys.contiguous(), table, scale=scale)
-    lens = torch.tensor([context])
     return tokens, rule.block_scores(tokens, lens, block_size)
+
+
+def bound_block_scores(query: torch.Tensor, keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[1, H_kv, NB] each block's best unit bound for one row (the product's
+    ``bound_unit_scores`` over its bound keys, ``bound_key_codes``): the
+    complete units of ``keys`` [H_kv, ctx, D] scored against ``query``
+    [1, H_kv, G, D]; a block without a complete unit (the row's open one) -inf."""
+    num_kv_heads, context, head_dim = keys.shape
+    num_blocks = context // block_size + 1
+    units, per_block = context // BOUND_UNIT, block_size // BOUND_UNIT
+    codes, scales = bound_key_codes(
+        keys[:, : units * BOUND_UNIT].reshape(num_kv_heads, units, BOUND_UNIT, head_dim)
+        .transpose(0, 1), BOUND_BITS)  # [units, H_kv, 2, D * bits / 8], [units, H_kv]
+    bounds = torch.zeros(num_blocks * per_block, *codes.shape[1:], dtype=codes.dtype)
+    unit_scales = torch.zeros(num_blocks * per_block, num_kv_heads, dtype=scales.dtype)
+    bounds[:units], unit_scales[:units] = codes, scales
+    # the layer's layout: [blocks, H_kv, units per block, ...]
+    bounds = bounds.view(num_blocks, per_block, *codes.shape[1:]).transpose(1, 2)
+    unit_scales = unit_scales.view(num_blocks, per_block, num_kv_heads).transpose(1, 2)
+    scores = rule.bound_unit_scores(query, bounds.contiguous(), unit_scales.contiguous(),
+                                    torch.arange(num_blocks)[None], torch.tensor([context]),
+                                    scale=1.0 / math.sqrt(head_dim), block_size=block_size)
+    return rule.unit_block_scores(scores, per_block)
 
 
 def _attention_mass(model, target: int, capture: _Capture, context: int,
@@ -196,6 +235,7 @@ def record(model_name: str,
     max_blocks = (args.context + args.steps - 1) // bs + 1
     heads = model.config.num_key_value_heads
     settings = budgets_of(args)
+    sink, recent = window_blocks(0, args.recent_tokens, bs)
     masks = {budget_label(*s): np.zeros((args.steps, len(sparse), heads, max_blocks), bool)
              for s in settings}
     covered = {label: [] for label in masks}
@@ -209,8 +249,8 @@ def record(model_name: str,
             lens = torch.tensor([position])  # context tokens before the row's own
             for index, target in enumerate(sparse):
                 tokens, scores = _block_scores(
-                    model, target, capture, None if tables is None else tables.skew[target],
-                    position, bs)
+                    model, target, capture, args.keys,
+                    None if tables is None else tables.skew[target], position, bs)
                 mass = _attention_mass(model, target, capture, position, bs)
                 for budget, cap in settings:
                     label = budget_label(budget, cap)
@@ -219,7 +259,8 @@ def record(model_name: str,
                     if args.alpha is not None:
                         caps = rule.alpha_token_caps(tokens, lens, args.alpha, caps)
                     chosen = rule.select_blocks(scores, lens, caps, block_size=bs,
-                                                width=scores.shape[-1]).logical[0]
+                                                width=scores.shape[-1], sink_blocks=sink,
+                                                recent_blocks=recent).logical[0]
                     for head in range(heads):
                         picked = chosen[head][chosen[head] >= 0]
                         masks[label][step, index, head, picked.numpy()] = True
@@ -234,20 +275,24 @@ def record(model_name: str,
         "block_size": bs, "dense_layers": args.dense_layers, "sparse_layers": sparse,
         "kv_heads": heads, "keys": args.keys,
         "alpha": "off (the budget binds)" if args.alpha is None else args.alpha,
-        "skew_calibration": None if args.keys == "int" else "bundled calibration text"
-        if not calibration else "recall prompts 2-3", "sink_blocks": 1, "recent_blocks": 1,
+        "skew_calibration": None if args.keys != "partial" else "bundled calibration text"
+        if not calibration else "recall prompts 2-3", "sink_blocks": sink,
+        "recent_blocks": recent, "recent_tokens": args.recent_tokens,
         "rule": "vllm_infinigen.platforms.cuda.kernels.block_rule (speculated from layer l-1)",
         "attention_mass_covered": {b: float(np.mean(v)) for b, v in covered.items()},
     }
     return masks, provenance
 
 
-def forced_blocks(num_steps: int, context: int, block_size: int, max_blocks: int) -> np.ndarray:
-    """[steps, max_blocks] the sink block and each step's own block."""
+def forced_blocks(num_steps: int, context: int, block_size: int, max_blocks: int,
+                  recent_blocks: int = 1) -> np.ndarray:
+    """[steps, max_blocks] the sink block and each step's last ``recent_blocks``
+    (the own block and those before it)."""
     forced = np.zeros((num_steps, max_blocks), bool)
     forced[:, 0] = True
     for step in range(num_steps):
-        forced[step, (context + step) // block_size] = True
+        own = (context + step) // block_size
+        forced[step, max(0, own - recent_blocks + 1): own + 1] = True
     return forced
 
 
@@ -276,7 +321,8 @@ def summarize(masks: dict[str, np.ndarray], args: argparse.Namespace,
               provenance: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for budget, mask in masks.items():
-        forced = forced_blocks(args.steps, args.context, args.block_size, mask.shape[-1])
+        forced = forced_blocks(args.steps, args.context, args.block_size, mask.shape[-1],
+                               provenance["recent_blocks"])
         reuse = selection_trace.step_reuse(mask)
         free = selection_trace.step_reuse(mask, skip=forced)
         results[budget] = {
@@ -315,16 +361,17 @@ def _markdown(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
 _INTRO = (
     "Reuse: the fraction of a step's selected blocks (per sparse layer and KV head) that "
     "the previous step selected too, mean over layers, heads and steps; without sink & own: "
-    "the same with the always-kept sink block and own block left out of both steps. "
+    "the same with the always-kept sink block and recent blocks (the own block and, with "
+    "the default 16 recent tokens, the one before it) left out of both steps. "
     "Attention covered: the share of the layer's own dense attention (mean over query "
     "heads) that falls in the selected blocks (the kept fraction is what a uniform choice "
     "would cover). Hit rate: the device block cache (`platforms/cuda/block_cache.py`) "
     "replaying the selections, with slots per KV head = factor x the widest step's blocks "
-    "per head; the cold first step left out. Block size 16, the keys and alpha of each "
-    "model's settings (the product's defaults: int keys, alpha off so the budget binds), "
-    "1 sink block + the own block; `python -m benchmarks.gpu.record_selections` "
-    "(HF transformers on the CPU; the trace of gutenberg-llama-2k at budget 0.2 is "
-    "`benchmarks/gpu/traces/`, replayed by the GPU benchmark).")
+    "per head; the cold first step left out. Block size 16, the keys, alpha and window "
+    "named under each model (the product's defaults: bound keys, alpha off so the budget "
+    "binds, 1 sink block, 16 recent tokens); `python -m benchmarks.gpu.record_selections` "
+    "(HF transformers on the CPU; the trace model's selections, one trace per row, are "
+    "`benchmarks/gpu/traces/`, which the GPU benchmarks replay).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,20 +384,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--token-caps", type=int, nargs="*", default=[],
                         help="--infinigen-budget-tokens values, each at the largest budget")
-    parser.add_argument("--keys", choices=("int", "partial"), default="int",
+    parser.add_argument("--keys", choices=("bounds", "int", "partial"), default="bounds",
                         help="--infinigen-speculation-keys the recorded selection scores "
-                        "(the torch rule of the int and partial keys; the bounds' is not "
-                        "recorded here yet)")
+                        "(default: the product's, bounds)")
+    parser.add_argument("--recent-tokens", type=int, default=16,
+                        help="--infinigen-recent-tokens (default: the product's, 16)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="the paper's count (e.g. 5) capped by the budget (default: off, "
                         "the product's default: the budget binds)")
-    parser.add_argument("--trace-model", default="gutenberg-llama-2k",
-                        help="the model whose selections are written as the GPU benchmark's trace")
-    parser.add_argument("--trace-budget", type=float, default=0.2)
+    parser.add_argument("--trace-model", default=selection_trace.TRACE_MODEL,
+                        help="the model whose selections are written as the GPU benchmarks' "
+                        "traces, one per budget and cap ('none': no trace)")
+    parser.add_argument("--trace-dir", type=Path, default=selection_trace.TRACES)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dense-layers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    if args.alpha is not None and args.keys == "bounds":
+        parser.error("--alpha counts tokens over the int or partial keys' scores: "
+                     "add --keys int (or partial)")
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     meta = gpu_run_metadata()
     settings, results, sections = {}, {}, []
@@ -361,20 +413,25 @@ def main(argv: list[str] | None = None) -> int:
         model_args = argparse.Namespace(**{**vars(args), "context": min(
             args.context, prompt - args.steps) if prompt else args.context})
         masks, provenance = record(name, model_args)
-        if name == args.trace_model and str(args.trace_budget) in masks:
-            path = selection_trace.TRACES / f"{name}_budget{args.trace_budget}.json"
-            selection_trace.save_trace(path, masks[str(args.trace_budget)], {
-                **provenance, "budget": args.trace_budget, "command": meta["command"],
-                "repo_commit": meta["repo_commit"], "date_utc": meta["date_utc"]})
-            print(f"trace: {path} ({path.stat().st_size} bytes)")
+        if name == args.trace_model:
+            for budget, cap in budgets_of(model_args):
+                path = selection_trace.save_recorded(
+                    args.trace_dir, masks[budget_label(budget, cap)], provenance,
+                    budget=budget, cap=cap, command=meta["command"],
+                    repo_commit=meta["repo_commit"], date_utc=meta["date_utc"])
+                print(f"trace: {path} ({path.stat().st_size} bytes)")
         settings[name] = provenance
         results[name] = summarize(masks, model_args, provenance)
         about = (f"Context {provenance['context_tokens']} tokens, "
                  f"{provenance['decode_steps']} decode steps ({provenance['decode']}); "
                  f"input {provenance['input']}; "
-                 + ("int keys (no skew)" if provenance["keys"] == "int" else
-                    f"partial keys, skew from {provenance['skew_calibration']}")
-                 + f"; alpha {provenance['alpha']}.")
+                 + {"bounds": f"bound keys ({BOUND_BITS}-bit, units of {BOUND_UNIT})",
+                    "int": "int keys (no skew)"}.get(
+                     provenance["keys"], f"partial keys, skew from "
+                     f"{provenance['skew_calibration']}")
+                 + f"; alpha {provenance['alpha']}; {provenance['sink_blocks']} sink block, "
+                 f"{provenance['recent_tokens']} recent tokens ({provenance['recent_blocks']} "
+                 "last blocks, the own one included).")
         sections += [f"## {name}", about,
                      *_markdown(results[name], model_args)]
     report.write_results(args.out, meta, "Step-to-step reuse of InfiniGen's block selections",

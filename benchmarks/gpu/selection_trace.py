@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 TRACES = Path(__file__).resolve().parent / "traces"
-DEFAULT_TRACE = TRACES / "gutenberg-llama-2k_budget0.2.json"
+# The longest recall model's selections at 4K, one trace per budget and cap
+# (``record_selections``); a replay takes the one recorded at its fraction.
+TRACE_MODEL = "recall-llama-12l-4k"
 ROW_STEP_OFFSET = 8
 
 
@@ -60,10 +62,49 @@ def save_trace(path: Path, masks: np.ndarray, provenance: dict[str, Any]) -> Pat
     return path
 
 
-def load_trace(path: Path = DEFAULT_TRACE) -> tuple[np.ndarray, dict[str, Any]]:
+def load_trace(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
     """(masks [steps, layers, kv_heads, max_blocks] bool, provenance)."""
     record = json.loads(Path(path).read_text())
     return unpack_masks(record["masks"], record["shape"]), record["provenance"]
+
+
+def save_recorded(directory: Path, masks: np.ndarray, provenance: dict[str, Any], *,
+                  budget: float, cap: int | None, **about: Any) -> Path:
+    """Writes one recorded setting's trace as ``<model>_budget<B>[_cap<N>].json``,
+    its provenance with the setting and the fraction of the recorded context it
+    selects (``selection_fraction``: the budget, or the cap over the context)."""
+    context = provenance["context_tokens"]
+    fraction = budget if cap is None else min(budget, cap / context)
+    name = f"{provenance['model']}_budget{budget:g}" + ("" if cap is None else f"_cap{cap}")
+    return save_trace(Path(directory) / f"{name}.json", masks, {
+        **provenance, "budget": budget, "token_cap": cap, "selection_fraction": fraction,
+        **about})
+
+
+def recorded_traces(directory: Path = TRACES, model: str = TRACE_MODEL) -> list[Path]:
+    """``model``'s traces in ``directory``."""
+    return sorted(Path(directory).glob(f"{model}_budget*.json"))
+
+
+def selection_fraction(path: Path) -> float:
+    """The fraction of its context a trace's setting selects."""
+    return float(json.loads(Path(path).read_text())["provenance"]["selection_fraction"])
+
+
+def trace_for(fraction: float, traces: list[Path]) -> Path:
+    """The trace recorded at the smallest fraction at least ``fraction`` (a
+    replay thins a recorded selection, it cannot widen one: ``per_block_for``),
+    or the widest where none reaches it.
+
+    Raises:
+        ValueError: If ``traces`` is empty.
+    """
+    if not traces:
+        raise ValueError("no recorded trace: run python -m benchmarks.gpu.record_selections "
+                         f"(the traces of {TRACE_MODEL} are in {TRACES})")
+    recorded = sorted((selection_fraction(path), path.name, path) for path in traces)
+    return next((path for value, _, path in recorded if value >= fraction * (1 - 1e-9)),
+                recorded[-1][2])
 
 
 def step_reuse(masks: np.ndarray, skip: np.ndarray | None = None) -> np.ndarray:
@@ -94,11 +135,15 @@ def kept_fraction(masks: np.ndarray) -> float:
     return float(masks.mean())
 
 
-def per_block_for(masks: np.ndarray, context_blocks: int, fraction: float) -> int:
+def per_block_for(masks: np.ndarray, context_blocks: int, fraction: float,
+                  recorded: float | None = None) -> int:
     """Blocks each kept recorded block becomes so that a replay keeps about
-    ``fraction`` of ``context_blocks`` (at most the whole group, at least 1)."""
+    ``fraction`` of ``context_blocks`` where the trace kept ``recorded`` (default:
+    the fraction of its blocks it kept; a trace's ``selection_fraction`` compares
+    a budget with a budget): at most the whole group, at least 1."""
     group = context_blocks // masks.shape[-1]
-    return max(1, min(group, round(group * fraction / kept_fraction(masks))))
+    recorded = kept_fraction(masks) if recorded is None else recorded
+    return max(1, min(group, round(group * fraction / recorded)))
 
 
 def replay_blocks(masks: np.ndarray, *, num_layers: int, num_kv_heads: int, num_rows: int,

@@ -215,9 +215,8 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
     if selection is not None:
         budget, cap = selection.budget, selection.cap
         fraction = selection.fraction(context)
-        replay, point["replay"] = replay_for(args.trace, shape, batch, context,
-                                             args.warmup + args.steps + 8, device,
-                                             fraction=fraction)
+        replay, point["replay"] = replay_for(args.traces, shape, batch, context,
+                                             args.warmup + args.steps + 8, device, fraction)
         point["selected_fraction"] = fraction
         width = max(replay.shape[-1], product_width(setup, budget, cap))
     result = measure_variant(name, setup, decoder, x, layers, mode=mode, args=args,
@@ -264,7 +263,7 @@ def measure_context(shape, layers, lm_head, pool, device, dtype, *, context: int
 
 
 def self_test(out: Path | None = SELF_TEST_OUT,
-              trace: Path = selection_trace.DEFAULT_TRACE) -> dict[str, Any]:
+              traces: list[Path] | None = None) -> dict[str, Any]:
     """Every point of the benchmark on the CPU with tiny shapes and the kernels'
     references (eager), with the K/V in float32 and in FP8: dense at the batch a
     made-up free memory allows, full offload, InfiniGen at two batches with a
@@ -275,11 +274,13 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     shape, device, dtype = TINY, torch.device("cpu"), torch.float32
     streams = Streams(device)
     layers, lm_head = random_weights(shape, device, dtype)
-    context, batches = 4 * 68 * shape.block_size, [2, 3]  # four blocks per recorded block
+    traces = selection_trace.recorded_traces() if traces is None else traces
+    blocks = selection_trace.load_trace(selection_trace.trace_for(0.2, traces))[0].shape[-1]
+    context, batches = 2 * blocks * shape.block_size, [2, 3]  # two blocks per recorded block
     free = device_bytes("dense", shape, 2, context, 0, 1.0, dtype) + MARGIN + 1
     pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(max(batches), context,
                                                                        dtype), device, dtype)
-    args = argparse.Namespace(trace=trace, warmup=1, steps=3, keys=DEFAULT_KEYS, profile=False,
+    args = argparse.Namespace(traces=traces, warmup=1, steps=3, keys=DEFAULT_KEYS, profile=False,
                               modes=["eager"], batches=batches, full_batches=[2],
                               selections=[Selection(0.2), Selection(CAP_BUDGET, context // 8)],
                               budget=CAP_BUDGET)
@@ -337,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="batches of full offload (its step is the PCIe copy of the K/V)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["graph"])
     parser.add_argument("--keys", choices=KEYS, default=DEFAULT_KEYS)
-    parser.add_argument("--trace", type=Path, default=selection_trace.DEFAULT_TRACE)
+    parser.add_argument("--traces", type=Path, nargs="+", default=selection_trace.recorded_traces(),
+                        help="recorded selections; each point replays the one recorded at "
+                        "its fraction of the context (default: recall-llama-12l-4k's at 4K, "
+                        "benchmarks/gpu/traces/)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--host-pool-gib", type=float, default=48.0,
@@ -360,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                              settings, plan, throughput_report.plan_sections(plan))
         return 0
     if args.self_test:
-        result = self_test(args.out or SELF_TEST_OUT, args.trace)
+        result = self_test(args.out or SELF_TEST_OUT, args.traces)
         print(result)
         return 0 if result["passed"] else 1
     if not torch.cuda.is_available():

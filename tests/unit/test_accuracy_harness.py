@@ -433,9 +433,16 @@ def test_mode_and_setting_labels():
                "speculation": "same-layer"}
     assert retrieval.setting_label({"budget": 0.2}, fastest) == (
         "infinigen, 1 dense layers, bounds keys, cap 256 tokens, same-layer")
+    # a cap swept on the engine is the setting's, and names the row
+    assert retrieval.setting_label({"budget": 0.2, "budget_tokens": 128}, fastest) == (
+        "infinigen, 1 dense layers, bounds keys, cap 128 tokens, same-layer")
+    assert retrieval.setting_label({"budget": 1.0, "alpha": 1e4, "budget_tokens": None},
+                                   fastest).startswith("select all (control), 1 dense layers, "
+                                                       "bounds keys, same-layer")
     args = retrieval.parse_args(["--budget-tokens", "256", "--speculation", "same-layer"])
-    assert (args.budget_tokens, args.speculation, args.kv_cache_dtype) == (256, "same-layer",
+    assert (args.budget_tokens, args.speculation, args.kv_cache_dtype) == ([256], "same-layer",
                                                                           "auto")
+    assert retrieval.parse_args(["--budget-tokens", "64", "128"]).budget_tokens == [64, 128]
     with pytest.raises(SystemExit):
         retrieval.parse_args(["--speculation", "next-layer"])
     assert retrieval.parse_args(["--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"

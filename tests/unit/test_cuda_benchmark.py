@@ -43,16 +43,58 @@ def test_the_benchmark_drives_the_products_runtime_and_data_path():
     assert not {"InfiniGen", "DeviceBlockCache", "block_rule"} & set(vars(variants))
 
 
-def test_the_recorded_trace_loads_with_its_provenance():
-    masks, provenance = selection_trace.load_trace()
-    steps, layers, heads, _ = masks.shape
-    assert (steps, layers, heads) == (64, 6, 4)  # gutenberg-llama-2k: 8 layers, 2 dense, 4 KV heads
-    assert provenance["model"] == "gutenberg-llama-2k" and provenance["budget"] == 0.2
-    assert provenance["command"] and provenance["repo_commit"] and provenance["date_utc"]
-    assert masks[:, :, :, 0].all()  # the sink block, always kept
-    for step in range(steps):  # and the own block
-        assert masks[step, :, :, (1024 + step) // 16].all()
-    assert selection_trace.DEFAULT_TRACE.stat().st_size < 16 * 1024
+def test_the_recorded_traces_are_the_products_rule_on_the_4k_recall_model():
+    """Every committed trace: recall-llama-12l-4k's selections at 4K with the
+    product's defaults (bound keys, 1 sink block, 16 recent tokens: the own block
+    and the one before it), each step keeping exactly the budget's blocks of the
+    setting it names, with its provenance."""
+    traces = selection_trace.recorded_traces()
+    assert len(traces) >= 4
+    fractions = []
+    for path in traces:
+        masks, provenance = selection_trace.load_trace(path)
+        steps, layers, heads, max_blocks = masks.shape
+        context = provenance["context_tokens"]
+        assert provenance["model"] == selection_trace.TRACE_MODEL and provenance["keys"] == "bounds"
+        assert (layers, heads, provenance["recent_tokens"]) == (10, 2, 16)
+        assert context >= 4000 and max_blocks == (context + steps - 1) // 16 + 1
+        assert provenance["command"] and provenance["repo_commit"] and provenance["date_utc"]
+        assert path.stat().st_size < 64 * 1024
+        budget, cap = provenance["budget"], provenance["token_cap"]
+        assert provenance["selection_fraction"] == (budget if cap is None
+                                                    else min(budget, cap / context))
+        fractions.append(provenance["selection_fraction"])
+        assert masks[:, :, :, 0].all()  # the sink block
+        for step in range(steps):
+            position = context + step
+            own = position // 16
+            assert masks[step, :, :, own - 1: own + 1].all()  # the recent window
+            assert not masks[step, :, :, own + 1:].any()
+            tokens = min(int(position * budget), cap or position)
+            forced = 3  # sink, the block before the own one, the own one
+            assert (masks[step].sum(axis=-1) == -(-tokens // 16) + forced).all()
+    assert len(set(fractions)) == len(fractions)  # one trace per setting
+
+
+def test_a_replay_takes_the_trace_recorded_at_the_smallest_fraction_it_can_thin(tmp_path):
+    provenance = {"model": "m", "context_tokens": 4000}
+    masks = np.ones((2, 1, 1, 4), bool)
+    paths = [selection_trace.save_recorded(tmp_path, masks, provenance, budget=0.2, cap=cap,
+                                           command="c")
+             for cap in (None, 100, 400)]
+    assert [p.name for p in paths] == ["m_budget0.2.json", "m_budget0.2_cap100.json",
+                                       "m_budget0.2_cap400.json"]
+    assert selection_trace.recorded_traces(tmp_path, "m") == sorted(paths)
+    assert [selection_trace.selection_fraction(p) for p in paths] == [0.2, 0.025, 0.1]
+    pick = lambda fraction: selection_trace.trace_for(fraction, paths).name  # noqa: E731
+    assert pick(0.02) == pick(0.025) == "m_budget0.2_cap100.json"
+    assert pick(0.03) == pick(0.1) == "m_budget0.2_cap400.json"
+    assert pick(0.15) == pick(0.2) == pick(0.5) == "m_budget0.2.json"  # the widest
+    with pytest.raises(ValueError, match="record_selections"):
+        selection_trace.trace_for(0.1, [])
+    # thinned by the recorded setting's fraction, not the blocks it kept
+    assert selection_trace.per_block_for(masks, 32, 0.0125, recorded=0.025) == 4
+    assert selection_trace.per_block_for(masks, 32, 0.025, recorded=0.025) == 8
 
 
 def test_packing_round_trips():
@@ -204,3 +246,26 @@ def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp
     forms = [line for line in text.splitlines() if line.startswith("| int_scores")]
     assert len(forms) == 24 and all("| True |" in line for line in forms)
     assert sum(line.startswith("| select") for line in text.splitlines()) == 10
+
+
+def test_the_recorded_bound_scores_rank_the_block_the_query_points_at():
+    """``record_selections``' bound keys: each complete block scores an upper
+    bound of its best q . k (at least the exact best, within the codes'
+    rounding), the open block -inf, and the block holding a key aligned with
+    the query ranks first."""
+    from benchmarks.gpu.record_selections import bound_block_scores
+
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    heads, context, dim = 2, 16 * 5 + 7, 32
+    keys = torch.randn(heads, context, dim, generator=generator) * 0.1
+    query = torch.randn(1, heads, 2, dim, generator=generator)
+    keys[0, 2 * 16 + 5] = 3 * query[0, 0, 0]  # head 0: block 2
+    keys[1, 4 * 16 + 9] = 3 * query[0, 1, 1]  # head 1: block 4
+    scores = bound_block_scores(query, keys, 16)
+    assert scores.shape == (1, heads, 6)
+    assert scores[0, :, 5].eq(float("-inf")).all()  # the open block
+    assert scores[0, 0].argmax() == 2 and scores[0, 1].argmax() == 4
+    exact = torch.einsum("hgd,htd->hgt", query[0], keys[:, : 5 * 16]) / dim ** 0.5
+    best = exact.view(heads, 2, 5, 16).amax(dim=(1, 3))
+    assert (scores[0, :, :5] >= best - 1e-3 * best.abs().amax()).all()
