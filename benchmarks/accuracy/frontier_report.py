@@ -152,6 +152,7 @@ def sections(payload: dict) -> list[str]:
                   "yes" if entry["meets"] else ""]
         table.append(cells)
     out.append("## Every setting\n\n" + report.markdown_table(headers, table))
+    out += depth_sections(payload)
     winners = sorted((e for e in rows if e["meets"] and e["vs_dense_16k"] is not None),
                      key=lambda e: e["vs_dense_16k"])
     if winners:
@@ -168,6 +169,30 @@ def sections(payload: dict) -> list[str]:
             [[p["file"], str(p["commit"])[:10], p["config"], f"{p['density']:.4f}",
               f"{p['ms_per_step']:.1f}", f"{p['vs_dense']:.2f}"] for p in points]))
     out.append("![accuracy against the step](frontier.png)")
+    return out
+
+
+DEPTHS = (("first_quarter", "first ¼"), ("middle", "middle"), ("last_quarter", "last ¼"))
+
+
+def depth_sections(payload: dict) -> list[str]:
+    """Per recall task: each setting's accuracy ÷ dense by the needle's depth
+    in the context, and overall (dense's own accuracy in its row)."""
+    out = []
+    for name, rows_of in _by_task(payload).items():
+        dense = rows_of["dense"]
+        if "buckets" not in dense:
+            continue
+        headers = ["setting", *[label for _, label in DEPTHS], "all"]
+        table = [["dense (accuracy)", *[f"{dense['buckets'][b]:.3f}" for b, _ in DEPTHS],
+                  f"{dense['value']:.3f}"]]
+        for label, row in rows_of.items():
+            if label in ("dense", "control"):
+                continue
+            table.append([label, *[_fmt(ratio(row, dense, b)) if dense["buckets"][b] else ""
+                                   for b, _ in DEPTHS], _fmt(ratio(row, dense))])
+        out.append(f"## {name} by needle depth (÷ dense)\n\n"
+                   + report.markdown_table(headers, table))
     return out
 
 

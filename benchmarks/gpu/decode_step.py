@@ -13,8 +13,8 @@ dense_units and full offload, and InfiniGen: the product's runtime and CUDA
 data path (``product.py``), driven per layer as vLLM drives them, its
 selections computed (the default keys, the block rule) and then replaced by
 selections recorded on a trained model (``selection_trace.py``:
-gutenberg-llama-2k, budget 0.2, scaled to the context), so the device block
-cache sees real step-to-step reuse. Reported per variant: ms per step
+recall-llama-12l-4k at 4K, the trace recorded at ``--budget``'s fraction,
+scaled to the context), so the device block cache sees real step-to-step reuse. Reported per variant: ms per step
 (median, CUDA events, a host sync per step as a serving engine has), host
 enqueue time, bytes over PCIe per step, GB/s, the PCIe bound (bytes / the
 H2D limit measured in the same run), the cache's hit rate and size; with

@@ -339,7 +339,7 @@ def summarize(masks: dict[str, np.ndarray], args: argparse.Namespace,
 
 
 def _markdown(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    rows = ["| budget | blocks per head | attention covered | reuse | reuse w/o sink & own | "
+    rows = ["| budget | blocks per head | attention covered | reuse | reuse w/o sink & recent | "
             + " | ".join(f"{r} hit rate x{f}" for r in EVICTION_RULES for f in CACHE_FACTORS)
             + " |", "|" + "---|" * (5 + len(EVICTION_RULES) * len(CACHE_FACTORS))]
     for budget, r in results.items():
@@ -360,7 +360,7 @@ def _markdown(results: dict[str, Any], args: argparse.Namespace) -> list[str]:
 
 _INTRO = (
     "Reuse: the fraction of a step's selected blocks (per sparse layer and KV head) that "
-    "the previous step selected too, mean over layers, heads and steps; without sink & own: "
+    "the previous step selected too, mean over layers, heads and steps; w/o sink & recent: "
     "the same with the always-kept sink block and recent blocks (the own block and, with "
     "the default 16 recent tokens, the one before it) left out of both steps. "
     "Attention covered: the share of the layer's own dense attention (mean over query "

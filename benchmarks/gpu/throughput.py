@@ -276,7 +276,7 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     layers, lm_head = random_weights(shape, device, dtype)
     traces = selection_trace.recorded_traces() if traces is None else traces
     blocks = selection_trace.load_trace(selection_trace.trace_for(0.2, traces))[0].shape[-1]
-    context, batches = 2 * blocks * shape.block_size, [2, 3]  # two blocks per recorded block
+    context, batches = blocks * shape.block_size, [2, 3]  # a block per recorded block
     free = device_bytes("dense", shape, 2, context, 0, 1.0, dtype) + MARGIN + 1
     pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(max(batches), context,
                                                                        dtype), device, dtype)

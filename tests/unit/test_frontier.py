@@ -103,6 +103,23 @@ def test_targets_need_both_models_first_quarter_and_the_book():
     assert rows["c @ 0.2, cap 256"]["density_16k"] == pytest.approx(256 / 16384)
 
 
+def test_depth_tables_give_each_setting_over_dense_by_the_needles_depth():
+    depths = lambda first, middle, last: {  # noqa: E731
+        "first_quarter": first, "middle": middle, "last_quarter": last}
+    dense = {**_dense("recall-llama-12l-4k", 0.8), "buckets": depths(0.9, 0.8, 0.0)}
+    capped = {**_row("recall-llama-12l-4k", "a @ 0.2, cap 128", 0.6, cap=128),
+              "buckets": depths(0.45, 0.8, 0.0)}
+    book = [_dense("gutenberg-llama-2k", 100.0), _row("gutenberg-llama-2k", "a @ 0.2", 101.0)]
+    control = {**_row("recall-llama-12l-4k", "control", 0.8), "rule": "control"}
+    sections = frontier_report.depth_sections({"results": [dense, control, capped, *book]})
+    assert len(sections) == 1  # recall tasks only
+    lines = sections[0].splitlines()
+    assert lines[0] == "## recall-llama-12l-4k by needle depth (÷ dense)"
+    assert lines[4] == "| dense (accuracy) | 0.900 | 0.800 | 0.000 | 0.800 |"
+    # a bucket dense never answers has no ratio; the control is not a setting
+    assert lines[5] == "| a @ 0.2, cap 128 | 0.500 | 1.000 |  | 0.750 |" and len(lines) == 6
+
+
 def _select_units(unit: int, budget: float, summary: str = "bound", bits: int = 16,
                   token_cap=None, fine: float = 0.0, recent_tokens: int = 0):
     gen = torch.Generator().manual_seed(0)
