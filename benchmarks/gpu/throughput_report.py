@@ -106,6 +106,15 @@ def _table(context: dict[str, Any]) -> list[str]:
         lines.append(f"{head} {p['ms_per_step']:.2f} | {p['tokens_per_s']:.1f} | "
                      f"{_fmt(over)}x | {_fmt(p.get('hit_rate'))} | "
                      f"{p['pcie_bytes_per_token'] / 1e6:.1f} | {kept} | {host} | {bound} |")
+    replayed = {p["selection"]: p["replay"] for p in context["points"] if "replay" in p}
+    if replayed:
+        lines += ["", "Selections replayed (`benchmarks/gpu/traces/`, the trace recorded at "
+                  "the smallest fraction at least the point's): " + "; ".join(
+                      f"{selection}: `{r['trace']}`"
+                      + (f" ({r['recorded_on']} at {r['recorded_context']} tokens, "
+                         f"{r['recorded_fraction']:.3f} selected)"
+                         if r.get("recorded_context") else "")
+                      for selection, r in replayed.items()) + "."]
     return lines
 
 

@@ -24,7 +24,13 @@ def test_self_test_measures_every_point_at_the_selections_fraction(tmp_path):
     assert all(p["tokens_per_s"] == pytest.approx(p["batch"] * 1000 / p["ms_per_step"])
                for p in points)
     assert all(0 < p["hit_rate"] < 1 for p in points if p["variant"] == "infinigen")
-    assert "| dense (eager) | - | 2 |" in (tmp_path / "self.md").read_text()
+    markdown = (tmp_path / "self.md").read_text()
+    assert "| dense (eager) | - | 2 |" in markdown
+    # each selection replays the 4K recall model's trace recorded at its fraction
+    assert [p["replay"]["trace"] for p in points if p["variant"] == "infinigen"] == [
+        "recall-llama-12l-4k_budget0.2.json", "recall-llama-12l-4k_budget0.2_cap512.json"] * 2
+    assert "cap 512: `recall-llama-12l-4k_budget0.2_cap512.json` (recall-llama-12l-4k at " \
+        "4032 tokens, 0.127 selected)" in markdown
 
 
 def test_dense_largest_batch_is_the_last_that_fits_beside_the_weights():
