@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Records every select_tokens call of a real engine (run as a script).
+"""Records every select_tokens call of a real engine (``record``, or run as a script).
 
 Usage: python -m tests.e2e.record_selections MODEL OUT.pt
-The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so that
-wrapping ``vllm_infinigen.platforms.cpu.kernels.select_tokens`` sees the worker's calls.
+The engine runs in the caller's process (``tests.e2e.engines.engine``), so that
+wrapping ``vllm_infinigen.platforms.cpu.kernels.select_tokens`` sees the worker's
+calls; the wrappers are removed when the recording ends.
 Calls made by the previous-layer speculation also record what went into the
 partial query (the speculating layer's attention input, the positions, the
 target layer and its skew), so that a test can recompute the query on its own.
@@ -12,7 +13,6 @@ The output holds the records and each request's tokens (prompt + generated).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -22,8 +22,8 @@ MAX_TOKENS = 12
 BUDGET = 0.2
 
 
-def main(model: str, out: str) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def record(model: str) -> dict:
+    """{"records": every select_tokens call, "sequences": each request's tokens}."""
     from vllm_infinigen.platforms.cpu import kernels
     from tests.reference.layouts import partial_keys_of
     from vllm_infinigen.policies import infinigen as infinigen_policy
@@ -66,19 +66,27 @@ def main(model: str, out: str) -> None:
 
     kernels.select_tokens = recording
     infinigen_policy.partial_query = recording_partial_query
-    # The partial keys: the reference scores them from the recorded skew (the int
-    # keys are held to their reference in tests/unit/test_int_keys.py).
-    with engine(model, kv_manager="infinigen", infinigen_speculation_keys="partial",
-                infinigen_budget=BUDGET,
-                infinigen_recent_tokens=2) as llm:
-        prompts = random_prompts(PROMPT_LENGTHS, seed=7)
-        outputs = greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)
-        # The same requests with each layer selecting for itself.
-        speculation[0] = "same-layer"
-        llm.collective_rpc("set_infinigen_selection", kwargs={"speculation": "same-layer"})
-        greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+    try:
+        # The partial keys: the reference scores them from the recorded skew (the int
+        # keys are held to their reference in tests/unit/test_int_keys.py).
+        with engine(model, kv_manager="infinigen", infinigen_speculation_keys="partial",
+                    infinigen_budget=BUDGET,
+                    infinigen_recent_tokens=2) as llm:
+            prompts = random_prompts(PROMPT_LENGTHS, seed=7)
+            outputs = greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+            # The same requests with each layer selecting for itself.
+            speculation[0] = "same-layer"
+            llm.collective_rpc("set_infinigen_selection", kwargs={"speculation": "same-layer"})
+            greedy_tokens(llm, prompts, max_tokens=MAX_TOKENS)
+    finally:
+        kernels.select_tokens = original
+        infinigen_policy.partial_query = original_partial_query
     sequences = [prompt["prompt_token_ids"] + tokens for prompt, tokens in zip(prompts, outputs)]
-    torch.save({"records": records, "sequences": sequences}, out)
+    return {"records": records, "sequences": sequences}
+
+
+def main(model: str, out: str) -> None:
+    torch.save(record(model), out)
 
 
 if __name__ == "__main__":

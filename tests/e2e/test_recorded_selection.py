@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from benchmarks.harness import paths
-from benchmarks.harness.paths import REPO
-from tests.e2e.record_selections import MAX_TOKENS, PROMPT_LENGTHS
+from tests.e2e.record_selections import MAX_TOKENS, PROMPT_LENGTHS, record
 from tests.reference.token_rule import kept_sets, reference_selection
 from vllm_infinigen.layout import read_hf_config
 from vllm_infinigen.platforms.cpu.query_weights import SPECULATION_WEIGHT_DTYPE
@@ -40,23 +37,14 @@ QUERY_TOLERANCE = dict(rtol=8e-3, atol=1e-3)
 KEY_TOLERANCE = dict(rtol=2e-3, atol=2e-3)
 
 
-def _record(model: str, out) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.record_selections", model, str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return torch.load(out)
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen3", "llama3-rope", "gemma3"])
-def recorded(request, tmp_path_factory, tiny_models):
-    """(model directory, recording) of one engine run."""
+def recorded(request, tiny_models):
+    """(model directory, recording) of one engine run, in this process."""
     if request.param == "llama":
         model = str(paths.BUNDLED_MODEL)
     else:
         model = tiny_models[request.param]
-    return model, _record(model, tmp_path_factory.mktemp("records") / "records.pt")
+    return model, record(model)
 
 
 class HFReference:
