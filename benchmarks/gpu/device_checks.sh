@@ -6,7 +6,8 @@
 # the K/V in bf16 and in FP8 (issue 46: dense with FP8 K/V, the baseline users run).
 # Each tokens/s context has a full-offload point at batch 1 (every layer's K/V
 # over PCIe each step: its tokens/s hardly grows with the batch; 16 GB a step
-# at 128K in bf16, ~0.3 s). On an H200 on 2026-11-26 the whole took
+# at 128K in bf16, ~0.3 s); at 128K InfiniGen's batch-32 points get a profile
+# (kernels, each stream's busy and idle time). On an H200 on 2026-11-26 the whole took
 # about 5 minutes (tests 40 s, decode 2 min, throughput 2 min); the timeouts add
 # up to 540 s, inside a lent machine's 600 s per call.
 #
@@ -59,8 +60,8 @@ if [[ $checks == *" decode "* ]]; then
 fi
 if [[ $checks == *" throughput "* ]]; then
     timeout 120 python3 -m benchmarks.gpu.throughput --contexts 131072 --batches 8 16 32 \
-        --selections cap=4096 budget=0.2 --full-batches 1 --host-pool-gib "$pool" \
-        --out "$work/gpu_throughput" > "$work/throughput.log" 2>&1
+        --selections cap=4096 budget=0.2 --full-batches 1 --profile-batches 32 \
+        --host-pool-gib "$pool" --out "$work/gpu_throughput" > "$work/throughput.log" 2>&1
     echo "throughput 128K: rc=$?"; pack
     timeout 90 python3 -m benchmarks.gpu.throughput --contexts 32768 --batches 8 16 32 \
         --selections cap=4096 budget=0.2 --full-batches 1 --host-pool-gib "$pool" \

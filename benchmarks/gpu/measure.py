@@ -178,7 +178,47 @@ def profile_steps(step: Stepper, steps: int) -> dict[str, Any]:
         torch.cuda.synchronize()
     result: dict[str, Any] = _launches_and_syncs(prof, steps)
     result.update(_device_kernels(prof, steps))
+    result["streams"] = stream_times(_device_events(prof), steps)
     return result
+
+
+def _device_events(prof) -> list:
+    return [event for event in prof.events()
+            if str(getattr(event, "device_type", "")).split(".")[-1] == "CUDA"
+            and not getattr(event, "is_user_annotation", False)]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the intervals (overlaps counted once)."""
+    covered, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered
+
+
+def stream_times(events, steps: int) -> list[dict[str, Any]]:
+    """Per device stream (``device_resource_id``), busiest first: the time per step
+    some kernel or copy of it runs (busy), the rest of the profiled device span
+    (idle: from the first device event to the last, per step), and whether it
+    ran the gather (``_gather_units``: the side stream that fills the block cache)."""
+    if not events:
+        return []
+    span = (max(e.time_range.end for e in events)
+            - min(e.time_range.start for e in events)) / 1e3 / steps
+    by_stream: dict[int, list] = {}
+    for event in events:
+        by_stream.setdefault(int(event.device_resource_id), []).append(event)
+    out = []
+    for stream, of_stream in by_stream.items():
+        busy = _union_us([(e.time_range.start, e.time_range.end) for e in of_stream])
+        busy_ms = busy / 1e3 / steps
+        out.append({"stream": stream, "busy_ms_per_step": busy_ms,
+                    "idle_ms_per_step": max(span - busy_ms, 0.0),
+                    "gather": any("_gather_units" in e.name for e in of_stream),
+                    "events_per_step": len(of_stream) / steps})
+    return sorted(out, key=lambda entry: -entry["busy_ms_per_step"])
 
 
 def _device_kernels(prof, steps: int) -> dict[str, Any]:
@@ -186,10 +226,7 @@ def _device_kernels(prof, steps: int) -> dict[str, Any]:
     over the profiler's device events (kernels, copies and fills; summed over
     streams, so overlapping work counts twice)."""
     kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if (str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA"
-                or getattr(event, "is_user_annotation", False)):
-            continue  # host events, and ranges annotated around device work
+    for event in _device_events(prof):  # not host events, nor ranges annotated around them
         us = event.device_time_total  # a device event: its own duration
         entry = kernels.setdefault(event.name, [0.0, 0])
         entry[0] += us

@@ -90,6 +90,13 @@ def markdown_sections(results: dict[str, Any], *, self_test: bool) -> list[str]:
     return sections
 
 
+def streams_text(streams: list[dict[str, Any]]) -> str:
+    """Each profiled stream's busy and idle ms per step, the gather's marked."""
+    return "; ".join(f"stream {s['stream']}{' (gather)' if s['gather'] else ''} busy "
+                     f"{s['busy_ms_per_step']:.2f} ms, idle {s['idle_ms_per_step']:.2f} ms"
+                     for s in streams)
+
+
 def kernel_breakdown(configs: list[dict[str, Any]]) -> str:
     """Where each InfiniGen step's device time goes (``--profile``): the kernels
     that took most, ms and calls per step, per (context, batch, mode)."""
@@ -103,7 +110,9 @@ def kernel_breakdown(configs: list[dict[str, Any]]) -> str:
             parts.append(f"{_context(config['context'])} x {config['batch']}, {key}: "
                          f"{result['device_ms_per_step']:.2f} ms of kernels per step "
                          f"({result.get('ms_per_step', float('nan')):.2f} ms per step)\n\n"
-                         + markdown_table(["kernel", "ms / step", "calls / step"], rows))
+                         + markdown_table(["kernel", "ms / step", "calls / step"], rows)
+                         + (f"\n\nStreams per step: {streams_text(result['streams'])}."
+                            if result.get("streams") else ""))
     if not parts:
         return ""
     return ("Device time per step by kernel (torch profiler, 3 steps; the kernels that "

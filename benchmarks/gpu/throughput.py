@@ -3,6 +3,7 @@
 
 python -m benchmarks.gpu.throughput [--contexts 32768 131072] [--batches 8 16 32]
     [--selections budget=0.2 budget=0.05 cap=2048 cap=4096] [--full-batches 8]
+    [--profile-batches 32]
     [--modes graph] [--host-pool-gib 48] [--kv-cache-dtypes auto fp8]
 python -m benchmarks.gpu.throughput --self-test      # CPU, tiny shapes, references
 python -m benchmarks.gpu.throughput --render benchmarks/results/gpu_throughput.json
@@ -219,6 +220,8 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
                                              args.warmup + args.steps + 8, device, fraction)
         point["selected_fraction"] = fraction
         width = max(replay.shape[-1], product_width(setup, budget, cap))
+    profiled = name == "infinigen" and batch in getattr(args, "profile_batches", [])
+    args = argparse.Namespace(**{**vars(args), "profile": profiled})
     result = measure_variant(name, setup, decoder, x, layers, mode=mode, args=args,
                              streams=streams, replay=replay, width=width, limits=limits,
                              budget=budget, budget_tokens=cap)
@@ -342,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="recorded selections; each point replays the one recorded at "
                         "its fraction of the context (default: recall-llama-12l-4k's at 4K, "
                         "benchmarks/gpu/traces/)")
+    parser.add_argument("--profile-batches", type=int, nargs="*", default=[],
+                        help="InfiniGen's points at these batches also get a profile: the "
+                        "kernels' device time per step and each stream's busy and idle time "
+                        "(the gather's side stream among them)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--host-pool-gib", type=float, default=48.0,
@@ -351,7 +358,6 @@ def main(argv: list[str] | None = None) -> int:
                         "every point (auto: the model's bf16)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    args.profile = False
     if args.render is not None:
         print(throughput_report.render(args.render))
         return 0

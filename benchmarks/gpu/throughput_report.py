@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu.report import streams_text
 from benchmarks.harness.report import metadata_markdown
 
 # Issue 35's targets at the longest context: InfiniGen with a 4,096-token cap
@@ -106,6 +107,7 @@ def _table(context: dict[str, Any]) -> list[str]:
         lines.append(f"{head} {p['ms_per_step']:.2f} | {p['tokens_per_s']:.1f} | "
                      f"{_fmt(over)}x | {_fmt(p.get('hit_rate'))} | "
                      f"{p['pcie_bytes_per_token'] / 1e6:.1f} | {kept} | {host} | {bound} |")
+    lines += [line for p in context["points"] for line in profile_lines(p)]
     replayed = {p["selection"]: p["replay"] for p in context["points"] if "replay" in p}
     if replayed:
         lines += ["", "Selections replayed (`benchmarks/gpu/traces/`, the trace recorded at "
@@ -116,6 +118,19 @@ def _table(context: dict[str, Any]) -> list[str]:
                          if r.get("recorded_context") else "")
                       for selection, r in replayed.items()) + "."]
     return lines
+
+
+def profile_lines(point: dict[str, Any]) -> list[str]:
+    """A profiled point's streams (busy / idle ms per step, the gather's marked)
+    and its kernels' device time per step."""
+    if "streams" not in point:
+        return []
+    streams = streams_text(point["streams"])
+    kernels = ", ".join(f"{k['kernel']} {k['ms_per_step']:.2f} ms"
+                        for k in point.get("top_kernels", []))
+    return ["", f"Profile of {point['variant']} ({point['mode']}) {point.get('selection')} x "
+            f"{point['batch']}, per step: {streams}. Kernels (device time, streams "
+            f"summed): {kernels}."]
 
 
 def _targets(results: dict[str, Any]) -> list[str]:

@@ -227,6 +227,12 @@ def test_the_profile_adds_device_time_by_kernel_and_the_report_shows_it():
         "infinigen (graph)": {"ms_per_step": 35.7, **got}}}]
     text = kernel_breakdown(configs)
     assert "32K x 8, infinigen (graph): 0.35 ms of kernels" in text and "| _int_scores |" in text
+    assert "Streams per step" not in text  # a profile without streams (before issue 44)
+    streams = [{"stream": 7, "gather": False, "busy_ms_per_step": 30.0, "idle_ms_per_step": 5.7},
+               {"stream": 9, "gather": True, "busy_ms_per_step": 9.1, "idle_ms_per_step": 26.6}]
+    configs[0]["variants"]["infinigen (graph)"]["streams"] = streams
+    assert ("Streams per step: stream 7 busy 30.00 ms, idle 5.70 ms; stream 9 (gather) busy "
+            "9.10 ms, idle 26.60 ms.") in kernel_breakdown(configs)
     assert kernel_breakdown([{"context": 32768, "batch": 1, "variants": {
         "infinigen (eager)": {"ms_per_step": 50.0}}}]) == ""
 

@@ -151,3 +151,34 @@ def test_the_memory_plan_says_what_fits_by_the_benchmarks_estimate():
     assert small["infinigen_cache_factor"]["x32 cap 4096"] is None  # 2 dense layers' K/V
     text = throughput_report.plan_sections(plan)[0]
     assert "| 79.1 | 131072 |" in text and text.count("\n| ") == 3  # the header, two rows
+
+
+def test_stream_times_give_each_streams_busy_and_idle_time_per_step():
+    """The profile's streams (issue 44: PCIe busy on every layer): busy is the
+    union of a stream's events, idle the rest of the device span."""
+    from types import SimpleNamespace
+
+    from benchmarks.gpu.measure import stream_times
+
+    def event(stream, start, end, name="kernel"):
+        return SimpleNamespace(device_resource_id=stream, name=name,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event(7, 0, 600), event(7, 500, 1000),  # overlapping: 1000 us busy
+              event(9, 100, 300, "_gather_units_0d1"), event(9, 1500, 2000),
+              event(7, 1200, 1800)]
+    main, side = stream_times(events, steps=2)  # span 2000 us over 2 steps
+    assert (main["stream"], main["gather"]) == (7, False)
+    assert main["busy_ms_per_step"] == pytest.approx(0.8)  # (1000 + 600) / 2
+    assert main["idle_ms_per_step"] == pytest.approx(0.2)
+    assert (side["stream"], side["gather"]) == (9, True)
+    assert side["busy_ms_per_step"] == pytest.approx(0.35)
+    assert side["idle_ms_per_step"] == pytest.approx(0.65)
+    assert stream_times([], steps=3) == []
+    lines = throughput_report.profile_lines({
+        "variant": "infinigen", "mode": "graph", "selection": "cap 4096", "batch": 32,
+        "streams": [main, side], "top_kernels": [{"kernel": "k", "ms_per_step": 1.5}]})
+    assert lines[1] == ("Profile of infinigen (graph) cap 4096 x 32, per step: stream 7 busy "
+                        "0.80 ms, idle 0.20 ms; stream 9 (gather) busy 0.35 ms, idle 0.65 ms. "
+                        "Kernels (device time, streams summed): k 1.50 ms.")
+    assert throughput_report.profile_lines({"variant": "dense"}) == []
