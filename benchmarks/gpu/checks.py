@@ -124,8 +124,7 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     streams = Streams(device)
     layers, lm_head = random_weights(shape, device, dtype)
     traces = selection_trace.recorded_traces() if traces is None else traces
-    blocks = selection_trace.load_trace(selection_trace.trace_for(0.2, traces))[0].shape[-1]
-    batch, context = 2, blocks * shape.block_size  # a block per recorded block
+    batch, context = 2, selection_trace.recorded_blocks(traces) * shape.block_size
     pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(batch, context, dtype),
                         device, dtype)
     checks = {"select_all": select_all_check(shape, layers, lm_head, pool, device, dtype,

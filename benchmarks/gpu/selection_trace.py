@@ -86,6 +86,12 @@ def recorded_traces(directory: Path = TRACES, model: str = TRACE_MODEL) -> list[
     return sorted(Path(directory).glob(f"{model}_budget*.json"))
 
 
+def recorded_blocks(traces: list[Path]) -> int:
+    """Blocks per row the budget-0.2 trace of ``traces`` records (the self-tests'
+    context: a block per recorded block)."""
+    return load_trace(trace_for(0.2, traces))[0].shape[-1]
+
+
 def selection_fraction(path: Path) -> float:
     """The fraction of its context a trace's setting selects."""
     return float(json.loads(Path(path).read_text())["provenance"]["selection_fraction"])

@@ -220,7 +220,7 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
                                              args.warmup + args.steps + 8, device, fraction)
         point["selected_fraction"] = fraction
         width = max(replay.shape[-1], product_width(setup, budget, cap))
-    profiled = name == "infinigen" and batch in getattr(args, "profile_batches", [])
+    profiled = name == "infinigen" and batch in args.profile_batches
     args = argparse.Namespace(**{**vars(args), "profile": profiled})
     result = measure_variant(name, setup, decoder, x, layers, mode=mode, args=args,
                              streams=streams, replay=replay, width=width, limits=limits,
@@ -278,12 +278,12 @@ def self_test(out: Path | None = SELF_TEST_OUT,
     streams = Streams(device)
     layers, lm_head = random_weights(shape, device, dtype)
     traces = selection_trace.recorded_traces() if traces is None else traces
-    blocks = selection_trace.load_trace(selection_trace.trace_for(0.2, traces))[0].shape[-1]
-    context, batches = blocks * shape.block_size, [2, 3]  # a block per recorded block
+    context, batches = selection_trace.recorded_blocks(traces) * shape.block_size, [2, 3]
     free = device_bytes("dense", shape, 2, context, 0, 1.0, dtype) + MARGIN + 1
     pool, _ = make_pool(shape, shape.num_layers * shape.layer_kv_bytes(max(batches), context,
                                                                        dtype), device, dtype)
-    args = argparse.Namespace(traces=traces, warmup=1, steps=3, keys=DEFAULT_KEYS, profile=False,
+    args = argparse.Namespace(traces=traces, warmup=1, steps=3, keys=DEFAULT_KEYS,
+                              profile_batches=[],
                               modes=["eager"], batches=batches, full_batches=[2],
                               selections=[Selection(0.2), Selection(CAP_BUDGET, context // 8)],
                               budget=CAP_BUDGET)
