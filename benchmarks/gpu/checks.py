@@ -29,6 +29,14 @@ from benchmarks.harness import report
 
 SELF_TEST_OUT = DEFAULT_OUT.with_name("gpu_decode_step_selftest")
 EVERY_TOKEN = 1e9  # an alpha under which the budget binds
+CHECK_CONTEXT = 2048  # the GPU run's select-all and graph checks, at least
+
+
+def check_context(shape: DecoderShape, traces: list[Path]) -> int:
+    """The context of the GPU run's correctness checks: ``CHECK_CONTEXT`` tokens, or
+    a block per recorded block where the traces record more (a replay cannot stretch
+    a trace over fewer blocks than it records)."""
+    return max(CHECK_CONTEXT, selection_trace.recorded_blocks(traces) * shape.block_size)
 
 
 def compare(logits: dict[str, torch.Tensor], reference: str = "dense") -> dict[str, float]:

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype, shape, streams = bench.device, bench.dtype, bench.shape, bench.streams
     layers, lm_head, pool, limits = bench.layers, bench.lm_head, bench.pool, bench.limits
     setup_info = bench.setup
-    small = {"batch": 2, "context": 2048, "streams": streams}
+    small = {"batch": 2, "context": checks.check_context(shape, args.traces), "streams": streams}
     results: dict[str, Any] = {
         "h2d_limits": limits, "setup": setup_info,
         "select_all": checks.select_all_check(shape, layers, lm_head, pool, device, dtype,

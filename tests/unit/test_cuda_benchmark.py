@@ -97,6 +97,25 @@ def test_a_replay_takes_the_trace_recorded_at_the_smallest_fraction_it_can_thin(
     assert selection_trace.per_block_for(masks, 32, 0.025, recorded=0.025) == 8
 
 
+def test_the_gpu_runs_checks_replay_the_traces_at_a_context_they_fit():
+    """The decode-step run's graph check replays a trace at its small context: at
+    2,048 tokens the 8B shape has 128 blocks, fewer than the 4K traces' 256, and
+    the run stopped there (H200, 2026-11-29); the check's context now fits them."""
+    import torch
+
+    from benchmarks.gpu import checks
+    from benchmarks.gpu.decoder import LLAMA_31_8B
+    from benchmarks.gpu.measure import replay_for
+
+    traces, cpu = selection_trace.recorded_traces(), torch.device("cpu")
+    context = checks.check_context(LLAMA_31_8B, traces)
+    assert context // LLAMA_31_8B.block_size >= selection_trace.recorded_blocks(traces)
+    replay, info = replay_for(traces, LLAMA_31_8B, 2, context, 8, cpu, 0.2)
+    assert info["trace"] == "recall-llama-12l-4k_budget0.2.json" and (replay >= 0).any()
+    with pytest.raises(ValueError, match="shorter than the trace"):
+        replay_for(traces, LLAMA_31_8B, 2, checks.CHECK_CONTEXT, 8, cpu, 0.2)
+
+
 def test_packing_round_trips():
     masks = np.random.default_rng(0).random((3, 2, 2, 13)) < 0.3
     packed = selection_trace.pack_masks(masks)
