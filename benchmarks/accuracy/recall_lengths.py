@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dense accuracy of a recall model by prompt length and needle depth (torch, no vLLM).
+
+Held-out prompts of the multi-query recall task at each ``--lengths L:PAIRS``, made by
+the task's own generator (``shared/prototypes/recall-training/recall12.py``,
+``make_eval_set`` seeded ``11 + L`` as its training script seeds its held-out sets), or
+read from ``--data L=PATH`` (the ``recall-4k.jsonl`` format); the greedy next token of
+each in float32. How a training run's checkpoint is measured on this machine (the
+README of ``benchmarks/models/recall-llama-12l-toward-16k`` quotes it).
+
+    python -m benchmarks.accuracy.recall_lengths --model DIR --lengths 4096:96 6144:144 \\
+        [--data 4096=PATH] [--prompts 150] --out benchmarks/results/NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import paths, report
+
+GENERATOR = "prototypes/recall-training"
+BUCKETS = ("first_quarter", "middle", "last_quarter", "all")
+
+
+def recall_task():
+    """The task's module (``recall12``) from ``../shared``; a clear error without it."""
+    where = paths.find_shared(GENERATOR)
+    if where is None:
+        raise SystemExit(f"the recall task's generator is missing: {paths.shared_path(GENERATOR)}"
+                         " (set VLLM_INFINIGEN_SHARED to the directory holding it)")
+    sys.path.insert(0, str(where))
+    import recall12  # noqa: PLC0415 (the shared prototype, run as it is)
+
+    return recall12
+
+
+def prompts_at(task, length: int, pairs: int, count: int, data: Path | None) -> list[dict]:
+    if data is not None:
+        items = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+        return items[:count]
+    return task.make_eval_set(count, seed=11 + length, L=length, N=pairs)
+
+
+def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
+            data: dict[int, Path], batch: int = 2) -> dict[str, Any]:
+    """Accuracy per bucket at each length, with the prompts' source and the seconds."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    task = recall_task()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    out = {}
+    for length, pairs in lengths:
+        began = time.perf_counter()
+        items = prompts_at(task, length, pairs, count, data.get(length))
+        assert all(len(it["prompt_token_ids"]) == length for it in items), length
+        acc = task.eval_prompts(model, items, torch.device("cpu"), bf16=False, bs=batch)
+        out[str(length)] = {"pairs": pairs, "source": str(data.get(length) or
+                                                          f"recall12.make_eval_set seed {11 + length}"),
+                            "accuracy": {b: acc[b][0] for b in BUCKETS},
+                            "prompts": {b: acc[b][1] for b in BUCKETS},
+                            "seconds": round(time.perf_counter() - began, 1)}
+        print(length, out[str(length)]["accuracy"], flush=True)
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows = [[f"{int(length):,} ({r['pairs']} pairs, n={r['prompts']['all']})",
+             *(f"{r['accuracy'][b]:.3f}" for b in BUCKETS), r["source"]]
+            for length, r in results.items()]
+    return ("## Dense accuracy by prompt length and needle depth (float32, greedy, one token)\n\n"
+            + report.markdown_table(["prompt length", "first quarter", "middle", "last quarter",
+                                     "all", "prompts"], rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--lengths", nargs="+", required=True, help="LENGTH:PAIRS ...")
+    parser.add_argument("--data", nargs="*", default=[], help="LENGTH=PATH: prompts from a file")
+    parser.add_argument("--prompts", type=int, default=150)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    lengths = [tuple(int(v) for v in x.split(":")) for x in args.lengths]
+    data = {int(k): Path(v) for k, v in (x.split("=", 1) for x in args.data)}
+    results = measure(args.model, lengths, args.prompts, data)
+    import torch
+    import transformers
+
+    meta = report.source_metadata(torch=torch.__version__, transformers=transformers.__version__,
+                                  model=str(args.model))
+    report.write_results(args.out, meta, f"Dense retrieval of {args.model.name} by length",
+                         {"lengths": args.lengths, "prompts": args.prompts, "data": args.data},
+                         results, [markdown(results)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
