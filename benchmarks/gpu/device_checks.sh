@@ -16,7 +16,8 @@
 #       bash benchmarks/gpu/device_checks.sh OUT_DIR
 # INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
 # tree carries a stale .git). CHECKS picks some of them (kernels, not in the
-# default: the selection kernels' candidate forms, kernel_candidates.py, ~1 min; fp8,
+# default: the selection kernels' candidate forms, kernel_candidates.py: the int and the
+# bound scoring (float32 sums, the default, or tensor-core dots), the block search, ~1 min; fp8,
 # not in the default: throughput at 128K in both K/V dtypes, under 200 s, not yet run;
 # prefill, not in the default: time to first token at 32K and 128K, prefill.py, under
 # 240 s, not yet run).
@@ -44,8 +45,8 @@ fi
 if [[ $checks == *" kernels "* ]]; then  # the selection kernels' candidate forms, ~1 min
     timeout 150 python3 -m benchmarks.gpu.kernel_candidates \
         --out "$work/kernel_candidates" > "$work/kernel_candidates.log" 2>&1
-    echo "kernels: rc=$?"; grep -h "^| select\|^| int_scores" "$work/kernel_candidates.md" \
-        2>/dev/null | cut -d'|' -f3-5,9 | head -40; pack
+    echo "kernels: rc=$?"; grep -h "^| select\|^| int_scores\|^| bound_scores" \
+        "$work/kernel_candidates.md" 2>/dev/null | cut -d'|' -f2-5,9,10 | head -60; pack
 fi
 if [[ $checks == *" decode "* ]]; then
     timeout 150 python3 -m benchmarks.gpu.decode_step --contexts 32768 --batches 1 8 \

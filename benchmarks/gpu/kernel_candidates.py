@@ -8,6 +8,9 @@ its torch reference on the device and then timed, in one short GPU run.
                  (4-bit keys)
     select       the chunked threshold search (the kernel before) and the
                  register-resident one at a few warps, at 1 and 8 rows
+    bound_scores ``triton_bounds``' forms (float32 sums per query head, the
+                 default; float16 tensor-core dots) at a few tiles and warps,
+                 8-bit bounds of 16 tokens, at 1, 8 and 32 rows
 
 ``python -m benchmarks.gpu.kernel_candidates --out PATH`` writes PATH.json and
 PATH.md (command, commit, device, date: ``results.py``) (needs torch and Triton only, no vLLM);
@@ -33,6 +36,9 @@ SCORING = (("sums", 64, 4, None), ("sums", 32, 4, None), ("sums", 64, 8, None),
 OPERANDS = {None: None, "tf32x3": None, "tf32": None, "fp16": "float16"}
 TOLERANCE = {None: 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "fp16": 1e-4}
 SELECT_WARPS = (4, 8, 16, 32)
+# (method, units per program, warps) of the bound scoring
+BOUNDS = (("sums", 32, 4), ("sums", 64, 4), ("dot", 32, 4), ("dot", 64, 4), ("dot", 128, 4),
+          ("dot", 128, 8), ("dot", 256, 8))
 REPEATS = {"cuda": 5, "cpu": 1}  # the CPU runs the interpreter: checks, not timings
 
 
@@ -146,6 +152,56 @@ def select_rows(torch, device, context: int, heads: int, rows_list, gen):
     return out
 
 
+def bound_rows(torch, device, sizes: dict[str, int], rows_list, gen):
+    """The bound scoring's forms (``BOUNDS``), each checked against the torch form
+    (``block_rule.bound_unit_scores``, float32) and timed; 8-bit bounds, a unit per
+    16-token block, a bfloat16 query (exact in the dots' float16)."""
+    from benchmarks.gpu.kernel_limits import timed
+    from vllm_infinigen.platforms.cuda.kernels import block_rule, triton_bounds
+
+    out = []
+    context, heads, group, head_size = (sizes[k] for k in ("context", "heads", "group",
+                                                             "head_size"))
+    blocks = context // 16 + 1
+    for rows in rows_list:
+        bounds = torch.randint(0, 256, (rows * blocks, heads, 1, 2, head_size),
+                               dtype=torch.uint8, device=device, generator=gen)
+        scales = (torch.rand((rows * blocks, heads, 1), device=device, generator=gen)
+                  / 64).half()
+        table = torch.randperm(rows * blocks, device=device, generator=gen).view(rows, blocks)
+        table = table.to(torch.int32)
+        query = torch.randn(rows, heads, group, head_size, device=device,
+                            generator=gen).to(torch.bfloat16)
+        lens = torch.full((rows,), context, device=device)
+        lens[0] = context - 5
+        expected = torch.cat([block_rule.bound_unit_scores(
+            query[r:r + 8], bounds, scales, table[r:r + 8], lens[r:r + 8], scale=0.09,
+            block_size=16) for r in range(0, rows, 8)])
+        units = torch.empty_like(expected)
+        block_out = torch.empty_like(expected)  # a unit per block
+        key_bytes = bounds.numel() + scales.numel() * 2
+        for method, tile, warps in BOUNDS:
+            def launch(method=method, tile=tile, warps=warps):
+                triton_bounds.bound_scores(query, bounds, scales, table, lens, units,
+                                           block_out, scale=0.09, unit=16, tile=tile,
+                                           num_warps=warps, method=method)
+            row = {"kernel": "bound_scores", "form": f"{method}, tile {tile}, {warps} warps",
+                   "rows": rows, "bits": 8, "MB": key_bytes / 1e6}
+            try:
+                units.fill_(7.0)
+                launch()
+                ok, error = _agrees(torch, units, expected)
+                row.update(correct=ok and torch.equal(block_out, units), max_abs_error=error)
+                if row["correct"]:
+                    ms = timed(launch, device, repeats=REPEATS[device.type])
+                    row.update(ms=float(ms), GBps=key_bytes / ms / 1e6, timing=ms.method)
+            except Exception as error:  # a candidate that fails to compile is reported
+                row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
+            out.append(row)
+        del bounds, expected, units, block_out
+    return out
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"Candidates on {result['device']} at {result['context']} tokens "
              f"(8B shapes: {result['sizes']}):", "",
@@ -181,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     rows += scoring_rows(torch, device, sizes, (1,), 4, gen)
     rows += select_rows(torch, device, sizes["context"], sizes["heads"],
                         (1, 2) if args.self_test else (1, 8), gen)
+    rows += bound_rows(torch, device, {**sizes, "head_size": max(32, sizes["head_size"])},
+                       (1, 9) if args.self_test else (1, 8, 32), gen)
     from benchmarks.gpu.results import gpu_run_metadata
     from benchmarks.harness import report
 

@@ -257,8 +257,8 @@ def test_the_profile_adds_device_time_by_kernel_and_the_report_shows_it():
 
 
 def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp_path):
-    """``kernel_candidates --self-test``: every scoring form and both block searches
-    run in Triton's interpreter and agree with the references (its exit status);
+    """``kernel_candidates --self-test``: every scoring form (int keys and bounds)
+    and both block searches run in Triton's interpreter and agree with the references (its exit status);
     the results name their command and commit."""
     out = tmp_path / "candidates"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.kernel_candidates",
@@ -271,6 +271,9 @@ def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp
     forms = [line for line in text.splitlines() if line.startswith("| int_scores")]
     assert len(forms) == 24 and all("| True |" in line for line in forms)
     assert sum(line.startswith("| select") for line in text.splitlines()) == 10
+    bounds = [line for line in text.splitlines() if line.startswith("| bound_scores")]
+    assert len(bounds) == 14 and all("| True |" in line for line in bounds)
+    assert sum("| dot, tile" in line for line in bounds) == 10
 
 
 def test_the_recorded_bound_scores_rank_the_block_the_query_points_at():

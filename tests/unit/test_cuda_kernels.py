@@ -93,6 +93,23 @@ def test_launch_parameters():
     assert kernels.attention_splits(8, 3, 132) == (3, 1)  # never more splits than blocks
 
 
+def test_the_bound_scorings_forms_are_named_and_the_dots_need_16_channels_a_half():
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
+
+    def launch(method, head_size):
+        query = torch.zeros(1, 1, 1, head_size)
+        bounds = torch.zeros(1, 1, 1, 2, head_size, dtype=torch.uint8)
+        triton_bounds.bound_scores(query, bounds, torch.zeros(1, 1, 1).half(),
+                                   torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1),
+                                   torch.empty(1, 1, 1), torch.empty(1, 1, 1), scale=1.0,
+                                   unit=16, method=method)
+
+    with pytest.raises(ValueError, match="'sums' or 'dot'"):
+        launch("fma", 64)
+    with pytest.raises(ValueError, match="head size of at least 32"):
+        launch("dot", 16)
+
+
 def test_cuda_modules_import_on_the_cpu_build_and_cpu_calls_stay_off_cuda_and_triton():
     code = (
         "import sys, torch\n"

@@ -113,7 +113,7 @@ def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, sc
                   table_stride, num_units, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, UNITS_PER_BLOCK: tl.constexpr,
                   UNIT: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
-                  TILE: tl.constexpr):
+                  TILE: tl.constexpr, DOT: tl.constexpr, G_PAD: tl.constexpr):
     """out[row, head, i] for a tile of TILE units i of one (row, KV head): the
     unit's bound (-inf past the row's complete units, or for a padding row);
     block_out[row, head, j] the best of block j's units (TILE a multiple of
@@ -121,6 +121,9 @@ def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, sc
 
     Grid (rows x heads, unit tiles). The query heads' positive and negative
     parts are held for the program; each unit's codes are read once for all.
+    DOT: the four products of a tile as float16 tensor-core dots over G_PAD
+    query heads (codes less OFF, -128..127, exact; a bfloat16 query exact too,
+    a float32 one rounded to float16), else per query head as float32 sums.
     """
     sequence = tl.program_id(0)
     row = sequence // H
@@ -149,16 +152,29 @@ def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, sc
         up_b = (up >> 4).to(tl.float32)
         down_a = (down & 15).to(tl.float32)
         down_b = (down >> 4).to(tl.float32)
-    best = tl.full([TILE], float("-inf"), tl.float32)
-    for g in tl.static_range(G):
-        base = query + row * query_row_stride + (head * G + g) * D
-        q_a = tl.load(base + dims, mask=ok, other=0.0).to(tl.float32)
-        q_b = tl.load(base + HALF + dims, mask=ok, other=0.0).to(tl.float32)
-        total = tl.sum(q_a, axis=0) + tl.sum(q_b, axis=0)
-        dot = tl.sum(up_a * tl.maximum(q_a, 0.0)[None, :] + up_b * tl.maximum(q_b, 0.0)[None, :]
-                     + down_a * tl.minimum(q_a, 0.0)[None, :]
-                     + down_b * tl.minimum(q_b, 0.0)[None, :], axis=1)
-        best = tl.maximum(best, dot - OFF * total)
+    if DOT:
+        heads = tl.arange(0, G_PAD)
+        take = ok[:, None] & (heads < G)[None, :]
+        base = query + row * query_row_stride + (head * G + heads[None, :]) * D + dims[:, None]
+        q_a = tl.load(base, mask=take, other=0.0).to(tl.float32)  # [HALF_PAD, G_PAD]
+        q_b = tl.load(base + HALF, mask=take, other=0.0).to(tl.float32)
+        dots = tl.dot((up_a - OFF).to(tl.float16), tl.maximum(q_a, 0.0).to(tl.float16))
+        dots += tl.dot((up_b - OFF).to(tl.float16), tl.maximum(q_b, 0.0).to(tl.float16))
+        dots += tl.dot((down_a - OFF).to(tl.float16), tl.minimum(q_a, 0.0).to(tl.float16))
+        dots += tl.dot((down_b - OFF).to(tl.float16), tl.minimum(q_b, 0.0).to(tl.float16))
+        best = tl.max(tl.where((heads < G)[None, :], dots, float("-inf")), axis=1)
+    else:
+        best = tl.full([TILE], float("-inf"), tl.float32)
+        for g in tl.static_range(G):
+            base = query + row * query_row_stride + (head * G + g) * D
+            q_a = tl.load(base + dims, mask=ok, other=0.0).to(tl.float32)
+            q_b = tl.load(base + HALF + dims, mask=ok, other=0.0).to(tl.float32)
+            total = tl.sum(q_a, axis=0) + tl.sum(q_b, axis=0)
+            dot = tl.sum(up_a * tl.maximum(q_a, 0.0)[None, :]
+                         + up_b * tl.maximum(q_b, 0.0)[None, :]
+                         + down_a * tl.minimum(q_a, 0.0)[None, :]
+                         + down_b * tl.minimum(q_b, 0.0)[None, :], axis=1)
+            best = tl.maximum(best, dot - OFF * total)
     step = tl.load(scales + cell, mask=read, other=0.0).to(tl.float32)
     result = tl.where(read, best * step * scale, float("-inf"))
     tl.store(out + sequence.to(tl.int64) * num_units + units, result, mask=units < num_units)
@@ -171,20 +187,28 @@ def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, sc
 
 
 def bound_scores(query, bounds, scales, table, context_lens, out, block_out, *, scale: float,
-                 unit: int, tile: int = 32, num_warps: int = 4) -> None:
+                 unit: int, tile: int = 32, num_warps: int = 4, method: str = "sums") -> None:
     """Launches ``_bound_scores``: out [S, H_kv, MB * BLOCK / UNIT] and block_out
     [S, H_kv, MB] float32 from query [S, H_kv, G, D] (unit strides within a row),
-    a layer's bounds and scales, table [S, MB] and context_lens [S] (< 0: padding)."""
+    a layer's bounds and scales, table [S, MB] and context_lens [S] (< 0: padding).
+    method: "sums" (the default) or "dot" (tensor-core dots; a tile of at least 16
+    units; ``benchmarks/gpu/kernel_candidates.py`` times both)."""
+    if method not in ("sums", "dot"):
+        raise ValueError(f"bound_scores: method {method!r} is not 'sums' or 'dot'")
     rows, heads, group, head_size = query.shape
     num_units = out.shape[-1]
     bits = 8 * bounds.shape[-1] // head_size
-    tile = max(tile, bounds.shape[2])  # whole blocks per tile (powers of two)
+    tile = max(tile, bounds.shape[2], 16 if method == "dot" else 1)  # whole blocks per tile
+    if method == "dot" and head_size < 32:
+        raise ValueError(f"bound_scores: method 'dot' needs a head size of at least 32 "
+                         f"(a dot's 16 channels per half), not {head_size}")
     grid = (rows * heads, triton.cdiv(num_units, tile))
     _bound_scores[grid](
         query, bounds, scales, table, context_lens, out, block_out, scale, query.stride(0),
         table.stride(0), num_units, H=heads, G=group, D=head_size, HALF=head_size // 2,
         HALF_PAD=triton.next_power_of_2(head_size // 2), UNITS_PER_BLOCK=bounds.shape[2],
-        UNIT=unit, BITS=bits, OFF=float(1 << (bits - 1)), TILE=tile, num_warps=num_warps)
+        UNIT=unit, BITS=bits, OFF=float(1 << (bits - 1)), TILE=tile, DOT=method == "dot",
+        G_PAD=max(16, triton.next_power_of_2(group)), num_warps=num_warps)
 
 
 @triton.jit
