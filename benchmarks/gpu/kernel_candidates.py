@@ -67,9 +67,31 @@ def _agrees(torch, got, expected, tolerance=1e-4) -> tuple[bool, float]:
     return same and bool((error <= bound).all()), float(error.max()) if error.numel() else 0.0
 
 
+def _checked_then_timed(torch, device, row: dict[str, Any], launch, check,
+                        key_bytes: float | None = None) -> dict[str, Any]:
+    """``row`` with the launch's check (``check()``: agrees, max abs error or None) and,
+    when it agrees, its time (and GB/s of ``key_bytes``); a candidate that fails to
+    compile is reported, not raised."""
+    from benchmarks.gpu.kernel_limits import timed
+
+    try:
+        launch()
+        ok, error = check()
+        row["correct"] = ok
+        if error is not None:
+            row["max_abs_error"] = error
+        if ok:
+            ms = timed(launch, device, repeats=REPEATS[device.type])
+            row.update(ms=float(ms), timing=ms.method)
+            if key_bytes:
+                row["GBps"] = key_bytes / ms / 1e6
+    except Exception as error:
+        row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
+    return row
+
+
 def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen):
     """Each candidate's rows: checked on the device, then timed."""
-    from benchmarks.gpu.kernel_limits import timed
     from vllm_infinigen.platforms.cuda.kernels import block_rule, triton_scoring
 
     out = []
@@ -91,28 +113,22 @@ def scoring_rows(torch, device, sizes: dict[str, int], rows_list, bits: int, gen
                          method=m, tile=t, num_warps=w, precision=p or "tf32x3"))
                     for method, tile, warps, precision in SCORING]
         for name, tolerance, expected, launch in launches:
-            row = {"kernel": "int_scores", "form": name, "rows": rows, "bits": bits,
-                   "MB": key_bytes / 1e6}
-            try:
-                tokens.fill_(7.0)
-                launch()
+            def check(expected=expected, tolerance=tolerance):
                 ok, error = _agrees(torch, tokens, expected, tolerance)
                 ok_blocks, _ = _agrees(torch, blocks, block_rule.block_scores(
                     expected, lens, 16), tolerance)
-                row.update(correct=ok and ok_blocks, max_abs_error=error)
-                if row["correct"]:
-                    ms = timed(launch, device, repeats=REPEATS[device.type])
-                    row.update(ms=float(ms), GBps=key_bytes / ms / 1e6, timing=ms.method)
-            except Exception as error:  # a candidate that fails to compile is reported
-                row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
-            out.append(row)
+                return ok and ok_blocks, error
+
+            tokens.fill_(7.0)
+            out.append(_checked_then_timed(
+                torch, device, {"kernel": "int_scores", "form": name, "rows": rows,
+                                "bits": bits, "MB": key_bytes / 1e6}, launch, check, key_bytes))
         del references, launches
     return out
 
 
 def select_rows(torch, device, context: int, heads: int, rows_list, gen):
     """The chunked and the register-resident threshold search, checked, then timed."""
-    from benchmarks.gpu.kernel_limits import timed
     from vllm_infinigen.platforms.cuda import kernels
     from vllm_infinigen.platforms.cuda.kernels import block_rule, triton_select
 
@@ -138,17 +154,10 @@ def select_rows(torch, device, context: int, heads: int, rows_list, gen):
                 triton_select.select_blocks(scores, counts, lens, table, settings, *got,
                                             block_size=16, sink_blocks=1, recent_blocks=1,
                                             num_warps=warps, resident=resident)
-            row = {"kernel": "select", "form": name, "rows": rows, "width": width,
-                   "MB": scores.numel() * 4 / 1e6}
-            try:
-                launch()
-                row["correct"] = all(torch.equal(a, b) for a, b in zip(got, expected))
-                if row["correct"]:
-                    ms = timed(launch, device, repeats=REPEATS[device.type])
-                    row.update(ms=float(ms), timing=ms.method)
-            except Exception as error:
-                row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
-            out.append(row)
+            out.append(_checked_then_timed(
+                torch, device, {"kernel": "select", "form": name, "rows": rows, "width": width,
+                                "MB": scores.numel() * 4 / 1e6}, launch,
+                lambda: (all(torch.equal(a, b) for a, b in zip(got, expected)), None)))
     return out
 
 
@@ -156,7 +165,6 @@ def bound_rows(torch, device, sizes: dict[str, int], rows_list, gen):
     """The bound scoring's forms (``BOUNDS``), each checked against the torch form
     (``block_rule.bound_unit_scores``, float32) and timed; 8-bit bounds, a unit per
     16-token block, a bfloat16 query (exact in the dots' float16)."""
-    from benchmarks.gpu.kernel_limits import timed
     from vllm_infinigen.platforms.cuda.kernels import block_rule, triton_bounds
 
     out = []
@@ -185,19 +193,15 @@ def bound_rows(torch, device, sizes: dict[str, int], rows_list, gen):
                 triton_bounds.bound_scores(query, bounds, scales, table, lens, units,
                                            block_out, scale=0.09, unit=16, tile=tile,
                                            num_warps=warps, method=method)
-            row = {"kernel": "bound_scores", "form": f"{method}, tile {tile}, {warps} warps",
-                   "rows": rows, "bits": 8, "MB": key_bytes / 1e6}
-            try:
-                units.fill_(7.0)
-                launch()
+            def check():
                 ok, error = _agrees(torch, units, expected)
-                row.update(correct=ok and torch.equal(block_out, units), max_abs_error=error)
-                if row["correct"]:
-                    ms = timed(launch, device, repeats=REPEATS[device.type])
-                    row.update(ms=float(ms), GBps=key_bytes / ms / 1e6, timing=ms.method)
-            except Exception as error:  # a candidate that fails to compile is reported
-                row.update(correct=False, error=f"{type(error).__name__}: {str(error)[:200]}")
-            out.append(row)
+                return ok and torch.equal(block_out, units), error
+
+            units.fill_(7.0)
+            out.append(_checked_then_timed(
+                torch, device, {"kernel": "bound_scores", "rows": rows, "bits": 8,
+                                "form": f"{method}, tile {tile}, {warps} warps",
+                                "MB": key_bytes / 1e6}, launch, check, key_bytes))
         del bounds, expected, units, block_out
     return out
 
