@@ -5,7 +5,9 @@ Held-out prompts of the multi-query recall task at each ``--lengths L:PAIRS``, m
 the task's own generator (``shared/prototypes/recall-training/recall12.py``,
 ``make_eval_set`` seeded ``11 + L`` as its training script seeds its held-out sets), or
 read from ``--data L=PATH`` (the ``recall-4k.jsonl`` format); the greedy next token of
-each in float32. How a training run's checkpoint is measured on this machine (the
+each in float32. ``--rope-linear-factor F`` reads the model with its RoPE positions
+divided by F (linear position interpolation: F x the trained length maps onto it), the
+lead for training past the length a model reached. How a training run's checkpoint is measured on this machine (the
 README of ``benchmarks/models/recall-llama-12l-toward-16k`` quotes it).
 
     python -m benchmarks.accuracy.recall_lengths --model DIR --lengths 4096:96 6144:144 \\
@@ -47,13 +49,19 @@ def prompts_at(task, length: int, pairs: int, count: int, data: Path | None) -> 
 
 
 def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
-            data: dict[int, Path], batch: int = 2) -> dict[str, Any]:
+            data: dict[int, Path], batch: int = 2,
+            rope_linear_factor: float | None = None) -> dict[str, Any]:
     """Accuracy per bucket at each length, with the prompts' source and the seconds."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoConfig, LlamaForCausalLM
 
     task = recall_task()
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+    config = AutoConfig.from_pretrained(model_dir)
+    if rope_linear_factor is not None:
+        theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
+        config.rope_parameters = {"rope_type": "linear", "factor": rope_linear_factor,
+                                  "rope_theta": theta}
+    model = LlamaForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
                                              attn_implementation="sdpa")
     out = {}
     for length, pairs in lengths:
@@ -85,19 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", nargs="+", required=True, help="LENGTH:PAIRS ...")
     parser.add_argument("--data", nargs="*", default=[], help="LENGTH=PATH: prompts from a file")
     parser.add_argument("--prompts", type=int, default=150)
+    parser.add_argument("--rope-linear-factor", type=float, default=None,
+                        help="read the model with linear RoPE interpolation by this factor")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     lengths = [tuple(int(v) for v in x.split(":")) for x in args.lengths]
     data = {int(k): Path(v) for k, v in (x.split("=", 1) for x in args.data)}
-    results = measure(args.model, lengths, args.prompts, data)
+    results = measure(args.model, lengths, args.prompts, data,
+                      rope_linear_factor=args.rope_linear_factor)
     import torch
     import transformers
 
     meta = report.source_metadata(torch=torch.__version__, transformers=transformers.__version__,
                                   model=str(args.model))
-    report.write_results(args.out, meta, f"Dense retrieval of {args.model.name} by length",
-                         {"lengths": args.lengths, "prompts": args.prompts, "data": args.data},
-                         results, [markdown(results)])
+    factor = args.rope_linear_factor
+    title = f"Dense retrieval of {args.model.name} by length" + (
+        f", RoPE positions interpolated linearly by {factor:g}" if factor else "")
+    report.write_results(args.out, meta, title,
+                         {"lengths": args.lengths, "prompts": args.prompts, "data": args.data,
+                          "rope_linear_factor": factor}, results, [markdown(results)])
     return 0
 
 

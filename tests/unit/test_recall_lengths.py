@@ -24,3 +24,12 @@ def test_the_committed_checkpoint_retrieves_at_1k_by_needle_depth(tmp_path):
     assert saved["meta"]["model"] == str(MODEL)
     text = (tmp_path / "r.md").read_text()
     assert "| 1,024 (24 pairs, n=12) |" in text and "seed 1035" in text
+
+
+def test_a_linear_rope_factor_reads_the_positions_interpolated(tmp_path):
+    require_shared(recall_lengths.GENERATOR)
+    assert recall_lengths.main(["--model", str(MODEL), "--lengths", "512:12", "--prompts", "3",
+                                "--rope-linear-factor", "2", "--out", str(tmp_path / "r")]) == 0
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["settings"]["rope_linear_factor"] == 2.0
+    assert "RoPE positions interpolated linearly by 2" in (tmp_path / "r.md").read_text()
