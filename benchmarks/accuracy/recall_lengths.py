@@ -7,8 +7,9 @@ the task's own generator (``shared/prototypes/recall-training/recall12.py``,
 read from ``--data L=PATH`` (the ``recall-4k.jsonl`` format); the greedy next token of
 each in float32. ``--rope-linear-factor F`` reads the model with its RoPE positions
 divided by F (linear position interpolation: F x the trained length maps onto it), the
-lead for training past the length a model reached. How a training run's checkpoint is measured on this machine (the
-README of ``benchmarks/models/recall-llama-12l-toward-16k`` quotes it).
+lead for training past the length a model reached. How a training run's checkpoint is
+measured on this machine (the README of ``benchmarks/models/recall-llama-12l-toward-16k``
+quotes it).
 
     python -m benchmarks.accuracy.recall_lengths --model DIR --lengths 4096:96 6144:144 \\
         [--data 4096=PATH] [--prompts 150] --out benchmarks/results/NAME
@@ -69,8 +70,8 @@ def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
         items = prompts_at(task, length, pairs, count, data.get(length))
         assert all(len(it["prompt_token_ids"]) == length for it in items), length
         acc = task.eval_prompts(model, items, torch.device("cpu"), bf16=False, bs=batch)
-        out[str(length)] = {"pairs": pairs, "source": str(data.get(length) or
-                                                          f"recall12.make_eval_set seed {11 + length}"),
+        source = data.get(length) or f"recall12.make_eval_set seed {11 + length}"
+        out[str(length)] = {"pairs": pairs, "source": str(source),
                             "accuracy": {b: acc[b][0] for b in BUCKETS},
                             "prompts": {b: acc[b][1] for b in BUCKETS},
                             "seconds": round(time.perf_counter() - began, 1)}

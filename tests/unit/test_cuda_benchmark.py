@@ -258,7 +258,8 @@ def test_the_profile_adds_device_time_by_kernel_and_the_report_shows_it():
 
 def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp_path):
     """``kernel_candidates --self-test``: every scoring form (int keys and bounds)
-    and both block searches run in Triton's interpreter and agree with the references (its exit status);
+    and both block searches run in Triton's interpreter and agree with the
+    references (its exit status);
     the results name their command and commit."""
     out = tmp_path / "candidates"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.kernel_candidates",
