@@ -86,6 +86,10 @@ class Rule:
     summary_bits: int = 16
     # The last context tokens kept on top of k (``--infinigen-recent-tokens``).
     recent: int = 0
+    # Two-level bounds (``coarse_candidates``): only the units of each head's best
+    # ``coarse``-token super-units, ``over`` x k tokens of them, are scored.
+    coarse: int = 0
+    over: float = 0.0
 
 
 BINDING = CAP_BINDING_ALPHA
@@ -115,11 +119,15 @@ RULES = {rule.name: rule for rule in (
     Rule("mean 32, then int keys over 2x", alpha=BINDING, unit=32, summary="mean", fine=2.0),
     Rule("bound 64, then int keys over 2x", alpha=BINDING, unit=64, fine=2.0),
     Rule("bound 32, then int keys over 2x", alpha=BINDING, unit=32, fine=2.0),
+    *(Rule(f"bound 8-bit 16 within 8-bit {coarse} x{over:g}, recent 16", alpha=BINDING,
+           unit=16, summary_bits=8, recent=16, coarse=coarse, over=over)
+      for coarse, over in ((64, 4.0), (128, 4.0), (256, 4.0), (256, 8.0))),
 )}
+TWO_LEVEL_RULES = tuple(name for name, rule in RULES.items() if rule.coarse)
 CAP_RULES = ("budget binding", "alpha 5 (paper)", "budget binding, blocks of 16",
              "bound, units of 16", "bound 8-bit, units of 16", "bound 4-bit, units of 16",
              "budget binding, recent 16", "bound 8-bit, units of 16, recent 16",
-             "bound 8-bit, units of 16, recent 16, same-layer")
+             "bound 8-bit, units of 16, recent 16, same-layer", *TWO_LEVEL_RULES)
 
 
 @dataclass(frozen=True)
@@ -186,8 +194,8 @@ def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
             return Run(tally, functools.partial(
                 make_unit_selector, form, scale=sparse_model.scale, budget=setting.budget,
                 unit=rule.unit, summary=rule.summary, fine=rule.fine, bits=rule.summary_bits,
-                token_cap=setting.token_cap, recent_tokens=rule.recent), rule.speculation,
-                control)
+                token_cap=setting.token_cap, recent_tokens=rule.recent, coarse=rule.coarse,
+                over=rule.over), rule.speculation, control)
         return Run(tally, functools.partial(
             make_selector, form, scale=sparse_model.scale, alpha=rule.alpha,
             budget=setting.budget, block_size=rule.block_size, token_cap=setting.token_cap,
@@ -225,6 +233,10 @@ def selection_bytes(rule: Rule, result: dict, head_dim: int = BYTES_HEAD_DIM,
     and the int keys of the fine pass's candidates (their measured fraction)."""
     if not rule.unit:
         return int_key_bytes(head_dim, bits)
+    if rule.coarse:  # the super-units' bounds, then the units' of their candidates
+        fine = summary_bytes(head_dim, rule.unit, rule.summary, rule.summary_bits)
+        return (summary_bytes(head_dim, rule.coarse, "bound", rule.summary_bits)
+                + result.get("rerank_density", 0.0) * fine)
     coarse = summary_bytes(head_dim, rule.unit, rule.summary, rule.summary_bits)
     return coarse + result.get("rerank_density", 0.0) * int_key_bytes(head_dim, bits)
 

@@ -194,10 +194,44 @@ def summary_bytes(head_dim: int, unit: int, summary: str, bits: int = 16) -> flo
     return (head_dim * values * bits / 8 + 2) / unit
 
 
+def coarse_candidates(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                      caps: torch.Tensor, *, unit: int, coarse: int, over: float,
+                      bits: int) -> torch.Tensor:
+    """[H_kv, n, U] bool: the ``unit``-token units a two-level bound lets the fine
+    level score. Each complete ``coarse``-token super-unit is scored by the bound of
+    its channels' max and min over its tokens (``unit_summary_scores``, ``bits``-bit
+    codes: at least every unit's bound inside it); each KV head keeps its
+    ceil(``over`` x cap / coarse) best complete super-units, and the row's last,
+    incomplete super-unit (the most recent tokens, no summary yet) always.
+
+    Args:
+        caps: [n] the tokens each row keeps from its complete units (k').
+    """
+    if coarse % unit:
+        raise ValueError(f"a super-unit of {coarse} tokens is not whole units of {unit}")
+    num_units = keys.shape[1] // unit
+    supers = unit_summary_scores(query, keys, coarse, "bound", bits)  # [H, n, S]
+    complete = (torch.arange(supers.shape[-1])[None, :] + 1) * coarse <= positions[:, None]
+    supers = supers.masked_fill(~complete[None], float("-inf"))
+    chosen = torch.minimum(torch.ceil(caps.double() * over / coarse).long(),
+                           complete.sum(dim=-1))
+    width = max(1, int(chosen.max())) if supers.shape[-1] else 0
+    kept = (topk_mask(supers, chosen, width) if width
+            else torch.zeros_like(supers, dtype=torch.bool))
+    per_unit = coarse // unit
+    candidates = torch.zeros((keys.shape[0], positions.shape[0], num_units), dtype=torch.bool)
+    spread = kept.repeat_interleave(per_unit, dim=-1)[..., :num_units]
+    candidates[..., : spread.shape[-1]] = spread
+    start = (positions // coarse * coarse)[:, None]  # the row's incomplete super-unit
+    last_super = (torch.arange(num_units)[None, :] * unit) >= start
+    return candidates | last_super[None]
+
+
 def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, unit: int,
                        summary: str = "bound", fine: float = 0.0, bits: int = 16,
                        exact: bool = True, token_cap: int | None = None,
-                       recent_tokens: int = 0, counts: SelectionCounts | None = None):
+                       recent_tokens: int = 0, coarse: int = 0, over: float = 0.0,
+                       counts: SelectionCounts | None = None):
     """A ``Selector`` over unit summaries: coarse, then (``fine`` > 0) fine.
 
     A row keeps k = min(floor(budget x context), token_cap) tokens (at least 1),
@@ -211,7 +245,15 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
     units, then the first tokens of the next); False: whole units, rounded up.
     ``counts.reranked`` tallies the candidates' tokens (the fine pass's reads).
     ``recent_tokens``: the last context tokens kept on top (``recent_window``).
+    ``coarse`` > 0 (coarse only): the units are first narrowed to those of each KV
+    head's best ``coarse``-token super-units, ``over`` x k' tokens of them
+    (``coarse_candidates``); ``counts.reranked`` tallies their tokens (the units
+    the fine level reads).
     """
+
+    if coarse and fine:
+        raise ValueError("two-level bounds (coarse) and a fine pass over the int keys "
+                         "(fine) are two rules: give one")
 
     def select(layer_idx: int, query: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -231,6 +273,12 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
         num_units = units.shape[-1]
         complete = (torch.arange(num_units)[None, :] + 1) * unit <= positions[:, None]  # [n, U]
         units = units.masked_fill(~complete[None], float("-inf"))
+        if coarse:
+            allowed = coarse_candidates(query, keys, positions, caps, unit=unit,
+                                        coarse=coarse, over=over, bits=bits)
+            units = units.masked_fill(~allowed, float("-inf"))
+            if counts is not None:
+                counts.reranked += float((allowed & complete[None]).sum()) * unit
         chosen_units = torch.ceil(caps.double() * max(fine, 1.0) / unit).long()
         chosen_units = torch.minimum(chosen_units, complete.sum(dim=-1))
         width = max(1, int(chosen_units.max())) if num_units else 0
@@ -244,6 +292,7 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
             scores = units.repeat_interleave(unit, dim=-1)
             order = torch.arange(num_units * unit, dtype=torch.float64)
             ranked = scores.double() - order * 1e-12 * scores.double().abs().clamp(min=1)
+            ranked = ranked.masked_fill(~torch.isfinite(scores), float("-inf"))  # not NaN
             top = topk_mask(ranked, caps, max(1, int(caps.max())))
             tokens[..., : num_units * unit] = top & torch.isfinite(scores)
         if fine:

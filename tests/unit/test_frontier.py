@@ -14,6 +14,7 @@ from benchmarks.accuracy.key_forms import FormSpec, KeyForm
 from benchmarks.accuracy.speculative_selection import (
     CAP_BINDING_ALPHA,
     SelectionCounts,
+    coarse_candidates,
     make_selector,
     make_unit_selector,
     outward,
@@ -121,7 +122,8 @@ def test_depth_tables_give_each_setting_over_dense_by_the_needles_depth():
 
 
 def _select_units(unit: int, budget: float, summary: str = "bound", bits: int = 16,
-                  token_cap=None, fine: float = 0.0, recent_tokens: int = 0):
+                  token_cap=None, fine: float = 0.0, recent_tokens: int = 0,
+                  coarse: int = 0, over: float = 0.0):
     gen = torch.Generator().manual_seed(0)
     heads, group, dim, tokens = 2, 2, 8, 200
     eye = [(torch.zeros(heads * group, 1, dim), torch.zeros(heads, 1, dim))]
@@ -129,7 +131,8 @@ def _select_units(unit: int, budget: float, summary: str = "bound", bits: int = 
     counts = SelectionCounts()
     select = make_unit_selector(form, scale=1.0, budget=budget, unit=unit, summary=summary,
                                 bits=bits, token_cap=token_cap, fine=fine,
-                                recent_tokens=recent_tokens, counts=counts)
+                                recent_tokens=recent_tokens, coarse=coarse, over=over,
+                                counts=counts)
     query = torch.randn(heads * group, 2, dim, generator=gen)
     keys = torch.randn(heads, tokens, dim, generator=gen)
     chosen = select(0, query, keys, torch.tensor([100, 200]))
@@ -150,6 +153,36 @@ def test_unit_rules_keep_whole_units_and_the_open_one(summary, bits):
     fine, fine_counts = _select_units(16, 0.2, summary, bits, fine=2.0)
     assert fine.sum(dim=-1).tolist() == [[20, 40], [20, 40]]
     assert fine_counts.reranked == 2 * (32 + 64)  # 2 heads x (2 units + 4 units) x 16
+
+
+def test_two_level_bounds_score_only_the_best_super_units_and_keep_k():
+    """A super-unit's bound is at least each of its units': with every complete
+    super-unit a candidate the rule is the one-level rule; narrowed, it keeps the same
+    number of tokens, all from candidate super-units or the last, incomplete one, and
+    tallies the units it scored."""
+    one, _ = _select_units(16, 0.2, bits=8)
+    everything, _ = _select_units(16, 0.2, bits=8, coarse=64, over=100.0)
+    assert torch.equal(one, everything)
+    narrowed, counts = _select_units(16, 0.2, bits=8, coarse=64, over=1.0)
+    assert narrowed.sum(dim=-1).tolist() == one.sum(dim=-1).tolist()
+    # Row 0 (100 tokens): k' = 20 - 4 -> 1 super-unit of 64 (the one complete), and the
+    # complete units of the last (64-95); row 1 (200): k' = 40 - 8 -> 1 of the 3 complete,
+    # the last (192-) holding only the row's own unit. Per KV head.
+    assert counts.reranked == 2 * ((64 + 32) + (64 + 0))
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 200, 4, generator=gen) * 0.1
+    keys[0, 130, :] = 5.0  # super-unit 2 (128-191) holds the only large key
+    query = torch.ones(1, 1, 4)
+    allowed = coarse_candidates(query, keys, torch.tensor([200]), torch.tensor([16]), unit=16,
+                                coarse=64, over=1.0, bits=8)
+    assert allowed[0, 0].nonzero().flatten().tolist() == [8, 9, 10, 11]
+    keys[0, 10, :] = 4.0  # and super-unit 0 the next largest
+    allowed = coarse_candidates(query, keys, torch.tensor([180]), torch.tensor([16]), unit=16,
+                                coarse=64, over=1.0, bits=8)  # super-unit 2 incomplete
+    assert allowed[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="not whole units"):
+        coarse_candidates(query, keys, torch.tensor([200]), torch.tensor([16]), unit=16,
+                          coarse=40, over=1.0, bits=8)
 
 
 def test_the_recent_window_adds_the_last_tokens_on_top_of_the_rule():
@@ -187,6 +220,9 @@ def test_selection_bytes_per_token():
     assert frontier.selection_bytes(rules["bound 4-bit, units of 16"], {}) == (128 + 2) / 16
     assert frontier.selection_bytes(rules["bound 32, then int keys over 2x"],
                                     {"rerank_density": 0.5}) == 16.0 + 24.0
+    two_level = rules["bound 8-bit 16 within 8-bit 256 x4, recent 16"]
+    assert frontier.selection_bytes(two_level, {"rerank_density": 0.25}) == (
+        (256 + 2) / 256 + 0.25 * (256 + 2) / 16)
 
 
 @pytest.mark.parametrize("recent_tokens", [0, 16])
