@@ -45,7 +45,8 @@ def test_a_smoke_run_comes_back_as_a_bfloat16_checkpoint_read_interpolated(tmp_p
     model = LlamaForCausalLM.from_pretrained(back)
     assert model.model.rotary_emb.rope_type == "linear"
     results = json.loads((tmp_path / "back" / "run" / "results.json").read_text())
-    assert results["steps"] == 8 and "heldout_384_fp32" in results
+    # The smoke form trains for at most 8 steps or 5 s (fewer on a busy machine).
+    assert 1 <= results["steps"] <= 8 and "heldout_384_fp32" in results
 
 
 def test_the_training_keeps_to_its_arguments_and_the_work_folder_starts_empty(tmp_path):
