@@ -90,6 +90,7 @@ class Rule:
     # ``coarse``-token super-units, ``over`` x k tokens of them, are scored.
     coarse: int = 0
     over: float = 0.0
+    coarse_summary: str = "bound"
 
 
 BINDING = CAP_BINDING_ALPHA
@@ -121,6 +122,9 @@ RULES = {rule.name: rule for rule in (
     Rule("bound 32, then int keys over 2x", alpha=BINDING, unit=32, fine=2.0),
     *(Rule(f"bound 8-bit 16 within 8-bit {coarse} x{over:g}, recent 16", alpha=BINDING,
            unit=16, summary_bits=8, recent=16, coarse=coarse, over=over)
+      for coarse, over in ((64, 4.0), (128, 4.0), (256, 4.0), (256, 8.0))),
+    *(Rule(f"bound 8-bit 16 within mean {coarse} x{over:g}, recent 16", alpha=BINDING,
+           unit=16, summary_bits=8, recent=16, coarse=coarse, over=over, coarse_summary="mean")
       for coarse, over in ((64, 4.0), (128, 4.0), (256, 4.0), (256, 8.0))),
 )}
 TWO_LEVEL_RULES = tuple(name for name, rule in RULES.items() if rule.coarse)
@@ -195,7 +199,7 @@ def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
                 make_unit_selector, form, scale=sparse_model.scale, budget=setting.budget,
                 unit=rule.unit, summary=rule.summary, fine=rule.fine, bits=rule.summary_bits,
                 token_cap=setting.token_cap, recent_tokens=rule.recent, coarse=rule.coarse,
-                over=rule.over), rule.speculation, control)
+                over=rule.over, coarse_summary=rule.coarse_summary), rule.speculation, control)
         return Run(tally, functools.partial(
             make_selector, form, scale=sparse_model.scale, alpha=rule.alpha,
             budget=setting.budget, block_size=rule.block_size, token_cap=setting.token_cap,
@@ -233,9 +237,10 @@ def selection_bytes(rule: Rule, result: dict, head_dim: int = BYTES_HEAD_DIM,
     and the int keys of the fine pass's candidates (their measured fraction)."""
     if not rule.unit:
         return int_key_bytes(head_dim, bits)
-    if rule.coarse:  # the super-units' bounds, then the units' of their candidates
+    if rule.coarse:  # the super-units' summaries, then the units' of their candidates
         fine = summary_bytes(head_dim, rule.unit, rule.summary, rule.summary_bits)
-        return (summary_bytes(head_dim, rule.coarse, "bound", rule.summary_bits)
+        coarse_bits = rule.summary_bits if rule.coarse_summary == "bound" else 16
+        return (summary_bytes(head_dim, rule.coarse, rule.coarse_summary, coarse_bits)
                 + result.get("rerank_density", 0.0) * fine)
     coarse = summary_bytes(head_dim, rule.unit, rule.summary, rule.summary_bits)
     return coarse + result.get("rerank_density", 0.0) * int_key_bytes(head_dim, bits)

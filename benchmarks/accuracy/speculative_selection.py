@@ -196,11 +196,12 @@ def summary_bytes(head_dim: int, unit: int, summary: str, bits: int = 16) -> flo
 
 def coarse_candidates(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                       caps: torch.Tensor, *, unit: int, coarse: int, over: float,
-                      bits: int) -> torch.Tensor:
-    """[H_kv, n, U] bool: the ``unit``-token units a two-level bound lets the fine
-    level score. Each complete ``coarse``-token super-unit is scored by the bound of
-    its channels' max and min over its tokens (``unit_summary_scores``, ``bits``-bit
-    codes: at least every unit's bound inside it); each KV head keeps its
+                      bits: int, summary: str = "bound") -> torch.Tensor:
+    """[H_kv, n, U] bool: the ``unit``-token units a two-level selection lets the fine
+    level score. Each complete ``coarse``-token super-unit is scored by its
+    ``summary`` (``unit_summary_scores``): ``bound``, the bound of its channels' max and
+    min over its tokens in ``bits``-bit codes (at least every unit's bound inside it);
+    ``mean``, q . its mean key in float16 (a landmark, not a bound). Each KV head keeps its
     ceil(``over`` x cap / coarse) best complete super-units, and the row's last,
     incomplete super-unit (the most recent tokens, no summary yet) always.
 
@@ -210,7 +211,7 @@ def coarse_candidates(query: torch.Tensor, keys: torch.Tensor, positions: torch.
     if coarse % unit:
         raise ValueError(f"a super-unit of {coarse} tokens is not whole units of {unit}")
     num_units = keys.shape[1] // unit
-    supers = unit_summary_scores(query, keys, coarse, "bound", bits)  # [H, n, S]
+    supers = unit_summary_scores(query, keys, coarse, summary, bits)  # [H, n, S]
     complete = (torch.arange(supers.shape[-1])[None, :] + 1) * coarse <= positions[:, None]
     supers = supers.masked_fill(~complete[None], float("-inf"))
     chosen = torch.minimum(torch.ceil(caps.double() * over / coarse).long(),
@@ -231,7 +232,7 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
                        summary: str = "bound", fine: float = 0.0, bits: int = 16,
                        exact: bool = True, token_cap: int | None = None,
                        recent_tokens: int = 0, coarse: int = 0, over: float = 0.0,
-                       counts: SelectionCounts | None = None):
+                       coarse_summary: str = "bound", counts: SelectionCounts | None = None):
     """A ``Selector`` over unit summaries: coarse, then (``fine`` > 0) fine.
 
     A row keeps k = min(floor(budget x context), token_cap) tokens (at least 1),
@@ -246,8 +247,8 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
     ``counts.reranked`` tallies the candidates' tokens (the fine pass's reads).
     ``recent_tokens``: the last context tokens kept on top (``recent_window``).
     ``coarse`` > 0 (coarse only): the units are first narrowed to those of each KV
-    head's best ``coarse``-token super-units, ``over`` x k' tokens of them
-    (``coarse_candidates``); ``counts.reranked`` tallies their tokens (the units
+    head's best ``coarse``-token super-units by ``coarse_summary``, ``over`` x k'
+    tokens of them (``coarse_candidates``); ``counts.reranked`` tallies their tokens (the units
     the fine level reads).
     """
 
@@ -275,7 +276,8 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
         units = units.masked_fill(~complete[None], float("-inf"))
         if coarse:
             allowed = coarse_candidates(query, keys, positions, caps, unit=unit,
-                                        coarse=coarse, over=over, bits=bits)
+                                        coarse=coarse, over=over, bits=bits,
+                                        summary=coarse_summary)
             units = units.masked_fill(~allowed, float("-inf"))
             if counts is not None:
                 counts.reranked += float((allowed & complete[None]).sum()) * unit

@@ -180,6 +180,9 @@ def test_two_level_bounds_score_only_the_best_super_units_and_keep_k():
     allowed = coarse_candidates(query, keys, torch.tensor([180]), torch.tensor([16]), unit=16,
                                 coarse=64, over=1.0, bits=8)  # super-unit 2 incomplete
     assert allowed[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    landmark = coarse_candidates(query, keys, torch.tensor([180]), torch.tensor([16]),
+                                 unit=16, coarse=64, over=1.0, bits=8, summary="mean")
+    assert landmark[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
     with pytest.raises(ValueError, match="not whole units"):
         coarse_candidates(query, keys, torch.tensor([200]), torch.tensor([16]), unit=16,
                           coarse=40, over=1.0, bits=8)
@@ -223,6 +226,9 @@ def test_selection_bytes_per_token():
     two_level = rules["bound 8-bit 16 within 8-bit 256 x4, recent 16"]
     assert frontier.selection_bytes(two_level, {"rerank_density": 0.25}) == (
         (256 + 2) / 256 + 0.25 * (256 + 2) / 16)
+    landmarks = rules["bound 8-bit 16 within mean 256 x4, recent 16"]
+    assert frontier.selection_bytes(landmarks, {"rerank_density": 0.25}) == (
+        128 * 2 / 256 + 0.25 * (256 + 2) / 16)
 
 
 @pytest.mark.parametrize("recent_tokens", [0, 16])
