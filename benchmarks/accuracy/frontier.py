@@ -23,8 +23,10 @@ decode steps; the book's rows past a 64-token dense prefix attend over theirs
 Rules (``RULES``): the alpha count (today's default alpha 5, and larger
 alphas), the budget binding (k = budget x context: alpha 1e3), a floor on the
 kept fraction (alpha 5, but at least half the budget), each also over blocks
-of 16 (the CUDA build's block-granular rule), and same-layer speculation with
-the binding as the reference without prefetch. Example (about an hour)::
+of 16 (the CUDA build's block-granular rule), same-layer speculation with
+the binding as the reference without prefetch, unit summaries (issue 45), and
+two-level rules (the units of the best super-units only: a cheaper scoring,
+``frontier_two_level_4k.md``). Example (about an hour)::
 
     OMP_NUM_THREADS=1 python -m benchmarks.accuracy.frontier --threads 2
 
