@@ -248,8 +248,8 @@ def make_unit_selector(form: KeyForm | None, *, scale: float, budget: float, uni
     ``recent_tokens``: the last context tokens kept on top (``recent_window``).
     ``coarse`` > 0 (coarse only): the units are first narrowed to those of each KV
     head's best ``coarse``-token super-units by ``coarse_summary``, ``over`` x k'
-    tokens of them (``coarse_candidates``); ``counts.reranked`` tallies their tokens (the units
-    the fine level reads).
+    tokens of them (``coarse_candidates``); ``counts.reranked`` tallies their tokens
+    (the units the fine level reads).
     """
 
     if coarse and fine:

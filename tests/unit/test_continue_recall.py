@@ -30,7 +30,8 @@ def test_a_smoke_run_comes_back_as_a_bfloat16_checkpoint_read_interpolated(tmp_p
         tar.extractall(tmp_path / "back", filter="data")
     back = tmp_path / "back" / "checkpoint"
     assert sorted(p.name for p in back.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", *continue_recall.TOKENIZER_FILES]
+        "config.json", "generation_config.json", "model.safetensors",
+        *continue_recall.TOKENIZER_FILES]
     config = json.loads((back / "config.json").read_text())
     assert config["rope_parameters"] == {"rope_type": "linear", "factor": 4.0,
                                          "rope_theta": 10000.0}
