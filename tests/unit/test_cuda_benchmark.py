@@ -185,7 +185,8 @@ def test_the_benchmark_imports_without_vllm():
     code = ("import sys\nsys.modules['vllm'] = None\n"
             "import benchmarks.gpu.decode_step, benchmarks.gpu.record_selections\n"
             "import benchmarks.gpu.checks, benchmarks.gpu.product\n"
-            "import benchmarks.gpu.throughput, benchmarks.gpu.prefill\nprint('ok')\n")
+            "import benchmarks.gpu.throughput, benchmarks.gpu.prefill\n"
+            "import benchmarks.gpu.continue_recall\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
