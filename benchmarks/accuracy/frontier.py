@@ -116,6 +116,8 @@ RULES = {rule.name: rule for rule in (
          recent=16),
     Rule("bound 8-bit, units of 16, recent 16, same-layer", alpha=BINDING, unit=16,
          summary_bits=8, recent=16, speculation="same-layer"),
+    Rule("bound 4-bit, units of 16, recent 16", alpha=BINDING, unit=16, summary_bits=4,
+         recent=16),
     Rule("mean, units of 16", alpha=BINDING, unit=16, summary="mean"),
     Rule("mean, units of 32", alpha=BINDING, unit=32, summary="mean"),
     Rule("mean, units of 64", alpha=BINDING, unit=64, summary="mean"),
@@ -133,7 +135,8 @@ TWO_LEVEL_RULES = tuple(name for name, rule in RULES.items() if rule.coarse)
 CAP_RULES = ("budget binding", "alpha 5 (paper)", "budget binding, blocks of 16",
              "bound, units of 16", "bound 8-bit, units of 16", "bound 4-bit, units of 16",
              "budget binding, recent 16", "bound 8-bit, units of 16, recent 16",
-             "bound 8-bit, units of 16, recent 16, same-layer", *TWO_LEVEL_RULES)
+             "bound 8-bit, units of 16, recent 16, same-layer",
+             "bound 4-bit, units of 16, recent 16", *TWO_LEVEL_RULES)
 
 
 @dataclass(frozen=True)
