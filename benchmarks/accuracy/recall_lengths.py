@@ -42,6 +42,13 @@ def recall_task():
     return recall12
 
 
+def linear_rope(rope_parameters: dict | None, factor: float) -> dict:
+    """A config's ``rope_parameters`` with its positions divided by ``factor``
+    (transformers' and vLLM's ``"linear"`` type), its RoPE theta kept."""
+    theta = (rope_parameters or {}).get("rope_theta", 10000.0)
+    return {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+
+
 def prompts_at(task, length: int, pairs: int, count: int, data: Path | None) -> list[dict]:
     if data is not None:
         items = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
@@ -59,9 +66,7 @@ def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
     task = recall_task()
     config = AutoConfig.from_pretrained(model_dir)
     if rope_linear_factor is not None:
-        theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
-        config.rope_parameters = {"rope_type": "linear", "factor": rope_linear_factor,
-                                  "rope_theta": theta}
+        config.rope_parameters = linear_rope(config.rope_parameters, rope_linear_factor)
     model = LlamaForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
                                              attn_implementation="sdpa")
     out = {}
