@@ -17,7 +17,8 @@
 # INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
 # tree carries a stale .git). CHECKS picks some of them (kernels, not in the
 # default: the selection kernels' candidate forms, kernel_candidates.py: the int and the
-# bound scoring (float32 sums, the default, or tensor-core dots), the block search, ~1 min; fp8,
+# bound scoring (float32 sums, the default, or tensor-core dots), the block search, the cache
+# placement's victims' search and the attention's launch at the batch-32 point, ~2 min; fp8,
 # not in the default: throughput at 128K in both K/V dtypes, under 200 s, not yet run;
 # prefill, not in the default: time to first token at 32K and 128K, prefill.py, under
 # 240 s, not yet run).
@@ -42,11 +43,11 @@ if [[ $checks == *" tests "* ]]; then
         > "$work/pytest_gpu.txt" 2>&1
     echo "tests: rc=$?"; tail -3 "$work/pytest_gpu.txt"; pack
 fi
-if [[ $checks == *" kernels "* ]]; then  # the selection kernels' candidate forms, ~1 min
-    timeout 150 python3 -m benchmarks.gpu.kernel_candidates \
+if [[ $checks == *" kernels "* ]]; then  # the step kernels' candidate forms, ~2 min
+    timeout 200 python3 -m benchmarks.gpu.kernel_candidates \
         --out "$work/kernel_candidates" > "$work/kernel_candidates.log" 2>&1
-    echo "kernels: rc=$?"; grep -h "^| select\|^| int_scores\|^| bound_scores" \
-        "$work/kernel_candidates.md" 2>/dev/null | cut -d'|' -f2-5,9,10 | head -60; pack
+    echo "kernels: rc=$?"; grep -h "^| [a-z_]* |" "$work/kernel_candidates.md" 2>/dev/null \
+        | cut -d'|' -f2-4,9,10 | head -80; pack
 fi
 if [[ $checks == *" decode "* ]]; then
     timeout 150 python3 -m benchmarks.gpu.decode_step --contexts 32768 --batches 1 8 \

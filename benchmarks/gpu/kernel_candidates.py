@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Candidate forms of the selection's int scoring and block choice, each checked against
-its torch reference on the device and then timed, in one short GPU run.
+"""Candidate forms of the decode step's kernels (the selection's scoring and block choice, the
+cache placement, the attention), each checked against its torch reference on the device and then
+timed, in one short GPU run.
 
     int_scores   ``triton_scoring``'s forms (dot in float16, the default; dot in
                  TF32 / TF32x3; float32 sums, the exact form) at a
@@ -11,6 +12,10 @@ its torch reference on the device and then timed, in one short GPU run.
     bound_scores ``triton_bounds``' forms (float32 sums per query head, the
                  default; float16 tensor-core dots) at a few tiles and warps,
                  8-bit bounds of 16 tokens, at 1, 8 and 32 rows
+    lookup       the cache placement's victims' search in 2 to 256 bins per pass,
+                 at 32 rows from a worn cache (``step_candidates.py``)
+    attend       the decode attention's splits, tokens per step, warps and
+                 stages, at 32 rows of 5,632 cached tokens (``step_candidates.py``)
 
 ``python -m benchmarks.gpu.kernel_candidates --out PATH`` writes PATH.json and
 PATH.md (command, commit, device, date: ``results.py``) (needs torch and Triton only, no vLLM);
@@ -26,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu import step_candidates
+
 # (method, tokens per program, warps, the dot's precision) of the int scoring
 SCORING = (("sums", 64, 4, None), ("sums", 32, 4, None), ("sums", 64, 8, None),
            ("dot", 64, 4, "tf32x3"), ("dot", 32, 4, "tf32x3"), ("dot", 64, 4, "tf32"),
@@ -40,6 +47,7 @@ SELECT_WARPS = (4, 8, 16, 32)
 BOUNDS = (("sums", 32, 4), ("sums", 64, 4), ("dot", 32, 4), ("dot", 64, 4), ("dot", 128, 4),
           ("dot", 128, 8), ("dot", 256, 8))
 REPEATS = {"cuda": 5, "cpu": 1}  # the CPU runs the interpreter: checks, not timings
+KERNELS = ("int_scores", "select", "bound_scores", "lookup", "attend")
 
 
 def _int_case(torch, device, *, rows, context, heads, group, head_size, bits, gen):
@@ -226,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--self-test", action="store_true",
                         help="tiny sizes in Triton's interpreter on the CPU")
+    parser.add_argument("--only", nargs="+", choices=KERNELS, default=list(KERNELS),
+                        help="the kernels whose forms run (default: all)")
     args = parser.parse_args(argv)
     if args.self_test:
         os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is first imported
@@ -237,12 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     sizes = ({"context": 75, "heads": 2, "group": 3, "head_size": 24} if args.self_test else
              {"context": args.context, "heads": 8, "group": 4, "head_size": 128})
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = scoring_rows(torch, device, sizes, (1, 2) if args.self_test else (1, 8), 2, gen)
-    rows += scoring_rows(torch, device, sizes, (1,), 4, gen)
-    rows += select_rows(torch, device, sizes["context"], sizes["heads"],
-                        (1, 2) if args.self_test else (1, 8), gen)
-    rows += bound_rows(torch, device, {**sizes, "head_size": max(32, sizes["head_size"])},
-                       (1, 9) if args.self_test else (1, 8, 32), gen)
+    rows = []
+    if "int_scores" in args.only:
+        rows += scoring_rows(torch, device, sizes, (1, 2) if args.self_test else (1, 8), 2, gen)
+        rows += scoring_rows(torch, device, sizes, (1,), 4, gen)
+    if "select" in args.only:
+        rows += select_rows(torch, device, sizes["context"], sizes["heads"],
+                            (1, 2) if args.self_test else (1, 8), gen)
+    if "bound_scores" in args.only:
+        rows += bound_rows(torch, device, {**sizes, "head_size": max(32, sizes["head_size"])},
+                           (1, 9) if args.self_test else (1, 8, 32), gen)
+    batch = 2 if args.self_test else 32  # the batch-32 point at a 4,096-token cap
+    if "lookup" in args.only:
+        rows += step_candidates.lookup_rows(
+            torch, device, rows=batch, width=5 if args.self_test else 270, heads=sizes["heads"],
+            row_blocks=16 if args.self_test else sizes["context"] // 16 + 1, gen=gen,
+            checked_then_timed=_checked_then_timed)
+    if "attend" in args.only:
+        rows += step_candidates.attend_rows(
+            torch, device, rows=batch, heads=sizes["heads"], group=sizes["group"],
+            head_size=max(32, sizes["head_size"]), tokens=40 if args.self_test else 5632,
+            num_sms=None if args.self_test else torch.cuda.get_device_properties(
+                device).multi_processor_count, gen=gen, checked_then_timed=_checked_then_timed)
     from benchmarks.gpu.results import gpu_run_metadata
     from benchmarks.harness import report
 

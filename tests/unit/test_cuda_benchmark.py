@@ -258,10 +258,10 @@ def test_the_profile_adds_device_time_by_kernel_and_the_report_shows_it():
 
 
 def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp_path):
-    """``kernel_candidates --self-test``: every scoring form (int keys and bounds)
-    and both block searches run in Triton's interpreter and agree with the
-    references (its exit status);
-    the results name their command and commit."""
+    """``kernel_candidates --self-test``: every scoring form (int keys and bounds),
+    both block searches, the placement's victims' searches and the attention's
+    launch forms run in Triton's interpreter and agree with the references (its
+    exit status); the results name their command and commit."""
     out = tmp_path / "candidates"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.kernel_candidates",
                            "--self-test", "--out", str(out)], cwd=REPO, capture_output=True,
@@ -276,6 +276,9 @@ def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp
     bounds = [line for line in text.splitlines() if line.startswith("| bound_scores")]
     assert len(bounds) == 14 and all("| True |" in line for line in bounds)
     assert sum("| dot, tile" in line for line in bounds) == 10
+    for kernel, count in (("lookup", 12), ("attend", 8)):
+        rows = [line for line in text.splitlines() if line.startswith(f"| {kernel} |")]
+        assert len(rows) == count and all("| True |" in line for line in rows), kernel
 
 
 def test_the_recorded_bound_scores_rank_the_block_the_query_points_at():

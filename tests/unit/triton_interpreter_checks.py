@@ -63,6 +63,13 @@ def triton_select():
     return triton_select
 
 
+@pytest.fixture(scope="module")
+def triton_lru():
+    from vllm_infinigen.platforms.cuda.kernels import triton_lru
+
+    return triton_lru
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ctas", [1, 3])
 def test_gather_equals_the_reference(triton_units, dtype, ctas):
@@ -372,12 +379,50 @@ def _cache_state(heads: int, capacity: int, num_blocks: int):
             torch.zeros(heads, dtype=torch.int64))
 
 
-def test_lookup_lru_equals_the_reference_over_steps(triton_select):
+def _lookup_both(triton_lru, states, counters, ids, seq_lens, context_lens, *, capacity: int,
+                 bins: int, chunk: int = 4) -> torch.Tensor:
+    """One step placed by the reference (``states[0]``) and the kernel (``states[1]``),
+    both cache states and everything the step writes held equal; the step's misses."""
+    heads, entries = ids.shape[1], ids.shape[0] * ids.shape[2]
+    outputs = []
+    for (slot_of, block_of, last_used, ticks), counter, kernel in zip(
+            states, counters, (False, True)):
+        slots = torch.empty_like(ids)
+        units = torch.full((heads, entries), -1, dtype=torch.int64)
+        destinations, num_fetch = units.clone(), torch.empty(heads, dtype=torch.int64)
+        args = (ids, slots, slot_of, block_of, last_used, ticks)
+        if kernel:
+            triton_lru.lookup_lru(*args, torch.empty_like(units), units, destinations, num_fetch,
+                                  counter, seq_lens, context_lens, capacity=capacity,
+                                  chunk=chunk, bins=bins)
+        else:
+            reference.place_lru_reference(*args, units, destinations, num_fetch, counter,
+                                          seq_lens, context_lens, capacity=capacity)
+        outputs.append((slots, units, destinations, num_fetch))
+    for a, b in zip(*states):
+        assert torch.equal(a[:-1] if a.dim() == 1 else a[:, :capacity],
+                           b[:-1] if b.dim() == 1 else b[:, :capacity])
+    assert torch.equal(counters[0], counters[1])
+    (slots, units, destinations, num_fetch), got = outputs
+    assert torch.equal(got[0], slots) and torch.equal(got[3], num_fetch)
+    for head in range(heads):
+        count = int(num_fetch[head])
+        assert torch.equal(got[1][head, :count], units[head, :count])
+        assert torch.equal(got[2][head, :count], destinations[head, :count])
+    return num_fetch
+
+
+@pytest.mark.parametrize("bins,first_tick", [(64, 0), (2, 0), (4, 2**40 + 3)])
+def test_lookup_lru_equals_the_reference_over_steps(triton_lru, bins, first_tick):
     """Eight steps of two rows' selections over a cache of 12 slots per head:
-    hits, LRU evictions with ties, the maps, the fetch lists and the counters."""
+    hits, LRU evictions with ties, the maps, the fetch lists and the counters; the
+    victims' search halving its range (2 bins), or in quarters from a tick past 2^40
+    (a long-running server's: about 20 passes narrow the range)."""
     gen = torch.Generator().manual_seed(9)
     heads, capacity, num_blocks, rows, width = 2, 12, 40, 2, 5
     states = [_cache_state(heads, capacity, num_blocks) for _ in range(2)]
+    for state in states:
+        state[3].fill_(first_tick)
     counters = [torch.zeros(heads, 4, dtype=torch.int64) for _ in range(2)]
     for step in range(8):
         ids = torch.stack([torch.randperm(20, generator=gen)[:width] + 20 * row
@@ -385,32 +430,41 @@ def test_lookup_lru_equals_the_reference_over_steps(triton_select):
         ids[1, 1, 3:] = -1
         seq_lens = torch.randint(1, 20, (rows * heads,), generator=gen, dtype=torch.int32)
         context_lens = torch.tensor([17, -1 if step == 3 else 30])
-        outputs = []
-        for (slot_of, block_of, last_used, ticks), counter, kernel in zip(
-                states, counters, (False, True)):
-            slots = torch.empty_like(ids)
-            units = torch.full((heads, rows * width), -1, dtype=torch.int64)
-            destinations, num_fetch = units.clone(), torch.empty(heads, dtype=torch.int64)
-            args = (ids, slots, slot_of, block_of, last_used, ticks)
-            if kernel:
-                triton_select.lookup_lru(*args, torch.empty_like(units), units, destinations,
-                                         num_fetch, counter, seq_lens, context_lens,
-                                         capacity=capacity, chunk=4)
-            else:
-                reference.place_lru_reference(*args, units, destinations, num_fetch, counter,
-                                              seq_lens, context_lens, capacity=capacity)
-            outputs.append((slots, units, destinations, num_fetch))
-        for a, b in zip(*states):
-            assert torch.equal(a[:-1] if a.dim() == 1 else a[:, :capacity],
-                               b[:-1] if b.dim() == 1 else b[:, :capacity])
-        assert torch.equal(counters[0], counters[1])
-        (slots, units, destinations, num_fetch), got = outputs
-        assert torch.equal(got[0], slots) and torch.equal(got[3], num_fetch)
-        for head in range(heads):
-            count = int(num_fetch[head])
-            assert torch.equal(got[1][head, :count], units[head, :count])
-            assert torch.equal(got[2][head, :count], destinations[head, :count])
+        _lookup_both(triton_lru, states, counters, ids, seq_lens, context_lens,
+                     capacity=capacity, bins=bins)
     assert counters[0][:, 2].sum() > 0 and counters[0][:, 3].sum() > 2 * capacity  # evicted
+
+
+@pytest.mark.parametrize("bins", [2, 8, 64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lookup_lru_victims_of_a_worn_cache_equal_the_reference(triton_lru, bins, seed):
+    """One step on a cache that has served 10,000 steps: its slots last used over
+    the last 300 (in ticks of 7 apart, so many tie) or free, the step's entries half
+    hits: the victims (the oldest first, ties by slot) over chunks of 16 slots."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, capacity, num_blocks, rows, width, tick = 3, 50, 200, 4, 6, 10_000
+    state = _cache_state(heads, capacity, num_blocks)
+    slot_of, block_of, last_used, ticks = state
+    ticks.fill_(tick)
+    ids = torch.full((rows, heads, width), -1, dtype=torch.int64)
+    for head in range(heads):
+        blocks = torch.randperm(num_blocks, generator=gen)
+        free = torch.rand(capacity, generator=gen) < 0.1
+        block_of[head, :capacity] = torch.where(free, -1, blocks[:capacity])
+        age = torch.randint(1, 300, (capacity,), generator=gen) // 7 * 7 + 1
+        last_used[head, :capacity] = torch.where(free, -1, tick - age)
+        held = (~free).nonzero().flatten()
+        slot_of[blocks[held] * heads + head] = held.to(torch.int32)
+        wanted = torch.cat([blocks[held[:rows * width // 2]],
+                            blocks[capacity:capacity + rows * width // 2]])
+        ids[:, head] = wanted[torch.randperm(wanted.numel(), generator=gen)].view(rows, width)
+    ids[2, 1, 4:] = -1
+    states = [state, tuple(part.clone() for part in state)]
+    counters = [torch.zeros(heads, 4, dtype=torch.int64) for _ in range(2)]
+    seq_lens = torch.randint(1, 90, (rows * heads,), generator=gen, dtype=torch.int32)
+    misses = _lookup_both(triton_lru, states, counters, ids, seq_lens, torch.tensor([80] * rows),
+                          capacity=capacity, bins=bins, chunk=16)
+    assert (misses >= rows * width // 2 - 2).all()  # the uncached half: victims searched
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -29,7 +29,7 @@ host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
     alpha_counts         triton_select.alpha_counts        block_rule.alpha_counts_reference
     unit_counts          triton_bounds.unit_counts         block_rule.unit_alpha_counts
     select               triton_select.select_blocks       block_rule.select_reference
-    place_lru            triton_select.lookup_lru          reference.place_lru_reference
+    place_lru            triton_lru.lookup_lru             reference.place_lru_reference
 
 The room::
 
@@ -43,7 +43,8 @@ The room::
     triton_prompt.py   the Triton kernel of the prompts' attention
     triton_scoring.py  the Triton kernels scoring tokens from the int keys
     triton_bounds.py   the Triton kernels of the bound keys (encode, score, count)
-    triton_select.py   the Triton kernels of the alpha count, the rule and the placement
+    triton_select.py   the Triton kernels of the alpha count and the rule
+    triton_lru.py      the Triton kernel placing a selection in the cache (LRU)
 
 An FP8 pool (``--kv-cache-dtype fp8``) holds K / key_scale and V /
 value_scale (vLLM's ``k_scale``, ``v_scale``): ``write_tokens`` divides and

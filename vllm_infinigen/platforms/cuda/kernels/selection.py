@@ -238,7 +238,7 @@ def place_lru(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: torch.Tenso
     """One layer's selection placed in its cache, least recently used slots
     evicted (``DeviceBlockCache.place``; arguments: ``reference.place_lru_reference``).
 
-    On CUDA one Triton launch, a program per KV head (``triton_select.lookup_lru``);
+    On CUDA one Triton launch, a program per KV head (``triton_lru.lookup_lru``);
     elsewhere the reference. Neither reads anything back to the host.
     """
     if not slot_of.is_cuda:
@@ -246,8 +246,8 @@ def place_lru(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: torch.Tenso
                                       fetch_units, fetch_slots, num_fetch, counters, seq_lens,
                                       context_lens, capacity=capacity)
         return
-    from vllm_infinigen.platforms.cuda.kernels import triton_select
+    from vllm_infinigen.platforms.cuda.kernels import triton_lru
 
-    triton_select.lookup_lru(block_ids, slots, slot_of, block_of, last_used, ticks,
-                             torch.empty_like(fetch_units), fetch_units, fetch_slots, num_fetch,
-                             counters, seq_lens, context_lens, capacity=capacity)
+    triton_lru.lookup_lru(block_ids, slots, slot_of, block_of, last_used, ticks,
+                          torch.empty_like(fetch_units), fetch_units, fetch_slots, num_fetch,
+                          counters, seq_lens, context_lens, capacity=capacity)

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side, CUDA platform: the Triton kernels of a device-only selection (imported on first launch).
 
-One sparse layer's selection and cache placement, in four launches, with no
-host read and grids sized by the step's bounds (rows x KV heads, the
-selection's static width), so that a decode step can be captured in a CUDA
-graph (``selection.py`` holds the dispatch, ``block_rule.py`` and
-``reference.py`` the torch references)::
+One sparse layer's selection, in three launches, with no host read and grids
+sized by the step's bounds (rows x KV heads, the selection's static width), so
+that a decode step can be captured in a CUDA graph (``selection.py`` holds the
+dispatch, ``block_rule.py`` the torch references; ``triton_lru.py`` places the
+selection in the device block cache)::
 
     int_scores     token scores from the int keys, read in place, and each
                    block's best (grid: rows x KV heads, token tiles;
@@ -18,9 +18,6 @@ graph (``selection.py`` holds the dispatch, ``block_rule.py`` and
                    block scores (no sort; the row's keys in registers
                    up to RESIDENT_BLOCKS), written ascending with their
                    block ids and the tokens the row then attends
-    lookup_lru     per KV head: hits, least recently used victims for the
-                   misses (a threshold search on the last-use ticks), the
-                   cache's maps updated, the fetch list and the counters
 
 Settings that a running engine may change (alpha, budget, min context) are
 read from a device tensor, so a captured graph follows them.
@@ -247,117 +244,3 @@ def select_blocks(block_scores, counts, context_lens, table, settings, logical, 
         num_blocks, table.stride(0), logical.shape[-1], sink_blocks, recent_blocks, H=heads,
         H_PAD=triton.next_power_of_2(heads), BLOCK=block_size, CHUNK=chunk, **extra,
         num_warps=num_warps or warps)
-
-
-@triton.jit
-def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_units,
-                fetch_slots, num_fetch, counters, seq_lens, context_lens, num_rows, width,
-                capacity, H: tl.constexpr, CHUNK: tl.constexpr):
-    """One KV head's selection placed in its cache (LRU). Grid (KV heads).
-
-    Entries ``ids[s, head, w]`` (block ids, -1: none; distinct: no block is
-    shared between rows). A hit refreshes its slot's tick; the misses, in
-    entry order, take the free or least recently used slots not hit in this
-    step, in slot order (ties: the lower slot), and are listed for the gather.
-    ``counters[head]`` += (entries attended besides the rows' own, context
-    tokens (head 0), hits, misses).
-    """
-    head = tl.program_id(0)
-    lanes = tl.arange(0, CHUNK)
-    tick = tl.load(ticks + head) + 1
-    tl.store(ticks + head, tick)
-    used = last_used + head * (capacity + 1)
-    owner = block_of + head * (capacity + 1)
-    total = num_rows * width
-    hits = tl.full([], 0, tl.int32)
-    misses = tl.full([], 0, tl.int32)
-    for start in range(0, total, CHUNK):
-        entry = start + lanes
-        live = entry < total
-        at = ((entry // width) * H + head) * width + entry % width
-        block_id = tl.load(ids + at, mask=live, other=-1).to(tl.int64)
-        wanted = live & (block_id >= 0)
-        cached = tl.load(slot_of + block_id * H + head, mask=wanted, other=-1).to(tl.int64)
-        hit = wanted & (cached >= 0)
-        miss = wanted & (cached < 0)
-        tl.store(used + cached, tick, mask=hit)
-        tl.store(slots + at, tl.where(hit, head * capacity + cached, tl.where(miss, -2, -1)),
-                 mask=live)
-        hits += tl.sum(hit.to(tl.int32), axis=0)
-        misses += tl.sum(miss.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    # Victims: the smallest V with count(eligible & tick <= V) >= misses (bisection).
-    low = tl.full([], -2, tl.int64)
-    high = tick - 1
-    if misses > 0:
-        for _ in range(64):
-            if high - low > 1:
-                middle = (low + high) >> 1
-                count = 0
-                for start in range(0, capacity, CHUNK):
-                    slot = start + lanes
-                    key = tl.load(used + slot, mask=slot < capacity, other=tick)
-                    count += tl.sum(((key != tick) & (key <= middle)).to(tl.int32), axis=0)
-                enough = count >= misses
-                low = tl.where(enough, low, middle)
-                high = tl.where(enough, middle, high)
-        older = 0
-        for start in range(0, capacity, CHUNK):
-            slot = start + lanes
-            key = tl.load(used + slot, mask=slot < capacity, other=tick)
-            older += tl.sum(((key != tick) & (key < high)).to(tl.int32), axis=0)
-        ties = misses - older
-        taken = 0
-        tied = 0
-        for start in range(0, capacity, CHUNK):
-            slot = start + lanes
-            key = tl.load(used + slot, mask=slot < capacity, other=tick)
-            equal = (key != tick) & (key == high)
-            chosen, place = _take((key != tick) & (key < high), equal, tied, ties, taken)
-            tl.store(victims + head * total + place, slot.to(tl.int64), mask=chosen)
-            taken += tl.sum(chosen.to(tl.int32), axis=0)
-            tied += tl.sum(equal.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    ranked = 0
-    for start in range(0, total, CHUNK):
-        entry = start + lanes
-        live = entry < total
-        at = ((entry // width) * H + head) * width + entry % width
-        miss = tl.load(slots + at, mask=live, other=-1) == -2
-        rank = ranked + tl.cumsum(miss.to(tl.int32), 0) - 1
-        victim = tl.load(victims + head * total + rank, mask=miss, other=0)
-        block_id = tl.load(ids + at, mask=miss, other=0).to(tl.int64)
-        old = tl.load(owner + victim, mask=miss, other=-1)
-        tl.store(slot_of + old * H + head, tl.full([CHUNK], -1, tl.int32), mask=miss & (old >= 0))
-        tl.store(slot_of + block_id * H + head, victim.to(tl.int32), mask=miss)
-        tl.store(owner + victim, block_id, mask=miss)
-        tl.store(used + victim, tick, mask=miss)
-        tl.store(slots + at, head * capacity + victim, mask=miss)
-        tl.store(fetch_units + head * total + rank, block_id * H + head, mask=miss)
-        tl.store(fetch_slots + head * total + rank, head * capacity + victim, mask=miss)
-        ranked += tl.sum(miss.to(tl.int32), axis=0)
-    tl.store(num_fetch + head, misses.to(tl.int64))
-    attended = tl.zeros([], tl.int64)  # a loop-carried variable keeps its type
-    context = tl.zeros([], tl.int64)
-    for start in range(0, num_rows, CHUNK):
-        row = start + lanes
-        live = row < num_rows
-        length = tl.load(seq_lens + row * H + head, mask=live, other=0).to(tl.int64)
-        attended += tl.sum(tl.maximum(length - 1, 0), axis=0)
-        before = tl.load(context_lens + row, mask=live, other=0).to(tl.int64)
-        context += tl.sum(tl.maximum(before, 0), axis=0)
-    counter = counters + head * 4
-    tl.store(counter, tl.load(counter) + attended)
-    tl.store(counter + 1, tl.load(counter + 1) + tl.where(head == 0, context, 0))
-    tl.store(counter + 2, tl.load(counter + 2) + hits)
-    tl.store(counter + 3, tl.load(counter + 3) + misses)
-
-
-def lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_units,
-               fetch_slots, num_fetch, counters, seq_lens, context_lens, *, capacity: int,
-               chunk: int = 1024, num_warps: int = 4) -> None:
-    """Launches ``_lookup_lru`` (ids, slots: [S, H, W] int64)."""
-    rows, heads, width = ids.shape
-    _lookup_lru[(heads,)](ids, slots, slot_of, block_of, last_used, ticks, victims,
-                          fetch_units, fetch_slots, num_fetch, counters, seq_lens, context_lens,
-                          rows, width, capacity, H=heads, CHUNK=chunk, num_warps=num_warps)

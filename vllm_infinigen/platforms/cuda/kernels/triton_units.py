@@ -255,20 +255,24 @@ def _merge_splits(partial, maxima, sums, out, out_row_stride, num_splits, H: tl.
 
 def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, *,
                  num_kv_heads: int, scale: float, blocks_per_split: int,
-                 value_scale: float = 1.0, num_warps: int = 4) -> None:
+                 value_scale: float = 1.0, num_warps: int = 4,
+                 tokens_per_step: int = _TOKENS_PER_STEP, num_stages: int | None = None) -> None:
     """Launches ``_attend_units`` and ``_merge_splits`` on the current stream
     (arguments: ``kernels.attend_units``; query, out [S, H_q, D] with unit
-    strides but the row's; partial [N, splits, G, D])."""
+    strides but the row's; partial [N, splits, G, D]; num_stages: Triton's
+    software pipelining of the loop, None its default)."""
     num_sequences, num_splits, group, head_size = partial.shape
     block_size = units.shape[1]
     common = {"H": num_kv_heads, "G": group, "D": head_size}
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     _attend_units[(num_sequences, num_splits)](
         query, units, table, seq_lens, partial, out_max, out_sum, scale, value_scale,
         query.stride(0), table.stride(0), blocks_per_split, BLOCK=block_size,
-        UNITS=max(1, _TOKENS_PER_STEP // block_size),
+        UNITS=max(1, tokens_per_step // block_size),
         G_PAD=max(16, triton.next_power_of_2(group)),
         D_PAD=max(16, triton.next_power_of_2(head_size)),
-        IEEE=_ieee(query, units), FP8=units.element_size() == 1, num_warps=num_warps, **common)
+        IEEE=_ieee(query, units), FP8=units.element_size() == 1, num_warps=num_warps,
+        **stages, **common)
     _merge_splits[(num_sequences,)](partial, out_max, out_sum, out, out.stride(0), num_splits,
                                     G_PAD=triton.next_power_of_2(group),
                                     D_PAD=triton.next_power_of_2(head_size),
