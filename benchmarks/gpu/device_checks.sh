@@ -17,7 +17,7 @@
 # INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
 # tree carries a stale .git). CHECKS picks some of them (kernels, not in the
 # default: the selection kernels' candidate forms, kernel_candidates.py: the int and the
-# bound scoring (float32 sums, the default, or tensor-core dots), the block search, the cache
+# bound scoring (float32 sums or tensor-core dots, the default), the block search, the cache
 # placement's victims' search and the attention's launch at the batch-32 point, ~2 min; fp8,
 # not in the default: throughput at 128K in both K/V dtypes, under 200 s, not yet run;
 # prefill, not in the default: time to first token at 32K and 128K, prefill.py, under

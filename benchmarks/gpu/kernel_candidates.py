@@ -9,8 +9,8 @@ timed, in one short GPU run.
                  (4-bit keys)
     select       the chunked threshold search (the kernel before) and the
                  register-resident one at a few warps, at 1 and 8 rows
-    bound_scores ``triton_bounds``' forms (float32 sums per query head, the
-                 default; float16 tensor-core dots) at a few tiles and warps,
+    bound_scores ``triton_bounds``' forms (float32 sums per query head; float16
+                 tensor-core dots, the default for a 16-bit query) at a few tiles and warps,
                  8-bit bounds of 16 tokens, at 1, 8 and 32 rows
     lookup       the cache placement's victims' search in 2 to 256 bins per pass,
                  at 32 rows from a worn cache (``step_candidates.py``)
@@ -43,9 +43,11 @@ SCORING = (("sums", 64, 4, None), ("sums", 32, 4, None), ("sums", 64, 8, None),
 OPERANDS = {None: None, "tf32x3": None, "tf32": None, "fp16": "float16"}
 TOLERANCE = {None: 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "fp16": 1e-4}
 SELECT_WARPS = (4, 8, 16, 32)
-# (method, units per program, warps) of the bound scoring
-BOUNDS = (("sums", 32, 4), ("sums", 64, 4), ("dot", 32, 4), ("dot", 64, 4), ("dot", 128, 4),
-          ("dot", 128, 8), ("dot", 256, 8))
+# (method, units per tile, warps, tiles per program: a loop, its loads pipelined) of the
+# bound scoring
+BOUNDS = (("sums", 32, 4, 1), ("sums", 64, 4, 1), ("dot", 32, 4, 1), ("dot", 64, 4, 1),
+          ("dot", 128, 4, 1), ("dot", 128, 8, 1), ("dot", 256, 8, 1), ("dot", 64, 4, 4),
+          ("dot", 128, 4, 4))
 REPEATS = {"cuda": 5, "cpu": 1}  # the CPU runs the interpreter: checks, not timings
 KERNELS = ("int_scores", "select", "bound_scores", "lookup", "attend")
 
@@ -196,11 +198,12 @@ def bound_rows(torch, device, sizes: dict[str, int], rows_list, gen):
         units = torch.empty_like(expected)
         block_out = torch.empty_like(expected)  # a unit per block
         key_bytes = bounds.numel() + scales.numel() * 2
-        for method, tile, warps in BOUNDS:
-            def launch(method=method, tile=tile, warps=warps):
+        for method, tile, warps, tiles in BOUNDS:
+            def launch(method=method, tile=tile, warps=warps, tiles=tiles):
                 triton_bounds.bound_scores(query, bounds, scales, table, lens, units,
                                            block_out, scale=0.09, unit=16, tile=tile,
-                                           num_warps=warps, method=method)
+                                           num_warps=warps, method=method,
+                                           tiles_per_program=tiles)
             def check():
                 ok, error = _agrees(torch, units, expected)
                 return ok and torch.equal(block_out, units), error
@@ -208,7 +211,8 @@ def bound_rows(torch, device, sizes: dict[str, int], rows_list, gen):
             units.fill_(7.0)
             out.append(_checked_then_timed(
                 torch, device, {"kernel": "bound_scores", "rows": rows, "bits": 8,
-                                "form": f"{method}, tile {tile}, {warps} warps",
+                                "form": f"{method}, tile {tile}, {warps} warps"
+                                        + (f", {tiles} tiles a program" if tiles > 1 else ""),
                                 "MB": key_bytes / 1e6}, launch, check, key_bytes))
         del bounds, expected, units, block_out
     return out

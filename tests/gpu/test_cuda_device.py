@@ -98,11 +98,13 @@ def test_the_data_paths_gated_scoring_and_counts_equal_the_references(bits, dtyp
         assert torch.equal(got_counts.cpu(), counts)
 
 
-@pytest.mark.parametrize("bits,dtype", [(8, torch.float32), (4, torch.bfloat16)])
+@pytest.mark.parametrize("bits,dtype", [(8, torch.float32), (4, torch.bfloat16),
+                                        (8, torch.bfloat16)])
 def test_bound_kernels_equal_the_references(bits, dtype):
     """The bounds (the default keys) on CUDA tensors: ``encode_bounds`` writes the CPU
-    kernels' bytes, ``bound_scores`` the torch form's unit and block scores,
-    ``unit_counts`` its alpha counts."""
+    kernels' bytes, ``bound_scores`` the torch form's unit and block scores (a query
+    of the model's dtype: the float32 sums for float32, the tensor-core form for
+    bfloat16), ``unit_counts`` its alpha counts."""
     from tests.reference.bound_pools import BLOCK, BoundPool
 
     pool = BoundPool(seed=7, unit=16, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
@@ -116,7 +118,7 @@ def test_bound_kernels_equal_the_references(bits, dtype):
     assert torch.equal(scales.cpu(), pool.scales)
     assert torch.equal(bounds.cpu(), pool.bounds)
     query = torch.randint(-3, 4, (5, 2, 4, 128), generator=torch.Generator().manual_seed(2))
-    query = query.float()
+    query = query.to(dtype)
     context = torch.cat([pool.context_lens, torch.tensor([-1])])  # a padding row
     table = torch.cat([pool.block_table, pool.block_table[:1]]).contiguous()
     units, blocks = kernels.bound_scores(query.to(CUDA), bounds, scales, table.to(CUDA),

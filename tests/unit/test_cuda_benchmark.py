@@ -186,7 +186,8 @@ def test_the_benchmark_imports_without_vllm():
             "import benchmarks.gpu.decode_step, benchmarks.gpu.record_selections\n"
             "import benchmarks.gpu.checks, benchmarks.gpu.product\n"
             "import benchmarks.gpu.throughput, benchmarks.gpu.prefill\n"
-            "import benchmarks.gpu.continue_recall\nprint('ok')\n")
+            "import benchmarks.gpu.continue_recall, benchmarks.gpu.kernel_candidates\n"
+            "import benchmarks.gpu.sass_mix\nprint('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr
@@ -274,8 +275,8 @@ def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp
     assert len(forms) == 24 and all("| True |" in line for line in forms)
     assert sum(line.startswith("| select") for line in text.splitlines()) == 10
     bounds = [line for line in text.splitlines() if line.startswith("| bound_scores")]
-    assert len(bounds) == 14 and all("| True |" in line for line in bounds)
-    assert sum("| dot, tile" in line for line in bounds) == 10
+    assert len(bounds) == 18 and all("| True |" in line for line in bounds)
+    assert sum("| dot, tile" in line for line in bounds) == 14
     for kernel, count in (("lookup", 12), ("attend", 8)):
         rows = [line for line in text.splitlines() if line.startswith(f"| {kernel} |")]
         assert len(rows) == count and all("| True |" in line for line in rows), kernel
@@ -302,3 +303,18 @@ def test_the_recorded_bound_scores_rank_the_block_the_query_points_at():
     exact = torch.einsum("hgd,htd->hgt", query[0], keys[:, : 5 * 16]) / dim ** 0.5
     best = exact.view(heads, 2, 5, 16).amax(dim=(1, 3))
     assert (scores[0, :, :5] >= best - 1e-3 * best.abs().amax()).all()
+
+
+def test_the_sass_mix_counts_the_conversions_each_bound_form_issues():
+    """``sass_mix``: the bound scoring compiled for sm_90 on the CPU. The tensor-core form
+    widens its codes without a quarter-rate conversion (I2F / F2F), so at 64 units a tile
+    it issues fewer instructions per byte than the float32 sums (at their default 32) and
+    its issue ceiling passes the H200's streaming read; the sums' stays below half of it."""
+    pytest.importorskip("triton")
+    from benchmarks.gpu import sass_mix
+
+    sums, dot = sass_mix.form_row("sums", 8, 32), sass_mix.form_row("dot", 8, 64)
+    assert dot["mix"]["I2F"] == dot["mix"]["F2F"] == dot["conversion_cycles"] == 0
+    assert dot["mix"]["HGMMA"] > 0 and sums["mix"]["HGMMA"] == 0
+    assert dot["instructions_per_byte"] < sums["instructions_per_byte"] / 1.5
+    assert dot["ceiling_TBps"] > sass_mix.STREAMING_TBPS > 2 * sums["ceiling_TBps"]

@@ -80,7 +80,7 @@ def _kernel_cases():
                    {"pool": f"*{dtype}", "bounds": "*u8", "scales": "*fp16", "slots": "*i64"},
                    {"H": 8, "BLOCK": 16, "UNIT": 16, "D": 128, "HALF": 64, "HALF_PAD": 64,
                     "BITS": bound_bits, "OFF": float(1 << (bound_bits - 1))})
-            for dot in (False, True):  # per query head's sums (the default); tensor-core dots
+            for dot in (False, True):  # per query head's sums; tensor-core dots (16-bit query)
                 yield (triton_bounds._bound_scores,
                        {"query": f"*{dtype}", "bounds": "*u8", "scales": "*fp16", "table": "*i32",
                         "context_lens": "*i64", "out": "*fp32", "block_out": "*fp32",
@@ -89,7 +89,7 @@ def _kernel_cases():
                        {"H": 8, "G": 4, "D": 128, "HALF": 64, "HALF_PAD": 64,
                         "UNITS_PER_BLOCK": 1, "UNIT": 16, "BITS": bound_bits,
                         "OFF": float(1 << (bound_bits - 1)), "TILE": 64 if dot else 32,
-                        "DOT": dot, "G_PAD": 16})
+                        "DOT": dot, "G_PAD": 16, "TILES": 4 if dot else 1})
         yield (triton_bounds._unit_counts,
                {"unit_scores": "*fp32", "settings": "*fp64", "counts": "*i32", "num_units": i32},
                {"UNIT": 16, "CHUNK": 1024})

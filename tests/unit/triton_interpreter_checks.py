@@ -563,13 +563,14 @@ def test_prompt_attention_equals_the_reference(triton_prompt, dtype, first, rows
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("method", ["sums", "dot"])
+@pytest.mark.parametrize("method,tiles", [("sums", 1), ("dot", 1), ("dot", 3)])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("unit", [16, 32])
-def test_bound_kernels_equal_the_cpu_kernels(bits, unit, method):
+def test_bound_kernels_equal_the_cpu_kernels(bits, unit, method, tiles):
     """``encode_bounds`` writes the CPU kernel's bytes; ``bound_scores`` gives the
     torch form's scores (-inf past each row's complete units and for padding), in
-    both forms (the query's small integers are exact in the dots' float16)."""
+    both forms (the query's small integers are exact in the dots' float16), a
+    program scoring one tile or looping over three (the last group past the row)."""
     from tests.reference.bound_pools import BLOCK, BoundPool
     from vllm_infinigen.platforms.cuda.kernels import triton_bounds
 
@@ -589,7 +590,8 @@ def test_bound_kernels_equal_the_cpu_kernels(bits, unit, method):
     out = torch.empty((5, 2, table.shape[1] * (BLOCK // unit)), dtype=torch.float32)
     blocks = torch.empty((5, 2, table.shape[1]), dtype=torch.float32)
     triton_bounds.bound_scores(query, pool.bounds, pool.scales, table, context, out, blocks,
-                               scale=0.25, unit=unit, tile=8, method=method)
+                               scale=0.25, unit=unit, tile=8, method=method,
+                               tiles_per_program=tiles)
     want = block_rule.bound_unit_scores(query, pool.bounds, pool.scales, table, context,
                                         scale=0.25, block_size=BLOCK)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=0)

@@ -134,7 +134,9 @@ def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(unit scores [S, H_kv, MB * block_size / U], block scores [S, H_kv, MB]) float32:
     each unit's bound (-inf past a row's complete units) and each block's best
-    unit (``block_rule``), on CUDA one Triton launch (``triton_bounds``).
+    unit (``block_rule``), on CUDA one Triton launch (``triton_bounds``): on the
+    tensor cores for a bfloat16 or float16 query (``benchmarks/gpu/sass_mix.py``:
+    a third of the float32 sums' instructions per byte, no conversion instruction).
 
     Args:
         query: [S, H_kv, G, D]; bounds, scales: a layer's bound keys.
@@ -154,8 +156,12 @@ def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor
                         device=bounds.device)
     blocks = torch.empty((rows, heads, table.shape[1]), dtype=torch.float32,
                          device=bounds.device)
+    # The tensor-core form where its float16 operands are exact (a 16-bit query; the codes
+    # less their offset are small integers), the float32 sums elsewhere.
+    dot = query.dtype in (torch.float16, torch.bfloat16) and head_size >= 32
     triton_bounds.bound_scores(query, bounds, scales, table, context_lens, units, blocks,
-                               scale=scale, unit=block_size // units_per_block)
+                               scale=scale, unit=block_size // units_per_block,
+                               method="dot" if dot else "sums", tile=64 if dot else 32)
     return units, blocks
 
 

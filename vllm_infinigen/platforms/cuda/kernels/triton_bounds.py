@@ -108,91 +108,106 @@ def encode_bounds(pool, bounds, scales, slots, *, unit: int, num_warps: int = 2)
 
 
 @triton.jit
+def _centred(codes, OFF: tl.constexpr):
+    """Codes (0..255) less OFF as exact float16 with no conversion instruction (the
+    I2F and F2F of ``.to`` run at a quarter of the integer rate): under float16's
+    exponent of 1024 (0x6400) a 10-bit mantissa c is the number 1024 + c."""
+    return (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFF)
+
+
+@triton.jit
 def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, scale,
                   query_row_stride,
                   table_stride, num_units, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, UNITS_PER_BLOCK: tl.constexpr,
                   UNIT: tl.constexpr, BITS: tl.constexpr, OFF: tl.constexpr,
-                  TILE: tl.constexpr, DOT: tl.constexpr, G_PAD: tl.constexpr):
-    """out[row, head, i] for a tile of TILE units i of one (row, KV head): the
+                  TILE: tl.constexpr, DOT: tl.constexpr, G_PAD: tl.constexpr,
+                  TILES: tl.constexpr):
+    """out[row, head, i] for TILES tiles of TILE units i of one (row, KV head): the
     unit's bound (-inf past the row's complete units, or for a padding row);
     block_out[row, head, j] the best of block j's units (TILE a multiple of
     UNITS_PER_BLOCK: a tile holds whole blocks).
 
-    Grid (rows x heads, unit tiles). The query heads' positive and negative
-    parts are held for the program; each unit's codes are read once for all.
-    DOT: the four products of a tile as float16 tensor-core dots over G_PAD
-    query heads (codes less OFF, -128..127, exact; a bfloat16 query exact too,
-    a float32 one rounded to float16), else per query head as float32 sums.
+    Grid (rows x heads, groups of TILES unit tiles): a program loops over its
+    tiles (TILES > 1: Triton pipelines the next tile's loads under this one's
+    products). The query heads' positive and negative parts are held for the
+    program; each unit's codes are read once for all. DOT: the four products of
+    a tile as float16 tensor-core dots over G_PAD query heads (codes less OFF,
+    -128..127, made float16 by ``_centred``, exact; a bfloat16 query exact too, a
+    float32 one rounded to float16), else per query head as float32 sums.
     """
     sequence = tl.program_id(0)
     row = sequence // H
     head = sequence % H
-    units = tl.program_id(1) * TILE + tl.arange(0, TILE)
     complete = tl.maximum(tl.load(context_lens + row), 0) // UNIT
-    read = (units < num_units) & (units < complete)
-    block = tl.load(table + row * table_stride + units // UNITS_PER_BLOCK, mask=read,
-                    other=0).to(tl.int64)
-    cell = (block * H + head) * UNITS_PER_BLOCK + units % UNITS_PER_BLOCK  # [TILE]
     row_bytes = D * BITS // 8
     dims = tl.arange(0, HALF_PAD)
     ok = dims < HALF
-    mask = read[:, None] & ok[None, :]
-    rows = bounds + cell[:, None] * (2 * row_bytes)
-    if BITS == 8:
-        up_a = tl.load(rows + dims[None, :], mask=mask, other=0).to(tl.float32)
-        up_b = tl.load(rows + HALF + dims[None, :], mask=mask, other=0).to(tl.float32)
-        down_a = tl.load(rows + row_bytes + dims[None, :], mask=mask, other=0).to(tl.float32)
-        down_b = tl.load(rows + row_bytes + HALF + dims[None, :], mask=mask,
-                         other=0).to(tl.float32)
-    else:
-        up = tl.load(rows + dims[None, :], mask=mask, other=0).to(tl.int32)
-        down = tl.load(rows + row_bytes + dims[None, :], mask=mask, other=0).to(tl.int32)
-        up_a = (up & 15).to(tl.float32)
-        up_b = (up >> 4).to(tl.float32)
-        down_a = (down & 15).to(tl.float32)
-        down_b = (down >> 4).to(tl.float32)
     if DOT:
         heads = tl.arange(0, G_PAD)
         take = ok[:, None] & (heads < G)[None, :]
         base = query + row * query_row_stride + (head * G + heads[None, :]) * D + dims[:, None]
         q_a = tl.load(base, mask=take, other=0.0).to(tl.float32)  # [HALF_PAD, G_PAD]
         q_b = tl.load(base + HALF, mask=take, other=0.0).to(tl.float32)
-        dots = tl.dot((up_a - OFF).to(tl.float16), tl.maximum(q_a, 0.0).to(tl.float16))
-        dots += tl.dot((up_b - OFF).to(tl.float16), tl.maximum(q_b, 0.0).to(tl.float16))
-        dots += tl.dot((down_a - OFF).to(tl.float16), tl.minimum(q_a, 0.0).to(tl.float16))
-        dots += tl.dot((down_b - OFF).to(tl.float16), tl.minimum(q_b, 0.0).to(tl.float16))
-        best = tl.max(tl.where((heads < G)[None, :], dots, float("-inf")), axis=1)
-    else:
-        best = tl.full([TILE], float("-inf"), tl.float32)
-        for g in tl.static_range(G):
-            base = query + row * query_row_stride + (head * G + g) * D
-            q_a = tl.load(base + dims, mask=ok, other=0.0).to(tl.float32)
-            q_b = tl.load(base + HALF + dims, mask=ok, other=0.0).to(tl.float32)
-            total = tl.sum(q_a, axis=0) + tl.sum(q_b, axis=0)
-            dot = tl.sum(up_a * tl.maximum(q_a, 0.0)[None, :]
-                         + up_b * tl.maximum(q_b, 0.0)[None, :]
-                         + down_a * tl.minimum(q_a, 0.0)[None, :]
-                         + down_b * tl.minimum(q_b, 0.0)[None, :], axis=1)
-            best = tl.maximum(best, dot - OFF * total)
-    step = tl.load(scales + cell, mask=read, other=0.0).to(tl.float32)
-    result = tl.where(read, best * step * scale, float("-inf"))
-    tl.store(out + sequence.to(tl.int64) * num_units + units, result, mask=units < num_units)
-    blocks = tl.max(tl.reshape(result, [TILE // UNITS_PER_BLOCK, UNITS_PER_BLOCK]), axis=1)
-    first_block = tl.program_id(1) * (TILE // UNITS_PER_BLOCK)
-    block_index = first_block + tl.arange(0, TILE // UNITS_PER_BLOCK)
-    num_blocks = num_units // UNITS_PER_BLOCK
-    tl.store(block_out + sequence.to(tl.int64) * num_blocks + block_index, blocks,
-             mask=block_index < num_blocks)
+        up_q_a, up_q_b = tl.maximum(q_a, 0.0).to(tl.float16), tl.maximum(q_b, 0.0).to(tl.float16)
+        down_q_a = tl.minimum(q_a, 0.0).to(tl.float16)
+        down_q_b = tl.minimum(q_b, 0.0).to(tl.float16)
+    for tile in range(tl.program_id(1) * TILES, tl.program_id(1) * TILES + TILES):
+        units = tile * TILE + tl.arange(0, TILE)
+        read = (units < num_units) & (units < complete)
+        block = tl.load(table + row * table_stride + units // UNITS_PER_BLOCK, mask=read,
+                        other=0).to(tl.int64)
+        cell = (block * H + head) * UNITS_PER_BLOCK + units % UNITS_PER_BLOCK  # [TILE]
+        mask = read[:, None] & ok[None, :]
+        rows = bounds + cell[:, None] * (2 * row_bytes)
+        if BITS == 8:
+            up_a = tl.load(rows + dims[None, :], mask=mask, other=0)
+            up_b = tl.load(rows + HALF + dims[None, :], mask=mask, other=0)
+            down_a = tl.load(rows + row_bytes + dims[None, :], mask=mask, other=0)
+            down_b = tl.load(rows + row_bytes + HALF + dims[None, :], mask=mask, other=0)
+        else:
+            up = tl.load(rows + dims[None, :], mask=mask, other=0).to(tl.int32)
+            down = tl.load(rows + row_bytes + dims[None, :], mask=mask, other=0).to(tl.int32)
+            up_a, up_b, down_a, down_b = up & 15, up >> 4, down & 15, down >> 4
+        if DOT:
+            dots = tl.dot(_centred(up_a, OFF), up_q_a)
+            dots += tl.dot(_centred(up_b, OFF), up_q_b)
+            dots += tl.dot(_centred(down_a, OFF), down_q_a)
+            dots += tl.dot(_centred(down_b, OFF), down_q_b)
+            best = tl.max(tl.where((heads < G)[None, :], dots, float("-inf")), axis=1)
+        else:
+            best = tl.full([TILE], float("-inf"), tl.float32)
+            for g in tl.static_range(G):
+                base = query + row * query_row_stride + (head * G + g) * D
+                q_a = tl.load(base + dims, mask=ok, other=0.0).to(tl.float32)
+                q_b = tl.load(base + HALF + dims, mask=ok, other=0.0).to(tl.float32)
+                total = tl.sum(q_a, axis=0) + tl.sum(q_b, axis=0)
+                dot = tl.sum(up_a.to(tl.float32) * tl.maximum(q_a, 0.0)[None, :]
+                             + up_b.to(tl.float32) * tl.maximum(q_b, 0.0)[None, :]
+                             + down_a.to(tl.float32) * tl.minimum(q_a, 0.0)[None, :]
+                             + down_b.to(tl.float32) * tl.minimum(q_b, 0.0)[None, :], axis=1)
+                best = tl.maximum(best, dot - OFF * total)
+        step = tl.load(scales + cell, mask=read, other=0.0).to(tl.float32)
+        result = tl.where(read, best * step * scale, float("-inf"))
+        tl.store(out + sequence.to(tl.int64) * num_units + units, result,
+                 mask=units < num_units)
+        blocks = tl.max(tl.reshape(result, [TILE // UNITS_PER_BLOCK, UNITS_PER_BLOCK]), axis=1)
+        block_index = tile * (TILE // UNITS_PER_BLOCK) + tl.arange(0, TILE // UNITS_PER_BLOCK)
+        num_blocks = num_units // UNITS_PER_BLOCK
+        tl.store(block_out + sequence.to(tl.int64) * num_blocks + block_index, blocks,
+                 mask=block_index < num_blocks)
 
 
 def bound_scores(query, bounds, scales, table, context_lens, out, block_out, *, scale: float,
-                 unit: int, tile: int = 32, num_warps: int = 4, method: str = "sums") -> None:
+                 unit: int, tile: int = 32, num_warps: int = 4, method: str = "sums",
+                 tiles_per_program: int = 1) -> None:
     """Launches ``_bound_scores``: out [S, H_kv, MB * BLOCK / UNIT] and block_out
     [S, H_kv, MB] float32 from query [S, H_kv, G, D] (unit strides within a row),
     a layer's bounds and scales, table [S, MB] and context_lens [S] (< 0: padding).
-    method: "sums" (the default) or "dot" (tensor-core dots; a tile of at least 16
-    units; ``benchmarks/gpu/kernel_candidates.py`` times both)."""
+    method: "sums" (float32) or "dot" (tensor-core dots, ``selection.bound_scores``'
+    choice for a 16-bit query; a tile of at least 16
+    units; ``benchmarks/gpu/kernel_candidates.py`` times both, ``sass_mix.py`` counts
+    what each issues); tiles_per_program: the tiles one program loops over."""
     if method not in ("sums", "dot"):
         raise ValueError(f"bound_scores: method {method!r} is not 'sums' or 'dot'")
     rows, heads, group, head_size = query.shape
@@ -202,13 +217,14 @@ def bound_scores(query, bounds, scales, table, context_lens, out, block_out, *, 
     if method == "dot" and head_size < 32:
         raise ValueError(f"bound_scores: method 'dot' needs a head size of at least 32 "
                          f"(a dot's 16 channels per half), not {head_size}")
-    grid = (rows * heads, triton.cdiv(num_units, tile))
+    grid = (rows * heads, triton.cdiv(num_units, tile * tiles_per_program))
     _bound_scores[grid](
         query, bounds, scales, table, context_lens, out, block_out, scale, query.stride(0),
         table.stride(0), num_units, H=heads, G=group, D=head_size, HALF=head_size // 2,
         HALF_PAD=triton.next_power_of_2(head_size // 2), UNITS_PER_BLOCK=bounds.shape[2],
         UNIT=unit, BITS=bits, OFF=float(1 << (bits - 1)), TILE=tile, DOT=method == "dot",
-        G_PAD=max(16, triton.next_power_of_2(group)), num_warps=num_warps)
+        G_PAD=max(16, triton.next_power_of_2(group)), TILES=tiles_per_program,
+        num_warps=num_warps)
 
 
 @triton.jit
