@@ -17,7 +17,8 @@ The ceiling is the tile's bytes over the larger of the two, at the H200's 132 SM
 1.98 GHz. It is a model of one limit, not a timing: loads' latency, occupancy and the
 tensor cores are not in it (``kernel_candidates`` times the forms on a GPU).
 
-``python -m benchmarks.gpu.sass_mix --out PATH`` writes PATH.json and PATH.md.
+``python -m benchmarks.gpu.sass_mix --out PATH [--before REV]`` writes PATH.json and PATH.md
+(``--before``: also the tensor-core forms of the kernel at a git revision).
 """
 
 from __future__ import annotations
@@ -50,17 +51,37 @@ def _nvdisasm() -> Path:
     return tool
 
 
+def kernels_at(revision: str | None):
+    """``triton_bounds`` of the tree, or as it was at a git ``revision`` (a copy
+    imported under another name, to compare a form with the one it replaced)."""
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
+
+    if revision is None:
+        return triton_bounds
+    import importlib.util
+
+    path = "vllm_infinigen/platforms/cuda/kernels/triton_bounds.py"
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True,
+                            text=True, check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    folder = Path(tempfile.mkdtemp())
+    (folder / f"bounds_{revision}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(f"bounds_{revision}",
+                                                  folder / f"bounds_{revision}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def sass_counts(method: str, bits: int, tile: int, *, head_size: int = 128,
-                group: int = 4, warps: int = 4) -> collections.Counter:
+                group: int = 4, warps: int = 4, module=None) -> collections.Counter:
     """Instruction mnemonics (the first part, e.g. ``I2F``) of one thread of
-    ``_bound_scores`` compiled for sm_90, at the 8B model's shapes."""
+    ``_bound_scores`` compiled for sm_90, at the 8B model's shapes (``module``:
+    ``kernels_at``'s, default the tree's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
-
-    kernel = triton_bounds._bound_scores
+    kernel = (module or kernels_at(None))._bound_scores
     types = {"query": "*bf16", "bounds": "*u8", "scales": "*fp16", "table": "*i32",
              "context_lens": "*i64", "out": "*fp32", "block_out": "*fp32", "scale": "fp32",
              "query_row_stride": "i64", "table_stride": "i64", "num_units": "i32"}
@@ -68,6 +89,7 @@ def sass_counts(method: str, bits: int, tile: int, *, head_size: int = 128,
                  "HALF_PAD": head_size // 2, "UNITS_PER_BLOCK": 1, "UNIT": 16, "BITS": bits,
                  "OFF": float(1 << (bits - 1)), "TILE": tile, "DOT": method == "dot",
                  "G_PAD": 16, "TILES": 1}
+    constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
     # Triton's launch marks a pointer or an int divisible by 16 so: the query's row stride
     # (H_q x D) is; the table's (the blocks of a row: 8,193 at 128K) need not be.
     aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
@@ -84,15 +106,18 @@ def sass_counts(method: str, bits: int, tile: int, *, head_size: int = 128,
     return collections.Counter(match.group(1) for match in re.finditer(pattern, sass, re.M))
 
 
-def form_row(method: str, bits: int, tile: int, warps: int = 4) -> dict[str, Any]:
-    """One form's counts and its issue-model ceiling (module docstring)."""
-    counts = sass_counts(method, bits, tile, warps=warps)
+def form_row(method: str, bits: int, tile: int, warps: int = 4,
+             revision: str | None = None) -> dict[str, Any]:
+    """One form's counts and its issue-model ceiling (module docstring), of the tree's
+    kernel or ``revision``'s."""
+    counts = sass_counts(method, bits, tile, warps=warps, module=kernels_at(revision))
     per_thread = sum(counts.values())
     tile_bytes = tile * 2 * 128 * bits // 8  # a unit's maxima and minima, 128 channels
     conversion_cycles = 8 * sum(counts[name] for name in CONVERSIONS)
     cycles = max(per_thread, conversion_cycles) * warps / 4  # 4 sub-partitions a SM
     ceiling = tile_bytes / cycles * CLOCK_GHZ * SMS / 1e3  # TB/s
-    return {"method": method, "bits": bits, "tile": tile, "warps": warps,
+    return {"method": method + (f" ({revision})" if revision else ""), "bits": bits,
+            "tile": tile, "warps": warps,
             "instructions": per_thread, "tile_bytes": tile_bytes,
             "instructions_per_byte": per_thread * warps * 32 / tile_bytes,
             "issue_cycles": per_thread * warps / 4, "conversion_cycles": conversion_cycles,
@@ -117,15 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("sass_mix"),
                         help="results path without suffix (.json and .md are written)")
+    parser.add_argument("--before", metavar="REV",
+                        help="also the tensor-core forms of the kernel at git revision REV")
     args = parser.parse_args(argv)
     from benchmarks.harness import report
 
     rows = [form_row(*form) for form in FORMS]
+    if args.before:
+        rows += [form_row(*form, revision=args.before) for form in FORMS if form[0] == "dot"]
     text = markdown(rows)
     report.write_results(args.out, report.source_metadata(), "The bound scoring's SASS on sm_90 "
                          "(compiled on the CPU, not run)",
                          {"sms": SMS, "clock_GHz": CLOCK_GHZ, "streaming_TBps": STREAMING_TBPS,
-                          "forms": FORMS}, rows,
+                          "forms": FORMS, "before": args.before}, rows,
                          [f"At 4 warps a program, {SMS} SMs at {CLOCK_GHZ} GHz; 'x streaming' "
                           f"against the H200's measured {STREAMING_TBPS} TB/s streaming read. "
                           "A model of the issue limit only (module docstring).", text])
