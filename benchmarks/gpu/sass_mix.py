@@ -147,17 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from benchmarks.harness import report
 
+    import triton
+
     rows = [form_row(*form) for form in FORMS]
     if args.before:
         rows += [form_row(*form, revision=args.before) for form in FORMS if form[0] == "dot"]
     text = markdown(rows)
-    report.write_results(args.out, report.source_metadata(), "The bound scoring's SASS on sm_90 "
+    report.write_results(args.out, report.source_metadata(triton=triton.__version__),
+                         "The bound scoring's SASS on sm_90 "
                          "(compiled on the CPU, not run)",
                          {"sms": SMS, "clock_GHz": CLOCK_GHZ, "streaming_TBps": STREAMING_TBPS,
                           "forms": FORMS, "before": args.before}, rows,
-                         [f"At 4 warps a program, {SMS} SMs at {CLOCK_GHZ} GHz; 'x streaming' "
-                          f"against the H200's measured {STREAMING_TBPS} TB/s streaming read. "
-                          "A model of the issue limit only (module docstring).", text])
+                         [f"Compiled by Triton {triton.__version__} (a lent GPU runs 3.6, whose "
+                          f"code may differ). At 4 warps a program, {SMS} SMs at {CLOCK_GHZ} GHz; "
+                          f"'x streaming' against the H200's measured {STREAMING_TBPS} TB/s "
+                          "streaming read. A model of the issue limit only (module docstring).",
+                          text])
     print(text)
     return 0
 
