@@ -14,6 +14,8 @@
 # Usage, from the repository root:
 #   INFINIGEN_COMMIT=$(git rev-parse HEAD) [CHECKS="tests kernels decode throughput"] \
 #       bash benchmarks/gpu/device_checks.sh OUT_DIR
+# KERNELS (with the kernels check): the candidates' kernels to run (kernel_candidates --only:
+# int_scores select bound_scores lookup attend; default all).
 # INFINIGEN_COMMIT: the commit the results name (the lent machine's copy of the
 # tree carries a stale .git). CHECKS picks some of them (kernels, not in the
 # default: the selection kernels' candidate forms, kernel_candidates.py: the int and the
@@ -44,7 +46,7 @@ if [[ $checks == *" tests "* ]]; then
     echo "tests: rc=$?"; tail -3 "$work/pytest_gpu.txt"; pack
 fi
 if [[ $checks == *" kernels "* ]]; then  # the step kernels' candidate forms, ~2 min
-    timeout 200 python3 -m benchmarks.gpu.kernel_candidates \
+    timeout 200 python3 -m benchmarks.gpu.kernel_candidates ${KERNELS:+--only $KERNELS} \
         --out "$work/kernel_candidates" > "$work/kernel_candidates.log" 2>&1
     echo "kernels: rc=$?"; grep -h "^| [a-z_]* |" "$work/kernel_candidates.md" 2>/dev/null \
         | cut -d'|' -f2-4,9,10 | head -80; pack
