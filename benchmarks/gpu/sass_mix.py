@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import subprocess
 import sys
@@ -51,6 +52,7 @@ def _nvdisasm() -> Path:
     return tool
 
 
+@functools.lru_cache(maxsize=None)
 def kernels_at(revision: str | None):
     """``triton_bounds`` of the tree, or as it was at a git ``revision`` (a copy
     imported under another name, to compare a form with the one it replaced)."""
@@ -63,10 +65,10 @@ def kernels_at(revision: str | None):
     path = "vllm_infinigen/platforms/cuda/kernels/triton_bounds.py"
     source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True,
                             text=True, check=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    name = "bounds_" + re.sub(r"\W", "_", revision)
     folder = Path(tempfile.mkdtemp())
-    (folder / f"bounds_{revision}.py").write_text(source)
-    spec = importlib.util.spec_from_file_location(f"bounds_{revision}",
-                                                  folder / f"bounds_{revision}.py")
+    (folder / f"{name}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -107,14 +109,15 @@ def sass_counts(method: str, bits: int, tile: int, *, head_size: int = 128,
 
 
 def form_row(method: str, bits: int, tile: int, warps: int = 4,
-             revision: str | None = None) -> dict[str, Any]:
+             revision: str | None = None, head_size: int = 128) -> dict[str, Any]:
     """One form's counts and its issue-model ceiling (module docstring), of the tree's
-    kernel or ``revision``'s."""
-    counts = sass_counts(method, bits, tile, warps=warps, module=kernels_at(revision))
+    kernel or ``revision``'s. Cycles are a sub-partition's (4 a SM, warps / 4 warps each)."""
+    counts = sass_counts(method, bits, tile, warps=warps, head_size=head_size,
+                         module=kernels_at(revision))
     per_thread = sum(counts.values())
-    tile_bytes = tile * 2 * 128 * bits // 8  # a unit's maxima and minima, 128 channels
-    conversion_cycles = 8 * sum(counts[name] for name in CONVERSIONS)
-    cycles = max(per_thread, conversion_cycles) * warps / 4  # 4 sub-partitions a SM
+    tile_bytes = tile * 2 * head_size * bits // 8  # a unit's maxima and minima
+    conversion_cycles = 8 * sum(counts[name] for name in CONVERSIONS) * warps / 4
+    cycles = max(per_thread * warps / 4, conversion_cycles)
     ceiling = tile_bytes / cycles * CLOCK_GHZ * SMS / 1e3  # TB/s
     return {"method": method + (f" ({revision})" if revision else ""), "bits": bits,
             "tile": tile, "warps": warps,
@@ -132,7 +135,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {row['method']} | {row['bits']} | {row['tile']} | {row['instructions']} | "
             f"{row['instructions_per_byte']:.1f} | {row['issue_cycles']:.0f} | "
-            f"{row['conversion_cycles']} | {row['ceiling_TBps']:.2f} | "
+            f"{row['conversion_cycles']:.0f} | {row['ceiling_TBps']:.2f} | "
             f"{row['ceiling_TBps'] / STREAMING_TBPS:.2f} | "
             + " | ".join(str(row["mix"][name]) for name in SHOWN) + " |")
     return "\n".join(lines) + "\n"

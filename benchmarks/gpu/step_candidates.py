@@ -6,8 +6,9 @@ device and then timed, at the shapes of the batch-32 point (8 KV heads x 4 query
 heads x 128, 16-token blocks, a 4,096-token cap). ``kernel_candidates`` runs them
 beside the scoring's and the rule's forms, in the same table.
 
-    lookup   the victims' search in 2 bins (the halving search before), 16, 64
-             (the default) and 256 per pass, at 4, 8 and 16 warps; from a worn
+    lookup   the victims' search in 2 bins (a halving search, as the kernel's
+             before, which compared instead of binning), 16, 64 (the default) and
+             256 per pass, at 4, 8 and 16 warps; from a worn
              cache (every slot held, last used over the last 200 steps, 6 % of
              the step's entries missing) at tick 100 and 100,000 (a server's
              uptime in steps: the halving search makes log2 of it passes)

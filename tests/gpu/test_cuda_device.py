@@ -98,8 +98,8 @@ def test_the_data_paths_gated_scoring_and_counts_equal_the_references(bits, dtyp
         assert torch.equal(got_counts.cpu(), counts)
 
 
-@pytest.mark.parametrize("bits,dtype", [(8, torch.float32), (4, torch.bfloat16),
-                                        (8, torch.bfloat16)])
+@pytest.mark.parametrize("bits,dtype", [(8, torch.float32), (4, torch.float32),
+                                        (4, torch.bfloat16), (8, torch.bfloat16)])
 def test_bound_kernels_equal_the_references(bits, dtype):
     """The bounds (the default keys) on CUDA tensors: ``encode_bounds`` writes the CPU
     kernels' bytes, ``bound_scores`` the torch form's unit and block scores (a query

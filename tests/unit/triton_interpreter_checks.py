@@ -603,6 +603,31 @@ def test_bound_kernels_equal_the_cpu_kernels(bits, unit, method, tiles):
     assert int(counts[-2:].sum()) == 0  # the padding row
 
 
+def test_the_tensor_core_bound_form_clamps_a_query_beyond_float16():
+    """A bfloat16 query part beyond float16's 65504 (inf in float16: inf x a centred
+    code of 0 is NaN) scores as if clamped to it, finite; the float32 sums take it
+    as it is."""
+    from tests.reference.bound_pools import BLOCK, BoundPool
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
+
+    pool = BoundPool(seed=3, unit=16, bits=8, dtype=torch.bfloat16, num_kv_heads=2,
+                     head_size=32, context_lens=[64, 40])
+    query = torch.randint(-3, 4, (2, 2, 3, 32), generator=torch.Generator().manual_seed(1))
+    query = query.to(torch.bfloat16)
+    query[0, 1, 2, 5], query[1, 0, 0, 20] = 1.0e6, -3.0e5
+    table_blocks = pool.block_table.shape[1]
+    units = torch.empty((2, 2, table_blocks * (BLOCK // 16)), dtype=torch.float32)
+    blocks = torch.empty((2, 2, table_blocks), dtype=torch.float32)
+    triton_bounds.bound_scores(query, pool.bounds, pool.scales, pool.block_table,
+                               pool.context_lens, units, blocks, scale=0.25, unit=16,
+                               method="dot")
+    clamped = query.float().clamp(-65504, 65504)
+    want = block_rule.bound_unit_scores(clamped, pool.bounds, pool.scales, pool.block_table,
+                                        pool.context_lens, scale=0.25, block_size=BLOCK)
+    assert not units.isnan().any()
+    torch.testing.assert_close(units, want, rtol=1e-6, atol=0)
+
+
 # -- FP8 pools (--kv-cache-dtype fp8 / fp8_e5m2): K / key_scale, V / value_scale
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -156,8 +156,8 @@ def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor
                         device=bounds.device)
     blocks = torch.empty((rows, heads, table.shape[1]), dtype=torch.float32,
                          device=bounds.device)
-    # The tensor-core form where its float16 operands are exact (a 16-bit query; the codes
-    # less their offset are small integers), the float32 sums elsewhere.
+    # The tensor-core form for a 16-bit query (float16 operands: the codes less their offset
+    # exact, the query within float16's normal range), the float32 sums elsewhere.
     dot = query.dtype in (torch.float16, torch.bfloat16) and head_size >= 32
     triton_bounds.bound_scores(query, bounds, scales, table, context_lens, units, blocks,
                                scale=scale, unit=block_size // units_per_block,

@@ -133,8 +133,9 @@ def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, sc
     products). The query heads' positive and negative parts are held for the
     program; each unit's codes are read once for all. DOT: the four products of
     a tile as float16 tensor-core dots over G_PAD query heads (codes less OFF,
-    -128..127, made float16 by ``_centred``, exact; a bfloat16 query exact too, a
-    float32 one rounded to float16), else per query head as float32 sums.
+    -128..127, made float16 by ``_centred``, exact; a 16-bit query exact within
+    float16's range, its parts below 2^-14 rounded, beyond 65504 clamped; a float32
+    one rounded to float16), else per query head as float32 sums.
     """
     sequence = tl.program_id(0)
     row = sequence // H
@@ -147,8 +148,10 @@ def _bound_scores(query, bounds, scales, table, context_lens, out, block_out, sc
         heads = tl.arange(0, G_PAD)
         take = ok[:, None] & (heads < G)[None, :]
         base = query + row * query_row_stride + (head * G + heads[None, :]) * D + dims[:, None]
-        q_a = tl.load(base, mask=take, other=0.0).to(tl.float32)  # [HALF_PAD, G_PAD]
-        q_b = tl.load(base + HALF, mask=take, other=0.0).to(tl.float32)
+        # [HALF_PAD, G_PAD], within float16's range (a larger part would score inf or NaN)
+        q_a = tl.clamp(tl.load(base, mask=take, other=0.0).to(tl.float32), -65504.0, 65504.0)
+        q_b = tl.clamp(tl.load(base + HALF, mask=take, other=0.0).to(tl.float32), -65504.0,
+                       65504.0)
         up_q_a, up_q_b = tl.maximum(q_a, 0.0).to(tl.float16), tl.maximum(q_b, 0.0).to(tl.float16)
         down_q_a = tl.minimum(q_a, 0.0).to(tl.float16)
         down_q_b = tl.minimum(q_b, 0.0).to(tl.float16)

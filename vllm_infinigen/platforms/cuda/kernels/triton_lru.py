@@ -32,7 +32,12 @@ def _oldest_ticks(used, tick, capacity, misses, BINS: tl.constexpr, ROUNDS: tl.c
                   CHUNK: tl.constexpr):
     """(V, older) over ``used[:capacity]``'s ticks not equal to ``tick`` (the slots
     not used in this step): V the smallest tick with at least ``misses`` of them at
-    or below it, ``older`` how many are below it. Needs misses <= their count."""
+    or below it, ``older`` how many are below it. Needs misses <= their count.
+
+    Each pass bins the ticks in (low, high] by their distance above low shifted
+    right (no division), the shift the least that leaves BINS bins: the range's
+    bit length drops by log2(BINS) a pass, so ROUNDS = ceil(63 / log2(BINS)) + 1
+    passes finish any tick below 2^62."""
     lanes = tl.arange(0, CHUNK)
     bins = tl.arange(0, BINS)
     low = tl.full([], -2, tl.int64)  # free slots hold -1: none at or below low
@@ -40,20 +45,22 @@ def _oldest_ticks(used, tick, capacity, misses, BINS: tl.constexpr, ROUNDS: tl.c
     below = tl.full([], 0, tl.int32)  # eligible slots at or below low
     for _ in range(ROUNDS):
         if high - low > 1:
-            step = (high - low + BINS - 1) // BINS
+            shift = tl.full([], 0, tl.int64)
+            while ((high - low - 1) >> shift) >= BINS:
+                shift += 1
             counts = tl.zeros([BINS], tl.int32)
             for start in range(0, capacity, CHUNK):
                 slot = start + lanes
                 key = tl.load(used + slot, mask=slot < capacity, other=tick)
                 inside = (key != tick) & (key > low) & (key <= high)
-                part = tl.where(inside, (key - low - 1) // step, 0).to(tl.int32)
+                part = tl.where(inside, (key - low - 1) >> shift, 0).to(tl.int32)
                 counts += tl.histogram(part, BINS, mask=inside)
-            # eligible slots at or below low + step * (bin + 1), each bin
+            # eligible slots at or below low + (bin + 1) << shift, each bin
             reached = below + tl.cumsum(counts, 0)
             first = tl.min(tl.where(reached >= misses, bins, BINS), axis=0)
             below += tl.sum(tl.where(bins < first, counts, 0), axis=0)
-            high = tl.minimum(low + step * (first + 1), high)
-            low = low + step * first
+            high = tl.minimum(low + ((first + 1).to(tl.int64) << shift), high)
+            low = low + (first.to(tl.int64) << shift)
     return high, below
 
 
@@ -155,4 +162,4 @@ def lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_u
     _lookup_lru[(heads,)](ids, slots, slot_of, block_of, last_used, ticks, victims,
                           fetch_units, fetch_slots, num_fetch, counters, seq_lens, context_lens,
                           rows, width, capacity, H=heads, CHUNK=chunk, BINS=bins,
-                          ROUNDS=math.ceil(64 / math.log2(bins)) + 1, num_warps=num_warps)
+                          ROUNDS=math.ceil(63 / math.log2(bins)) + 1, num_warps=num_warps)
