@@ -8,7 +8,8 @@ timed, in one short GPU run.
                  few tiles and warps, at 1 and 8 rows (2-bit keys) and 1 row
                  (4-bit keys)
     select       the chunked threshold search (the kernel before) and the
-                 register-resident one at a few warps, at 1 and 8 rows
+                 register-resident one at a few warps, by halving (the default)
+                 or by byte histograms, at 1, 8 and 32 rows
     bound_scores ``triton_bounds``' forms (float32 sums per query head; float16
                  tensor-core dots, the default for a 16-bit query) at a few tiles and warps,
                  8-bit bounds of 16 tokens, at 1, 8 and 32 rows
@@ -156,14 +157,16 @@ def select_rows(torch, device, context: int, heads: int, rows_list, gen):
                                                 block_size=16, width=width, sink_blocks=1,
                                                 recent_blocks=1)
         got = tuple(torch.empty_like(part) for part in expected)
-        forms = [("before (chunked, 1024), 4 warps", 0, 4)] + [
-            (f"resident, {warps} warps", triton_select.RESIDENT_BLOCKS, warps)
-            for warps in SELECT_WARPS]
-        for name, resident, warps in forms:
-            def launch(resident=resident, warps=warps):
+        forms = [("before (chunked, 1024), 4 warps", 0, 4, False)] + [
+            (f"resident, {warps} warps", triton_select.RESIDENT_BLOCKS, warps, False)
+            for warps in SELECT_WARPS] + [
+            (f"resident, by bytes, {warps} warps", triton_select.RESIDENT_BLOCKS, warps, True)
+            for warps in SELECT_WARPS[:3]]
+        for name, resident, warps, radix in forms:
+            def launch(resident=resident, warps=warps, radix=radix):
                 triton_select.select_blocks(scores, counts, lens, table, settings, *got,
                                             block_size=16, sink_blocks=1, recent_blocks=1,
-                                            num_warps=warps, resident=resident)
+                                            num_warps=warps, resident=resident, radix=radix)
             out.append(_checked_then_timed(
                 torch, device, {"kernel": "select", "form": name, "rows": rows, "width": width,
                                 "MB": scores.numel() * 4 / 1e6}, launch,
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += scoring_rows(torch, device, sizes, (1,), 4, gen)
     if "select" in args.only:
         rows += select_rows(torch, device, sizes["context"], sizes["heads"],
-                            (1, 2) if args.self_test else (1, 8), gen)
+                            (1, 2) if args.self_test else (1, 8, 32), gen)
     if "bound_scores" in args.only:
         rows += bound_rows(torch, device, {**sizes, "head_size": max(32, sizes["head_size"])},
                            (1, 9) if args.self_test else (1, 8, 32), gen)

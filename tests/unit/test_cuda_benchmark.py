@@ -273,7 +273,8 @@ def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp
     assert "repository commit:" in text
     forms = [line for line in text.splitlines() if line.startswith("| int_scores")]
     assert len(forms) == 24 and all("| True |" in line for line in forms)
-    assert sum(line.startswith("| select") for line in text.splitlines()) == 10
+    selects = [line for line in text.splitlines() if line.startswith("| select")]
+    assert len(selects) == 16 and all("| True |" in line for line in selects)
     bounds = [line for line in text.splitlines() if line.startswith("| bound_scores")]
     assert len(bounds) == 18 and all("| True |" in line for line in bounds)
     assert sum("| dot, tile" in line for line in bounds) == 14

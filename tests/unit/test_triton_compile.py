@@ -151,12 +151,14 @@ def _kernel_cases():
             "num_blocks": i32, "table_stride": i32, "width": i32, "sink_blocks": i32,
             "recent_blocks": i32},
            {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024})
-    yield (triton_select._select_resident,
-           {"block_scores": "*fp32", "counts": "*i32", "context_lens": "*i64", "table": "*i32",
-            "settings": "*fp64", "logical": "*i64", "physical": "*i64", "seq_lens": "*i32",
-            "num_blocks": i32, "table_stride": i32, "width": i32, "sink_blocks": i32,
-            "recent_blocks": i32},
-           {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024, "BLOCKS_PAD": 16384})
+    for radix in (False, True):  # halving (the default); byte histograms
+        yield (triton_select._select_resident,
+               {"block_scores": "*fp32", "counts": "*i32", "context_lens": "*i64",
+                "table": "*i32", "settings": "*fp64", "logical": "*i64", "physical": "*i64",
+                "seq_lens": "*i32", "num_blocks": i32, "table_stride": i32, "width": i32,
+                "sink_blocks": i32, "recent_blocks": i32},
+               {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024, "BLOCKS_PAD": 16384,
+                "RADIX": radix})
     yield (triton_lru._lookup_lru,
            {"ids": "*i64", "slots": "*i64", "slot_of": "*i32", "block_of": "*i64",
             "last_used": "*i64", "ticks": "*i64", "victims": "*i64", "fetch_units": "*i64",

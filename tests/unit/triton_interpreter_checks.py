@@ -343,12 +343,13 @@ def test_alpha_counts_equal_the_reference(triton_select):
 @pytest.mark.parametrize("budget,min_context,sink,recent,cap", [
     (0.2, 0, 1, 1, None), (0.05, 30, 2, 1, None), (0.5, 0, 1, 3, None), (1.0, 0, 1, 1, None),
     (0.5, 0, 1, 1, 20)])
-@pytest.mark.parametrize("resident", [0, 64])
+@pytest.mark.parametrize("resident,radix", [(0, False), (64, False), (64, True)])
 def test_select_equals_the_reference(triton_select, seed, budget, min_context, sink, recent, cap,
-                                     resident):
+                                     resident, radix):
     """Random scores with ties (rounded), -inf blocks, a padding row, rows below
     min_context, a chunk smaller than the row (the threshold search crosses chunks), or
-    the row's keys held at once (resident: 64 >= the 40 blocks, padded)."""
+    the row's keys held at once (resident: 64 >= the 40 blocks, padded), searched by
+    halving or by bytes (radix)."""
     gen = torch.Generator().manual_seed(seed)
     block, table_blocks, heads = 4, 40, 3
     context_lens = torch.tensor([159, 100, 3, -1, 29, 64])
@@ -367,7 +368,39 @@ def test_select_equals_the_reference(triton_select, seed, budget, min_context, s
            torch.empty_like(expected[2]))
     triton_select.select_blocks(scores, counts, context_lens, table.int(), settings, *got,
                                 block_size=block, sink_blocks=sink, recent_blocks=recent,
-                                chunk=16, resident=resident)
+                                chunk=16, resident=resident, radix=radix)
+    for got_part, expected_part in zip(got, expected):
+        assert torch.equal(got_part, expected_part)
+
+
+@pytest.mark.parametrize("spread", ["low byte", "any bits"])
+@pytest.mark.parametrize("radix", [False, True])
+def test_select_separates_scores_that_differ_in_any_byte(triton_select, spread, radix):
+    """Scores one float32 step apart (keys differing in their lowest byte only, with
+    ties) or of random bits of both signs: the resident search, by halving or by bytes,
+    picks the reference's blocks."""
+    gen = torch.Generator().manual_seed(5)
+    block, table_blocks, heads, rows = 4, 200, 2, 3
+    if spread == "low byte":
+        steps = torch.randint(0, 60, (rows, heads, table_blocks), generator=gen)
+        scores = (1.5 + steps.double() * 2.0**-23).float()
+    else:
+        bits = torch.randint(-2**31, 2**31 - 1, (rows, heads, table_blocks), generator=gen)
+        scores = bits.to(torch.int32).view(torch.float32)
+        scores = torch.where(scores.isnan() | scores.isinf(), 0.25, scores)
+    context_lens = torch.tensor([799, 512, 77])
+    table = torch.stack([torch.randperm(900, generator=gen)[:table_blocks] for _ in range(rows)])
+    counts = torch.full((rows * heads,), 150, dtype=torch.int32)
+    settings = kernels.settings_tensor(5.0, 0.2, 0, "cpu")
+    width = kernels.static_width(table_blocks, block, budget=0.2, min_context=0,
+                                 sink_blocks=1, recent_blocks=1)
+    expected = block_rule.select_reference(scores, counts, context_lens, table.int(), settings,
+                                           block_size=block, width=width, sink_blocks=1,
+                                           recent_blocks=1)
+    got = tuple(torch.empty_like(part) for part in expected)
+    triton_select.select_blocks(scores, counts, context_lens, table.int(), settings, *got,
+                                block_size=block, sink_blocks=1, recent_blocks=1,
+                                resident=256, radix=radix)
     for got_part, expected_part in zip(got, expected):
         assert torch.equal(got_part, expected_part)
 

@@ -193,13 +193,34 @@ def _select_blocks(block_scores, counts, context_lens, table, settings, logical,
 
 
 @triton.jit
+def _nth_largest(key, in_row, n):
+    """The n-th largest of the row's keys (1 <= n <= their count; int64 in
+    [INT32_MIN, INT32_MAX]) by its four bytes from the top: each pass one
+    256-bin histogram of the keys that share the bytes found so far."""
+    unsigned = key - _INT32_MIN  # 0 .. 2^32 - 1, in the keys' order
+    digits = tl.arange(0, 256)
+    prefix = tl.full([], 0, tl.int64)
+    above = tl.full([], 0, tl.int32)  # keys past the prefix's range
+    for byte in tl.static_range(4):
+        shift = 24 - 8 * byte
+        sharing = in_row & ((unsigned >> (shift + 8)) == prefix)
+        counts = tl.histogram(((unsigned >> shift) & 255).to(tl.int32), 256, mask=sharing)
+        at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, 0) + counts
+        digit = tl.max(tl.where(above + at_or_above >= n, digits, -1), axis=0)
+        above += tl.sum(tl.where(digits > digit, counts, 0), axis=0)
+        prefix = prefix * 256 + digit
+    return prefix + _INT32_MIN
+
+
+@triton.jit
 def _select_resident(block_scores, counts, context_lens, table, settings, logical, physical,
                      seq_lens, num_blocks, table_stride, width, sink_blocks, recent_blocks,
                      H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+                     CHUNK: tl.constexpr, BLOCKS_PAD: tl.constexpr, RADIX: tl.constexpr):
     """``_select_blocks`` with the row's keys read once and held in registers
     (num_blocks <= BLOCKS_PAD): each pass of the threshold search is one sum
-    over them, the choice one prefix sum. Grid (rows x KV heads)."""
+    over them (RADIX: four byte histograms instead of 33 halvings), the choice
+    one prefix sum. Grid (rows x KV heads)."""
     sequence = tl.program_id(0).to(tl.int64)
     row = sequence // H
     context, blocks, num_selected = _selection_size(counts, context_lens, settings, row, width,
@@ -211,11 +232,14 @@ def _select_resident(block_scores, counts, context_lens, table, settings, logica
     low = tl.full([], _INT32_MIN, tl.int64)
     high = tl.full([], _INT32_MAX, tl.int64) + 1
     if num_selected < blocks:
-        for _ in range(33):
-            middle = (low + high) >> 1
-            enough = tl.sum((key >= middle).to(tl.int32), axis=0) >= num_selected
-            low = tl.where(enough, middle, low)
-            high = tl.where(enough, high, middle)
+        if RADIX:
+            low = _nth_largest(key, in_row, num_selected)
+        else:
+            for _ in range(33):
+                middle = (low + high) >> 1
+                enough = tl.sum((key >= middle).to(tl.int32), axis=0) >= num_selected
+                low = tl.where(enough, middle, low)
+                high = tl.where(enough, high, middle)
     beyond = in_row & (key > low)
     ties = num_selected - tl.sum(beyond.to(tl.int32), axis=0)
     chosen, place = _take(beyond, in_row & (key == low), 0, ties, 0)
@@ -229,15 +253,16 @@ def _select_resident(block_scores, counts, context_lens, table, settings, logica
 def select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
                   seq_lens, *, block_size: int, sink_blocks: int, recent_blocks: int,
                   chunk: int = 1024, num_warps: int | None = None,
-                  resident: int = RESIDENT_BLOCKS) -> None:
+                  resident: int = RESIDENT_BLOCKS, radix: bool = False) -> None:
     """Launches ``_select_resident`` when a row's blocks fit ``resident`` (a power of
     two; 0: never), else ``_select_blocks`` (logical, physical: [S, H, W] int64).
-    num_warps: None picks by the blocks (4 for the chunked kernel)."""
+    num_warps: None picks by the blocks (4 for the chunked kernel); radix: the
+    resident kernel's byte-wise search (``kernel_candidates`` times both)."""
     rows, heads, num_blocks = block_scores.shape
     padded = triton.next_power_of_2(max(num_blocks, 16))
     kernel, extra, warps = _select_blocks, {}, 4
     if padded <= resident:
-        kernel, extra = _select_resident, {"BLOCKS_PAD": padded}
+        kernel, extra = _select_resident, {"BLOCKS_PAD": padded, "RADIX": radix}
         warps = 4 if padded <= 1024 else 8  # 8: 0.051 ms at 8193 blocks on an H200
     kernel[(rows * heads,)](
         block_scores, counts, context_lens, table, settings, logical, physical, seq_lens,
