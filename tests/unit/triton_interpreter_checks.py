@@ -636,6 +636,29 @@ def test_bound_kernels_equal_the_cpu_kernels(bits, unit, method, tiles):
     assert int(counts[-2:].sum()) == 0  # the padding row
 
 
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_the_default_bound_form_over_several_tiles_equals_the_torch_form(tiles):
+    """``selection.bound_scores``' CUDA launch (the tensor-core form, 64-unit tiles) over
+    rows of 93 and 43 complete units: whole tiles, a partial one, one past the row."""
+    from tests.reference.bound_pools import BLOCK, BoundPool
+    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
+
+    pool = BoundPool(seed=11, unit=16, bits=8, dtype=torch.bfloat16, num_kv_heads=2,
+                     head_size=64, context_lens=[1500, 700])
+    query = torch.randn(2, 2, 4, 64, generator=torch.Generator().manual_seed(4))
+    query = query.to(torch.bfloat16)
+    table_blocks = pool.block_table.shape[1]
+    units = torch.empty((2, 2, table_blocks * (BLOCK // 16)), dtype=torch.float32)
+    blocks = torch.empty((2, 2, table_blocks), dtype=torch.float32)
+    triton_bounds.bound_scores(query, pool.bounds, pool.scales, pool.block_table,
+                               pool.context_lens, units, blocks, scale=0.25, unit=16,
+                               method="dot", tile=64, tiles_per_program=tiles)
+    want = block_rule.bound_unit_scores(query, pool.bounds, pool.scales, pool.block_table,
+                                        pool.context_lens, scale=0.25, block_size=BLOCK)
+    torch.testing.assert_close(units, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(blocks, block_rule.unit_block_scores(units, BLOCK // 16))
+
+
 def test_the_tensor_core_bound_form_clamps_a_query_beyond_float16():
     """A bfloat16 query part beyond float16's 65504 (inf in float16: inf x a centred
     code of 0 is NaN) scores as if clamped to it, finite; the float32 sums take it
