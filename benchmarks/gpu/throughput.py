@@ -73,7 +73,14 @@ from benchmarks.gpu.measure import (
 from benchmarks.gpu.results import gpu_run_metadata
 from benchmarks.gpu.variants import KVSetup, Streams
 from benchmarks.harness import paths, report
-from vllm_infinigen.layout import FP8_KV_CACHE_DTYPES, kv_dtype
+from vllm_infinigen.layout import (
+    BOUND_BITS,
+    BOUND_UNIT,
+    FP8_KV_CACHE_DTYPES,
+    KEY_GROUP,
+    int_key_bits,
+    kv_dtype,
+)
 from vllm_infinigen.platforms.cuda import kernels
 
 DEFAULT_OUT = paths.RESULTS / "gpu_throughput"
@@ -146,6 +153,27 @@ def dense_bound_ms(shape: DecoderShape, batch: int, context: int, dtype: torch.d
     layer's K/V read once (its bytes bound, beside the kernel measured)."""
     num_bytes = shape.weight_bytes(dtype) + shape.num_layers * shape.layer_kv_bytes(batch,
                                                                                   context, kv)
+    return num_bytes / read_GBps / 1e6
+
+
+def infinigen_bound_ms(shape: DecoderShape, batch: int, context: int, kept: float,
+                       dtype: torch.dtype, kv: torch.dtype, keys: str, gathered: float,
+                       read_GBps: float) -> float:
+    """InfiniGen's step at the device's streaming read (its HBM floor): the weights,
+    the dense layers' whole K/V, the sparse layers' ``kept`` share of the context's K/V
+    (read from the block cache) and their speculation keys, and the ``gathered``
+    bytes written into the cache."""
+    sparse = (shape.num_layers - shape.dense_layers) * batch * shape.num_kv_heads
+    token_kv = 2 * shape.head_dim * kv.itemsize
+    if keys == "bounds":  # BOUND_BITS-bit maxima and minima and a float16 scale per unit
+        key_bytes = context // BOUND_UNIT * (2 * shape.head_dim * BOUND_BITS // 8 + 2)
+    elif keys == "int":  # codes, and a float16 scale per channel and group of tokens
+        key_bytes = (context * shape.head_dim * int_key_bits(dtype.itemsize) // 8
+                     + context // KEY_GROUP * shape.head_dim * 2)
+    else:  # the partial keys, in the model's dtype
+        key_bytes = context * shape.partial_channels * dtype.itemsize
+    num_bytes = (shape.weight_bytes(dtype) + shape.dense_layers * shape.layer_kv_bytes(
+        batch, context, kv) + sparse * ((kept * context + 1) * token_kv + key_bytes) + gathered)
     return num_bytes / read_GBps / 1e6
 
 
@@ -232,6 +260,12 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
     if name.startswith("dense") and limits and limits.get("read_GBps"):
         point["bytes_bound_ms"] = dense_bound_ms(shape, batch, context, dtype, pool.dtype,
                                                  limits["read_GBps"])
+    if name == "infinigen" and limits and limits.get("read_GBps") and "ms_per_step" in result:
+        kept = (point["replay"]["kept_fraction"] if replay is not None
+                else point.get("selected_fraction", budget))
+        point["bytes_bound_ms"] = infinigen_bound_ms(
+            shape, batch, context, kept, dtype, pool.dtype, args.keys,
+            result["pcie_bytes_per_step"], limits["read_GBps"])
     point["seconds"] = time.perf_counter() - began
     print(throughput_report.point_line(point), flush=True)
     return point
@@ -379,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype, shape, streams = bench.device, bench.dtype, bench.shape, bench.streams
     layers, lm_head, pool, limits = bench.layers, bench.lm_head, bench.pool, bench.limits
     results: dict[str, Any] = {"h2d_limits": limits, "pool_GiB": bench.setup["pool_GiB"],
-                               "weights_GiB": shape.weight_bytes(dtype) / 2**30, "contexts": []}
+                               "weights_GiB": shape.weight_bytes(dtype) / 2**30,
+                               "keys": args.keys, "contexts": []}
     for name, _, units in kv_pools(pool, args.kv_cache_dtypes, dtype, device):
         for context in args.contexts:
             torch.cuda.empty_cache()

@@ -91,8 +91,13 @@ def test_the_summary_compares_infinigen_with_dense_at_its_largest_batch():
     # each 128K step against its PCIe floor (issue 44: at most 1.3x)
     results["contexts"][0]["points"][3]["pcie_bound_ms"] = 40.0
     text = "\n\n".join(throughput_report.markdown_sections(results))
-    assert "each step over its PCIe floor" in text and "cap 4096 x 16 1.60x (64.0 / 40.0 ms); " \
-        "missed" in text
+    assert "each step over its PCIe floor (the HBM floor is not in these results)" in text
+    assert "cap 4096 x 16 1.60x (64.0 / 40.0 ms); missed" in text
+    # with the HBM floor (bytes_bound_ms) the larger of the two, named
+    results["contexts"][0]["points"][3]["bytes_bound_ms"] = 50.0
+    text = "\n\n".join(throughput_report.markdown_sections(results))
+    assert "each step over the larger of its PCIe and HBM floors" in text
+    assert "cap 4096 x 16 1.28x (64.0 / 50.0 ms HBM); met" in text
     # 32K: the best of any selection against 1.5x
     for entry in results["contexts"]:
         entry["context"] = 32768
@@ -196,3 +201,21 @@ def test_stream_times_give_each_streams_busy_and_idle_time_per_step():
                         "0.80 ms, idle 0.20 ms; stream 9 (gather) busy 0.35 ms, idle 0.65 ms. "
                         "Kernels (device time, streams summed): k 1.50 ms.")
     assert throughput_report.profile_lines({"variant": "dense"}) == []
+
+
+def test_the_hbm_floor_counts_the_bytes_an_infinigen_step_reads():
+    """``infinigen_bound_ms`` at the 2026-11-29 batch-32 point (128K, cap 4096, 4.3 %
+    replayed, bounds): the weights 15.0 GB, the dense layers' K/V 34.4 GB, the
+    selections' 22.2 GB, the bounds 16.2 GB and the gathered 1.2 GB, at 4,232 GB/s."""
+    shape = throughput.LLAMA_31_8B
+    ms = throughput.infinigen_bound_ms(shape, 32, 131072, 0.043, torch.bfloat16,
+                                       torch.bfloat16, "bounds", 1.23e9, 4232.0)
+    weights = shape.weight_bytes(torch.bfloat16)
+    dense = 2 * 32 * 8193 * 8 * 16 * 512
+    selected = 30 * 32 * 8 * (0.043 * 131072 + 1) * 512
+    bounds = 30 * 32 * 8 * 8192 * 258
+    assert ms == pytest.approx((weights + dense + selected + bounds + 1.23e9) / 4232e6)
+    assert 20.0 < ms < 21.5
+    # the int keys read more per token, the partial keys their channels in the model dtype
+    assert throughput.infinigen_bound_ms(shape, 32, 131072, 0.043, torch.bfloat16,
+                                         torch.bfloat16, "int", 0, 4232.0) > ms
