@@ -8,11 +8,12 @@ holds its torch reference).
 
 The victims are the ``misses`` slots with the oldest last-use ticks among those
 not used in this step. They are found by narrowing a range of ticks that holds
-the threshold: each pass over the head's slots counts their ticks in BINS equal
-parts of the range (one ``tl.histogram``) and keeps the part where the count
-reaches the misses, so a pass divides the range by BINS. A server's ticks grow
-with its steps: a halving search (BINS = 2, the kernel before) makes log2(steps)
-passes, 7 at 100 steps and 17 at 100,000; BINS = 64 makes 2 and 3.
+the threshold: each pass over the head's slots counts their ticks in BINS parts
+of the range (one ``tl.histogram`` of their distance above it, shifted) and
+keeps the part where the count reaches the misses, so a pass divides the range
+by about BINS. A server's ticks grow with its steps: a halving search (the
+kernel before compared each slot with the middle) makes log2(steps) passes, 7
+at 100 steps and 17 at 100,000; BINS = 64 makes 2 and 3.
 """
 
 from __future__ import annotations
