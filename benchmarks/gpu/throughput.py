@@ -156,6 +156,19 @@ def dense_bound_ms(shape: DecoderShape, batch: int, context: int, dtype: torch.d
     return num_bytes / read_GBps / 1e6
 
 
+def key_bytes_per_step(shape: DecoderShape, batch: int, context: int, dtype: torch.dtype,
+                       keys: str) -> int:
+    """The speculation keys the sparse layers' scoring reads in a step."""
+    if keys == "bounds":  # BOUND_BITS-bit maxima and minima and a float16 scale per unit
+        per_head = context // BOUND_UNIT * (2 * shape.head_dim * BOUND_BITS // 8 + 2)
+    elif keys == "int":  # codes, and a float16 scale per channel and group of tokens
+        per_head = (context * shape.head_dim * int_key_bits(dtype.itemsize) // 8
+                    + context // KEY_GROUP * shape.head_dim * 2)
+    else:  # the partial keys, in the model's dtype
+        per_head = context * shape.partial_channels * dtype.itemsize
+    return (shape.num_layers - shape.dense_layers) * batch * shape.num_kv_heads * per_head
+
+
 def infinigen_bound_ms(shape: DecoderShape, batch: int, context: int, kept: float,
                        dtype: torch.dtype, kv: torch.dtype, keys: str, gathered: float,
                        read_GBps: float) -> float:
@@ -164,16 +177,10 @@ def infinigen_bound_ms(shape: DecoderShape, batch: int, context: int, kept: floa
     (read from the block cache) and their speculation keys, and the ``gathered``
     bytes written into the cache."""
     sparse = (shape.num_layers - shape.dense_layers) * batch * shape.num_kv_heads
-    token_kv = 2 * shape.head_dim * kv.itemsize
-    if keys == "bounds":  # BOUND_BITS-bit maxima and minima and a float16 scale per unit
-        key_bytes = context // BOUND_UNIT * (2 * shape.head_dim * BOUND_BITS // 8 + 2)
-    elif keys == "int":  # codes, and a float16 scale per channel and group of tokens
-        key_bytes = (context * shape.head_dim * int_key_bits(dtype.itemsize) // 8
-                     + context // KEY_GROUP * shape.head_dim * 2)
-    else:  # the partial keys, in the model's dtype
-        key_bytes = context * shape.partial_channels * dtype.itemsize
+    selected = sparse * (kept * context + 1) * 2 * shape.head_dim * kv.itemsize
     num_bytes = (shape.weight_bytes(dtype) + shape.dense_layers * shape.layer_kv_bytes(
-        batch, context, kv) + sparse * ((kept * context + 1) * token_kv + key_bytes) + gathered)
+        batch, context, kv) + selected + key_bytes_per_step(shape, batch, context, dtype, keys)
+        + gathered)
     return num_bytes / read_GBps / 1e6
 
 
@@ -266,6 +273,8 @@ def measure_point(name: str, shape: DecoderShape, layers, lm_head, pool, device,
         point["bytes_bound_ms"] = infinigen_bound_ms(
             shape, batch, context, kept, dtype, pool.dtype, args.keys,
             result["pcie_bytes_per_step"], limits["read_GBps"])
+        point["key_bytes_per_step"] = key_bytes_per_step(shape, batch, context, dtype,
+                                                         args.keys)
     point["seconds"] = time.perf_counter() - began
     print(throughput_report.point_line(point), flush=True)
     return point

@@ -219,3 +219,23 @@ def test_the_hbm_floor_counts_the_bytes_an_infinigen_step_reads():
     # the int keys read more per token, the partial keys their channels in the model dtype
     assert throughput.infinigen_bound_ms(shape, 32, 131072, 0.043, torch.bfloat16,
                                          torch.bfloat16, "int", 0, 4232.0) > ms
+
+
+def test_the_report_gives_the_scoring_read_rate_of_a_profiled_step():
+    """Issue 44's 60 %: the profiled point's speculation keys (bytes a step) over its
+    scoring kernels' device time, against the streaming read."""
+    profiled = {**_point("infinigen", 32, 47.7, "cap 4096"), "pcie_bound_ms": 23.9,
+                "key_bytes_per_step": 16.2e9,
+                "top_kernels": [{"kernel": "_gather_units", "ms_per_step": 18.9},
+                                {"kernel": "_bound_scores", "ms_per_step": 16.5}]}
+    results = {"h2d_limits": {"read_GBps": 4232.0, "copy_GBps": 51.3, "gather_GBps": 48.8,
+                              "gather_ctas": 64}, "pool_GiB": 32.0, "weights_GiB": 14.0,
+               "contexts": [{"context": 131072, "free_bytes": 60 << 30,
+                             "dense_largest_batch": 7,
+                             "points": [_point("dense", 7, 32.6), profiled]}]}
+    text = "\n\n".join(throughput_report.markdown_sections(results))
+    assert ("131072 tokens, cap 4096 x 32: the scoring reads 16.2 GB a step in 16.50 ms, "
+            "982 GB/s, 0.23 of the streaming read (target >= 0.6); missed") in text
+    shape = throughput.LLAMA_31_8B
+    assert throughput.key_bytes_per_step(shape, 32, 131072, torch.bfloat16, "bounds") == \
+        30 * 32 * 8 * 8192 * 258
