@@ -6,7 +6,9 @@ shared models: retrieval on ``recall-llama-12l`` (1K prompts),
 ``recall-llama-12l-4k`` (4K prompts) and ``recall-llama-1k``, perplexity on
 ``gutenberg-llama-2k``; the density each keeps; and the CPU decode step at
 that density on the 16K benchmark model, read off paired decode runs
-(``decode_latency --paired``, ``--speed``).
+(``decode_latency --paired``, ``--speed``). ``--recall-model DIR --recall-prompts
+FILE`` runs a recall model of the project's own (``benchmarks/models/``, with
+its held-out prompts) as one more task, named after its folder.
 
 The accuracy runs are torch-only (``sparse_llama``: the model in float32, the
 product's rule of ``speculative_selection`` over the product's default
@@ -275,7 +277,13 @@ def speed_points(paths_: list[Path], context: int, dtype: str) -> list[dict]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=None,
+                        help="default: every task, or none beside --recall-model")
+    parser.add_argument("--recall-model", type=Path, default=None,
+                        help="a recall model's folder (one this project trained, e.g. "
+                        "benchmarks/models/...), run as a task beside --tasks")
+    parser.add_argument("--recall-prompts", type=Path, default=None,
+                        help="its recall prompts (jsonl, the training script's held-out form)")
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
     parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     parser.add_argument("--token-caps", type=int, nargs="*", default=[256, 512, 1024],
@@ -294,7 +302,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--render", action="store_true",
                         help="only rewrite the .md and .png from the .json at --out "
                         "(re-reading --speed)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.recall_model is None) != (args.recall_prompts is None):
+        parser.error("--recall-model and --recall-prompts go together")
+    args.task_table = dict(TASKS)  # the named tasks and the --recall-model one
+    if args.recall_model is not None:
+        args.task_table[args.recall_model.name] = Task(args.recall_model.name, args.recall_model,
+                                                       args.recall_prompts, "accuracy")
+    if args.tasks is None:
+        args.tasks = [args.recall_model.name] if args.recall_model else list(TASKS)
+    elif args.recall_model is not None:
+        args.tasks.append(args.recall_model.name)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,10 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         meta, settings, payload = report.read_results(args.out)
     else:
-        missing = [str(p) for name in args.tasks for p in (TASKS[name].model, TASKS[name].data)
+        tasks = [args.task_table[name] for name in args.tasks]
+        missing = [str(p) for task in tasks for p in (task.model, task.data)
                    if p is not None and not Path(p).exists()]
         if missing:
-            print(f"frontier: missing {', '.join(missing)} (../shared)", file=sys.stderr)
+            print(f"frontier: missing {', '.join(missing)} (the named tasks' models and "
+                  "prompts are in ../shared)", file=sys.stderr)
             return 2
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
@@ -316,12 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         grid = settings_grid(args.rules, args.budget, args.token_caps)
         payload = {"results": [], "tasks": {}}
         for name in args.tasks:
-            results, info = run_task(TASKS[name], grid, args)
+            results, info = run_task(args.task_table[name], grid, args)
             payload["results"] += results
             payload["tasks"][name] = info
         settings = {k: [str(x) for x in v] if isinstance(v, list) and v
                     and isinstance(v[0], Path) else str(v) if isinstance(v, Path) else v
-                    for k, v in vars(args).items()}
+                    for k, v in vars(args).items() if k != "task_table"}
     payload["speed"] = speed_points(args.speed, args.speed_context, args.speed_dtype)
     sections = frontier_report.sections(payload)
     report.write_results(args.out, meta, "The accuracy-speed frontier of the selection rules",

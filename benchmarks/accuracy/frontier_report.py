@@ -180,20 +180,23 @@ DEPTHS = (("first_quarter", "first ¼"), ("middle", "middle"), ("last_quarter", 
 
 def depth_sections(payload: dict) -> list[str]:
     """Per recall task: each setting's accuracy ÷ dense by the needle's depth
-    in the context, and overall (dense's own accuracy in its row)."""
+    in the context, and overall (dense's own accuracy in its row; "-" where no
+    prompt has its needle at that depth, as with a few prompts)."""
     out = []
     for name, rows_of in _by_task(payload).items():
         dense = rows_of["dense"]
         if "buckets" not in dense:
             continue
         headers = ["setting", *[label for _, label in DEPTHS], "all"]
-        table = [["dense (accuracy)", *[f"{dense['buckets'][b]:.3f}" for b, _ in DEPTHS],
+        buckets = [dense["buckets"].get(b) for b, _ in DEPTHS]
+        table = [["dense (accuracy)", *["-" if v is None else f"{v:.3f}" for v in buckets],
                   f"{dense['value']:.3f}"]]
         for label, row in rows_of.items():
             if label in ("dense", "control"):
                 continue
-            table.append([label, *[_fmt(ratio(row, dense, b)) if dense["buckets"][b] else ""
-                                   for b, _ in DEPTHS], _fmt(ratio(row, dense))])
+            table.append([label, *["-" if v is None else _fmt(ratio(row, dense, b)) if v else ""
+                                   for (b, _), v in zip(DEPTHS, buckets)],
+                          _fmt(ratio(row, dense))])
         out.append(f"## {name} by needle depth (÷ dense)\n\n"
                    + report.markdown_table(headers, table))
     return out

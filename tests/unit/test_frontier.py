@@ -263,3 +263,25 @@ def test_the_mirror_keeps_what_the_products_kernel_keeps(recent_tokens):
         for head in range(kv_heads):
             got = positions[row, head][positions[row, head] >= 0].tolist()
             assert mirror[head, 0].nonzero().flatten().tolist() == got, (row, head)
+
+
+def test_a_recall_model_of_the_project_runs_as_a_task(tmp_path):
+    """``--recall-model`` / ``--recall-prompts``: a model this project trained (the
+    committed checkpoint), with prompts from a file, runs as the frontier's task, named
+    after its folder; alone they must come together."""
+    from benchmarks.harness import paths
+    from tests.shared_data import require_shared
+
+    prompts = require_shared("data/recall/recall-1k.jsonl")
+    model = paths.REPO / "benchmarks" / "models" / "recall-llama-12l-toward-16k"
+    out = tmp_path / "frontier"
+    assert frontier.main(["--recall-model", str(model), "--recall-prompts", str(prompts),
+                          "--limit", "2", "--rules", "bound 8-bit, units of 16, recent 16",
+                          "--budget", "0.2", "--token-caps", "--speed", "--out", str(out)]) == 0
+    saved = frontier.report.read_results(out)
+    assert list(saved[2]["tasks"]) == [model.name]
+    rules = {row["rule"] for row in saved[2]["results"]}
+    assert {"dense", "bound 8-bit, units of 16, recent 16"} <= rules
+    assert "task_table" not in saved[1] and saved[1]["recall_model"] == str(model)
+    with pytest.raises(SystemExit):
+        frontier.parse_args(["--recall-model", str(model)])
