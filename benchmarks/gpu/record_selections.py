@@ -217,11 +217,9 @@ def record(model_name: str,
 
     from vllm_infinigen.skewing.calibration import compute_skew_tables
 
-    model_dir = paths.shared_path(f"models/{model_name}")
-    kind, source = MODELS[model_name]
+    model_dir, kind, source = args.sources[model_name]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids, calibration = _inputs(kind, paths.shared_path(source), tokenizer,
-                               args.context + args.steps)
+    ids, calibration = _inputs(kind, source, tokenizer, args.context + args.steps)
     tables = (compute_skew_tables(str(model_dir), 0.2, calibration or None)
               if args.keys == "partial" else None)
     torch.manual_seed(0)
@@ -376,8 +374,15 @@ _INTRO = (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
-                        default=["gutenberg-llama-2k", "recall-llama-12l"])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
+                        help="default: gutenberg-llama-2k recall-llama-12l, or none beside "
+                        "--recall-model")
+    parser.add_argument("--recall-model", type=Path, default=None,
+                        help="a recall model's folder (one this project trained, e.g. "
+                        "benchmarks/models/...), recorded beside --models under its "
+                        "folder's name (also a --trace-model)")
+    parser.add_argument("--recall-prompts", type=Path, default=None,
+                        help="its recall prompts (jsonl; the first is the request)")
     parser.add_argument("--context", type=int, default=1024,
                         help="prefill tokens (at most a recall prompt's length - --steps)")
     parser.add_argument("--steps", type=int, default=64)
@@ -403,12 +408,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.alpha is not None and args.keys == "bounds":
         parser.error("--alpha counts tokens over the int or partial keys' scores: "
                      "add --keys int (or partial)")
+    if (args.recall_model is None) != (args.recall_prompts is None):
+        parser.error("--recall-model and --recall-prompts go together")
+    # name -> (model folder, kind, input): the shared models', and --recall-model's
+    args.sources = {name: (paths.shared_path(f"models/{name}"), kind, paths.shared_path(source))
+                    for name, (kind, source) in MODELS.items()}
+    named = [] if args.recall_model else ["gutenberg-llama-2k", "recall-llama-12l"]
+    args.models = list(args.models or named)
+    if args.recall_model is not None:
+        args.sources[args.recall_model.name] = (args.recall_model, "recall", args.recall_prompts)
+        args.models.append(args.recall_model.name)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     meta = gpu_run_metadata()
     settings, results, sections = {}, {}, []
     for name in args.models:
-        kind, source = MODELS[name]
-        prompt = (len(json.loads(paths.shared_path(source).open().readline())["prompt_token_ids"])
+        _, kind, source = args.sources[name]
+        prompt = (len(json.loads(source.open().readline())["prompt_token_ids"])
                   if kind == "recall" else None)
         model_args = argparse.Namespace(**{**vars(args), "context": min(
             args.context, prompt - args.steps) if prompt else args.context})

@@ -323,3 +323,24 @@ def test_the_sass_mix_counts_the_conversions_each_bound_form_issues():
     assert dot["mix"]["HGMMA"] > 0 and sums["mix"]["HGMMA"] == 0
     assert dot["instructions_per_byte"] < sums["instructions_per_byte"] / 1.5
     assert dot["ceiling_TBps"] > sass_mix.STREAMING_TBPS > 2 * sums["ceiling_TBps"]
+
+
+def test_record_selections_takes_a_recall_model_of_the_project(tmp_path):
+    """``--recall-model`` / ``--recall-prompts``: the reuse of a model this project
+    trained (the committed checkpoint) under its folder's name, from a prompts file."""
+    from benchmarks.gpu import record_selections
+    from tests.shared_data import require_shared
+
+    prompts = require_shared("data/recall/recall-1k.jsonl")
+    model = REPO / "benchmarks" / "models" / "recall-llama-12l-toward-16k"
+    out = tmp_path / "reuse"
+    assert record_selections.main([
+        "--recall-model", str(model), "--recall-prompts", str(prompts), "--context", "256",
+        "--steps", "4", "--budgets", "0.2", "--trace-model", "none", "--out", str(out)]) == 0
+    import json
+
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert list(saved["results"]) == [model.name]
+    assert saved["settings"][model.name]["model"] == model.name
+    with pytest.raises(SystemExit):
+        record_selections.main(["--recall-prompts", str(prompts)])
