@@ -6,8 +6,8 @@ device and then timed, at the shapes of the batch-32 point (8 KV heads x 4 query
 heads x 128, 16-token blocks, a 4,096-token cap). ``kernel_candidates`` runs them
 beside the scoring's and the rule's forms, in the same table.
 
-    lookup   the victims' search in 2 bins (a halving search, as the kernel's
-             before, which compared instead of binning), 16, 64 (the default) and
+    lookup   the victims' search halving by comparison (0 bins: the kernel
+             before), in 2 bins (halving by a histogram), 16, 64 (the default) and
              256 per pass, at 4, 8 and 16 warps; from a worn
              cache (every slot held, last used over the last 200 steps, 6 % of
              the step's entries missing) at tick 100 and 100,000 (a server's
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 # (bins, warps) of the placement's victims' search
-LOOKUP = ((2, 4), (16, 4), (64, 4), (256, 4), (64, 8), (64, 16))
+LOOKUP = ((0, 4), (2, 4), (16, 4), (64, 4), (256, 4), (64, 8), (64, 16))
 LOOKUP_TICKS = (100, 100_000)
 # (splits per SM, tokens per loop step, warps, stages: None Triton's default)
 ATTEND = ((2, 64, 4, None), (4, 64, 4, None), (8, 64, 4, None), (2, 128, 4, None),

@@ -159,12 +159,14 @@ def _kernel_cases():
                 "sink_blocks": i32, "recent_blocks": i32},
                {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024, "BLOCKS_PAD": 16384,
                 "RADIX": radix})
-    yield (triton_lru._lookup_lru,
-           {"ids": "*i64", "slots": "*i64", "slot_of": "*i32", "block_of": "*i64",
-            "last_used": "*i64", "ticks": "*i64", "victims": "*i64", "fetch_units": "*i64",
-            "fetch_slots": "*i64", "num_fetch": "*i64", "counters": "*i64", "seq_lens": "*i32",
-            "context_lens": "*i64", "num_rows": i32, "width": i32, "capacity": i32},
-           {"H": 8, "CHUNK": 1024, "BINS": 64, "ROUNDS": 12})
+    for bins, rounds in ((64, 12), (0, 64)):  # histograms (the default); halving
+        yield (triton_lru._lookup_lru,
+               {"ids": "*i64", "slots": "*i64", "slot_of": "*i32", "block_of": "*i64",
+                "last_used": "*i64", "ticks": "*i64", "victims": "*i64",
+                "fetch_units": "*i64", "fetch_slots": "*i64", "num_fetch": "*i64",
+                "counters": "*i64", "seq_lens": "*i32", "context_lens": "*i64",
+                "num_rows": i32, "width": i32, "capacity": i32},
+               {"H": 8, "CHUNK": 1024, "BINS": bins, "ROUNDS": rounds})
 
 
 CASES = list(_kernel_cases())

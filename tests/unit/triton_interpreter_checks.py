@@ -445,12 +445,13 @@ def _lookup_both(triton_lru, states, counters, ids, seq_lens, context_lens, *, c
     return num_fetch
 
 
-@pytest.mark.parametrize("bins,first_tick", [(64, 0), (2, 0), (4, 2**40 + 3)])
+@pytest.mark.parametrize("bins,first_tick", [(64, 0), (2, 0), (4, 2**40 + 3), (0, 2**40 + 3)])
 def test_lookup_lru_equals_the_reference_over_steps(triton_lru, bins, first_tick):
     """Eight steps of two rows' selections over a cache of 12 slots per head:
     hits, LRU evictions with ties, the maps, the fetch lists and the counters; the
     victims' search halving its range (2 bins), or in quarters from a tick past 2^40
-    (a long-running server's: about 20 passes narrow the range)."""
+    (a long-running server's: about 20 passes narrow the range), or halving it by
+    comparison (0 bins, the kernel before)."""
     gen = torch.Generator().manual_seed(9)
     heads, capacity, num_blocks, rows, width = 2, 12, 40, 2, 5
     states = [_cache_state(heads, capacity, num_blocks) for _ in range(2)]
@@ -468,7 +469,7 @@ def test_lookup_lru_equals_the_reference_over_steps(triton_lru, bins, first_tick
     assert counters[0][:, 2].sum() > 0 and counters[0][:, 3].sum() > 2 * capacity  # evicted
 
 
-@pytest.mark.parametrize("bins", [2, 8, 64])
+@pytest.mark.parametrize("bins", [0, 2, 8, 64])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lookup_lru_victims_of_a_worn_cache_equal_the_reference(triton_lru, bins, seed):
     """One step on a cache that has served 10,000 steps: its slots last used over

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from vllm_infinigen.platforms.cuda.kernels.triton_select import _take
 
-SEARCH_BINS = 64  # ranges per pass of the victims' search (a power of two >= 2)
+SEARCH_BINS = 64  # ranges per pass of the victims' search (a power of two >= 2; 0: halving)
 
 
 @triton.jit
@@ -38,30 +38,45 @@ def _oldest_ticks(used, tick, capacity, misses, BINS: tl.constexpr, ROUNDS: tl.c
     Each pass bins the ticks in (low, high] by their distance above low shifted
     right (no division), the shift the least that leaves BINS bins: the range's
     bit length drops by log2(BINS) a pass, so ROUNDS = ceil(63 / log2(BINS)) + 1
-    passes finish any tick below 2^62."""
+    passes finish any tick below 2^62. BINS = 0: each pass halves the range by
+    comparing each slot with its middle (the kernel before; no histogram)."""
     lanes = tl.arange(0, CHUNK)
-    bins = tl.arange(0, BINS)
     low = tl.full([], -2, tl.int64)  # free slots hold -1: none at or below low
     high = tick - 1  # every eligible slot at or below high
     below = tl.full([], 0, tl.int32)  # eligible slots at or below low
-    for _ in range(ROUNDS):
-        if high - low > 1:
-            shift = tl.full([], 0, tl.int64)
-            while ((high - low - 1) >> shift) >= BINS:
-                shift += 1
-            counts = tl.zeros([BINS], tl.int32)
-            for start in range(0, capacity, CHUNK):
-                slot = start + lanes
-                key = tl.load(used + slot, mask=slot < capacity, other=tick)
-                inside = (key != tick) & (key > low) & (key <= high)
-                part = tl.where(inside, (key - low - 1) >> shift, 0).to(tl.int32)
-                counts += tl.histogram(part, BINS, mask=inside)
-            # eligible slots at or below low + (bin + 1) << shift, each bin
-            reached = below + tl.cumsum(counts, 0)
-            first = tl.min(tl.where(reached >= misses, bins, BINS), axis=0)
-            below += tl.sum(tl.where(bins < first, counts, 0), axis=0)
-            high = tl.minimum(low + ((first + 1).to(tl.int64) << shift), high)
-            low = low + (first.to(tl.int64) << shift)
+    if BINS == 0:
+        for _ in range(ROUNDS):
+            if high - low > 1:
+                middle = (low + high) >> 1
+                count = tl.full([], 0, tl.int32)
+                for start in range(0, capacity, CHUNK):
+                    slot = start + lanes
+                    key = tl.load(used + slot, mask=slot < capacity, other=tick)
+                    count += tl.sum(((key != tick) & (key <= middle)).to(tl.int32), axis=0)
+                enough = count >= misses
+                below = tl.where(enough, below, count)
+                low = tl.where(enough, low, middle)
+                high = tl.where(enough, middle, high)
+    else:
+        bins = tl.arange(0, BINS)
+        for _ in range(ROUNDS):
+            if high - low > 1:
+                shift = tl.full([], 0, tl.int64)
+                while ((high - low - 1) >> shift) >= BINS:
+                    shift += 1
+                counts = tl.zeros([BINS], tl.int32)
+                for start in range(0, capacity, CHUNK):
+                    slot = start + lanes
+                    key = tl.load(used + slot, mask=slot < capacity, other=tick)
+                    inside = (key != tick) & (key > low) & (key <= high)
+                    part = tl.where(inside, (key - low - 1) >> shift, 0).to(tl.int32)
+                    counts += tl.histogram(part, BINS, mask=inside)
+                # eligible slots at or below low + (bin + 1) << shift, each bin
+                reached = below + tl.cumsum(counts, 0)
+                first = tl.min(tl.where(reached >= misses, bins, BINS), axis=0)
+                below += tl.sum(tl.where(bins < first, counts, 0), axis=0)
+                high = tl.minimum(low + ((first + 1).to(tl.int64) << shift), high)
+                low = low + (first.to(tl.int64) << shift)
     return high, below
 
 
@@ -156,11 +171,12 @@ def lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_u
                fetch_slots, num_fetch, counters, seq_lens, context_lens, *, capacity: int,
                chunk: int = 1024, num_warps: int = 4, bins: int = SEARCH_BINS) -> None:
     """Launches ``_lookup_lru`` (ids, slots: [S, H, W] int64; ``bins``: the victims'
-    search, a power of two >= 2)."""
-    if bins < 2 or bins & (bins - 1):
-        raise ValueError(f"the victims' search needs a power of two >= 2 bins, got {bins}")
+    search, a power of two >= 2, or 0: halving by comparison, the kernel before)."""
+    if bins != 0 and (bins < 2 or bins & (bins - 1)):
+        raise ValueError(f"the victims' search needs 0 or a power of two >= 2 bins, got {bins}")
     rows, heads, width = ids.shape
     _lookup_lru[(heads,)](ids, slots, slot_of, block_of, last_used, ticks, victims,
                           fetch_units, fetch_slots, num_fetch, counters, seq_lens, context_lens,
                           rows, width, capacity, H=heads, CHUNK=chunk, BINS=bins,
-                          ROUNDS=math.ceil(63 / math.log2(bins)) + 1, num_warps=num_warps)
+                          ROUNDS=math.ceil(63 / math.log2(bins or 2)) + 1,
+                          num_warps=num_warps)
