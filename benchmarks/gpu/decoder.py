@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_infinigen.layout import ModelLayout
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -52,6 +54,14 @@ class DecoderShape:
     def layer_kv_bytes(self, batch: int, context: int, dtype: torch.dtype) -> int:
         """One layer's pool region: every unit of every row."""
         return batch * self.blocks_per_row(context) * self.num_kv_heads * self.unit_bytes(dtype)
+
+    def layout(self, speculation_keys: str = "int") -> ModelLayout:
+        """The product's view of this shape (its dense/sparse split, speculation keys)."""
+        return ModelLayout("llama", num_layers=self.num_layers, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           dense_layers=self.dense_layers,
+                           partial_ratio=self.partial_channels / self.head_dim,
+                           speculation_keys=speculation_keys)
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
         per_layer = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim

@@ -28,7 +28,6 @@ import torch
 from benchmarks.gpu.decoder import LayerWeights
 from benchmarks.gpu.variants import KVSetup, Streams, Variant, dense_attention
 from vllm_infinigen.config import InfiniGenConfig
-from vllm_infinigen.layout import ModelLayout
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.platforms.cuda.data_path import CudaDataPath
 from vllm_infinigen.platforms.cuda.kernels import selection_of_blocks
@@ -80,10 +79,7 @@ class Product(Variant):
             skew = layer.skew.float() if keys == "partial" else None
             sources.append(LayerSource(index, f"model.layers.{index}.self_attn.attn",
                                        SimpleNamespace(impl=impl), self_attn, skew, None))
-        layout = ModelLayout("llama", num_layers=shape.num_layers, num_heads=shape.num_heads,
-                             num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                             dense_layers=shape.dense_layers,
-                             partial_ratio=shape.partial_channels / shape.head_dim)
+        layout = shape.layout()
         self.data_path = CudaDataPath(device, slots_per_head, host_pool=self._region)
         self.runtime = InfiniGenRuntime(config, sources, device, self.data_path, layout=layout)
         num_blocks = setup.batch * setup.blocks_per_row

@@ -73,14 +73,7 @@ from benchmarks.gpu.measure import (
 from benchmarks.gpu.results import gpu_run_metadata
 from benchmarks.gpu.variants import KVSetup, Streams
 from benchmarks.harness import paths, report
-from vllm_infinigen.layout import (
-    BOUND_BITS,
-    BOUND_UNIT,
-    FP8_KV_CACHE_DTYPES,
-    KEY_GROUP,
-    int_key_bits,
-    kv_dtype,
-)
+from vllm_infinigen.layout import FP8_KV_CACHE_DTYPES, KEY_GROUP, kv_dtype
 from vllm_infinigen.platforms.cuda import kernels
 
 DEFAULT_OUT = paths.RESULTS / "gpu_throughput"
@@ -158,15 +151,11 @@ def dense_bound_ms(shape: DecoderShape, batch: int, context: int, dtype: torch.d
 
 def key_bytes_per_step(shape: DecoderShape, batch: int, context: int, dtype: torch.dtype,
                        keys: str) -> int:
-    """The speculation keys the sparse layers' scoring reads in a step."""
-    if keys == "bounds":  # BOUND_BITS-bit maxima and minima and a float16 scale per unit
-        per_head = context // BOUND_UNIT * (2 * shape.head_dim * BOUND_BITS // 8 + 2)
-    elif keys == "int":  # codes, and a float16 scale per channel and group of tokens
-        per_head = (context * shape.head_dim * int_key_bits(dtype.itemsize) // 8
-                    + context // KEY_GROUP * shape.head_dim * 2)
-    else:  # the partial keys, in the model's dtype
-        per_head = context * shape.partial_channels * dtype.itemsize
-    return (shape.num_layers - shape.dense_layers) * batch * shape.num_kv_heads * per_head
+    """The speculation keys the sparse layers' scoring reads in a step (the product's
+    ``ModelLayout.key_bytes_per_group``, per group of KEY_GROUP context tokens)."""
+    layout = shape.layout(keys)
+    return (layout.num_sparse * batch * shape.num_kv_heads * (context // KEY_GROUP)
+            * layout.key_bytes_per_group(dtype.itemsize))
 
 
 def infinigen_bound_ms(shape: DecoderShape, batch: int, context: int, kept: float,

@@ -165,11 +165,11 @@ def _floor_lines(context: dict[str, Any]) -> list[str]:
         hbm = p.get("bytes_bound_ms") or 0.0
         return (hbm, "HBM") if hbm > p["pcie_bound_ms"] else (p["pcie_bound_ms"], "PCIe")
 
-    over = [(p, p["ms_per_step"] / floor(p)[0]) for p in points]
+    over = [(p, p["ms_per_step"] / ms, ms, kind) for p in points for ms, kind in [floor(p)]]
     ratios = "; ".join(f"{p.get('selection')} x {p['batch']} {ratio:.2f}x "
-                       f"({p['ms_per_step']:.1f} / {floor(p)[0]:.1f} ms"
-                       + (f" {floor(p)[1]})" if with_hbm else ")") for p, ratio in over)
-    met = max(ratio for _, ratio in over) <= TARGET_FLOOR_RATIO
+                       f"({p['ms_per_step']:.1f} / {ms:.1f} ms" + (f" {kind})" if with_hbm else ")")
+                       for p, ratio, ms, kind in over)
+    met = max(ratio for _, ratio, _, _ in over) <= TARGET_FLOOR_RATIO
     which = ("the larger of its PCIe and HBM floors" if with_hbm else
              "its PCIe floor (the HBM floor is not in these results)")
     return [f"- {context['context']} tokens, each step over {which} (target at most "

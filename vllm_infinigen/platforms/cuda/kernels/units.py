@@ -69,9 +69,11 @@ def unit_words(block_size: int, head_size: int, dtype: torch.dtype) -> tuple[int
     return words, min(words & -words, _MAX_CHUNK_WORDS)
 
 
-def attention_splits(num_sequences: int, width: int, num_sms: int | None) -> tuple[int, int]:
-    """(splits per sequence, blocks per split) for ``attend_units``' grid."""
-    wanted = 1 if num_sms is None else -(-_SPLITS_PER_SM * num_sms // max(num_sequences, 1))
+def attention_splits(num_sequences: int, width: int, num_sms: int | None,
+                     per_sm: int = _SPLITS_PER_SM) -> tuple[int, int]:
+    """(splits per sequence, blocks per split) for ``attend_units``' grid: (sequences x
+    splits) >= ``per_sm`` x SMs when the blocks allow."""
+    wanted = 1 if num_sms is None else -(-per_sm * num_sms // max(num_sequences, 1))
     splits = max(1, min(wanted, width))
     per_split = -(-width // splits)
     return -(-width // per_split), per_split
