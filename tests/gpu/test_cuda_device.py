@@ -104,7 +104,7 @@ def test_bound_kernels_equal_the_references(bits, dtype):
     """The bounds (the default keys) on CUDA tensors: ``encode_bounds`` writes the CPU
     kernels' bytes, ``bound_scores`` the torch form's unit and block scores (a query
     of the model's dtype: the float32 sums for float32, the tensor-core form for
-    bfloat16), ``unit_counts`` its alpha counts."""
+    bfloat16), and ``select`` counting the units within alpha itself."""
     from tests.reference.bound_pools import BLOCK, BoundPool
 
     pool = BoundPool(seed=7, unit=16, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
@@ -127,9 +127,17 @@ def test_bound_kernels_equal_the_references(bits, dtype):
                                         scale=0.25, block_size=BLOCK)
     _close(units, want)
     _close(blocks, block_rule.unit_block_scores(want, BLOCK // 16))
-    settings = kernels.settings_tensor(2.0, 0.2, 0, "cpu")
-    counts = kernels.unit_counts(units, settings.to(CUDA), unit=16)
-    assert torch.equal(counts.cpu(), block_rule.unit_alpha_counts(want, settings[0], 16))
+    for alpha in (2.0, float("inf")):
+        settings = kernels.settings_tensor(alpha, 1.0, 0, "cpu")
+        got = kernels.select(blocks, units, context.to(CUDA), table.to(CUDA), settings.to(CUDA),
+                             block_size=BLOCK, width=table.shape[1], sink_blocks=0,
+                             recent_blocks=0, unit=16)
+        counts = block_rule.unit_alpha_counts(units.cpu(), settings[0], 16)
+        expected = block_rule.select_reference(blocks.cpu(), counts, context, table, settings,
+                                               block_size=BLOCK, width=table.shape[1],
+                                               sink_blocks=0, recent_blocks=0)
+        for got_part, expected_part in zip(got, expected):
+            assert torch.equal(got_part.cpu(), expected_part)
 
 
 def test_lookup_lru_equals_the_reference_over_steps():

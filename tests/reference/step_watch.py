@@ -22,10 +22,9 @@ from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 
 # (module or class, function name): each one kernel launch on CUDA.
 KERNELS = ((kernels, "int_scores"), (kernels, "alpha_counts"), (kernels, "select"),
-           (kernels, "bound_scores"), (kernels, "unit_counts"),
-           (DeviceBlockCache, "place"), (kernels, "gather_units"), (kernels, "write_tokens"),
-           (kernels, "encode_groups"), (kernels, "encode_bounds"), (kernels, "attend_units"),
-           (kernels, "write_cached_tokens"))
+           (kernels, "bound_scores"), (DeviceBlockCache, "place"), (kernels, "gather_units"),
+           (kernels, "write_tokens"), (kernels, "encode_groups"), (kernels, "encode_bounds"),
+           (kernels, "attend_units"), (kernels, "write_cached_tokens"))
 # Ops that read step data back to the host (a device sync on CUDA), or that size
 # their output by it.
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2",

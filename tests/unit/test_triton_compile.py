@@ -90,9 +90,6 @@ def _kernel_cases():
                         "UNITS_PER_BLOCK": 1, "UNIT": 16, "BITS": bound_bits,
                         "OFF": float(1 << (bound_bits - 1)), "TILE": 64 if dot else 32,
                         "DOT": dot, "G_PAD": 16, "TILES": 4 if dot else 1})
-        yield (triton_bounds._unit_counts,
-               {"unit_scores": "*fp32", "settings": "*fp64", "counts": "*i32", "num_units": i32},
-               {"UNIT": 16, "CHUNK": 1024})
         for method, heads_pad, precision in (("sums", 4, "tf32x3"), ("dot", 16, "tf32x3"),
                                              ("dot", 16, "tf32"), ("dot", 16, "fp16")):
             yield (triton_scoring.KERNELS[method], {
@@ -145,20 +142,18 @@ def _kernel_cases():
            {"token_scores": "*fp32", "block_scores": "*fp32", "context_lens": "*i64",
             "settings": "*fp64", "counts": "*i32", "num_tokens": i32, "num_blocks": i32},
            {"H": 8, "BLOCK": 16, "CHUNK": 1024})
-    yield (triton_select._select_blocks,
-           {"block_scores": "*fp32", "counts": "*i32", "context_lens": "*i64", "table": "*i32",
-            "settings": "*fp64", "logical": "*i64", "physical": "*i64", "seq_lens": "*i32",
-            "num_blocks": i32, "table_stride": i32, "width": i32, "sink_blocks": i32,
-            "recent_blocks": i32},
-           {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024})
-    for radix in (False, True):  # halving (the default); byte histograms
-        yield (triton_select._select_resident,
-               {"block_scores": "*fp32", "counts": "*i32", "context_lens": "*i64",
-                "table": "*i32", "settings": "*fp64", "logical": "*i64", "physical": "*i64",
-                "seq_lens": "*i32", "num_blocks": i32, "table_stride": i32, "width": i32,
-                "sink_blocks": i32, "recent_blocks": i32},
-               {"H": 8, "H_PAD": 8, "BLOCK": 16, "CHUNK": 1024, "BLOCKS_PAD": 16384,
-                "RADIX": radix})
+    # The counts given (int keys), or counted from the bound keys' unit scores.
+    for counts, unit in (("*i32", 0), ("*fp32", 16)):
+        select = {"block_scores": "*fp32", "counts": counts, "context_lens": "*i64",
+                  "table": "*i32", "settings": "*fp64", "logical": "*i64", "physical": "*i64",
+                  "seq_lens": "*i32", "num_blocks": i32, "table_stride": i32, "width": i32,
+                  "sink_blocks": i32, "recent_blocks": i32, "num_units": i32}
+        yield (triton_select._select_blocks, select,
+               {"H": 8, "H_PAD": 8, "BLOCK": 16, "UNIT": unit, "CHUNK": 1024})
+        for radix in (False, True):  # halving (the default); byte histograms
+            yield (triton_select._select_resident, select,
+                   {"H": 8, "H_PAD": 8, "BLOCK": 16, "UNIT": unit, "CHUNK": 1024,
+                    "BLOCKS_PAD": 16384, "RADIX": radix})
     for bins, rounds in ((64, 12), (0, 64)):  # histograms (the default); halving
         yield (triton_lru._lookup_lru,
                {"ids": "*i64", "slots": "*i64", "slot_of": "*i32", "block_of": "*i64",

@@ -373,6 +373,41 @@ def test_select_equals_the_reference(triton_select, seed, budget, min_context, s
         assert torch.equal(got_part, expected_part)
 
 
+@pytest.mark.parametrize("resident", [0, 64])
+@pytest.mark.parametrize("alpha", [0.5, 2.0, float("inf")])
+def test_select_counts_the_bound_units_itself(triton_select, alpha, resident):
+    """``select_blocks`` given the bound keys' unit scores (``unit``) selects as the
+    reference given their alpha counts (``unit_alpha_counts``): units exactly at best -
+    alpha (not above), rows short of a unit, a padding row, chunks shorter than a row;
+    alpha off (the default) every complete unit counts, and no score is read (finite
+    scores planted past the complete units, which would count, change nothing)."""
+    gen = torch.Generator().manual_seed(3)
+    block, unit, table_blocks, heads = 16, 8, 12, 2
+    context_lens = torch.tensor([150, 7, 64, -1, 95])
+    units = (torch.randn(5, heads, table_blocks * 2, generator=gen) * 2).round()
+    complete = torch.where(context_lens >= 0, context_lens.clamp(min=0) // unit, 0)
+    past = torch.arange(table_blocks * 2)[None, None, :] >= complete[:, None, None]
+    units = units.masked_fill(past, float("-inf"))  # as ``bound_unit_scores`` leaves them
+    block_scores = block_rule.unit_block_scores(units, 2)
+    table = torch.stack([torch.randperm(80, generator=gen)[:table_blocks] for _ in range(5)])
+    settings = kernels.settings_tensor(alpha, 1.0, 0, "cpu")
+    width = kernels.static_width(table_blocks, block, budget=1.0, min_context=0,
+                                 sink_blocks=0, recent_blocks=0)
+    counts = block_rule.unit_alpha_counts(units, settings[0], unit)
+    expected = block_rule.select_reference(block_scores, counts, context_lens, table.int(),
+                                           settings, block_size=block, width=width,
+                                           sink_blocks=0, recent_blocks=0)
+    if alpha == float("inf"):
+        units = units.masked_fill(past, 0.0)  # read, they would count
+    got = tuple(torch.empty_like(part) for part in expected)
+    triton_select.select_blocks(block_scores, units, context_lens, table.int(), settings, *got,
+                                block_size=block, sink_blocks=0, recent_blocks=0, unit=unit,
+                                chunk=16, resident=resident)
+    for got_part, expected_part in zip(got, expected):
+        assert torch.equal(got_part, expected_part)
+    assert len(set(counts.tolist())) >= 3  # the counts differ, and decide the sizes
+
+
 @pytest.mark.parametrize("spread", ["low byte", "any bits"])
 @pytest.mark.parametrize("radix", [False, True])
 def test_select_separates_scores_that_differ_in_any_byte(triton_select, spread, radix):
@@ -630,11 +665,6 @@ def test_bound_kernels_equal_the_cpu_kernels(bits, unit, method, tiles):
                                         scale=0.25, block_size=BLOCK)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=0)
     assert torch.equal(blocks, block_rule.unit_block_scores(want, BLOCK // unit))
-    settings = torch.tensor([2.0, 0.2, 0.0, 0.0], dtype=torch.float64)
-    counts = torch.empty(10, dtype=torch.int32)
-    triton_bounds.unit_counts(out, settings, counts, unit=unit, chunk=16)
-    assert torch.equal(counts, block_rule.unit_alpha_counts(want, settings[0], unit))
-    assert int(counts[-2:].sum()) == 0  # the padding row
 
 
 @pytest.mark.parametrize("tiles", [1, 2])

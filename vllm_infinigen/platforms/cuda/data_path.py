@@ -10,8 +10,9 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
               and its bookkeeping (block_cache.py)
 
     select          layer i, for layer i+1 (the layer's ``selector``): block
-                    scores, alpha counts and the block rule in three kernels
-                    (``kernels/selection.py``), a ``DeviceSelection`` of static shape
+                    scores and the block rule in two kernels (bound keys; int
+                    keys: alpha counts in a third; ``kernels/selection.py``), a
+                    ``DeviceSelection`` of static shape
     start_fetch     places it in the cache (one kernel: hits, LRU victims,
                     the fetch list) and gathers the missing (block, KV head)
                     units (one kernel); on CUDA on a side stream of low
@@ -205,10 +206,9 @@ class CudaDataPath:
         query = query.to(self.device)
         scale = layer.scale * layer.kv_scales()["key_scale"]  # keys encoded from the pool
         if layer.bound_keys:
-            units, blocks = kernels.bound_scores(
+            counts, blocks = kernels.bound_scores(  # the rule counts these units itself
                 query, layer.bounds, layer.bound_scales, table, context_lens, scale=scale,
                 block_size=block_size)
-            counts = kernels.unit_counts(units, self.settings, unit=BOUND_UNIT)
         else:
             tokens, blocks = (kernels.int_scores(
                 query, layer.key_codes, layer.key_scales, table, context_lens, scale=scale,
@@ -220,7 +220,7 @@ class CudaDataPath:
         logical, physical, seq_lens = kernels.select(
             blocks, counts, context_lens, table, self.settings, block_size=block_size,
             width=self.width(table.shape[1], block_size), sink_blocks=sink,
-            recent_blocks=recent)
+            recent_blocks=recent, unit=BOUND_UNIT if layer.bound_keys else 0)
         return DeviceSelection(logical, physical, seq_lens)
 
     def write(self, layer: LayerState, key: torch.Tensor, value: torch.Tensor,

@@ -27,8 +27,9 @@ host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
                                                            block_rule.unit_block_scores
     partial_scores       (torch on every device)           -
     alpha_counts         triton_select.alpha_counts        block_rule.alpha_counts_reference
-    unit_counts          triton_bounds.unit_counts         block_rule.unit_alpha_counts
     select               triton_select.select_blocks       block_rule.select_reference
+                         (the bound keys' alpha counts     (block_rule.unit_alpha_counts)
+                         in the same launch)
     place_lru            triton_lru.lookup_lru             reference.place_lru_reference
 
 The room::
@@ -42,7 +43,7 @@ The room::
     triton_units.py    the Triton kernels of gather, writes and decode attention
     triton_prompt.py   the Triton kernel of the prompts' attention
     triton_scoring.py  the Triton kernels scoring tokens from the int keys
-    triton_bounds.py   the Triton kernels of the bound keys (encode, score, count)
+    triton_bounds.py   the Triton kernels of the bound keys (encode, score)
     triton_select.py   the Triton kernels of the alpha count and the rule
     triton_lru.py      the Triton kernel placing a selection in the cache (LRU)
 
@@ -71,7 +72,6 @@ from vllm_infinigen.platforms.cuda.kernels.selection import (
     select,
     selection_of_blocks,
     settings_tensor,
-    unit_counts,
 )
 from vllm_infinigen.platforms.cuda.kernels.units import (
     attend_prompt_units,
@@ -95,6 +95,6 @@ __all__ = ["SETTINGS", "DeviceSelection", "alpha_counts", "attend_prompt_units",
            "attention_splits", "blocks_of_positions", "bound_scores", "encode_bounds",
            "encode_groups", "gather_ctas", "gather_units", "int_scores", "partial_scores",
            "place_lru", "read_bytes", "scratch_of", "select", "selection_of_blocks",
-           "settings_tensor", "static_width", "step_width", "unit_counts", "unit_words",
+           "settings_tensor", "static_width", "step_width", "unit_words",
            "window_blocks", "with_scratch_block", "write_cached_tokens", "write_partial_keys",
            "write_tokens"]

@@ -21,7 +21,7 @@ studies run::
       unit_block_scores   each block's best unit
     alpha_counts_reference, unit_alpha_counts
                           the paper's count per (row, KV head), over tokens
-                          or units (``alpha_counts``, ``unit_counts``)
+                          or units (``alpha_counts``, ``select``'s own)
     select_reference      the device rule over a settings tensor (``select``)
     alpha_token_caps,     the host-side rule: per row, the budget in tokens
       select_blocks       rounded up to blocks, plus the sink blocks and the

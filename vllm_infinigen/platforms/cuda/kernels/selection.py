@@ -11,8 +11,8 @@ they run without a host read and inside a CUDA graph::
                    from the bound keys (the default)
     partial_scores the same as int_scores from the partial keys (torch on
                    every device)
-    alpha_counts   [S * H_kv] tokens within alpha of each head's best
-    unit_counts    the same over the bound keys' units
+    alpha_counts   [S * H_kv] tokens within alpha of each head's best (over the
+                   bound keys' units ``select`` counts them itself)
     select         [S, H_kv, W] logical and physical blocks, ascending, -1
                    padded, and [S * H_kv] the tokens each (row, KV head)
                    attends (its own token included): a ``DeviceSelection``
@@ -165,19 +165,6 @@ def bound_scores(query: torch.Tensor, bounds: torch.Tensor, scales: torch.Tensor
     return units, blocks
 
 
-def unit_counts(unit_scores: torch.Tensor, settings: torch.Tensor, *, unit: int) -> torch.Tensor:
-    """[S * H_kv] int32: the paper's alpha count over units (``block_rule.
-    unit_alpha_counts``), on CUDA one Triton launch."""
-    if not unit_scores.is_cuda:
-        return block_rule.unit_alpha_counts(unit_scores, settings[0], unit)
-    from vllm_infinigen.platforms.cuda.kernels import triton_bounds
-
-    rows, heads = unit_scores.shape[:2]
-    counts = torch.empty(rows * heads, dtype=torch.int32, device=unit_scores.device)
-    triton_bounds.unit_counts(unit_scores, settings, counts, unit=unit)
-    return counts
-
-
 def partial_scores(query: torch.Tensor, partial_keys: torch.Tensor, table: torch.Tensor,
                    context_lens: torch.Tensor, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(token scores, block scores) from the partial keys (torch, any device), as
@@ -207,11 +194,16 @@ def alpha_counts(token_scores: torch.Tensor, block_scores: torch.Tensor,
 
 def select(block_scores: torch.Tensor, counts: torch.Tensor, context_lens: torch.Tensor,
            table: torch.Tensor, settings: torch.Tensor, *, block_size: int, width: int,
-           sink_blocks: int, recent_blocks: int
+           sink_blocks: int, recent_blocks: int, unit: int = 0
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logical [S, H_kv, W] int64, physical [S, H_kv, W] int64, seq_lens [S * H_kv] int32).
 
-    Per row: k = max(1, min(floor(mean over KV heads of ``counts``), the
+    ``counts``: [S * H_kv] int32 alpha counts (``alpha_counts``); or, with
+    ``unit`` (tokens per unit), the bound keys' unit scores [S, H_kv, N], whose
+    alpha counts (``block_rule.unit_alpha_counts``) the same launch takes on
+    CUDA: alpha off, the default, every complete unit counts and none is read.
+
+    Per row: k = max(1, min(floor(mean over KV heads of the counts), the
     budget in tokens (``step_plan.token_budget``: max(1, min(floor(budget x
     context), budget_tokens))))); n = min(ceil(k / block_size) + the
     sink and recent blocks, the row's blocks), every block below min_context,
@@ -229,8 +221,11 @@ def select(block_scores: torch.Tensor, counts: torch.Tensor, context_lens: torch
         seq_lens = torch.empty(rows * heads, dtype=torch.int32, device=table.device)
         triton_select.select_blocks(block_scores, counts, context_lens, table, settings, logical,
                                     physical, seq_lens, block_size=block_size,
-                                    sink_blocks=sink_blocks, recent_blocks=recent_blocks)
+                                    sink_blocks=sink_blocks, recent_blocks=recent_blocks,
+                                    unit=unit)
         return logical, physical, seq_lens
+    if unit:
+        counts = block_rule.unit_alpha_counts(counts, settings[0], unit)
     return block_rule.select_reference(block_scores, counts, context_lens, table, settings,
                                        block_size=block_size, width=width,
                                        sink_blocks=sink_blocks, recent_blocks=recent_blocks)

@@ -6,9 +6,8 @@
                    outwards, and one float16 scale, read from the pool
     bound_scores   each complete unit's upper bound of q . k for a row's
                    KV head, and each block's best unit: the first launch of a
-                   selection over the bounds
-    unit_counts    the paper's alpha count over a row's units (each counting
-                   its UNIT tokens): the second
+                   selection over the bounds (``triton_select.select_blocks``,
+                   which counts the units within alpha itself, the second)
 
 The layout is the CPU kernels' (``platforms/cpu/kernels/csrc/bounds.cpp``,
 byte for byte)::
@@ -228,33 +227,3 @@ def bound_scores(query, bounds, scales, table, context_lens, out, block_out, *, 
         UNIT=unit, BITS=bits, OFF=float(1 << (bits - 1)), TILE=tile, DOT=method == "dot",
         G_PAD=max(16, triton.next_power_of_2(group)), TILES=tiles_per_program,
         num_warps=num_warps)
-
-
-@triton.jit
-def _unit_counts(unit_scores, settings, counts, num_units, UNIT: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """counts[i] = UNIT x the units of (row, KV head) i scoring above its best minus
-    alpha (``settings[0]``). Grid (rows x heads,)."""
-    sequence = tl.program_id(0).to(tl.int64)
-    base = unit_scores + sequence * num_units
-    best = tl.full([CHUNK], float("-inf"), tl.float32)
-    for start in range(0, num_units, CHUNK):
-        index = start + tl.arange(0, CHUNK)
-        best = tl.maximum(best, tl.load(base + index, mask=index < num_units,
-                                        other=float("-inf")))
-    floor = tl.max(best, axis=0) - tl.load(settings).to(tl.float32)
-    within = tl.zeros([CHUNK], tl.int32)
-    for start in range(0, num_units, CHUNK):
-        index = start + tl.arange(0, CHUNK)
-        values = tl.load(base + index, mask=index < num_units, other=float("-inf"))
-        within += (values > floor).to(tl.int32)
-    tl.store(counts + sequence, tl.sum(within, axis=0) * UNIT)
-
-
-def unit_counts(unit_scores, settings, counts, *, unit: int, chunk: int = 1024,
-                num_warps: int = 4) -> None:
-    """Launches ``_unit_counts``: counts [S * H_kv] int32 from unit_scores [S, H_kv, N]."""
-    rows, heads, num_units = unit_scores.shape
-    _unit_counts[(rows * heads,)](unit_scores, settings, counts, num_units, UNIT=unit,
-                                  CHUNK=min(chunk, triton.next_power_of_2(max(num_units, 16))),
-                                  num_warps=num_warps)

@@ -1,18 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """Worker side, CUDA platform: the Triton kernels of a device-only selection (imported on first launch).
 
-One sparse layer's selection, in three launches, with no host read and grids
-sized by the step's bounds (rows x KV heads, the selection's static width), so
-that a decode step can be captured in a CUDA graph (``selection.py`` holds the
-dispatch, ``block_rule.py`` the torch references; ``triton_lru.py`` places the
-selection in the device block cache)::
+One sparse layer's selection, with no host read and grids sized by the step's
+bounds (rows x KV heads, the selection's static width), so that a decode step
+can be captured in a CUDA graph (``selection.py`` holds the dispatch,
+``block_rule.py`` the torch references; ``triton_lru.py`` places the selection
+in the device block cache). From the bound keys (the default) two launches,
+``bound_scores`` (``triton_bounds.py``) and ``select_blocks``; from the int
+keys three::
 
     int_scores     token scores from the int keys, read in place, and each
                    block's best (grid: rows x KV heads, token tiles;
                    ``triton_scoring.py``)
     alpha_counts   per (row, KV head): tokens within alpha of the best
     select_blocks  per (row, KV head): the budget in blocks (alpha count
-                   averaged over the row's KV heads, capped by the budget,
+                   averaged over the row's KV heads, or counted here from
+                   the bound keys' unit scores; capped by the budget,
                    plus the sink and recent blocks; every block below
                    ``min_context``), chosen by a threshold search on the
                    block scores (no sort; the row's keys in registers
@@ -97,14 +100,50 @@ def _take(beyond, at, tied, ties, taken):
 
 
 @triton.jit
+def _row_count(counts, context_lens, settings, row, num_units, H: tl.constexpr,
+               H_PAD: tl.constexpr, UNIT: tl.constexpr, CHUNK: tl.constexpr):
+    """The alpha counts of a row's KV heads, summed (int64): given (UNIT 0: ``counts``
+    [S * H] int32, ``alpha_counts``), or counted here from the bound keys' unit scores
+    (``counts`` [S, H, num_units] float32, UNIT tokens each): per KV head the units
+    scoring above its best minus alpha (``settings[0]``; ``block_rule.
+    unit_alpha_counts``). Alpha off (infinite, the default): every complete unit of
+    the row counts (their scores are finite), so no score is read."""
+    if UNIT == 0:
+        heads = tl.arange(0, H_PAD)
+        total = tl.sum(tl.load(counts + row * H + heads, mask=heads < H, other=0).to(tl.int64),
+                       axis=0)
+    else:
+        alpha = tl.load(settings)
+        complete = tl.maximum(tl.load(context_lens + row).to(tl.int64), 0) // UNIT
+        total = H * tl.minimum(complete, num_units) * UNIT
+        if alpha != float("inf"):
+            total = tl.full([], 0, tl.int64)
+            lanes = tl.arange(0, CHUNK)
+            for head in range(H):
+                base = counts + (row * H + head).to(tl.int64) * num_units
+                best = tl.full([CHUNK], float("-inf"), tl.float32)
+                for start in range(0, num_units, CHUNK):
+                    index = start + lanes
+                    best = tl.maximum(best, tl.load(base + index, mask=index < num_units,
+                                                    other=float("-inf")))
+                floor = tl.max(best, axis=0) - alpha.to(tl.float32)
+                within = tl.zeros([CHUNK], tl.int32)
+                for start in range(0, num_units, CHUNK):
+                    index = start + lanes
+                    values = tl.load(base + index, mask=index < num_units, other=float("-inf"))
+                    within += (values > floor).to(tl.int32)
+                total += tl.sum(within, axis=0).to(tl.int64) * UNIT
+    return total
+
+
+@triton.jit
 def _selection_size(counts, context_lens, settings, row, width, sink_blocks, recent_blocks,
-                    H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                    num_units, H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                    UNIT: tl.constexpr, CHUNK: tl.constexpr):
     """(context, the row's blocks, n) of a row: ``_select_blocks``' docstring."""
     context = tl.load(context_lens + row).to(tl.int64)
     blocks = tl.where(context >= 0, tl.maximum(context, 0) // BLOCK + 1, 0)
-    heads = tl.arange(0, H_PAD)
-    summed = tl.sum(tl.load(counts + row * H + heads, mask=heads < H, other=0).to(tl.int64),
-                    axis=0)
+    summed = _row_count(counts, context_lens, settings, row, num_units, H, H_PAD, UNIT, CHUNK)
     cap = tl.floor(context.to(tl.float64) * tl.load(settings + 1)).to(tl.int64)
     limit = tl.load(settings + 3).to(tl.int64)
     cap = tl.maximum(tl.where(limit > 0, tl.minimum(cap, limit), cap), 1)
@@ -135,11 +174,12 @@ def _write_rest(logical, physical, seq_lens, out, num_selected, context, width,
 @triton.jit
 def _select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
                    seq_lens, num_blocks, table_stride, width, sink_blocks, recent_blocks,
-                   H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   num_units, H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   UNIT: tl.constexpr, CHUNK: tl.constexpr):
     """One (row, KV head): which of the row's blocks it attends. Grid (rows x KV heads).
 
-    k = max(1, min(floor(mean over the row's KV heads of ``counts``),
+    k = max(1, min(floor(mean over the row's KV heads of their alpha counts
+    (``_row_count``: given, or counted from the unit scores)),
     max(1, min(floor(budget x context), budget_tokens)))); n = min(ceil(k / BLOCK) + the sink and
     recent blocks, the row's blocks), or every block of a row whose context
     is below ``min_context`` (``settings``: alpha, budget, min_context,
@@ -151,7 +191,8 @@ def _select_blocks(block_scores, counts, context_lens, table, settings, logical,
     sequence = tl.program_id(0).to(tl.int64)
     row = sequence // H
     context, blocks, num_selected = _selection_size(counts, context_lens, settings, row, width,
-                                                    sink_blocks, recent_blocks, H, H_PAD, BLOCK)
+                                                    sink_blocks, recent_blocks, num_units, H,
+                                                    H_PAD, BLOCK, UNIT, CHUNK)
     lanes = tl.arange(0, CHUNK)
     scores = block_scores + sequence * num_blocks
     # The n-th best key: the largest t with count(key >= t) >= n (bisection).
@@ -215,8 +256,9 @@ def _nth_largest(key, in_row, n):
 @triton.jit
 def _select_resident(block_scores, counts, context_lens, table, settings, logical, physical,
                      seq_lens, num_blocks, table_stride, width, sink_blocks, recent_blocks,
-                     H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCKS_PAD: tl.constexpr, RADIX: tl.constexpr):
+                     num_units, H: tl.constexpr, H_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                     UNIT: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+                     RADIX: tl.constexpr):
     """``_select_blocks`` with the row's keys read once and held in registers
     (num_blocks <= BLOCKS_PAD): each pass of the threshold search is one sum
     over them (RADIX: four byte histograms instead of 33 halvings), the choice
@@ -224,7 +266,8 @@ def _select_resident(block_scores, counts, context_lens, table, settings, logica
     sequence = tl.program_id(0).to(tl.int64)
     row = sequence // H
     context, blocks, num_selected = _selection_size(counts, context_lens, settings, row, width,
-                                                    sink_blocks, recent_blocks, H, H_PAD, BLOCK)
+                                                    sink_blocks, recent_blocks, num_units, H,
+                                                    H_PAD, BLOCK, UNIT, CHUNK)
     index = tl.arange(0, BLOCKS_PAD)
     in_row = index < blocks
     key = _block_keys(block_scores + sequence * num_blocks, index, blocks, sink_blocks,
@@ -252,13 +295,16 @@ def _select_resident(block_scores, counts, context_lens, table, settings, logica
 
 def select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
                   seq_lens, *, block_size: int, sink_blocks: int, recent_blocks: int,
-                  chunk: int = 1024, num_warps: int | None = None,
+                  unit: int = 0, chunk: int = 1024, num_warps: int | None = None,
                   resident: int = RESIDENT_BLOCKS, radix: bool = False) -> None:
     """Launches ``_select_resident`` when a row's blocks fit ``resident`` (a power of
     two; 0: never), else ``_select_blocks`` (logical, physical: [S, H, W] int64).
+    counts: [S * H] int32 alpha counts, or with ``unit`` (tokens per unit) the bound
+    keys' unit scores [S, H, N] float32, counted in the same launch (``_row_count``);
     num_warps: None picks by the blocks (4 for the chunked kernel); radix: the
     resident kernel's byte-wise search (``kernel_candidates`` times both)."""
     rows, heads, num_blocks = block_scores.shape
+    num_units = counts.shape[-1] if unit else 0
     padded = triton.next_power_of_2(max(num_blocks, 16))
     kernel, extra, warps = _select_blocks, {}, 4
     if padded <= resident:
@@ -266,6 +312,6 @@ def select_blocks(block_scores, counts, context_lens, table, settings, logical, 
         warps = 4 if padded <= 1024 else 8  # 8: 0.051 ms at 8193 blocks on an H200
     kernel[(rows * heads,)](
         block_scores, counts, context_lens, table, settings, logical, physical, seq_lens,
-        num_blocks, table.stride(0), logical.shape[-1], sink_blocks, recent_blocks, H=heads,
-        H_PAD=triton.next_power_of_2(heads), BLOCK=block_size, CHUNK=chunk, **extra,
-        num_warps=num_warps or warps)
+        num_blocks, table.stride(0), logical.shape[-1], sink_blocks, recent_blocks, num_units,
+        H=heads, H_PAD=triton.next_power_of_2(heads), BLOCK=block_size, UNIT=unit,
+        CHUNK=chunk, **extra, num_warps=num_warps or warps)
