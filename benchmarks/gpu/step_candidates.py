@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Candidate forms of the two other kernels of a batch's step at 128K (issue 44): the
 cache placement (``triton_lru``) and the decode attention over cached units
-(``triton_units.attend_units``), each checked against its torch reference on the
+(``triton_attend.attend_units``), each checked against its torch reference on the
 device and then timed, at the shapes of the batch-32 point (8 KV heads x 4 query
 heads x 128, 16-token blocks, a 4,096-token cap). ``kernel_candidates`` runs them
 beside the scoring's and the rule's forms, in the same table.
@@ -13,7 +13,8 @@ beside the scoring's and the rule's forms, in the same table.
              the step's entries missing) at tick 100 and 100,000 (a server's
              uptime in steps: the halving search makes log2 of it passes)
     attend   the attention's splits per SM (2: the default), tokens per loop
-             step (64: the default), warps and pipelining stages
+             step (64: the default), warps, pipelining stages, and the splits
+             merged by the last of them (the default) or by a second launch
 
 The placement changes the cache it reads, so each timed call first restores the
 worn state (a copy, timed alone and subtracted).
@@ -26,9 +27,12 @@ from typing import Any
 # (bins, warps) of the placement's victims' search
 LOOKUP = ((0, 4), (2, 4), (16, 4), (64, 4), (256, 4), (64, 8), (64, 16))
 LOOKUP_TICKS = (100, 100_000)
-# (splits per SM, tokens per loop step, warps, stages: None Triton's default)
-ATTEND = ((2, 64, 4, None), (4, 64, 4, None), (8, 64, 4, None), (2, 128, 4, None),
-          (4, 128, 8, None), (2, 32, 4, None), (4, 64, 4, 2), (4, 64, 4, 4))
+# (splits per SM, tokens per loop step, warps, stages: None Triton's default, merge: the
+# last split's (fused, the default) or a second launch's (the form before))
+ATTEND = ((2, 64, 4, None, True), (2, 64, 4, None, False), (4, 64, 4, None, True),
+          (4, 64, 4, None, False), (8, 64, 4, None, True), (1, 64, 4, None, True),
+          (2, 128, 4, None, True), (4, 128, 8, None, True), (2, 32, 4, None, True),
+          (4, 64, 4, 2, True), (4, 64, 4, 4, True))
 BLOCK = 16
 
 
@@ -127,7 +131,7 @@ def attend_rows(torch, device, *, rows: int, heads: int, group: int, head_size: 
                 tokens: int, num_sms: int | None, gen, checked_then_timed) -> list[dict[str, Any]]:
     """Each form of ``ATTEND`` over ``tokens`` cached tokens per (row, KV head), checked
     against ``reference.attend_units_reference``, then timed (GB/s of the K/V read)."""
-    from vllm_infinigen.platforms.cuda.kernels import reference, triton_units, units
+    from vllm_infinigen.platforms.cuda.kernels import reference, triton_attend, units
 
     sequences, width = rows * heads, -(-tokens // BLOCK)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -143,7 +147,7 @@ def attend_rows(torch, device, *, rows: int, heads: int, group: int, head_size: 
     out = torch.empty_like(query)
     kv_bytes = sequences * tokens * 2 * head_size * cache.element_size()
     found = []
-    for per_sm, step, warps, stages in ATTEND:
+    for per_sm, step, warps, stages, fused in ATTEND:
         if num_sms is None:  # the interpreter: a few splits, to check the merge
             num_splits, per_split = 3, -(-width // 3)
         else:  # the product's rule at ``per_sm``
@@ -154,11 +158,12 @@ def attend_rows(torch, device, *, rows: int, heads: int, group: int, head_size: 
         sums = torch.empty_like(maxima)
 
         def launch(per_split=per_split, partial=partial, maxima=maxima, sums=sums, step=step,
-                   warps=warps, stages=stages):
-            triton_units.attend_units(query, cache, table, seq_lens, out, partial, maxima, sums,
-                                      num_kv_heads=heads, scale=0.09,
-                                      blocks_per_split=per_split, num_warps=warps,
-                                      tokens_per_step=step, num_stages=stages)
+                   warps=warps, stages=stages, fused=fused):
+            triton_attend.attend_units(query, cache, table, seq_lens, out, partial, maxima,
+                                       sums, num_kv_heads=heads, scale=0.09,
+                                       blocks_per_split=per_split, num_warps=warps,
+                                       tokens_per_step=step, num_stages=stages,
+                                       fused_merge=fused)
 
         def check():
             error = float((out.float() - expected.float()).abs().max())
@@ -168,6 +173,7 @@ def attend_rows(torch, device, *, rows: int, heads: int, group: int, head_size: 
         found.append(checked_then_timed(torch, device, {
             "kernel": "attend", "rows": rows, "bits": "", "MB": kv_bytes / 1e6,
             "form": f"{per_sm} splits/SM ({num_splits} of {per_split} blocks), {step} tokens "
-                    f"a step, {warps} warps, stages {stages or 'default'}"},
+                    f"a step, {warps} warps, stages {stages or 'default'}, merged by "
+                    + ("the last split" if fused else "a second launch")},
             launch, check, kv_bytes))
     return found

@@ -193,6 +193,53 @@ def test_gather_from_a_pinned_pool_and_attention_equal_the_references(dtype):
         assert float((got - expected).norm() / expected.norm()) < 1e-2
 
 
+def test_the_last_split_merges_launch_after_launch_and_in_a_graph():
+    """The fused merge under real concurrency (the interpreter runs programs one by
+    one): 16 sequences of 4,096 bfloat16 tokens in 64 splits each, so that splits
+    finish in any order, launched 200 times eagerly and replayed 200 times in a CUDA
+    graph; every launch equals the two-launch form's output, and the arrival
+    counters are zero after each."""
+    from vllm_infinigen.platforms.cuda.kernels import triton_attend
+
+    gen = torch.Generator().manual_seed(5)
+    rows, heads, group, head_size, block, width = 2, 8, 4, 128, 16, 256
+    units = torch.randn(rows * heads * width + 1, block, 2 * head_size, generator=gen)
+    units = units.to(torch.bfloat16).to(CUDA)
+    table = torch.randperm(rows * heads * width, generator=gen).view(rows * heads, width)
+    table = table.to(CUDA)
+    seq_lens = torch.full((rows * heads,), width * block, dtype=torch.int32, device=CUDA)
+    seq_lens[3] = 77  # a short sequence: most of its splits read nothing
+    query = torch.randn(rows, heads * group, head_size, generator=gen).to(torch.bfloat16)
+    query = query.to(CUDA)
+    splits, per_split = 64, width // 64
+
+    def attend(fused: bool, out: torch.Tensor) -> None:
+        partial = torch.empty((rows * heads, splits, group, head_size), device=CUDA)
+        maxima = torch.empty((rows * heads, splits, group), device=CUDA)
+        triton_attend.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                                   torch.empty_like(maxima), num_kv_heads=heads, scale=0.1,
+                                   blocks_per_split=per_split, fused_merge=fused)
+
+    want = torch.empty_like(query)
+    attend(False, want)
+    got = torch.empty_like(query)
+    counters = triton_attend.arrivals(query.device, rows * heads)
+    for _ in range(200):
+        got.fill_(float("nan"))
+        attend(True, got)
+        assert torch.equal(got, want)
+    assert not counters.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend(True, got)
+    for _ in range(200):
+        got.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    assert not counters.any()
+
+
 def test_registered_pool_is_pinned_and_readable_by_the_gather():
     from vllm_infinigen.platforms.cuda import host_pool
 

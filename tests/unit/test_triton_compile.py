@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from vllm_infinigen.platforms.cuda.kernels import (  # noqa: E402
+    triton_attend,
     triton_bounds,
     triton_lru,
     triton_prompt,
@@ -30,16 +31,22 @@ HEADS = {"H": 8, "G": 4, "D": 128, "D_PAD": 128, "BLOCK": 16}
 NOT_FP8 = {"FP8_M": 0, "FP8_EMIN": 0, "FP8_MAX": 0.0}
 
 
+def _attend_case(query: str, units: str, constants: dict):
+    """The decode attention's launch (``triton_attend._attend_units``)."""
+    return (triton_attend._attend_units,
+            {"query": f"*{query}", "units": f"*{units}", "table": "*i64", "seq_lens": "*i32",
+             "partial": "*fp32", "maxima": "*fp32", "sums": "*fp32", "out": f"*{query}",
+             "arrivals": "*i32", "scale": "fp32", "value_scale": "fp32",
+             "query_row_stride": "i64", "table_stride": "i64", "out_row_stride": "i64",
+             "blocks_per_split": "i32"},
+            {**HEADS, "G_PAD": 16, "UNITS": 4, **constants})
+
+
 def _unit_cases(query: str, units: str, ieee: bool, fp8: dict):
     """The ops on pool units for a query and pool (units) element type."""
     i32, i64 = "i32", "i64"
     is_fp8 = fp8["FP8_M"] > 0
-    yield (triton_units._attend_units,
-           {"query": f"*{query}", "units": f"*{units}", "table": "*i64", "seq_lens": "*i32",
-            "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
-            "value_scale": "fp32", "query_row_stride": i64, "table_stride": i64,
-            "blocks_per_split": i32},
-           {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": ieee, "FP8": is_fp8})
+    yield _attend_case(query, units, {"IEEE": ieee, "FP8": is_fp8, "MERGE": True})
     yield (triton_prompt._attend_prompt,
            {"query": f"*{query}", "units": f"*{units}", "table": "*i64", "out": f"*{query}",
             "scale": "fp32", "value_scale": "fp32", "first": i32, "seq_len": i32,
@@ -66,7 +73,9 @@ def _kernel_cases():
     i32, i64 = "i32", "i64"
     for dtype, ieee in (("bf16", False), ("fp32", True)):
         yield from _unit_cases(dtype, dtype, ieee, NOT_FP8)
-        yield (triton_units._merge_splits,
+        # The splits merged by a second launch (FUSED_MERGE off, the form before).
+        yield _attend_case(dtype, dtype, {"IEEE": ieee, "FP8": False, "MERGE": False})
+        yield (triton_attend._merge_splits,
                {"partial": "*fp32", "maxima": "*fp32", "sums": "*fp32", "out": f"*{dtype}",
                 "out_row_stride": i64, "num_splits": i32},
                {"H": 8, "G": 4, "G_PAD": 4, "D": 128, "D_PAD": 128})
@@ -110,12 +119,7 @@ def _kernel_cases():
                {**HEADS, "HEADS_PAD": heads_pad, "BLOCK": 64, "BITS": 1, "HALF": 0.5,
                 "TILE": 64, "WRITE_BLOCKS": True, "GATED": False, "PRECISION": "tf32x3"})
     # A float32 query over bf16 units (the GPU tests' case): the dot's operands in bf16.
-    yield (triton_units._attend_units,
-           {"query": "*fp32", "units": "*bf16", "table": "*i64", "seq_lens": "*i32",
-            "out": "*fp32", "out_max": "*fp32", "out_sum": "*fp32", "scale": "fp32",
-            "value_scale": "fp32", "query_row_stride": i64, "table_stride": i64,
-            "blocks_per_split": i32},
-           {**HEADS, "G_PAD": 16, "UNITS": 4, "IEEE": False, "FP8": False})
+    yield _attend_case("fp32", "bf16", {"IEEE": False, "FP8": False, "MERGE": True})
     # FP8 pools (--kv-cache-dtype fp8 / fp8_e5m2): bf16 and fp16 queries widen the
     # units to their type; a float32 query runs the dots in float32 (IEEE; e4m3's
     # only: the prompt kernel's float32 compile takes ~16 s).

@@ -43,6 +43,13 @@ def triton_units():
 
 
 @pytest.fixture(scope="module")
+def triton_attend():
+    from vllm_infinigen.platforms.cuda.kernels import triton_attend
+
+    return triton_attend
+
+
+@pytest.fixture(scope="module")
 def triton_prompt():
     from vllm_infinigen.platforms.cuda.kernels import triton_prompt
 
@@ -96,29 +103,55 @@ def test_gather_copies_units_in_chunks(triton_units):
     assert torch.equal(cache[:-1], expected[:-1])
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
 @pytest.mark.parametrize("group,head_size", [(3, 8), (4, 16), (2, 12)])
-def test_attention_equals_the_reference(triton_units, splits, group, head_size):
+def test_attention_equals_the_reference(triton_attend, splits, group, head_size, fused):
+    """The splits merged by the last of each sequence's programs (fused), or by a
+    second launch."""
     query, units, table, seq_lens = _attention_case(group, head_size)
     per_split = -(-table.shape[1] // splits)
-    partial = torch.empty(3, splits, group, head_size)
-    maxima, sums = torch.empty(3, splits, group), torch.empty(3, splits, group)
+    partial = torch.full((3, splits, group, head_size), float("nan"))  # a merge too early
+    maxima = torch.full((3, splits, group), float("nan"))  # would read these
+    sums = torch.full((3, splits, group), float("nan"))
     got = torch.empty_like(query)
-    triton_units.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
-                              num_kv_heads=1, scale=0.3, blocks_per_split=per_split)
+    triton_attend.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
+                               num_kv_heads=1, scale=0.3, blocks_per_split=per_split,
+                               fused_merge=fused)
     expected = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
                                                 scale=0.3)
     assert torch.allclose(got, expected, atol=1e-5)
 
 
-def test_attention_reads_bfloat16_units(triton_units):
+def test_the_fused_merge_leaves_its_counters_at_zero(triton_attend):
+    """Launch after launch (other split counts, other sequences), each sequence's last
+    program merges and sets its arrival counter back: the counters are zero between
+    launches, and a counter left wrong would merge early (or never) in the next."""
+    query, units, table, seq_lens = _attention_case(3, 8)
+    expected = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
+                                                scale=0.3)
+    for splits in (3, 2, 4, 3):
+        per_split = -(-table.shape[1] // splits)
+        got = torch.full_like(query, 9.0)
+        nan = float("nan")
+        triton_attend.attend_units(query, units, table, seq_lens, got,
+                                   torch.full((3, splits, 3, 8), nan),
+                                   torch.full((3, splits, 3), nan),
+                                   torch.full((3, splits, 3), nan), num_kv_heads=1, scale=0.3,
+                                   blocks_per_split=per_split, fused_merge=True)
+        assert torch.allclose(got, expected, atol=1e-5)
+        counters = triton_attend.arrivals(query.device, 3)
+        assert counters.numel() >= 3 and not counters.any()
+
+
+def test_attention_reads_bfloat16_units(triton_attend):
     query, units, table, seq_lens = _attention_case()
     units = units.to(torch.bfloat16)
     partial = torch.empty(3, 2, 3, 8)
     maxima, sums = torch.empty(3, 2, 3), torch.empty(3, 2, 3)
     got = torch.empty_like(query)
-    triton_units.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
-                              num_kv_heads=1, scale=0.3, blocks_per_split=2)
+    triton_attend.attend_units(query, units, table, seq_lens, got, partial, maxima, sums,
+                               num_kv_heads=1, scale=0.3, blocks_per_split=2)
     expected = reference.attend_units_reference(query, units, table, seq_lens, num_kv_heads=1,
                                                 scale=0.3)
     assert torch.allclose(got, expected, atol=1e-5)
@@ -554,10 +587,11 @@ def test_gather_of_per_head_lists_equals_the_reference(triton_units, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_with_strided_rows_and_empty_sequences_equals_the_reference(triton_units,
-                                                                               dtype):
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_with_strided_rows_and_empty_sequences_equals_the_reference(triton_attend,
+                                                                               dtype, fused):
     """Query and output rows inside wider tensors, a -1 padded table, a row of
-    length 0 (padding: 0 out), several splits."""
+    length 0 (padding: 0 out), several splits merged by the last (fused) or a launch."""
     gen = torch.Generator().manual_seed(6)
     rows, heads, group, head_size, block = 3, 2, 3, 8, 4
     units = torch.randn(20, block, 2 * head_size, generator=gen).to(dtype)
@@ -571,11 +605,12 @@ def test_attention_with_strided_rows_and_empty_sequences_equals_the_reference(tr
     for splits in (1, 2, 5):
         out_wide = torch.full((rows, heads * group * head_size + 3), 9.0, dtype=dtype)
         out = out_wide[:, : heads * group * head_size].view(rows, heads * group, head_size)
-        partial = torch.empty(rows * heads, splits, group, head_size)
-        maxima = torch.empty(rows * heads, splits, group)
-        triton_units.attend_units(query, units, table, seq_lens, out, partial, maxima,
-                                  torch.empty_like(maxima), num_kv_heads=heads, scale=0.3,
-                                  blocks_per_split=-(-5 // splits))
+        partial = torch.full((rows * heads, splits, group, head_size), float("nan"))
+        maxima = torch.full((rows * heads, splits, group), float("nan"))
+        triton_attend.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                                   torch.full_like(maxima, float("nan")), num_kv_heads=heads,
+                                   scale=0.3, blocks_per_split=-(-5 // splits),
+                                   fused_merge=fused)
         assert torch.allclose(out.float(), expected.float(), atol=2e-2 if dtype != torch.float32
                               else 1e-5)
         assert (out[2] == 0).all() and (out_wide[:, -3:] == 9.0).all()
@@ -765,7 +800,7 @@ def test_fp8_write_tokens_equal_the_reference_byte_for_byte(triton_units, fmt, d
 
 @pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
-def test_fp8_attention_equals_the_reference(triton_units, fmt, query_dtype):
+def test_fp8_attention_equals_the_reference(triton_attend, fmt, query_dtype):
     """Decode attention over FP8 units, the key scale in the logits, the value
     scale in the output; strided rows, an empty sequence, several splits."""
     gen = torch.Generator().manual_seed(8)
@@ -785,10 +820,10 @@ def test_fp8_attention_equals_the_reference(triton_units, fmt, query_dtype):
         out = torch.full_like(query, 9.0)
         partial = torch.empty(rows * heads, splits, group, head_size)
         maxima = torch.empty(rows * heads, splits, group)
-        triton_units.attend_units(query, units, table, seq_lens, out, partial, maxima,
-                                  torch.empty_like(maxima), num_kv_heads=heads,
-                                  scale=0.3 * KEY_SCALE, blocks_per_split=-(-5 // splits),
-                                  value_scale=VALUE_SCALE)
+        triton_attend.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                                   torch.empty_like(maxima), num_kv_heads=heads,
+                                   scale=0.3 * KEY_SCALE, blocks_per_split=-(-5 // splits),
+                                   value_scale=VALUE_SCALE)
         torch.testing.assert_close(out.float(), expected.float(), atol=tolerance,
                                    rtol=tolerance)
         assert (out[2, :group] == 0).all()  # the empty sequence (row 2, KV head 0)

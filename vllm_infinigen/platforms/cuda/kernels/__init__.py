@@ -16,7 +16,7 @@ host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
     write_partial_keys   (torch on every device)           -
     encode_groups        triton_units.encode_groups        reference.write_int_keys
     encode_bounds        triton_bounds.encode_bounds       reference.write_bounds
-    attend_units         triton_units.attend_units         reference.attend_units_reference
+    attend_units         triton_attend.attend_units        reference.attend_units_reference
     attend_prompt_units  triton_prompt.attend_prompt       reference.attend_prompt_units_reference
                          (a float32 query; a 16-bit one:
                          torch's SDPA on every device)
@@ -40,7 +40,9 @@ The room::
     reference.py       the torch references of the ops on pool units and the placement
     block_rule.py      InfiniGen's rule in blocks in torch: the selection's
                        references, and the host-side rule of the accuracy studies
-    triton_units.py    the Triton kernels of gather, writes and decode attention
+    triton_units.py    the Triton kernels of gather and writes
+    triton_attend.py   the Triton kernel of the decode attention (its splits merged
+                       by the last of them)
     triton_prompt.py   the Triton kernel of the prompts' attention
     triton_scoring.py  the Triton kernels scoring tokens from the int keys
     triton_bounds.py   the Triton kernels of the bound keys (encode, score)

@@ -3,7 +3,7 @@
 
     attend_prompt  causal attention of a request's prompt rows over its
                    units (flash attention), FP8 units widened as in
-                   ``triton_units._attend_units``
+                   ``triton_attend._attend_units``
 
 Imported on first launch; under ``TRITON_INTERPRET=1`` it runs on CPU tensors.
 """
@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_infinigen.platforms.cuda.kernels.triton_units import _INTERPRETING, _tile_scores
+from vllm_infinigen.platforms.cuda.kernels.triton_attend import _tile_scores
+from vllm_infinigen.platforms.cuda.kernels.triton_units import _INTERPRETING
 
 
 @triton.jit

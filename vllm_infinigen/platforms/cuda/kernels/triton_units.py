@@ -3,14 +3,13 @@
 
     gather_units   missing blocks, pinned pool -> device block cache, one
                    fetch list per KV head with its count on the device
-    attend_units   decode attention over each (row, KV head)'s units, the
-                   splits merged by a second launch into the caller's rows
     write_tokens   a step's K|V written through to the pinned pool and into
                    the cached copies of their blocks
     encode_groups  the int speculation keys of the groups a step closes
 
-The prompts' flash attention is in ``triton_prompt.py``, the selection's
-kernels in ``triton_select.py``.
+The decode attention over cached units is in ``triton_attend.py``, the
+prompts' flash attention in ``triton_prompt.py``, the selection's kernels in
+``triton_select.py``.
 
 They read and write pool-shaped units, one KV head's block each:
 [block_size, 2 * D], a token's K | V side by side, in the model's dtype or
@@ -34,7 +33,6 @@ import triton.language as tl
 
 # Triton's interpreter (CI) computes 16-bit dots inexactly: products in float32 there.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-_TOKENS_PER_STEP = 64  # attention: K|V tokens loaded per loop step (4 blocks of 16)
 
 
 def fp8_format(dtype: torch.dtype) -> dict[str, float]:
@@ -116,98 +114,6 @@ def gather_units(pool_words, cache_words, fetch_units, fetch_slots, num_fetch, *
 
 
 @triton.jit
-def _attend_units(query, units, table, seq_lens, out, out_max, out_sum, scale, value_scale,
-                  query_row_stride, table_stride, blocks_per_split, H: tl.constexpr,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK: tl.constexpr, UNITS: tl.constexpr, IEEE: tl.constexpr,
-                  FP8: tl.constexpr):
-    """One decode query group over one sequence's units, one split of its blocks.
-
-    Grid (sequences, splits); sequence i is (row i // H, KV head i % H), whose
-    G query heads are ``query[row, head * G:(head + 1) * G]``, padded to G_PAD
-    (>= 16) rows so that both products run on the tensor cores. UNITS units
-    (UNITS x BLOCK tokens) are read per step: K and V tiles loaded once for
-    the G heads. Writes the split's unnormalised output, running max and sum
-    (flash-decoding); ``_merge_splits`` combines them. A split past the
-    sequence reads nothing. FP8 units widen to the query's 16-bit type (or
-    float32 with IEEE); ``scale`` carries the key scale, the output is
-    multiplied by ``value_scale``.
-    """
-    sequence = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
-    seq_len = tl.load(seq_lens + sequence)
-    num_blocks = (seq_len + BLOCK - 1) // BLOCK
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, num_blocks)
-    heads = tl.arange(0, G_PAD)
-    dims = tl.arange(0, D_PAD)
-    rows = tl.arange(0, UNITS * BLOCK)
-    head_ok = heads < G
-    dim_ok = dims < D
-    q_base = query + (sequence // H) * query_row_stride + (sequence % H) * G * D
-    q = tl.load(q_base + heads[:, None] * D + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-    if IEEE:
-        q = q.to(tl.float32)
-    elif not FP8:  # the dot's operands in the units' 16-bit type (a float32 query too)
-        q = q.to(units.dtype.element_ty)
-    running_max = tl.full([G_PAD], float("-inf"), tl.float32)
-    running_sum = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for block in range(first, last, UNITS):
-        token = block * BLOCK + rows  # [UNITS * BLOCK] positions in the sequence
-        token_ok = (token < seq_len) & (token < last * BLOCK)
-        unit = tl.load(table + sequence * table_stride + token // BLOCK, mask=token_ok,
-                       other=0).to(tl.int64)
-        base = units + unit * (BLOCK * 2 * D) + (token % BLOCK) * (2 * D)
-        mask = token_ok[:, None] & dim_ok[None, :]
-        k = tl.load(base[:, None] + dims[None, :], mask=mask, other=0.0)
-        v = tl.load(base[:, None] + D + dims[None, :], mask=mask, other=0.0)
-        scores, v = _tile_scores(q, k, v, scale, IEEE, FP8)  # [G_PAD, UNITS * BLOCK]
-        scores = tl.where(token_ok[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        if IEEE:
-            update = tl.dot(weights, v, input_precision="ieee")
-        else:
-            update = tl.dot(weights.to(v.dtype), v)
-        acc = acc * correction[:, None] + update
-        running_max = new_max
-    slot = sequence * num_splits + split
-    tl.store(out + (slot * G + heads[:, None]) * D + dims[None, :], acc * value_scale,
-             mask=head_ok[:, None] & dim_ok[None, :])
-    tl.store(out_max + slot * G + heads, running_max, mask=head_ok)
-    tl.store(out_sum + slot * G + heads, running_sum, mask=head_ok)
-
-
-@triton.jit
-def _tile_scores(q, k, v, scale, IEEE: tl.constexpr, FP8: tl.constexpr):
-    """(q . k^T x scale, v) of one key tile, the dots' operands as the attention
-    kernels take them: float32 with IEEE (and the interpreter, whose 16-bit dot
-    is not exact), FP8 units widened to the query's 16-bit type, else as loaded."""
-    if IEEE:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    else:
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k)) * scale
-    return scores, v
-
-
-def _ieee(query: torch.Tensor, units: torch.Tensor) -> bool:
-    """Whether the attention's dots run in float32: float32 units, FP8 units
-    under a float32 query, and the interpreter (whose 16-bit dot is inexact)."""
-    return (_INTERPRETING or units.dtype == torch.float32
-            or (units.element_size() == 1 and query.dtype == torch.float32))
-
-
-@triton.jit
 def _read_bytes(source, offsets, out, N: tl.constexpr):
     """out[i] = source[offsets[i]]: a kernel's read of (pinned host) memory."""
     i = tl.arange(0, N)
@@ -221,62 +127,6 @@ def read_bytes(source_bytes: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     out = torch.empty(offsets.shape, dtype=torch.uint8, device=offsets.device)
     _read_bytes[(1,)](source_bytes, offsets, out, N=offsets.numel())
     return out
-
-
-@triton.jit
-def _merge_splits(partial, maxima, sums, out, out_row_stride, num_splits, H: tl.constexpr,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    """The softmax-weighted output of one sequence from its splits, into the
-    caller's row (``out[row, head * G:(head + 1) * G]``); 0 for an empty
-    sequence (a padding row). Grid (sequences)."""
-    sequence = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, G_PAD)
-    dims = tl.arange(0, D_PAD)
-    head_ok = heads < G
-    mask = head_ok[:, None] & (dims < D)[None, :]
-    best = tl.full([G_PAD], float("-inf"), tl.float32)
-    for split in range(num_splits):
-        slot = sequence * num_splits + split
-        best = tl.maximum(best, tl.load(maxima + slot * G + heads, mask=head_ok,
-                                        other=float("-inf")))
-    total = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for split in range(num_splits):
-        slot = sequence * num_splits + split
-        peak = tl.load(maxima + slot * G + heads, mask=head_ok, other=float("-inf"))
-        weight = tl.where(peak > float("-inf"), tl.exp(peak - best), 0.0)
-        total += weight * tl.load(sums + slot * G + heads, mask=head_ok, other=0.0)
-        acc += weight[:, None] * tl.load(partial + (slot * G + heads[:, None]) * D + dims[None, :],
-                                         mask=mask, other=0.0)
-    result = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
-    row = out + (sequence // H) * out_row_stride + (sequence % H) * G * D
-    tl.store(row + heads[:, None] * D + dims[None, :], result.to(out.dtype.element_ty), mask=mask)
-
-
-def attend_units(query, units, table, seq_lens, out, partial, out_max, out_sum, *,
-                 num_kv_heads: int, scale: float, blocks_per_split: int,
-                 value_scale: float = 1.0, num_warps: int = 4,
-                 tokens_per_step: int = _TOKENS_PER_STEP, num_stages: int | None = None) -> None:
-    """Launches ``_attend_units`` and ``_merge_splits`` on the current stream
-    (arguments: ``kernels.attend_units``; query, out [S, H_q, D] with unit
-    strides but the row's; partial [N, splits, G, D]; num_stages: Triton's
-    software pipelining of the loop, None its default)."""
-    num_sequences, num_splits, group, head_size = partial.shape
-    block_size = units.shape[1]
-    common = {"H": num_kv_heads, "G": group, "D": head_size}
-    stages = {} if num_stages is None else {"num_stages": num_stages}
-    _attend_units[(num_sequences, num_splits)](
-        query, units, table, seq_lens, partial, out_max, out_sum, scale, value_scale,
-        query.stride(0), table.stride(0), blocks_per_split, BLOCK=block_size,
-        UNITS=max(1, tokens_per_step // block_size),
-        G_PAD=max(16, triton.next_power_of_2(group)),
-        D_PAD=max(16, triton.next_power_of_2(head_size)),
-        IEEE=_ieee(query, units), FP8=units.element_size() == 1, num_warps=num_warps,
-        **stages, **common)
-    _merge_splits[(num_sequences,)](partial, out_max, out_sum, out, out.stride(0), num_splits,
-                                    G_PAD=triton.next_power_of_2(group),
-                                    D_PAD=triton.next_power_of_2(head_size),
-                                    num_warps=num_warps, **common)
 
 
 @triton.jit

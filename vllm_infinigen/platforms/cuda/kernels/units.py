@@ -300,7 +300,7 @@ def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
             query, units, table, seq_lens, num_kv_heads=num_kv_heads, scale=scale,
             key_scale=key_scale, value_scale=value_scale))
         return out
-    from vllm_infinigen.platforms.cuda.kernels import triton_units
+    from vllm_infinigen.platforms.cuda.kernels import triton_attend
 
     num_rows, num_heads, head_size = query.shape
     group = num_heads // num_kv_heads
@@ -314,10 +314,10 @@ def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
                           device=query.device)
     maxima = torch.empty((num_sequences, num_splits, group), dtype=torch.float32,
                          device=query.device)
-    triton_units.attend_units(query, units, table, seq_lens, out, partial, maxima,
-                              torch.empty_like(maxima), num_kv_heads=num_kv_heads,
-                              scale=scale * key_scale, blocks_per_split=per_split,
-                              value_scale=value_scale)
+    triton_attend.attend_units(query, units, table, seq_lens, out, partial, maxima,
+                               torch.empty_like(maxima), num_kv_heads=num_kv_heads,
+                               scale=scale * key_scale, blocks_per_split=per_split,
+                               value_scale=value_scale)
     return out
 
 
