@@ -19,7 +19,8 @@ keys three::
                    plus the sink and recent blocks; every block below
                    ``min_context``), chosen by a threshold search on the
                    block scores (no sort; the row's keys in registers
-                   up to RESIDENT_BLOCKS), written ascending with their
+                   up to RESIDENT_BLOCKS, the threshold found byte by
+                   byte from the top), written ascending with their
                    block ids and the tokens the row then attends
 
 Settings that a running engine may change (alpha, budget, min context) are
@@ -37,6 +38,10 @@ _INT32_MAX = tl.constexpr(2147483647)
 # The most blocks of a row whose keys ``select_blocks`` holds in registers (512K
 # tokens of 32-token blocks; 256K of 16-token ones).
 RESIDENT_BLOCKS = 16384
+# The resident search's threshold by four byte histograms (radix select); False: by 33
+# halvings, each a reduction over the row (the search before, ``kernel_candidates``
+# times both).
+RADIX = True
 
 
 @triton.jit
@@ -296,19 +301,20 @@ def _select_resident(block_scores, counts, context_lens, table, settings, logica
 def select_blocks(block_scores, counts, context_lens, table, settings, logical, physical,
                   seq_lens, *, block_size: int, sink_blocks: int, recent_blocks: int,
                   unit: int = 0, chunk: int = 1024, num_warps: int | None = None,
-                  resident: int = RESIDENT_BLOCKS, radix: bool = False) -> None:
+                  resident: int = RESIDENT_BLOCKS, radix: bool | None = None) -> None:
     """Launches ``_select_resident`` when a row's blocks fit ``resident`` (a power of
     two; 0: never), else ``_select_blocks`` (logical, physical: [S, H, W] int64).
     counts: [S * H] int32 alpha counts, or with ``unit`` (tokens per unit) the bound
     keys' unit scores [S, H, N] float32, counted in the same launch (``_row_count``);
     num_warps: None picks by the blocks (4 for the chunked kernel); radix: the
-    resident kernel's byte-wise search (``kernel_candidates`` times both)."""
+    resident kernel's byte-wise search, None: ``RADIX``."""
     rows, heads, num_blocks = block_scores.shape
     num_units = counts.shape[-1] if unit else 0
     padded = triton.next_power_of_2(max(num_blocks, 16))
     kernel, extra, warps = _select_blocks, {}, 4
     if padded <= resident:
-        kernel, extra = _select_resident, {"BLOCKS_PAD": padded, "RADIX": radix}
+        kernel, extra = _select_resident, {"BLOCKS_PAD": padded,
+                                           "RADIX": RADIX if radix is None else radix}
         warps = 4 if padded <= 1024 else 8  # 8: 0.051 ms at 8193 blocks on an H200
     kernel[(rows * heads,)](
         block_scores, counts, context_lens, table, settings, logical, physical, seq_lens,
