@@ -8,15 +8,17 @@ timed, in one short GPU run.
                  few tiles and warps, at 1 and 8 rows (2-bit keys) and 1 row
                  (4-bit keys)
     select       the chunked threshold search (the kernel before) and the
-                 register-resident one at a few warps, by halving (the default)
-                 or by byte histograms, at 1, 8 and 32 rows
+                 register-resident one at a few warps, by halving or by byte
+                 histograms (the default), at 1, 8 and 32 rows
     bound_scores ``triton_bounds``' forms (float32 sums per query head; float16
                  tensor-core dots, the default for a 16-bit query) at a few tiles and warps,
                  8-bit bounds of 16 tokens, at 1, 8 and 32 rows
     lookup       the cache placement's victims' search in 2 to 256 bins per pass,
                  at 32 rows from a worn cache (``step_candidates.py``)
-    attend       the decode attention's splits, tokens per step, warps and
-                 stages, at 32 rows of 5,632 cached tokens (``step_candidates.py``)
+    attend       the decode attention's splits, tokens per step, warps, stages
+                 and merge (by the last split, the default, or a second launch),
+                 at 32 rows of 5,632 cached tokens and 1 row of 6,560 (32K x 1 at
+                 budget 0.2) (``step_candidates.py``)
 
 ``python -m benchmarks.gpu.kernel_candidates --out PATH`` writes PATH.json and
 PATH.md (command, commit, device, date: ``results.py``) (needs torch and Triton only, no vLLM);

@@ -104,7 +104,7 @@ def test_bound_kernels_equal_the_references(bits, dtype):
     """The bounds (the default keys) on CUDA tensors: ``encode_bounds`` writes the CPU
     kernels' bytes, ``bound_scores`` the torch form's unit and block scores (a query
     of the model's dtype: the float32 sums for float32, the tensor-core form for
-    bfloat16), and ``select`` counting the units within alpha itself."""
+    bfloat16)."""
     from tests.reference.bound_pools import BLOCK, BoundPool
 
     pool = BoundPool(seed=7, unit=16, bits=bits, dtype=dtype, num_kv_heads=2, head_size=128,
@@ -127,17 +127,39 @@ def test_bound_kernels_equal_the_references(bits, dtype):
                                         scale=0.25, block_size=BLOCK)
     _close(units, want)
     _close(blocks, block_rule.unit_block_scores(want, BLOCK // 16))
-    for alpha in (2.0, float("inf")):
-        settings = kernels.settings_tensor(alpha, 1.0, 0, "cpu")
-        got = kernels.select(blocks, units, context.to(CUDA), table.to(CUDA), settings.to(CUDA),
-                             block_size=BLOCK, width=table.shape[1], sink_blocks=0,
-                             recent_blocks=0, unit=16)
-        counts = block_rule.unit_alpha_counts(units.cpu(), settings[0], 16)
-        expected = block_rule.select_reference(blocks.cpu(), counts, context, table, settings,
-                                               block_size=BLOCK, width=table.shape[1],
-                                               sink_blocks=0, recent_blocks=0)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_select_counts_the_bound_units_and_finds_the_threshold(radix):
+    """``select_blocks`` from the bound keys' unit scores (their alpha counts taken in
+    the same launch, alpha 2 and off), its threshold by byte histograms (the default,
+    ``triton_select.RADIX``) or by halving, against the reference; scores with ties,
+    rows of several lengths, a padding row."""
+    from vllm_infinigen.platforms.cuda.kernels import triton_select
+
+    gen = torch.Generator().manual_seed(3)
+    unit, table_blocks, heads = 16, 300, 2
+    context = torch.tensor([4700, 150, 7, -1, 3000])
+    units = (torch.randn(5, heads, table_blocks * 2, generator=gen) * 2).round()
+    complete = torch.where(context >= 0, context.clamp(min=0) // unit, 0)
+    past = torch.arange(table_blocks * 2)[None, None, :] >= complete[:, None, None]
+    units = units.masked_fill(past, float("-inf"))
+    blocks = block_rule.unit_block_scores(units, 2)
+    table = torch.stack([torch.randperm(2000, generator=gen)[:table_blocks]
+                         for _ in range(5)]).int()
+    for alpha, budget in ((2.0, 1.0), (float("inf"), 0.2), (float("inf"), 1.0)):
+        settings = kernels.settings_tensor(alpha, budget, 0, "cpu")
+        width = kernels.static_width(table_blocks, 32, budget=budget, min_context=0,
+                                     sink_blocks=1, recent_blocks=1)
+        expected = block_rule.select_reference(
+            blocks, block_rule.unit_alpha_counts(units, settings[0], unit), context, table,
+            settings, block_size=32, width=width, sink_blocks=1, recent_blocks=1)
+        got = tuple(torch.empty_like(part, device=CUDA) for part in expected)
+        triton_select.select_blocks(blocks.to(CUDA), units.to(CUDA), context.to(CUDA),
+                                    table.to(CUDA), settings.to(CUDA), *got, block_size=32,
+                                    sink_blocks=1, recent_blocks=1, unit=unit, radix=radix)
         for got_part, expected_part in zip(got, expected):
-            assert torch.equal(got_part.cpu(), expected_part)
+            assert torch.equal(got_part.cpu(), expected_part), (alpha, budget)
 
 
 def test_lookup_lru_equals_the_reference_over_steps():
@@ -195,10 +217,13 @@ def test_gather_from_a_pinned_pool_and_attention_equal_the_references(dtype):
 
 def test_the_last_split_merges_launch_after_launch_and_in_a_graph():
     """The fused merge under real concurrency (the interpreter runs programs one by
-    one): 16 sequences of 4,096 bfloat16 tokens in 64 splits each, so that splits
-    finish in any order, launched 200 times eagerly and replayed 200 times in a CUDA
-    graph; every launch equals the two-launch form's output, and the arrival
-    counters are zero after each."""
+    one): 16 sequences of up to 4,096 bfloat16 tokens in 64 splits each (short ones
+    too, whose late splits read nothing and land first), two queries in turn, launched
+    200 times eagerly and replayed 200 times in a CUDA graph, the split buffers filled
+    with NaN before each launch (inside the graph too), so a merge that read a split
+    before it landed would give NaN or another launch's values. The merge's order is
+    fixed, so every launch equals the first bit for bit; the first is close to the
+    two-launch form's; the arrival counters are zero after each run."""
     from vllm_infinigen.platforms.cuda.kernels import triton_attend
 
     gen = torch.Generator().manual_seed(5)
@@ -207,35 +232,44 @@ def test_the_last_split_merges_launch_after_launch_and_in_a_graph():
     units = units.to(torch.bfloat16).to(CUDA)
     table = torch.randperm(rows * heads * width, generator=gen).view(rows * heads, width)
     table = table.to(CUDA)
-    seq_lens = torch.full((rows * heads,), width * block, dtype=torch.int32, device=CUDA)
-    seq_lens[3] = 77  # a short sequence: most of its splits read nothing
-    query = torch.randn(rows, heads * group, head_size, generator=gen).to(torch.bfloat16)
-    query = query.to(CUDA)
+    seq_lens = torch.randint(1, width * block + 1, (rows * heads,), generator=gen)
+    seq_lens[:4] = torch.tensor([77, 1, 16 * 65, width * block])
+    seq_lens = seq_lens.to(torch.int32).to(CUDA)
+    queries = [torch.randn(rows, heads * group, head_size, generator=gen).to(torch.bfloat16)
+               .to(CUDA) for _ in range(2)]
     splits, per_split = 64, width // 64
+    nan = float("nan")
 
-    def attend(fused: bool, out: torch.Tensor) -> None:
-        partial = torch.empty((rows * heads, splits, group, head_size), device=CUDA)
-        maxima = torch.empty((rows * heads, splits, group), device=CUDA)
+    def attend(fused: bool, query: torch.Tensor, out: torch.Tensor) -> None:
+        partial = torch.full((rows * heads, splits, group, head_size), nan, device=CUDA)
+        maxima = torch.full((rows * heads, splits, group), nan, device=CUDA)
         triton_attend.attend_units(query, units, table, seq_lens, out, partial, maxima,
-                                   torch.empty_like(maxima), num_kv_heads=heads, scale=0.1,
+                                   torch.full_like(maxima, nan), num_kv_heads=heads, scale=0.1,
                                    blocks_per_split=per_split, fused_merge=fused)
 
-    want = torch.empty_like(query)
-    attend(False, want)
-    got = torch.empty_like(query)
-    counters = triton_attend.arrivals(query.device, rows * heads)
-    for _ in range(200):
-        got.fill_(float("nan"))
-        attend(True, got)
-        assert torch.equal(got, want)
+    wants = []
+    for query in queries:
+        fused, launched = torch.empty_like(query), torch.empty_like(query)
+        attend(True, query, fused)
+        attend(False, query, launched)
+        torch.testing.assert_close(fused, launched, atol=2e-2, rtol=2e-2)  # bf16 rows
+        wants.append(fused)
+    counters = triton_attend.arrivals(CUDA, rows * heads)
+    got = torch.empty_like(queries[0])
+    for launch in range(200):
+        got.fill_(nan)
+        attend(True, queries[launch % 2], got)
+        assert torch.equal(got, wants[launch % 2]), launch
     assert not counters.any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attend(True, got)
-    for _ in range(200):
-        got.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(got, want)
+    graphs = []
+    for query in queries:
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            attend(True, query, got)
+    for replay in range(200):
+        got.fill_(nan)
+        graphs[replay % 2].replay()
+        assert torch.equal(got, wants[replay % 2]), replay
     torch.cuda.synchronize()
     assert not counters.any()
 

@@ -154,7 +154,7 @@ def _kernel_cases():
                   "sink_blocks": i32, "recent_blocks": i32, "num_units": i32}
         yield (triton_select._select_blocks, select,
                {"H": 8, "H_PAD": 8, "BLOCK": 16, "UNIT": unit, "CHUNK": 1024})
-        for radix in (False, True):  # halving (the default); byte histograms
+        for radix in (False, True):  # halving; byte histograms (the default)
             yield (triton_select._select_resident, select,
                    {"H": 8, "H_PAD": 8, "BLOCK": 16, "UNIT": unit, "CHUNK": 1024,
                     "BLOCKS_PAD": 16384, "RADIX": radix})
@@ -179,3 +179,23 @@ def test_each_kernel_compiles_for_sm90(kernel, types, constants):
     signature = {name: types.get(name, "constexpr") for name in names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants), target=SM90)
     assert "cubin" in compiled.asm and len(compiled.asm["cubin"]) > 0
+
+
+def test_the_fused_merge_orders_its_stores_before_the_arrival_in_sm90_code():
+    """The last-split merge's ordering, which the interpreter ignores, in the PTX: every
+    thread's split stores, a CTA barrier, the arrival as an acquire-release atomic at GPU
+    scope, then the splits read past L1 (``.cg``)."""
+    import re
+
+    kernel, types, constants = _attend_case("bf16", "bf16",
+                                            {"IEEE": False, "FP8": False, "MERGE": True})
+    signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+    ptx = triton.compile(ASTSource(kernel, signature, constexprs=constants),
+                         target=SM90).asm["ptx"]
+    arrival = re.search(r"atom\.global\.[\w.]*add", ptx)
+    assert arrival is not None
+    line = ptx[ptx.rfind("\n", 0, arrival.start()):ptx.find("\n", arrival.end())]
+    assert "acq_rel" in line and ".gpu" in line, line
+    before = ptx[:arrival.start()]
+    assert "bar.sync" in before[before.rfind("st.global"):]  # the barrier after the stores
+    assert "ld.global.cg" in ptx[arrival.end():]

@@ -416,7 +416,7 @@ def test_select_counts_the_bound_units_itself(triton_select, alpha, resident):
     scores planted past the complete units, which would count, change nothing)."""
     gen = torch.Generator().manual_seed(3)
     block, unit, table_blocks, heads = 16, 8, 12, 2
-    context_lens = torch.tensor([150, 7, 64, -1, 95])
+    context_lens = torch.tensor([150, 7, 64, -1, 180])
     units = (torch.randn(5, heads, table_blocks * 2, generator=gen) * 2).round()
     complete = torch.where(context_lens >= 0, context_lens.clamp(min=0) // unit, 0)
     past = torch.arange(table_blocks * 2)[None, None, :] >= complete[:, None, None]

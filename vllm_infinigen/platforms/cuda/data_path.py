@@ -21,7 +21,7 @@ Per sparse layer (``DataPath``, ``worker/data_path.py``)::
                     or int keys of the units they close: no wait for the gather
     attend_selected waits for the gather, writes the new K|V into the cached
                     copies of their blocks (``_flush``), attends each (row, KV
-                    head) over its cached blocks (attention and merge)
+                    head) over its cached blocks (one launch, splits merged)
     place_prompts,  a step's prompt rows: their blocks placed in the cache
     attend_prompt   before the write, attended there (``prompts.py``)
 

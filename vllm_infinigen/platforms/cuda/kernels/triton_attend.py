@@ -35,6 +35,8 @@ TOKENS_PER_STEP = 64  # K|V tokens loaded per loop step (4 blocks of 16)
 # The last split merges (one launch); False: a second launch merges (the form before).
 FUSED_MERGE = True
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
+# Counters outgrown, never freed: a graph captured before still counts in them.
+_RETIRED: list[torch.Tensor] = []
 _MIN_ARRIVALS = 1 << 16  # counters made at first use: 8,192 rows of 8 KV heads
 
 
@@ -192,7 +194,8 @@ def _merge_splits(partial, maxima, sums, out, out_row_stride, num_splits, H: tl.
 def arrivals(device: torch.device, count: int) -> torch.Tensor:
     """The fused merge's [>= count] int32 arrival counters on ``device`` (zero
     between launches), made at first use: a CUDA graph's capture cannot make
-    them (its memset would run only when the graph replays).
+    them (its memset would run only when the graph replays). Outgrown counters
+    are kept (``_RETIRED``): the graphs captured before count in them.
 
     Raises:
         RuntimeError: If a capture needs more than the counters made before it.
@@ -203,6 +206,8 @@ def arrivals(device: torch.device, count: int) -> torch.Tensor:
             raise RuntimeError(f"attend_units: {count} sequences in a CUDA graph's capture, "
                                f"beyond the {0 if held is None else held.numel()} arrival "
                                "counters made before it; attend once eagerly first")
+        if held is not None:
+            _RETIRED.append(held)
         held = _ARRIVALS[device] = torch.zeros(max(count, _MIN_ARRIVALS), dtype=torch.int32,
                                                device=device)
     return held

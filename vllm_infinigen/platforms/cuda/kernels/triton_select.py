@@ -112,7 +112,9 @@ def _row_count(counts, context_lens, settings, row, num_units, H: tl.constexpr,
     (``counts`` [S, H, num_units] float32, UNIT tokens each): per KV head the units
     scoring above its best minus alpha (``settings[0]``; ``block_rule.
     unit_alpha_counts``). Alpha off (infinite, the default): every complete unit of
-    the row counts (their scores are finite), so no score is read."""
+    the row counts (their scores are finite), so no score is read; alpha on, each
+    (row, KV head) program reads all H heads' scores twice (H times a launch of its
+    own per (row, KV head): 4 bytes a unit against the bounds' 2 D)."""
     if UNIT == 0:
         heads = tl.arange(0, H_PAD)
         total = tl.sum(tl.load(counts + row * H + heads, mask=heads < H, other=0).to(tl.int64),

@@ -10,7 +10,7 @@
                         (bytes: FP8 units move as they are)
     attend_units        decode attention of each (row, KV head) over its units
                         (the cache's slots of its selection), splits merged
-                        into the caller's rows: two launches
+                        into the caller's rows by the last of them: one launch
     write_tokens        the write-through of new K|V into the pinned pool and
                         into the cached copies of their blocks: one launch
     write_cached_tokens the cached copies alone (the same kernel without the pool)
@@ -26,7 +26,8 @@
     read_bytes          a kernel's read of pinned host memory (``host_pool``'s check)
 
 A call on CUDA tensors launches the Triton kernel (``triton_units.py``,
-``triton_bounds.py``, imported then); on any other device it runs the torch
+``triton_attend.py``, ``triton_prompt.py``, ``triton_bounds.py``, imported
+then); on any other device it runs the torch
 reference (``reference.py``), so the CPU build never touches CUDA or Triton.
 Nothing here synchronises with the host.
 
