@@ -300,6 +300,18 @@ def test_the_device_step_on_cuda_equals_its_cpu_run():
         torch.testing.assert_close(cuda, cpu, atol=1e-3, rtol=1e-3)
 
 
+def test_the_data_path_makes_the_attention_counters_before_any_capture():
+    """vLLM may capture a decode graph before any eager attention: configuring the data
+    path makes the fused merge's counters, zero, so a capture never has to."""
+    from vllm_infinigen.platforms.cuda.kernels import triton_attend
+
+    triton_attend._ARRIVALS.clear()
+    DecodeStep(config(), device="cuda")  # "cuda": the data path's device, unindexed
+    counters = triton_attend._ARRIVALS[torch.device("cuda", torch.cuda.current_device())]
+    assert counters.numel() >= 1 << 16 and not counters.any()
+    assert triton_attend.arrivals(torch.zeros(1, device=CUDA).device, 1) is counters
+
+
 def test_a_captured_step_replays_what_the_eager_step_computes():
     """Two eager steps, then the third captured in a CUDA graph and replayed, against
     three eager steps of another runtime over the same inputs (the cache's state,

@@ -126,8 +126,7 @@ class CudaDataPath:
 
         Raises:
             ValueError: On a change the cache and captured graphs cannot follow
-                (``memory.refuse_widening``), naming the flag.
-        """
+                (``memory.refuse_widening``), naming the flag."""
         values = kernels.settings_tensor(config.alpha, config.budget, config.min_context,
                                          self.device, config.budget_tokens)
         if self.settings is None:
@@ -141,6 +140,7 @@ class CudaDataPath:
             blocks, heads = entries[0].host_pool_shape
             self._cache = DeviceBlockCache(len(entries), heads, self.slots_per_head, blocks,
                                            self.device)
+            kernels.reserve_attention(self.device)  # before vLLM captures its graphs
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype, kv_dtype: torch.dtype) -> None:

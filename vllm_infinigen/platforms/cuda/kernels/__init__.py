@@ -84,6 +84,7 @@ from vllm_infinigen.platforms.cuda.kernels.units import (
     gather_ctas,
     gather_units,
     read_bytes,
+    reserve_attention,
     scratch_of,
     unit_words,
     with_scratch_block,
@@ -96,7 +97,7 @@ from vllm_infinigen.platforms.cuda.kernels.widths import static_width, step_widt
 __all__ = ["SETTINGS", "DeviceSelection", "alpha_counts", "attend_prompt_units", "attend_units",
            "attention_splits", "blocks_of_positions", "bound_scores", "encode_bounds",
            "encode_groups", "gather_ctas", "gather_units", "int_scores", "partial_scores",
-           "place_lru", "read_bytes", "scratch_of", "select", "selection_of_blocks",
-           "settings_tensor", "static_width", "step_width", "unit_words",
+           "place_lru", "read_bytes", "reserve_attention", "scratch_of", "select",
+           "selection_of_blocks", "settings_tensor", "static_width", "step_width", "unit_words",
            "window_blocks", "with_scratch_block", "write_cached_tokens", "write_partial_keys",
            "write_tokens"]

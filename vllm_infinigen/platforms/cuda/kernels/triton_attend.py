@@ -200,6 +200,8 @@ def arrivals(device: torch.device, count: int) -> torch.Tensor:
     Raises:
         RuntimeError: If a capture needs more than the counters made before it.
     """
+    if device.type == "cuda" and device.index is None:  # one key per GPU ("cuda" is "cuda:N")
+        device = torch.device("cuda", torch.cuda.current_device())
     held = _ARRIVALS.get(device)
     if held is None or held.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -11,6 +11,7 @@
     attend_units        decode attention of each (row, KV head) over its units
                         (the cache's slots of its selection), splits merged
                         into the caller's rows by the last of them: one launch
+                        (``reserve_attention``: its counters, before a capture)
     write_tokens        the write-through of new K|V into the pinned pool and
                         into the cached copies of their blocks: one launch
     write_cached_tokens the cached copies alone (the same kernel without the pool)
@@ -271,6 +272,15 @@ def encode_bounds(bounds: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor
 # -- attention over units
 
 
+def reserve_attention(device: torch.device) -> None:
+    """Makes ``attend_units``' arrival counters on a CUDA ``device`` now, before any
+    CUDA graph capture (which cannot make them); elsewhere nothing."""
+    if device.type == "cuda":
+        from vllm_infinigen.platforms.cuda.kernels import triton_attend
+
+        triton_attend.arrivals(device, 0)
+
+
 def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
                  seq_lens: torch.Tensor, *, num_kv_heads: int, scale: float,
                  out: torch.Tensor | None = None, key_scale: float = 1.0,
@@ -311,10 +321,8 @@ def attend_units(query: torch.Tensor, units: torch.Tensor, table: torch.Tensor,
     num_sequences = num_rows * num_kv_heads
     num_splits, per_split = attention_splits(num_sequences, table.shape[1],
                                              _num_sms(query.device))
-    partial = torch.empty((num_sequences, num_splits, group, head_size), dtype=torch.float32,
-                          device=query.device)
-    maxima = torch.empty((num_sequences, num_splits, group), dtype=torch.float32,
-                         device=query.device)
+    partial = query.new_empty((num_sequences, num_splits, group, head_size), dtype=torch.float32)
+    maxima = query.new_empty((num_sequences, num_splits, group), dtype=torch.float32)
     triton_attend.attend_units(query, units, table, seq_lens, out, partial, maxima,
                                torch.empty_like(maxima), num_kv_heads=num_kv_heads,
                                scale=scale * key_scale, blocks_per_split=per_split,
