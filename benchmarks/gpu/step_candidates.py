@@ -8,7 +8,8 @@ beside the scoring's and the rule's forms, in the same table.
 
     lookup   the victims' search halving by comparison (0 bins: the kernel
              before), in 2 bins (halving by a histogram), 16, 64 (the default) and
-             256 per pass, at 4, 8 and 16 warps; from a worn
+             256 per pass, at 4, 8 and 16 warps, 1,024 slots a loop step (the
+             default) or 2,048 and 4,096 (fewer serial steps); from a worn
              cache (every slot held, last used over the last 200 steps, 6 % of
              the step's entries missing) at tick 100 and 100,000 (a server's
              uptime in steps: the halving search makes log2 of it passes)
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# (bins, warps) of the placement's victims' search
-LOOKUP = ((0, 4), (2, 4), (16, 4), (64, 4), (256, 4), (64, 8), (64, 16))
+# (bins, warps, slots a loop step) of the placement's passes: the passes over the head's
+# slots are serial, so a wider step with more warps makes fewer of them
+LOOKUP = ((0, 4, 1024), (2, 4, 1024), (16, 4, 1024), (64, 4, 1024), (256, 4, 1024),
+          (64, 8, 1024), (64, 16, 1024), (64, 8, 2048), (64, 16, 4096))
 LOOKUP_TICKS = (100, 100_000)
 # (splits per SM, tokens per loop step, warps, stages: None Triton's default, merge: the
 # last split's (fused, the default) or a second launch's (the form before))
@@ -96,14 +99,14 @@ def lookup_rows(torch, device, *, rows: int, width: int, heads: int, row_blocks:
                 target.copy_(source)
 
         restoring = timed(restore, device, repeats=3)
-        for bins, warps in LOOKUP:
-            def launch(bins=bins, warps=warps):
+        for bins, warps, chunk in LOOKUP:
+            def launch(bins=bins, warps=warps, chunk=chunk):
                 restore()
                 slot_of, block_of, last_used, ticks, counters = work
                 triton_lru.lookup_lru(ids, slots, slot_of, block_of, last_used, ticks,
                                       lists[0], lists[1], lists[2], num_fetch, counters,
                                       seq_lens, context_lens, capacity=capacity,
-                                      num_warps=warps, bins=bins)
+                                      num_warps=warps, bins=bins, chunk=chunk)
 
             def check():
                 count = int(expected[3].max())
@@ -117,7 +120,7 @@ def lookup_rows(torch, device, *, rows: int, width: int, heads: int, row_blocks:
 
             row = checked_then_timed(torch, device, {
                 "kernel": "lookup", "rows": rows, "bits": "",
-                "form": f"{bins} bins, {warps} warps, tick {tick:,}",
+                "form": f"{bins} bins, {warps} warps, {chunk} a step, tick {tick:,}",
                 "MB": (heads * capacity * 8 + ids.numel() * 20) / 1e6},
                 launch, check)
             if "ms" in row:

@@ -26,6 +26,8 @@ import triton.language as tl
 from vllm_infinigen.platforms.cuda.kernels.triton_select import _take
 
 SEARCH_BINS = 64  # ranges per pass of the victims' search (a power of two >= 2; 0: halving)
+# Slots (or entries) a loop step and warps: every pass over a head's slots is serial.
+CHUNK, WARPS = 1024, 4
 
 
 @triton.jit
@@ -169,7 +171,7 @@ def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_
 
 def lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_units,
                fetch_slots, num_fetch, counters, seq_lens, context_lens, *, capacity: int,
-               chunk: int = 1024, num_warps: int = 4, bins: int = SEARCH_BINS) -> None:
+               chunk: int = CHUNK, num_warps: int = WARPS, bins: int = SEARCH_BINS) -> None:
     """Launches ``_lookup_lru`` (ids, slots: [S, H, W] int64; ``bins``: the victims'
     search, a power of two >= 2, or 0: halving by comparison, the kernel before)."""
     if bins != 0 and (bins < 2 or bins & (bins - 1)):
