@@ -134,7 +134,7 @@ def attend_rows(torch, device, *, rows: int, heads: int, group: int, head_size: 
                 tokens: int, num_sms: int | None, gen, checked_then_timed) -> list[dict[str, Any]]:
     """Each form of ``ATTEND`` over ``tokens`` cached tokens per (row, KV head), checked
     against ``reference.attend_units_reference``, then timed (GB/s of the K/V read)."""
-    from vllm_infinigen.platforms.cuda.kernels import reference, triton_attend, units
+    from vllm_infinigen.platforms.cuda.kernels import attention, reference, triton_attend
 
     sequences, width = rows * heads, -(-tokens // BLOCK)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -154,7 +154,8 @@ def attend_rows(torch, device, *, rows: int, heads: int, group: int, head_size: 
         if num_sms is None:  # the interpreter: a few splits, to check the merge
             num_splits, per_split = 3, -(-width // 3)
         else:  # the product's rule at ``per_sm``
-            num_splits, per_split = units.attention_splits(sequences, width, num_sms, per_sm)
+            num_splits, per_split = attention.attention_splits(sequences, width, num_sms,
+                                                               per_sm)
         partial = torch.empty(sequences, num_splits, group, head_size, dtype=torch.float32,
                               device=device)
         maxima = torch.empty(sequences, num_splits, group, dtype=torch.float32, device=device)

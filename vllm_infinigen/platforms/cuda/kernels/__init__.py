@@ -34,7 +34,8 @@ host. The CPU platform's kernels are C++ (``platforms/cpu/kernels/``)::
 
 The room::
 
-    units.py           the wrappers of the ops on pool units (gather, writes, attention)
+    units.py           the wrappers of the ops on pool units (gather, writes)
+    attention.py       the wrappers of the attention over pool units (decode, prompts)
     selection.py       the wrappers of the selection and its placement in the cache
     widths.py          the bounds of a selection's width (and how they relate)
     reference.py       the torch references of the ops on pool units and the placement
@@ -75,16 +76,18 @@ from vllm_infinigen.platforms.cuda.kernels.selection import (
     selection_of_blocks,
     settings_tensor,
 )
-from vllm_infinigen.platforms.cuda.kernels.units import (
+from vllm_infinigen.platforms.cuda.kernels.attention import (
     attend_prompt_units,
     attend_units,
     attention_splits,
+    reserve_attention,
+)
+from vllm_infinigen.platforms.cuda.kernels.units import (
     encode_bounds,
     encode_groups,
     gather_ctas,
     gather_units,
     read_bytes,
-    reserve_attention,
     scratch_of,
     unit_words,
     with_scratch_block,

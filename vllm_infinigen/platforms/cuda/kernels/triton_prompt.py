@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side, CUDA platform: the Triton kernel behind ``units.attend_prompt_units``.
+"""Worker side, CUDA platform: the Triton kernel behind ``attention.attend_prompt_units``.
 
     attend_prompt  causal attention of a request's prompt rows over its
                    units (flash attention), FP8 units widened as in
