@@ -17,8 +17,8 @@ timed, in one short GPU run.
                  at 32 rows from a worn cache (``step_candidates.py``)
     attend       the decode attention's splits, tokens per step, warps, stages
                  and merge (by the last split, the default, or a second launch),
-                 at 32 rows of 5,632 cached tokens and 1 row of 6,560 (32K x 1 at
-                 budget 0.2) (``step_candidates.py``)
+                 at 1 row of 6,560 cached tokens (32K x 1 at budget 0.2) and 32
+                 rows of 5,632 (``step_candidates.py``)
 
 ``python -m benchmarks.gpu.kernel_candidates --out PATH`` writes PATH.json and
 PATH.md (command, commit, device, date: ``results.py``) (needs torch and Triton only, no vLLM);
@@ -272,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             torch, device, rows=batch, width=5 if args.self_test else 270, heads=sizes["heads"],
             row_blocks=16 if args.self_test else sizes["context"] // 16 + 1, gen=gen,
             checked_then_timed=_checked_then_timed)
-    # The attention at the batch-32 point's cap, and at 32K x 1's budget 0.2 (the merge's
-    # share is largest where a few sequences split many ways).
-    for attend_batch, tokens in ((batch, 5632), (1, 6560)) if "attend" in args.only else ():
+    # The attention at 32K x 1's budget 0.2, where the merge's share is largest (a few
+    # sequences split many ways), and at the batch-32 point's cap.
+    for attend_batch, tokens in ((1, 6560), (batch, 5632)) if "attend" in args.only else ():
         rows += step_candidates.attend_rows(
             torch, device, rows=attend_batch, heads=sizes["heads"], group=sizes["group"],
             head_size=max(32, sizes["head_size"]), tokens=40 if args.self_test else tokens,

@@ -8,8 +8,8 @@ beside the scoring's and the rule's forms, in the same table.
 
     lookup   the victims' search halving by comparison (0 bins: the kernel
              before), in 2 bins (halving by a histogram), 16, 64 (the default) and
-             256 per pass, at 4, 8 and 16 warps, 1,024 slots a loop step (the
-             default) or 2,048 and 4,096 (fewer serial steps); from a worn
+             256 per pass, on 4 warps 1,024 slots a loop step (the default), on 8
+             and 16 warps 2,048 and 4,096 (fewer serial steps); from a worn
              cache (every slot held, last used over the last 200 steps, 6 % of
              the step's entries missing) at tick 100 and 100,000 (a server's
              uptime in steps: the halving search makes log2 of it passes)
@@ -28,14 +28,13 @@ from typing import Any
 # (bins, warps, slots a loop step) of the placement's passes: the passes over the head's
 # slots are serial, so a wider step with more warps makes fewer of them
 LOOKUP = ((0, 4, 1024), (2, 4, 1024), (16, 4, 1024), (64, 4, 1024), (256, 4, 1024),
-          (64, 8, 1024), (64, 16, 1024), (64, 8, 2048), (64, 16, 4096))
+          (64, 8, 2048), (64, 16, 4096))
 LOOKUP_TICKS = (100, 100_000)
 # (splits per SM, tokens per loop step, warps, stages: None Triton's default, merge: the
 # last split's (fused, the default) or a second launch's (the form before))
 ATTEND = ((2, 64, 4, None, True), (2, 64, 4, None, False), (4, 64, 4, None, True),
-          (4, 64, 4, None, False), (8, 64, 4, None, True), (1, 64, 4, None, True),
-          (2, 128, 4, None, True), (4, 128, 8, None, True), (2, 32, 4, None, True),
-          (4, 64, 4, 2, True), (4, 64, 4, 4, True))
+          (4, 64, 4, None, False), (1, 64, 4, None, True), (2, 128, 4, None, True),
+          (4, 64, 4, 2, True))
 BLOCK = 16
 
 

@@ -278,8 +278,8 @@ def test_kernel_candidates_self_test_checks_every_form_against_its_reference(tmp
     bounds = [line for line in text.splitlines() if line.startswith("| bound_scores")]
     assert len(bounds) == 18 and all("| True |" in line for line in bounds)
     assert sum("| dot, tile" in line for line in bounds) == 14
-    # lookup: 9 forms at 2 ticks; attend: 11 forms at 2 batches
-    for kernel, count in (("lookup", 18), ("attend", 22)):
+    # lookup: 7 forms at 2 ticks; attend: 7 forms at 2 batches
+    for kernel, count in (("lookup", 14), ("attend", 14)):
         rows = [line for line in text.splitlines() if line.startswith(f"| {kernel} |")]
         assert len(rows) == count and all("| True |" in line for line in rows), kernel
     attends = [line for line in text.splitlines() if line.startswith("| attend |")]
