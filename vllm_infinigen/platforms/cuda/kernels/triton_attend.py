@@ -161,18 +161,16 @@ def _attend_units(query, units, table, seq_lens, partial, maxima, sums, out, arr
         running_max = new_max
     acc = acc * value_scale
     mask = head_ok[:, None] & dim_ok[None, :]
-    if MERGE and num_splits == 1:  # the row at once (as the merge of one split gives it)
-        result = tl.where(running_sum[:, None] > 0,
-                          acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None], 0.0)
-        row = out + (sequence // H) * out_row_stride + (sequence % H) * G * D
-        tl.store(row + heads[:, None] * D + dims[None, :], result.to(out.dtype.element_ty),
-                 mask=mask)
-    else:
-        slot = sequence * num_splits + split
-        tl.store(partial + (slot * G + heads[:, None]) * D + dims[None, :], acc, mask=mask)
-        tl.store(maxima + slot * G + heads, running_max, mask=head_ok)
-        tl.store(sums + slot * G + heads, running_sum, mask=head_ok)
-        if MERGE:
+    if MERGE:
+        if num_splits == 1:  # the row at once (as the merge of one split gives it)
+            result = tl.where(running_sum[:, None] > 0,
+                              acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None], 0.0)
+            row = out + (sequence // H) * out_row_stride + (sequence % H) * G * D
+            tl.store(row + heads[:, None] * D + dims[None, :], result.to(out.dtype.element_ty),
+                     mask=mask)
+        else:
+            _store_split(partial, maxima, sums, sequence * num_splits + split, acc,
+                         running_max, running_sum, G, G_PAD, D, D_PAD)
             tl.debug_barrier()  # every thread's stores, before the one arrival (CTA order)
             arrived = tl.atomic_add(arrivals + sequence, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:  # the last: every other split has landed
@@ -180,6 +178,23 @@ def _attend_units(query, units, table, seq_lens, partial, maxima, sums, out, arr
                 _merge(partial, maxima, sums, out, out_row_stride, sequence, num_splits, H, G,
                        G_PAD, D, D_PAD, ".cg")
                 tl.atomic_xchg(arrivals + sequence, 0, sem="relaxed", scope="gpu")
+    else:
+        _store_split(partial, maxima, sums, sequence * num_splits + split, acc, running_max,
+                     running_sum, G, G_PAD, D, D_PAD)
+
+
+@triton.jit
+def _store_split(partial, maxima, sums, slot, acc, running_max, running_sum, G: tl.constexpr,
+                 G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """A split's unnormalised output, running max and sum, at ``slot`` (sequence x
+    splits + split)."""
+    heads = tl.arange(0, G_PAD)
+    dims = tl.arange(0, D_PAD)
+    head_ok = heads < G
+    tl.store(partial + (slot * G + heads[:, None]) * D + dims[None, :], acc,
+             mask=head_ok[:, None] & (dims < D)[None, :])
+    tl.store(maxima + slot * G + heads, running_max, mask=head_ok)
+    tl.store(sums + slot * G + heads, running_sum, mask=head_ok)
 
 
 @triton.jit
