@@ -92,9 +92,20 @@ def _merge(partial, maxima, sums, out, out_row_stride, sequence, num_splits, H: 
                                   cache_modifier=CACHE)
         acc += weight[:, None] * tl.load(partial + (slot * G + heads[:, None]) * D + dims[None, :],
                                          mask=mask, other=0.0, cache_modifier=CACHE)
+    _store_row(out, out_row_stride, sequence, acc, total, H, G, G_PAD, D, D_PAD)
+
+
+@triton.jit
+def _store_row(out, out_row_stride, sequence, acc, total, H: tl.constexpr, G: tl.constexpr,
+               G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """``acc / total`` (0 where total is 0: an empty sequence) into the caller's row of
+    ``sequence`` (``out[row, head * G:(head + 1) * G]``)."""
+    heads = tl.arange(0, G_PAD)
+    dims = tl.arange(0, D_PAD)
     result = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
     row = out + (sequence // H) * out_row_stride + (sequence % H) * G * D
-    tl.store(row + heads[:, None] * D + dims[None, :], result.to(out.dtype.element_ty), mask=mask)
+    tl.store(row + heads[:, None] * D + dims[None, :], result.to(out.dtype.element_ty),
+             mask=(heads < G)[:, None] & (dims < D)[None, :])
 
 
 @triton.jit
@@ -160,14 +171,9 @@ def _attend_units(query, units, table, seq_lens, partial, maxima, sums, out, arr
         acc = acc * correction[:, None] + update
         running_max = new_max
     acc = acc * value_scale
-    mask = head_ok[:, None] & dim_ok[None, :]
     if MERGE:
         if num_splits == 1:  # the row at once (as the merge of one split gives it)
-            result = tl.where(running_sum[:, None] > 0,
-                              acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None], 0.0)
-            row = out + (sequence // H) * out_row_stride + (sequence % H) * G * D
-            tl.store(row + heads[:, None] * D + dims[None, :], result.to(out.dtype.element_ty),
-                     mask=mask)
+            _store_row(out, out_row_stride, sequence, acc, running_sum, H, G, G_PAD, D, D_PAD)
         else:
             _store_split(partial, maxima, sums, sequence * num_splits + split, acc,
                          running_max, running_sum, G, G_PAD, D, D_PAD)

@@ -250,9 +250,6 @@ def encode_bounds(bounds: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor
                                 unit=pool.shape[2] // bounds.shape[2])
 
 
-# -- attention over units
-
-
 def read_bytes(source_bytes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``source_bytes[offsets]`` (uint8; offsets a power of two of int64 on the
     GPU) read by a kernel: whether the GPU addresses ``source_bytes`` (pinned
