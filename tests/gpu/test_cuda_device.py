@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.reference.cuda_kernel_cases import attention_case, fetch_case
+from tests.reference.cuda_kernel_cases import attention_case, fetch_case, unit_score_case
 from tests.reference.device_step import DecodeStep, config
 from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
 from tests.reference.int_key_pools import Pool
@@ -137,16 +137,10 @@ def test_select_counts_the_bound_units_and_finds_the_threshold(radix):
     rows of several lengths, a padding row."""
     from vllm_infinigen.platforms.cuda.kernels import triton_select
 
-    gen = torch.Generator().manual_seed(3)
-    unit, table_blocks, heads = 16, 300, 2
+    unit, table_blocks = 16, 300
     context = torch.tensor([4700, 150, 7, -1, 3000])
-    units = (torch.randn(5, heads, table_blocks * 2, generator=gen) * 2).round()
-    complete = torch.where(context >= 0, context.clamp(min=0) // unit, 0)
-    past = torch.arange(table_blocks * 2)[None, None, :] >= complete[:, None, None]
-    units = units.masked_fill(past, float("-inf"))
-    blocks = block_rule.unit_block_scores(units, 2)
-    table = torch.stack([torch.randperm(2000, generator=gen)[:table_blocks]
-                         for _ in range(5)]).int()
+    units, blocks, table, _ = unit_score_case(context.tolist(), unit=unit,
+                                              table_blocks=table_blocks, ids=2000)
     for alpha, budget in ((2.0, 1.0), (float("inf"), 0.2), (float("inf"), 1.0)):
         settings = kernels.settings_tensor(alpha, budget, 0, "cpu")
         width = kernels.static_width(table_blocks, 32, budget=budget, min_context=0,

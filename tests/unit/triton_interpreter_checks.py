@@ -20,6 +20,7 @@ import torch
 
 from tests.reference.cuda_kernel_cases import attention_case as _attention_case
 from tests.reference.cuda_kernel_cases import fetch_case as _fetch_case
+from tests.reference.cuda_kernel_cases import unit_score_case
 from tests.reference.int_key_pools import BLOCK as POOL_BLOCK
 from tests.reference.int_key_pools import Pool
 from vllm_infinigen.platforms.cuda import kernels
@@ -414,26 +415,21 @@ def test_select_counts_the_bound_units_itself(triton_select, alpha, resident):
     alpha (not above), rows short of a unit, a padding row, chunks shorter than a row;
     alpha off (the default) every complete unit counts, and no score is read (finite
     scores planted past the complete units, which would count, change nothing)."""
-    gen = torch.Generator().manual_seed(3)
-    block, unit, table_blocks, heads = 16, 8, 12, 2
+    block, unit, table_blocks = 16, 8, 12
     context_lens = torch.tensor([150, 7, 64, -1, 180])
-    units = (torch.randn(5, heads, table_blocks * 2, generator=gen) * 2).round()
-    complete = torch.where(context_lens >= 0, context_lens.clamp(min=0) // unit, 0)
-    past = torch.arange(table_blocks * 2)[None, None, :] >= complete[:, None, None]
-    units = units.masked_fill(past, float("-inf"))  # as ``bound_unit_scores`` leaves them
-    block_scores = block_rule.unit_block_scores(units, 2)
-    table = torch.stack([torch.randperm(80, generator=gen)[:table_blocks] for _ in range(5)])
+    units, block_scores, table, past = unit_score_case(context_lens.tolist(), unit=unit,
+                                                       table_blocks=table_blocks, ids=80)
     settings = kernels.settings_tensor(alpha, 1.0, 0, "cpu")
     width = kernels.static_width(table_blocks, block, budget=1.0, min_context=0,
                                  sink_blocks=0, recent_blocks=0)
     counts = block_rule.unit_alpha_counts(units, settings[0], unit)
-    expected = block_rule.select_reference(block_scores, counts, context_lens, table.int(),
+    expected = block_rule.select_reference(block_scores, counts, context_lens, table,
                                            settings, block_size=block, width=width,
                                            sink_blocks=0, recent_blocks=0)
     if alpha == float("inf"):
         units = units.masked_fill(past, 0.0)  # read, they would count
     got = tuple(torch.empty_like(part) for part in expected)
-    triton_select.select_blocks(block_scores, units, context_lens, table.int(), settings, *got,
+    triton_select.select_blocks(block_scores, units, context_lens, table, settings, *got,
                                 block_size=block, sink_blocks=0, recent_blocks=0, unit=unit,
                                 chunk=16, resident=resident)
     for got_part, expected_part in zip(got, expected):
