@@ -18,7 +18,9 @@ The ceiling is the tile's bytes over the larger of the two, at the H200's 132 SM
 tensor cores are not in it (``kernel_candidates`` times the forms on a GPU).
 
 ``python -m benchmarks.gpu.sass_mix --out PATH [--before REV]`` writes PATH.json and PATH.md
-(``--before``: also the tensor-core forms of the kernel at a git revision).
+(``--before``: also the tensor-core forms of the kernel at a git revision). It compiles with
+the Triton it imports: ``PYTHONPATH=.venv/gpu-triton`` puts the lent GPUs' first (``make
+setup`` installs it there).
 """
 
 from __future__ import annotations
@@ -161,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                          "(compiled on the CPU, not run)",
                          {"sms": SMS, "clock_GHz": CLOCK_GHZ, "streaming_TBps": STREAMING_TBPS,
                           "forms": FORMS, "before": args.before}, rows,
-                         [f"Compiled by Triton {triton.__version__} (a lent GPU runs 3.6, whose "
-                          f"code may differ). At 4 warps a program, {SMS} SMs at {CLOCK_GHZ} GHz; "
+                         [f"Compiled by Triton {triton.__version__} from "
+                          f"{Path(triton.__file__).parent} (the lent GPUs run 3.6). "
+                          f"At 4 warps a program, {SMS} SMs at "
+                          f"{CLOCK_GHZ} GHz; "
                           f"'x streaming' against the H200's measured {STREAMING_TBPS} TB/s "
                           "streaming read. A model of the issue limit only (module docstring).",
                           text])
