@@ -209,7 +209,8 @@ class InfiniGenConfig:
         "token, attended through InfiniGen's selection) or device-first (vLLM's device "
         "blocks and kernel while the blocks last, written through to the pool; when a "
         "step's blocks would not fit, every request moves to the pool and the selection, "
-        "until they have finished).", choices=RESIDENCIES)
+        "until they fit in half the free blocks again (copied back from the pool) or "
+        "have finished).", choices=RESIDENCIES)
     speculation: str = setting(
         "previous-layer", "Whose query selects a sparse layer's tokens: previous-layer (the "
         "paper: layer i selects for layer i+1 ahead of it) or same-layer (the layer's own "

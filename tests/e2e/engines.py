@@ -114,9 +114,11 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 500) -> list[
     ]
 
 
-def greedy_tokens(llm, prompts, max_tokens: int) -> list[list[int]]:
+def greedy_tokens(llm, prompts, max_tokens: int | list[int]) -> list[list[int]]:
+    """Greedy token ids of each prompt: ``max_tokens`` each, or one per prompt."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [list(out.outputs[0].token_ids) for out in outputs]

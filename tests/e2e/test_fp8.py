@@ -99,7 +99,10 @@ def stock_burst(emulated):
 
 @pytest.mark.parametrize("data_path", ["cpu", "cuda"])
 def test_device_first_moves_in_fp8_and_equals_stock(shared_engine, stock_burst, data_path):
-    """The residency switch with FP8 pages on both sides of the move."""
+    """The residency switch with FP8 pages on both sides of the move, and back:
+    the last request over the pool returns to the device blocks, its FP8 K/V
+    read from the pool and written by vLLM's own update (scales of 1.0 here: the
+    scaling itself, tests/unit/test_restore.py)."""
     stock = stock_burst
     worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
     with worker, engine(str(BUNDLED_MODEL), kv_cache_dtype="fp8",
@@ -109,4 +112,5 @@ def test_device_first_moves_in_fp8_and_equals_stock(shared_engine, stock_burst, 
         metrics = llm.get_metrics()
     moves = [m for m in metrics if m.name == "vllm:infinigen_residency_moves"]
     assert sum(m.value for m in moves if m.labels.get("to") == "pool") >= 1
+    assert sum(m.value for m in moves if m.labels.get("to") == "device") >= 1
     assert ours == stock

@@ -7,7 +7,8 @@ The bundled stories260K (2 dense + 3 sparse layers, KV-cache groups of 2
 layers: one dense group, two sparse ones; vLLM's CPU blocks of 128 tokens)
 with the selection taking every token (``SELECT_ALL``): greedy output equals
 stock vLLM's whether the engine stays resident, moves while admitting a
-batch, or moves in the middle of a request's decode. A resident request
+batch, moves in the middle of a request's decode, or returns while requests
+over the pool are live (their K/V copied back from the pool). A resident request
 holds its blocks in each of the 3 groups; a moved one in the dense group
 alone. Each case runs with the CPU build's data path and with the CUDA
 platform's (``cuda_path_worker.py``: its block cache, block rule and
@@ -31,6 +32,10 @@ pytestmark = pytest.mark.slow
 PROMPTS = random_prompts([300, 290, 280, 270], seed=31)
 LONG = random_prompts([200], seed=32)  # 2 blocks per group; a 3rd at token 257
 MAX_TOKENS = 40
+# The long request beside four short ones of a block each: their prompts move the
+# engine, and once they have finished it returns while the long one is still decoding.
+MIXED = LONG + random_prompts([100, 110, 120, 105], seed=33)
+MIXED_TOKENS = [100, 8, 8, 8, 8]
 DEVICE_FIRST = {**SELECT_ALL, "infinigen_residency": "device-first"}
 # KV space per block id: 2 dense pages of 128 tokens x 4 KV heads x 32 x K|V in
 # float32 (256 KiB) + the bounds of 3 sparse layers x 4 KV heads x 8 units x 66 B
@@ -43,7 +48,8 @@ DECODE_MOVES = 2_300_000  # 8 blocks
 def stock(shared_engine) -> dict[str, list[list[int]]]:
     llm = shared_engine(BUNDLED_MODEL)
     return {"batch": greedy_tokens(llm, PROMPTS, MAX_TOKENS),
-            "long": greedy_tokens(llm, LONG, 100)}
+            "long": greedy_tokens(llm, LONG, 100),
+            "mixed": greedy_tokens(llm, MIXED, MIXED_TOKENS)}
 
 
 DATA_PATHS = pytest.mark.parametrize("data_path", ["cpu", "cuda"])
@@ -72,10 +78,13 @@ def test_a_resident_engine_attends_with_vllms_kernel_and_equals_stock(stock, dat
 @DATA_PATHS
 def test_a_batch_the_blocks_cannot_hold_resident_moves_and_equals_stock(stock, data_path):
     """17 blocks of KV space: one request resident (3 blocks in each of 3
-    groups), the second's prompt moves the engine."""
+    groups), the second's prompt moves the engine; once one of the two has
+    finished, the other's blocks in the sparse groups fit in half the free ones
+    and it comes back (its K/V copied from the pool), and so do the next."""
     outputs, counters, preemptions = _run(BATCH_MOVES, PROMPTS, MAX_TOKENS, data_path)
     assert outputs == stock["batch"]
-    assert counters["resident"] == {"": 0.0}
+    assert counters["residency_moves"] == {"pool": 1, "device": 1}
+    assert counters["resident"] == {"": 1.0}
     assert sum(counters["selected_tokens"].values()) > 0  # InfiniGen after the move
     _check_data_path(counters, data_path)
     assert preemptions == 0
@@ -85,12 +94,25 @@ def test_a_batch_the_blocks_cannot_hold_resident_moves_and_equals_stock(stock, d
 def test_a_request_that_outgrows_the_blocks_moves_mid_decode_and_equals_stock(stock, data_path):
     """8 blocks (7 free): the prompt's 2 blocks in each of the 3 groups fit,
     the 3rd block its decode needs at token 257 does not: the move is
-    mid-decode, and the tokens after it are InfiniGen's over the pool."""
-    outputs, counters, preemptions = _run(DECODE_MOVES, LONG, 100, data_path)
-    assert outputs == stock["long"]
-    assert counters["resident"] == {"": 0.0}
-    assert sum(counters["selected_tokens"].values()) > 0
-    _check_data_path(counters, data_path)
+    mid-decode, and the tokens after it are InfiniGen's over the pool (its 3
+    blocks in each of the 2 sparse groups never fit in half the 4 free ones, so
+    it stays there). Once it has finished, the next request (a block in each
+    group) is resident again: the return after a lull."""
+    worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
+    with worker, engine(str(BUNDLED_MODEL), kv_cache_memory_bytes=DECODE_MOVES,
+                        **DEVICE_FIRST) as llm:
+        assert greedy_tokens(llm, LONG, 100) == stock["long"]
+        moved = summarize(llm.get_metrics())
+        assert greedy_tokens(llm, MIXED[1:2], 8) == stock["mixed"][1:2]
+        back = summarize(llm.get_metrics())
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    assert moved["resident"] == {"": 0.0}
+    assert moved["residency_moves"] == {"pool": 1, "device": 0}
+    assert sum(moved["selected_tokens"].values()) > 0
+    _check_data_path(moved, data_path)
+    assert back["resident"] == {"": 1.0}
+    assert back["residency_moves"] == {"pool": 1, "device": 1}
+    assert back["selected_tokens"] == moved["selected_tokens"]  # none while resident
     assert preemptions == 0
 
 
@@ -103,9 +125,10 @@ def _check_data_path(counters: dict, data_path: str) -> None:
 @DATA_PATHS
 def test_after_the_burst_the_next_request_is_resident_again_and_every_phase_equals_stock(
         stock, data_path):
-    """17 blocks: the batch moves the engine; once it has finished, the lone
-    request fits (3 blocks in each of 3 groups) and runs resident, with vLLM's
-    kernel (no InfiniGen step); the batch again moves it again."""
+    """17 blocks: the batch moves the engine and comes back before its end (as
+    above); the lone request then runs resident (3 blocks in each of 3 groups),
+    with vLLM's kernel (no InfiniGen step); the batch again moves it and brings it
+    back again."""
     worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
     with worker, engine(str(BUNDLED_MODEL), kv_cache_memory_bytes=BATCH_MOVES,
                         **DEVICE_FIRST) as llm:
@@ -115,9 +138,29 @@ def test_after_the_burst_the_next_request_is_resident_again_and_every_phase_equa
         back = summarize(llm.get_metrics())
         assert greedy_tokens(llm, PROMPTS, MAX_TOKENS) == stock["batch"]
         again = summarize(llm.get_metrics())
-    assert moved["resident"] == {"": 0.0} and moved["residency_moves"]["pool"] == 1
-    assert back["resident"] == {"": 1.0} and back["residency_moves"]["device"] == 1
+    assert moved["resident"] == {"": 1.0}
+    assert moved["residency_moves"] == {"pool": 1, "device": 1}
+    assert back["resident"] == {"": 1.0}
+    assert back["residency_moves"] == {"pool": 1, "device": 1}
     selected = [sum(c["selected_tokens"].values()) for c in (moved, back, again)]
     assert 0 < selected[0] == selected[1] < selected[2]  # none while resident
-    assert again["resident"] == {"": 0.0}
-    assert again["residency_moves"] == {"pool": 2, "device": 1}
+    assert again["resident"] == {"": 1.0}
+    assert again["residency_moves"] == {"pool": 2, "device": 2}
+
+
+@DATA_PATHS
+def test_a_request_over_the_pool_comes_back_to_the_device_blocks_and_equals_stock(
+        stock, data_path):
+    """17 blocks (16 free): the long request (2 blocks in each of 3 groups) and
+    three short ones (1 each) fit, the fourth moves the engine. Once the short
+    ones have finished, the long one's blocks in the 2 sparse groups (2 each) fit
+    in half the free blocks: it gets them back, its K/V is copied there from the
+    pool, and it decodes its last tokens resident, with vLLM's kernel (its 3rd
+    block at token 257 fits too). Its tokens equal stock vLLM's before, over and
+    after the pool, which a missing or misplaced copy would break."""
+    outputs, counters, preemptions = _run(BATCH_MOVES, MIXED, MIXED_TOKENS, data_path)
+    assert outputs == stock["mixed"]
+    assert counters["residency_moves"] == {"pool": 1, "device": 1}
+    assert counters["resident"] == {"": 1.0}
+    assert sum(counters["selected_tokens"].values()) > 0  # InfiniGen while over the pool
+    assert preemptions == 0

@@ -3,15 +3,21 @@
 ``device_first`` the sparse groups hold device blocks until a step's blocks
 would not fit; then every sparse group frees every request's blocks, so that
 vLLM's allocation succeeds instead of preempting, and allocates none until
-every request over the pool has finished: the next request that fits is
-resident again."""
+every request over the pool has finished (the next request that fits is
+resident again) or the connector finds them all fitting again
+(``Residency.restore``: each gets all its blocks at its next allocation, and
+the step's metadata names it for the workers' copy from the pool)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from types import SimpleNamespace
+
+from vllm_infinigen.scheduler.connector import InfiniGenConnector
 from vllm_infinigen.scheduler.spec import InfiniGenSparseManager, InfiniGenSparseSpec
 
 BLOCK = 16
@@ -105,3 +111,94 @@ def test_once_every_pool_request_finished_the_next_one_that_fits_is_resident_aga
     _allocate(managers, "d", 6 * BLOCK)
     managers[0].get_num_blocks_to_allocate("d", 12 * BLOCK, [], 0, 0, 12 * BLOCK)
     assert residency.moved and residency.take_moves() == {"pool": 1, "device": 0}
+
+
+def _moved_with(managers, *requests: tuple[str, int]):
+    """Resident ``requests`` (id, blocks), then the first grows past the room: moved."""
+    for request_id, blocks in requests:
+        _allocate(managers, request_id, blocks * BLOCK)
+    first = requests[0][0]
+    managers[0].get_num_blocks_to_allocate(first, 99 * BLOCK, [], 0, 0, 99 * BLOCK)
+    residency = managers[0].residency
+    assert residency.moved
+    residency.take_moves()
+    return residency
+
+
+def test_restored_requests_get_all_their_blocks_at_their_next_allocation():
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 4), ("b", 4))
+    residency.restore({"a", "b"}, blocks=16, free=31)
+    assert not residency.moved and residency.take_moves() == {"pool": 0, "device": 1}
+    # "a" is scheduled this step: every block it needs, in each sparse group
+    assert _allocate(managers, "a", 5 * BLOCK) == [5, 5]
+    assert [len(m.req_to_blocks["a"]) for m in managers] == [5, 5]
+    assert residency.take_restored() == ("a",)  # named once, for this step's copy
+    assert residency.to_restore == {"b"}
+    assert _allocate(managers, "a", 6 * BLOCK) == [1, 1]  # its next step: no copy
+    assert residency.take_restored() == ()
+    # "b", not scheduled until now, comes back at its allocation
+    assert _allocate(managers, "b", 4 * BLOCK) == [4, 4]
+    assert residency.take_restored() == ("b",) and residency.to_restore == set()
+    assert not residency.moved
+
+
+def test_a_restore_pending_request_that_ends_or_a_move_clears_it():
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 6), ("b", 6))
+    residency.restore({"a", "b"}, blocks=24, free=31)
+    _allocate(managers, "a", 6 * BLOCK)
+    _free(managers, "b")  # finished or preempted before its allocation
+    assert residency.to_restore == {"a"}
+    # "c" would not fit resident: the engine moves again, freeing "a"'s new
+    # blocks; nothing is left to copy, and nothing comes back later
+    _allocate(managers, "c", 30 * BLOCK)
+    assert residency.moved and residency.to_restore == set()
+    assert residency.take_restored() == ()
+    assert pool.get_num_free_blocks() == 31
+
+
+def _connector(managers, pool, *, dense_blocks: dict[str, int], capped: bool = False):
+    """The connector's scheduler side over these managers, the dense group
+    (group 0; the sparse ones 1 and 2) holding ``dense_blocks`` of each request."""
+    dense = SimpleNamespace(req_to_blocks={r: [None] * n for r, n in dense_blocks.items()})
+    connector = object.__new__(InfiniGenConnector)
+    connector._kv_cache_manager = SimpleNamespace(
+        block_pool=pool, coordinator=SimpleNamespace(single_type_managers=[dense, *managers]))
+    full = SimpleNamespace(kv_cache_spec=FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32))
+    sparse = SimpleNamespace(kv_cache_spec=managers[0].kv_cache_spec)
+    connector._kv_cache_config = SimpleNamespace(kv_cache_groups=[full, sparse, sparse])
+    connector._setup = SimpleNamespace(
+        config=SimpleNamespace(device_first=True, cpu_pool_gib=None),
+        pool_bytes_per_token=1024, step_tokens=BLOCK)
+    connector._vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK))
+    connector._workers_report_pool = capped
+    return connector
+
+
+@pytest.mark.parametrize("free, returns", [(12, True), (11, False)])
+def test_the_engine_returns_when_the_live_requests_fit_in_half_the_free_blocks(free, returns):
+    """"a" over the pool holds 3 blocks of the dense group: back in the 2 sparse
+    groups it needs 6, which fit in half of 12 free blocks, not of 11."""
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 2))
+    pool.get_new_blocks(pool.get_num_free_blocks() - free)
+    connector = _connector(managers, pool, dense_blocks={"a": 3})
+    metadata = connector.build_connector_meta(None)
+    assert metadata.resident is False and metadata.restored == ()  # this step: over the pool
+    assert residency.moved is not returns
+    if returns:
+        assert residency.to_restore == {"a"}
+        _allocate(managers, "a", 3 * BLOCK)
+        metadata = connector.build_connector_meta(None)
+        assert metadata.resident is True and metadata.restored == ("a",)
+
+
+def test_a_capped_pool_never_returns_while_requests_are_live():
+    """A capped pool evicts: the K/V of a request over it may be gone."""
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 2))
+    connector = _connector(managers, pool, dense_blocks={"a": 1}, capped=True)
+    connector.build_connector_meta(None)
+    assert residency.moved

@@ -8,6 +8,7 @@ vLLM runs one instance in the scheduler (role SCHEDULER) and one per worker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,17 +28,21 @@ if TYPE_CHECKING:
 
 
 class InfiniGenMetadata(KVConnectorMetadata):
-    """What the scheduler tells the workers each step: whether the sparse
-    layers are still in the device blocks (``--infinigen-residency device-first``)."""
+    """What the scheduler tells the workers each step (``--infinigen-residency
+    device-first``): whether the sparse layers are in the device blocks, and
+    the requests over the pool whose sparse blocks came back in this step
+    (``restored``: the workers copy their K/V there from the pool)."""
 
-    def __init__(self, resident: bool) -> None:
+    def __init__(self, resident: bool, restored: tuple[str, ...] = ()) -> None:
         self.resident = resident
+        self.restored = restored
 
 
 class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._runtime: InfiniGenRuntime | None = None
+        self._restore: Callable[[tuple[str, ...]], None] | None = None
         self._setup = engine_setup(vllm_config)
         # Set once a worker reports a capped pool's capacity: the workers size
         # the pool (memory.plan_pool), the scheduler cannot tell on its own.
@@ -57,15 +62,25 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker-side methods
     # ==============================
 
-    def bind_runtime(self, runtime: InfiniGenRuntime) -> None:
-        """Called by the InfiniGen worker once its runtime is installed."""
+    def bind_runtime(self, runtime: InfiniGenRuntime,
+                     restore: Callable[[tuple[str, ...]], None] | None = None) -> None:
+        """Called by the InfiniGen worker once its runtime is installed; ``restore``
+        copies the K/V of requests back from the pool into their sparse blocks."""
         self._runtime = runtime
+        self._restore = restore
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Each step, before the forward: the step's residency to the runtime."""
+        """Each step, before the forward (after the runner's block tables took the
+        step's blocks): the step's residency to the runtime, and the K/V of the
+        requests whose blocks came back copied into them."""
         super().bind_connector_metadata(connector_metadata)
         if self._runtime is not None and isinstance(connector_metadata, InfiniGenMetadata):
             self._runtime.set_resident(connector_metadata.resident)
+            if connector_metadata.restored:
+                if self._restore is None:
+                    raise RuntimeError("InfiniGen: requests came back from the pool to a "
+                                       "worker that cannot copy their K/V")
+                self._restore(connector_metadata.restored)
 
     def has_connector_metadata(self) -> bool:
         """False: InfiniGen has no work per layer (``wait_for_layer_load`` and
@@ -129,7 +144,6 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         managers = manager.coordinator.single_type_managers
         dense = managers[dense_group_index(self._kv_cache_config.kv_cache_groups)]
         used = sum(len(blocks) for blocks in dense.req_to_blocks.values())
-        num_slots = block_pool.num_gpu_blocks * block_size
         gauges = {"device_blocks": block_pool.num_gpu_blocks - 1 - block_pool.get_num_free_blocks()}
         if self._setup.config.device_first:
             gauges["resident"] = int(self._resident())
@@ -137,13 +151,19 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
                 if count:
                     gauges[f"residency_moves.{to}"] = count  # a counter (metrics.py)
         setup = self._setup
-        cap = cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token, setup.step_tokens)
-        capped = self._workers_report_pool or (cap is not None and cap < num_slots)
-        if not capped:
+        if not self._pool_capped():
             block_bytes = block_size * setup.pool_bytes_per_token
             gauges["pool_used_bytes"] = used * block_bytes
             gauges["pool_capacity_bytes"] = (block_pool.num_gpu_blocks - 1) * block_bytes
         return InfiniGenStats(data=gauges)
+
+    def _pool_capped(self) -> bool:
+        """Whether the pool holds fewer rows than the dense group's slots (it evicts)."""
+        setup = self._setup
+        cap = cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token, setup.step_tokens)
+        num_slots = (self._kv_cache_manager.block_pool.num_gpu_blocks
+                     * self._vllm_config.cache_config.block_size)
+        return self._workers_report_pool or (cap is not None and cap < num_slots)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return 0, False
@@ -152,8 +172,36 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        """After the step's allocations: whether the engine is still resident."""
-        return InfiniGenMetadata(resident=self._resident())
+        """After the step's allocations: whether the engine is resident in this
+        step, and the requests whose sparse blocks came back in it. Then, over
+        the pool, whether the next step returns (``_maybe_restore``)."""
+        manager = self._kv_cache_manager
+        if not self._setup.config.device_first or manager is None:
+            return InfiniGenMetadata(resident=False)
+        residency = residency_of(manager.block_pool)
+        metadata = InfiniGenMetadata(resident=not residency.moved,
+                                     restored=residency.take_restored())
+        if residency.moved:
+            self._maybe_restore(residency)
+        return metadata
+
+    def _maybe_restore(self, residency) -> None:
+        """Resident again from the next step when the live requests over the pool
+        need at most half the free blocks in every sparse group (as many blocks
+        as each holds in the dense group, whose slots address the pool): the
+        other half keeps new requests and growth from moving the engine straight
+        back. Never from a capped pool (its evicted entries are gone)."""
+        live = residency.live_requests()
+        if not live or self._pool_capped():
+            return
+        manager = self._kv_cache_manager
+        dense = manager.coordinator.single_type_managers[
+            dense_group_index(self._kv_cache_config.kv_cache_groups)]
+        blocks = len(residency.managers) * sum(len(dense.req_to_blocks.get(request_id, ()))
+                                               for request_id in live)
+        free = manager.block_pool.get_num_free_blocks()
+        if blocks <= free // 2:
+            residency.restore(live, blocks, free)
 
     def _resident(self) -> bool:
         manager = self._kv_cache_manager

@@ -20,10 +20,16 @@ waiting), the engine *moves*: every sparse group frees every request's
 blocks, and allocates none while a request that ran over the pool is live;
 the workers learn it from the connector's metadata of the same step
 (``connector.py``) and select from the pool, which already holds everything
-(resident steps write through to it). Once every such request has finished
-(none is left in the sparse groups) and a new request's blocks fit, the
-engine *returns*: that request and the next ones are resident again. Each
-move is logged and counted by direction (``vllm:infinigen_residency_moves``).
+(resident steps write through to it). The engine *returns* in two ways:
+once every such request has finished (none is left in the sparse groups) and
+a new request's blocks fit, that request and the next ones are resident
+again; and, while requests over the pool are still live, as soon as all
+their blocks in every sparse group fit in half the free blocks (the
+connector decides at the end of a step, ``Residency.restore``): from the next
+step each of them gets its blocks back at its next allocation and the
+workers copy its K/V there from the pool before the forward (uncapped pools
+only: a capped one has evicted). Each move is logged and counted by direction
+(``vllm:infinigen_residency_moves``).
 """
 
 from __future__ import annotations
@@ -77,6 +83,11 @@ class Residency:
         self.moved = False
         self.managers: list[InfiniGenSparseManager] = []
         self._moves = {"pool": 0, "device": 0}  # not yet reported, by destination
+        # Requests over the pool whose sparse blocks come back at their next
+        # allocation (``restore``), and those whose blocks came back in the step
+        # being scheduled (the workers copy their K/V from the pool).
+        self.to_restore: set[str] = set()
+        self.restored: set[str] = set()
 
     def move(self) -> int:
         """Frees every sparse group's blocks of every request, which run over the
@@ -92,6 +103,8 @@ class Residency:
                 if request_id in manager.num_cached_block:
                     manager.num_cached_block[request_id] = 0
         self.moved = True
+        self.to_restore.clear()  # over the pool again, with the rest
+        self.restored.clear()  # their blocks are freed; nothing to copy
         self._moves["pool"] += 1
         logger.info("InfiniGen: the device blocks ran short: %d request(s) moved to the pool "
                     "and the selection (--infinigen-residency device-first), %d blocks of the "
@@ -109,6 +122,28 @@ class Residency:
         logger.info("InfiniGen: every request that ran over the pool has finished: new "
                     "requests are resident again (device blocks and vLLM's kernel; "
                     "--infinigen-residency device-first)")
+
+    def live_requests(self) -> set[str]:
+        """The requests live in the sparse groups (over the pool while moved)."""
+        return {request_id for manager in self.managers for request_id in manager.req_to_blocks}
+
+    def restore(self, requests: set[str], blocks: int, free: int) -> None:
+        """Resident again from the next step while ``requests`` over the pool
+        are live: each gets its sparse blocks (``blocks`` in all, of ``free``)
+        at its next allocation, and the workers copy its K/V from the pool."""
+        self.moved = False
+        self.to_restore = set(requests)
+        self._moves["device"] += 1
+        logger.info("InfiniGen: the %d request(s) over the pool fit in the device blocks "
+                    "again (%d blocks of the sparse layers, %d free): resident from the next "
+                    "step, their K/V copied back from the pool (--infinigen-residency "
+                    "device-first)", len(requests), blocks, free)
+
+    def take_restored(self) -> tuple[str, ...]:
+        """The requests whose sparse blocks came back in the step just scheduled."""
+        restored, self.restored = tuple(sorted(self.restored)), set()
+        self.to_restore -= set(restored)
+        return restored
 
     def take_moves(self) -> dict[str, int]:
         """The moves since the last call, by destination (``pool``, ``device``)."""
@@ -178,13 +213,21 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list:
         if self.resident:
-            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            blocks = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+            if blocks and request_id in self.residency.to_restore:
+                self.residency.restored.add(request_id)  # all its blocks: copy them
+            return blocks
         self.req_to_blocks[request_id]  # creates the (empty) entry
         self.num_cached_block[request_id] = 0
         return []
 
     def cache_blocks(self, *args, **kwargs) -> None:
         return None
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.residency.to_restore.discard(request_id)  # finished or preempted
+        self.residency.restored.discard(request_id)
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids,

@@ -61,6 +61,11 @@ class InfiniGenImplMixin:
             return  # the forward writes and attends in one op (``runtime.decode_short``)
         _write(runtime, state, context, dense_metadata, key, value)
 
+    def write_restored(self, layer, key, value, slot_mapping) -> None:
+        """K/V copied back from the pool into vLLM's blocks (``worker/restore.py``):
+        the stock update alone (the pool holds them already)."""
+        super().do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         runtime, state = self.infinigen_runtime, self.infinigen_layer

@@ -36,6 +36,7 @@ from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
 from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, model_fingerprint
+from vllm_infinigen.worker import restore
 from vllm_infinigen.worker.attention import install, layer_sources
 from vllm_infinigen.worker.data_path import DataPath
 from vllm_infinigen.worker.runtime import InfiniGenRuntime, PromptLengths
@@ -214,11 +215,23 @@ class InfiniGenWorkerMixin:
         if not runtime.data_path.plans_on_device:  # (the CPU's; CUDA's graphs left as they are)
             skip_sparse_slot_mappings(self.model_runner, kv_cache_config.kv_cache_groups)
         self._dense_group = dense_group_index(kv_cache_config.kv_cache_groups)
+        groups = kv_cache_config.kv_cache_groups
+        self._sparse_groups = {name: gid for gid, group in enumerate(groups)
+                               if isinstance(group.kv_cache_spec, InfiniGenSparseSpec)
+                               for name in group.layer_names}
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         if not has_kv_transfer_group():
             raise RuntimeError("InfiniGen worker started without its KV connector")
-        get_kv_transfer_group().bind_runtime(runtime)
+        get_kv_transfer_group().bind_runtime(runtime, restore=self._copy_restored)
+
+    def _copy_restored(self, requests: tuple[str, ...]) -> None:
+        """The K/V of requests back from the pool into their sparse blocks
+        (``worker/restore.py``; the connector, before the step's forward)."""
+        runtime = self.infinigen_runtime
+        restore.copy_from_pool(runtime.sparse_layers, self.model_runner, self._dense_group,
+                               self._sparse_groups, requests, self.model_config.dtype,
+                               runtime.device)
 
     def execute_model(self, scheduler_output):
         """Frees the pool rows of requests that finished or were preempted
@@ -228,4 +241,8 @@ class InfiniGenWorkerMixin:
             request = self.model_runner.requests.get(req_id)
             if request is not None:
                 self.infinigen_runtime.release_blocks(request.block_ids[self._dense_group])
+        metadata = getattr(scheduler_output, "kv_connector_metadata", None)
+        if getattr(metadata, "restored", ()):  # their rows still name the blocks of the move
+            restore.clear_rows(self.model_runner, set(self._sparse_groups.values()),
+                               metadata.restored)
         return super().execute_model(scheduler_output)

@@ -130,6 +130,11 @@ class LayerState:
         self.selector: Callable[[RowSet, torch.Tensor, torch.Tensor | None],
                                 object] | None = None
 
+    @property
+    def attention(self) -> torch.nn.Module:
+        """vLLM's attention layer: its impl, its KV cache and scales."""
+        return self._attn
+
     def kv_scales(self) -> Mapping[str, float]:
         """vLLM's ``k_scale`` and ``v_scale`` of this layer as the kernels'
         ``key_scale`` and ``value_scale``: an FP8 pool (``--kv-cache-dtype

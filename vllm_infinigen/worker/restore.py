@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``--infinigen-residency device-first``: requests over the pool back in the device blocks.
+
+When the engine returns while requests that ran over the pool are live
+(``scheduler/spec.py``, ``Residency.restore``), each gets its sparse groups' blocks
+back at its next allocation, and the connector's metadata of that step names it
+(``restored``). Its K/V is in the pool (every step writes through to it), addressed
+by its dense group's block ids; the worker copies it into the new blocks with the
+stock backend's own KV update (its layout, its FP8 scaling) before the forward:
+
+- ``clear_rows``, before the runner takes the step's blocks: the runner still holds
+  the sparse block ids freed at the move (the scheduler never told it), so the
+  restored request's rows of those groups are emptied, and the new blocks fill
+  them from the start;
+- ``copy_from_pool``, once the step's block tables are the runner's (the
+  connector's ``bind_connector_metadata``, eagerly, outside any CUDA graph): for
+  each sparse layer, the request's blocks of the pool into its new blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import torch
+
+from vllm_infinigen.worker.layer_state import LayerState
+
+
+def clear_rows(model_runner, sparse_groups: Collection[int], requests: Collection[str]) -> None:
+    """Empties ``requests``' block ids of ``sparse_groups`` in the runner's state and
+    its persistent batch (a request not in it is added from its state)."""
+    batch = model_runner.input_batch
+    for request_id in requests:
+        state = model_runner.requests.get(request_id)
+        if state is not None:
+            for group in sparse_groups:
+                state.block_ids[group].clear()
+        row = batch.req_id_to_index.get(request_id)
+        if row is not None:
+            for group in sparse_groups:
+                batch.block_table[group].clear_row(row)
+
+
+def pool_entries(state: LayerState, blocks: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [len(blocks) * block_size, H_kv, D] of ``blocks`` (dense group ids:
+    an uncapped pool's units) in ``dtype``, unscaled (an FP8 pool holds K / k_scale)."""
+    units = state.kv_pool[blocks.to(state.kv_pool.device)].to(device)  # [n, H, B, 2D]
+    entries = units.permute(0, 2, 1, 3).flatten(0, 1)  # [n * B, H, 2D]
+    scales, head_size = state.kv_scales(), state.head_size
+    key = entries[..., :head_size].to(dtype) * scales["key_scale"]
+    value = entries[..., head_size:].to(dtype) * scales["value_scale"]
+    return key.contiguous(), value.contiguous()
+
+
+def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: int,
+                   group_of: Mapping[str, int], requests: Collection[str],
+                   dtype: torch.dtype, device: torch.device) -> int:
+    """Each sparse layer's K/V of ``requests`` from the pool into their blocks of the
+    layer's group, through the stock KV update. Returns the blocks copied per layer."""
+    copied = 0
+    for state in layers:
+        group = group_of[state.layer_name]
+        sources: list[int] = []
+        targets: list[int] = []
+        for request_id in requests:
+            block_ids = model_runner.requests[request_id].block_ids
+            if len(block_ids[group]) != len(block_ids[dense_group]):  # rows not cleared
+                raise RuntimeError(
+                    f"InfiniGen: request {request_id} came back from the pool with "
+                    f"{len(block_ids[group])} blocks in KV-cache group {group} for its "
+                    f"{len(block_ids[dense_group])} in the dense group")
+            sources += block_ids[dense_group]
+            targets += block_ids[group]
+        if not sources:
+            continue
+        key, value = pool_entries(state, torch.tensor(sources), dtype, device)
+        block_size = state.kv_pool.shape[2]
+        offsets = torch.arange(block_size, device=device)
+        slots = (torch.tensor(targets, device=device)[:, None] * block_size + offsets).flatten()
+        state.attention.impl.write_restored(state.attention, key, value, slots)
+        copied = len(sources)
+    return copied
