@@ -133,13 +133,13 @@ def test_restored_requests_get_all_their_blocks_at_their_next_allocation():
     # "a" is scheduled this step: every block it needs, in each sparse group
     assert _allocate(managers, "a", 5 * BLOCK) == [5, 5]
     assert [len(m.req_to_blocks["a"]) for m in managers] == [5, 5]
-    assert residency.take_restored() == ("a",)  # named once, for this step's copy
+    assert residency.take_returns() == (("a",), ("a",))  # named once: rows, copy
     assert residency.to_restore == {"b"}
     assert _allocate(managers, "a", 6 * BLOCK) == [1, 1]  # its next step: no copy
-    assert residency.take_restored() == ()
+    assert residency.take_returns() == ((), ())
     # "b", not scheduled until now, comes back at its allocation
     assert _allocate(managers, "b", 4 * BLOCK) == [4, 4]
-    assert residency.take_restored() == ("b",) and residency.to_restore == set()
+    assert residency.take_returns() == (("b",), ("b",)) and residency.to_restore == set()
     assert not residency.moved
 
 
@@ -151,11 +151,46 @@ def test_a_restore_pending_request_that_ends_or_a_move_clears_it():
     _free(managers, "b")  # finished or preempted before its allocation
     assert residency.to_restore == {"a"}
     # "c" would not fit resident: the engine moves again, freeing "a"'s new
-    # blocks; nothing is left to copy, and nothing comes back later
+    # blocks: nothing to copy, but "a"'s rows are emptied (the runner appends
+    # the freed blocks to them), and nothing comes back later
     _allocate(managers, "c", 30 * BLOCK)
     assert residency.moved and residency.to_restore == set()
-    assert residency.take_restored() == ()
+    assert residency.take_returns() == (("a",), ())
     assert pool.get_num_free_blocks() == 31
+
+
+def test_vllms_deferred_frees_forget_a_restoration_too():
+    """With asynchronous scheduling vLLM pops a request's blocks and frees them
+    later (``pop_blocks_for_free``), without ``free``."""
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 4), ("b", 4))
+    residency.restore({"a", "b"}, blocks=16, free=31)
+    _allocate(managers, "a", 4 * BLOCK)
+    for manager in managers:
+        pool.free_blocks(reversed(manager.pop_blocks_for_free("a")))
+    assert residency.take_returns() == ((), ()) and residency.to_restore == {"b"}
+
+
+def test_a_return_undone_soon_doubles_the_steps_the_next_waits_for():
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 2))
+    assert residency.step(True)  # patience 1: at once
+    residency.restore({"a"}, blocks=4, free=29)
+    for _ in range(10):  # 10 steps resident, then a move
+        residency.step(False)
+    residency.move()
+    assert residency.patience == 2
+    assert not residency.step(True) and residency.step(True)  # 2 in a row
+    residency.restore({"a"}, blocks=4, free=29)
+    residency.move()
+    assert residency.patience == 4
+    assert residency.step(True) is False and residency.step(False) is False
+    assert [residency.step(True) for _ in range(4)] == [False, False, False, True]
+    residency.restore({"a"}, blocks=4, free=29)
+    for _ in range(64):  # a return that lasted
+        residency.step(False)
+    residency.move()
+    assert residency.patience == 1
 
 
 def _connector(managers, pool, *, dense_blocks: dict[str, int], capped: bool = False):
@@ -186,13 +221,13 @@ def test_the_engine_returns_when_the_live_requests_fit_in_half_the_free_blocks(f
     pool.get_new_blocks(pool.get_num_free_blocks() - free)
     connector = _connector(managers, pool, dense_blocks={"a": 3})
     metadata = connector.build_connector_meta(None)
-    assert metadata.resident is False and metadata.restored == ()  # this step: over the pool
+    assert metadata.resident is False and metadata.restored == metadata.cleared == ()
     assert residency.moved is not returns
     if returns:
         assert residency.to_restore == {"a"}
         _allocate(managers, "a", 3 * BLOCK)
         metadata = connector.build_connector_meta(None)
-        assert metadata.resident is True and metadata.restored == ("a",)
+        assert metadata.resident is True and metadata.restored == metadata.cleared == ("a",)
 
 
 def test_a_capped_pool_never_returns_while_requests_are_live():

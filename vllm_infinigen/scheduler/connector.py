@@ -33,9 +33,13 @@ class InfiniGenMetadata(KVConnectorMetadata):
     the requests over the pool whose sparse blocks came back in this step
     (``restored``: the workers copy their K/V there from the pool)."""
 
-    def __init__(self, resident: bool, restored: tuple[str, ...] = ()) -> None:
+    def __init__(self, resident: bool, restored: tuple[str, ...] = (),
+                 cleared: tuple[str, ...] = ()) -> None:
         self.resident = resident
         self.restored = restored
+        # The requests whose sparse rows the workers empty before the step's blocks
+        # (``restored``, and any whose blocks a move in the same step freed again).
+        self.cleared = cleared
 
 
 class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
@@ -179,8 +183,9 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._setup.config.device_first or manager is None:
             return InfiniGenMetadata(resident=False)
         residency = residency_of(manager.block_pool)
-        metadata = InfiniGenMetadata(resident=not residency.moved,
-                                     restored=residency.take_restored())
+        cleared, restored = residency.take_returns()
+        metadata = InfiniGenMetadata(resident=not residency.moved, restored=restored,
+                                     cleared=cleared)
         if residency.moved:
             self._maybe_restore(residency)
         return metadata
@@ -188,11 +193,13 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def _maybe_restore(self, residency) -> None:
         """Resident again from the next step when the live requests over the pool
         need at most half the free blocks in every sparse group (as many blocks
-        as each holds in the dense group, whose slots address the pool): the
-        other half keeps new requests and growth from moving the engine straight
-        back. Never from a capped pool (its evicted entries are gone)."""
+        as each holds in the dense group, whose slots address the pool), for
+        ``residency.patience`` steps in a row: the other half keeps new requests
+        and growth from moving the engine straight back, the patience grows where
+        they did. Never from a capped pool (its evicted entries are gone)."""
         live = residency.live_requests()
         if not live or self._pool_capped():
+            residency.step(False)
             return
         manager = self._kv_cache_manager
         dense = manager.coordinator.single_type_managers[
@@ -200,7 +207,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         blocks = len(residency.managers) * sum(len(dense.req_to_blocks.get(request_id, ()))
                                                for request_id in live)
         free = manager.block_pool.get_num_free_blocks()
-        if blocks <= free // 2:
+        if residency.step(blocks <= free // 2):
             residency.restore(live, blocks, free)
 
     def _resident(self) -> bool:

@@ -75,6 +75,10 @@ class InfiniGenSparseSpec(AttentionSpec):
         return cls(**{name: getattr(spec, name) for name in names}, device_first=device_first)
 
 
+QUICK_UNDO = 64  # scheduler steps: a return undone by a move sooner doubles the patience
+MAX_PATIENCE = 1024
+
+
 class Residency:
     """Whether an engine's sparse layers are still in the device blocks: one
     per scheduler (its block pool), shared by the sparse groups' managers."""
@@ -84,14 +88,25 @@ class Residency:
         self.managers: list[InfiniGenSparseManager] = []
         self._moves = {"pool": 0, "device": 0}  # not yet reported, by destination
         # Requests over the pool whose sparse blocks come back at their next
-        # allocation (``restore``), and those whose blocks came back in the step
-        # being scheduled (the workers copy their K/V from the pool).
+        # allocation (``restore``); of those, the ones that got them in the step
+        # being scheduled (``cleared``: the workers empty their sparse rows, which
+        # still name the blocks of the move, before appending the new ones) and
+        # still hold them (``restored``: the workers copy their K/V from the pool;
+        # a move in the same step frees them again).
         self.to_restore: set[str] = set()
+        self.cleared: set[str] = set()
         self.restored: set[str] = set()
+        # Against flip-flops (each return copies its requests' K/V): the steps the
+        # return's condition must hold in a row, doubled when a return is undone
+        # by a move within QUICK_UNDO steps, back to 1 after one that lasted.
+        self.patience = 1
+        self._fit_steps = 0
+        self._steps = 0
+        self._returned_at: int | None = None
 
     def move(self) -> int:
         """Frees every sparse group's blocks of every request, which run over the
-        pool until they finish. Returns the blocks freed."""
+        pool until they finish or come back (``restore``). Returns the blocks freed."""
         freed = 0
         requests = {request_id for manager in self.managers for request_id in manager.req_to_blocks}
         for manager in self.managers:
@@ -105,6 +120,11 @@ class Residency:
         self.moved = True
         self.to_restore.clear()  # over the pool again, with the rest
         self.restored.clear()  # their blocks are freed; nothing to copy
+        if self._returned_at is not None:
+            undone = self._steps - self._returned_at < QUICK_UNDO
+            self.patience = min(2 * self.patience, MAX_PATIENCE) if undone else 1
+            self._returned_at = None
+        self._fit_steps = 0
         self._moves["pool"] += 1
         logger.info("InfiniGen: the device blocks ran short: %d request(s) moved to the pool "
                     "and the selection (--infinigen-residency device-first), %d blocks of the "
@@ -127,23 +147,40 @@ class Residency:
         """The requests live in the sparse groups (over the pool while moved)."""
         return {request_id for manager in self.managers for request_id in manager.req_to_blocks}
 
+    def step(self, fits: bool) -> bool:
+        """One scheduler step over the pool (``fits``: whether its live requests
+        would fit back); whether to return now (``restore``)."""
+        self._steps += 1
+        self._fit_steps = self._fit_steps + 1 if fits else 0
+        return self._fit_steps >= self.patience
+
     def restore(self, requests: set[str], blocks: int, free: int) -> None:
         """Resident again from the next step while ``requests`` over the pool
         are live: each gets its sparse blocks (``blocks`` in all, of ``free``)
         at its next allocation, and the workers copy its K/V from the pool."""
         self.moved = False
         self.to_restore = set(requests)
+        self._returned_at = self._steps
         self._moves["device"] += 1
         logger.info("InfiniGen: the %d request(s) over the pool fit in the device blocks "
-                    "again (%d blocks of the sparse layers, %d free): resident from the next "
-                    "step, their K/V copied back from the pool (--infinigen-residency "
-                    "device-first)", len(requests), blocks, free)
+                    "again (%d blocks of the sparse layers, %d free, for %d step(s) in a row): "
+                    "resident from the next step, their K/V copied back from the pool "
+                    "(--infinigen-residency device-first)", len(requests), blocks, free,
+                    self._fit_steps)
 
-    def take_restored(self) -> tuple[str, ...]:
-        """The requests whose sparse blocks came back in the step just scheduled."""
-        restored, self.restored = tuple(sorted(self.restored)), set()
-        self.to_restore -= set(restored)
-        return restored
+    def take_returns(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The requests whose sparse blocks came back in the step just scheduled:
+        those whose rows the workers empty, and those whose K/V they copy."""
+        cleared, restored = tuple(sorted(self.cleared)), tuple(sorted(self.restored))
+        self.to_restore -= self.cleared
+        self.cleared, self.restored = set(), set()
+        return cleared, restored
+
+    def forget(self, request_id: str) -> None:
+        """``request_id`` was freed (finished or preempted): nothing comes back."""
+        self.to_restore.discard(request_id)
+        self.cleared.discard(request_id)
+        self.restored.discard(request_id)
 
     def take_moves(self) -> dict[str, int]:
         """The moves since the last call, by destination (``pool``, ``device``)."""
@@ -215,7 +252,8 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         if self.resident:
             blocks = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
             if blocks and request_id in self.residency.to_restore:
-                self.residency.restored.add(request_id)  # all its blocks: copy them
+                self.residency.cleared.add(request_id)  # all its blocks: copy them
+                self.residency.restored.add(request_id)
             return blocks
         self.req_to_blocks[request_id]  # creates the (empty) entry
         self.num_cached_block[request_id] = 0
@@ -224,10 +262,10 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
     def cache_blocks(self, *args, **kwargs) -> None:
         return None
 
-    def free(self, request_id: str) -> None:
-        super().free(request_id)
-        self.residency.to_restore.discard(request_id)  # finished or preempted
-        self.residency.restored.discard(request_id)
+    def pop_blocks_for_free(self, request_id: str) -> list:
+        """(``free`` calls it, and vLLM directly where it defers the frees.)"""
+        self.residency.forget(request_id)  # finished or preempted
+        return super().pop_blocks_for_free(request_id)
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids,

@@ -235,14 +235,16 @@ class InfiniGenWorkerMixin:
 
     def execute_model(self, scheduler_output):
         """Frees the pool rows of requests that finished or were preempted
-        since the last step, before this step's tokens take rows."""
+        since the last step, before this step's tokens take rows; empties the
+        sparse rows of requests whose blocks come back (``worker/restore.py``)
+        before the runner appends them."""
         gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
         for req_id in gone:
             request = self.model_runner.requests.get(req_id)
             if request is not None:
                 self.infinigen_runtime.release_blocks(request.block_ids[self._dense_group])
         metadata = getattr(scheduler_output, "kv_connector_metadata", None)
-        if getattr(metadata, "restored", ()):  # their rows still name the blocks of the move
+        if getattr(metadata, "cleared", ()):  # their rows still name the blocks of a move
             restore.clear_rows(self.model_runner, set(self._sparse_groups.values()),
-                               metadata.restored)
+                               metadata.cleared)
         return super().execute_model(scheduler_output)

@@ -11,10 +11,14 @@ stock backend's own KV update (its layout, its FP8 scaling) before the forward:
 - ``clear_rows``, before the runner takes the step's blocks: the runner still holds
   the sparse block ids freed at the move (the scheduler never told it), so the
   restored request's rows of those groups are emptied, and the new blocks fill
-  them from the start;
+  them from the start (also where a move later in the same step freed them
+  again: the metadata's ``cleared``);
 - ``copy_from_pool``, once the step's block tables are the runner's (the
   connector's ``bind_connector_metadata``, eagerly, outside any CUDA graph): for
-  each sparse layer, the request's blocks of the pool into its new blocks.
+  each sparse layer, the request's blocks of the pool into its new blocks, a
+  chunk of blocks at a time. On a GPU the device finishes first: the last steps
+  over the pool wrote the pinned pool from its kernels, perhaps still running
+  (vLLM's asynchronous scheduling waits for none of them here).
 """
 
 from __future__ import annotations
@@ -48,9 +52,15 @@ def pool_entries(state: LayerState, blocks: torch.Tensor, dtype: torch.dtype,
     units = state.kv_pool[blocks.to(state.kv_pool.device)].to(device)  # [n, H, B, 2D]
     entries = units.permute(0, 2, 1, 3).flatten(0, 1)  # [n * B, H, 2D]
     scales, head_size = state.kv_scales(), state.head_size
-    key = entries[..., :head_size].to(dtype) * scales["key_scale"]
-    value = entries[..., head_size:].to(dtype) * scales["value_scale"]
+    key, value = entries[..., :head_size].to(dtype), entries[..., head_size:].to(dtype)
+    if scales["key_scale"] != 1.0:
+        key = key * scales["key_scale"]
+    if scales["value_scale"] != 1.0:
+        value = value * scales["value_scale"]
     return key.contiguous(), value.contiguous()
+
+
+CHUNK_BLOCKS = 256  # blocks a copy reads from the pool at a time (bounds its temporaries)
 
 
 def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: int,
@@ -58,7 +68,9 @@ def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: in
                    dtype: torch.dtype, device: torch.device) -> int:
     """Each sparse layer's K/V of ``requests`` from the pool into their blocks of the
     layer's group, through the stock KV update. Returns the blocks copied per layer."""
-    copied = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the pool's last writes, from every stream
+    blocks_per_layer = 0
     for state in layers:
         group = group_of[state.layer_name]
         sources: list[int] = []
@@ -72,12 +84,12 @@ def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: in
                     f"{len(block_ids[dense_group])} in the dense group")
             sources += block_ids[dense_group]
             targets += block_ids[group]
-        if not sources:
-            continue
-        key, value = pool_entries(state, torch.tensor(sources), dtype, device)
         block_size = state.kv_pool.shape[2]
         offsets = torch.arange(block_size, device=device)
-        slots = (torch.tensor(targets, device=device)[:, None] * block_size + offsets).flatten()
-        state.attention.impl.write_restored(state.attention, key, value, slots)
-        copied = len(sources)
-    return copied
+        for start in range(0, len(sources), CHUNK_BLOCKS):
+            chunk = slice(start, start + CHUNK_BLOCKS)
+            key, value = pool_entries(state, torch.tensor(sources[chunk]), dtype, device)
+            slots = torch.tensor(targets[chunk], device=device)[:, None] * block_size + offsets
+            state.attention.impl.write_restored(state.attention, key, value, slots.flatten())
+        blocks_per_layer = len(sources)
+    return blocks_per_layer

@@ -333,7 +333,7 @@ class InfiniGenRuntime:
 
     def set_resident(self, resident: bool) -> None:
         """The step's residency, from the scheduler (``scheduler/spec.py``: to the
-        pool when the blocks run short, back once its requests have finished);
+        pool when the blocks run short, back once its requests fit or finished);
         at each change ``on_move`` runs, given the new residency."""
         if resident != self.resident:
             self.resident = resident
