@@ -164,3 +164,28 @@ def test_a_request_over_the_pool_comes_back_to_the_device_blocks_and_equals_stoc
     assert counters["resident"] == {"": 1.0}
     assert sum(counters["selected_tokens"].values()) > 0  # InfiniGen while over the pool
     assert preemptions == 0
+
+
+def test_the_load_benchmark_stays_resident_only_where_the_engine_returns_under_load(tmp_path):
+    """``benchmarks/perf/residency_load.py`` (its own process: it drives engines in
+    it): after the burst's move, its steady arrivals never leave the engine idle, so
+    only the return under load brings it back; its results name their command."""
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks.harness.paths import REPO
+
+    out = tmp_path / "residency_load"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.perf.residency_load",
+                           "--steps", "60", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    under_load, lull = rows["return under load"], rows["after a lull only"]
+    assert under_load["first_move"] is not None and lull["first_move"] is not None
+    assert under_load["moves_to_device"] >= 1 and under_load["resident_after_move"] > 0
+    assert lull["moves_to_device"] == 0 and lull["resident_after_move"] == 0
+    assert under_load["requests"] == lull["requests"] == 8  # 6 in the burst, 2 after
+    assert "- command: `python -m benchmarks.perf.residency_load --steps 60" in (
+        out.with_suffix(".md").read_text())
