@@ -70,3 +70,59 @@ def test_clear_rows_empties_the_sparse_groups_only_of_the_requests_named():
     assert requests["gone"].block_ids == ([1, 2], [], [])  # not in the batch: its state
     assert requests["b"].block_ids == ([1, 2], [7, 8], [9, 10])
     assert [t.cleared for t in tables] == [[], [1], [1]]
+
+
+def _layer(name: str, pool: torch.Tensor, calls: list):
+    impl = SimpleNamespace(write_restored=lambda layer, key, value, slots:
+                           calls.append((name, key.clone(), value.clone(), slots.tolist())))
+    return SimpleNamespace(layer_name=name, kv_pool=pool, head_size=D,
+                           kv_scales=lambda: {"key_scale": 1.0, "value_scale": 1.0},
+                           attention=SimpleNamespace(impl=impl))
+
+
+def test_copy_from_pool_writes_each_layers_blocks_at_the_new_ids_after_the_device_waits(
+        monkeypatch):
+    """Per sparse layer, the requests' dense blocks of the pool go to their blocks of
+    the layer's group (slot = block x block size + offset), a chunk at a time, once
+    the device has finished (``devices.synchronize``: the pool's last writes)."""
+    calls: list = []
+    monkeypatch.setattr(restore.devices, "synchronize", lambda device: calls.append("wait"))
+    monkeypatch.setattr(restore, "CHUNK_BLOCKS", 2)
+    pools = {name: torch.randn(8, H, B, 2 * D) for name in ("l2", "l3")}
+    layers = [_layer(name, pool, calls) for name, pool in pools.items()]
+    # groups: 0 dense, 1 holds l2, 2 holds l3
+    requests = {"a": SimpleNamespace(block_ids=([5, 1, 6], [2, 3, 4], [7, 0, 2])),
+                "b": SimpleNamespace(block_ids=([3], [6], [5]))}
+    runner = SimpleNamespace(requests=requests)
+    copied = restore.copy_from_pool(layers, runner, 0, {"l2": 1, "l3": 2}, ["a", "b"],
+                                    torch.float32, torch.device("cpu"))
+    assert copied == 4 and calls[0] == "wait"
+    writes = calls[1:]
+    assert [name for name, *_ in writes] == ["l2", "l2", "l3", "l3"]  # 4 blocks, 2 a chunk
+    for name, group in (("l2", 1), ("l3", 2)):
+        sources = requests["a"].block_ids[0] + requests["b"].block_ids[0]
+        targets = requests["a"].block_ids[group] + requests["b"].block_ids[group]
+        slots = [s for n, _, _, chunk in writes if n == name for s in chunk]
+        assert slots == [t * B + o for t in targets for o in range(B)]
+        key = torch.cat([k for n, k, _, _ in writes if n == name])
+        value = torch.cat([v for n, _, v, _ in writes if n == name])
+        expected = pools[name][sources].permute(0, 2, 1, 3).flatten(0, 1)
+        assert torch.equal(key, expected[..., :D]) and torch.equal(value, expected[..., D:])
+
+
+def test_copy_from_pool_refuses_a_request_whose_rows_were_not_emptied():
+    """Its sparse list longer than its dense one: the rows still name the blocks of
+    the move (``clear_rows`` was skipped); copying would write to blocks it does not
+    hold."""
+    layer = _layer("l2", torch.zeros(8, H, B, 2 * D), [])
+    runner = SimpleNamespace(requests={"a": SimpleNamespace(block_ids=([5, 1], [2, 3, 4, 6]))})
+    with pytest.raises(RuntimeError, match="4 blocks in KV-cache group 1 for its 2"):
+        restore.copy_from_pool([layer], runner, 0, {"l2": 1}, ["a"], torch.float32,
+                               torch.device("cpu"))
+
+
+def test_only_a_device_with_a_line_waits():
+    from vllm_infinigen.platforms import devices
+
+    assert devices._load(devices.SYNCHRONIZERS["cuda"]) is torch.cuda.synchronize
+    devices.synchronize(torch.device("cpu"))  # no line: nothing to wait for, no error

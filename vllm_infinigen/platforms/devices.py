@@ -26,6 +26,12 @@ CAPTURE_CHECKS = {
     "cuda": "torch.cuda.is_current_stream_capturing",
 }
 
+# Device type -> waits for all its work, every stream's: ``synchronize(device)``. A
+# device without a line runs each op before the next (the CPU).
+SYNCHRONIZERS = {
+    "cuda": "torch.cuda.synchronize",
+}
+
 
 def rotate(rope, positions: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """``query`` after the model's RoPE (``rope``: its ``rotary_emb``), by the
@@ -40,6 +46,13 @@ def is_capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream is being captured into a graph."""
     path = CAPTURE_CHECKS.get(device.type)
     return path is not None and _load(path)()
+
+
+def synchronize(device: torch.device) -> None:
+    """Returns once every op queued on ``device`` so far has run."""
+    path = SYNCHRONIZERS.get(device.type)
+    if path is not None:
+        _load(path)(device)
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping
 
 import torch
 
+import vllm_infinigen.platforms.devices as devices
 from vllm_infinigen.worker.layer_state import LayerState
 
 
@@ -68,8 +69,7 @@ def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: in
                    dtype: torch.dtype, device: torch.device) -> int:
     """Each sparse layer's K/V of ``requests`` from the pool into their blocks of the
     layer's group, through the stock KV update. Returns the blocks copied per layer."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the pool's last writes, from every stream
+    devices.synchronize(device)  # the pool's last writes, from every stream
     blocks_per_layer = 0
     for state in layers:
         group = group_of[state.layer_name]
