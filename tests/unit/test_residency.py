@@ -171,24 +171,48 @@ def test_vllms_deferred_frees_forget_a_restoration_too():
     assert residency.take_returns() == ((), ()) and residency.to_restore == {"b"}
 
 
+def _steps(residency, count: int, fits: bool | None = None) -> list[bool]:
+    """``count`` scheduler steps: resident (None), or over the pool with ``fits``."""
+    ready = []
+    for _ in range(count):
+        residency.tick()
+        if fits is not None:
+            ready.append(residency.step(fits))
+    return ready
+
+
 def test_a_return_undone_soon_doubles_the_steps_the_next_waits_for():
     pool, managers = _managers(32)
     residency = _moved_with(managers, ("a", 2))
-    assert residency.step(True)  # patience 1: at once
+    assert _steps(residency, 1, fits=True) == [True]  # patience 1: at once
     residency.restore({"a"}, blocks=4, free=29)
-    for _ in range(10):  # 10 steps resident, then a move
-        residency.step(False)
+    _steps(residency, 10)  # 10 steps resident, then a move
     residency.move()
     assert residency.patience == 2
-    assert not residency.step(True) and residency.step(True)  # 2 in a row
+    assert _steps(residency, 2, fits=True) == [False, True]  # 2 in a row
     residency.restore({"a"}, blocks=4, free=29)
-    residency.move()
+    residency.move()  # undone at once
     assert residency.patience == 4
-    assert residency.step(True) is False and residency.step(False) is False
-    assert [residency.step(True) for _ in range(4)] == [False, False, False, True]
+    assert _steps(residency, 2, fits=True) == [False, False]
+    assert _steps(residency, 1, fits=False) == [False]  # the count starts again
+    assert _steps(residency, 4, fits=True) == [False, False, False, True]
     residency.restore({"a"}, blocks=4, free=29)
-    for _ in range(64):  # a return that lasted
-        residency.step(False)
+    _steps(residency, 64)  # a return that lasted: resident 64 steps
+    residency.move()
+    assert residency.patience == 1
+
+
+def test_the_connector_counts_every_step_resident_or_not():
+    """A return that stays resident 64 steps has lasted, though no step over the
+    pool came between (the connector ticks every step)."""
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 2))
+    connector = _connector(managers, pool, dense_blocks={"a": 1})
+    connector.build_connector_meta(None)  # over the pool: fits, patience 1: returns
+    assert not residency.moved
+    _allocate(managers, "a", 2 * BLOCK)
+    for _ in range(64):
+        connector.build_connector_meta(None)  # resident
     residency.move()
     assert residency.patience == 1
 

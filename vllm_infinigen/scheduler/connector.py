@@ -183,6 +183,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._setup.config.device_first or manager is None:
             return InfiniGenMetadata(resident=False)
         residency = residency_of(manager.block_pool)
+        residency.tick()
         cleared, restored = residency.take_returns()
         metadata = InfiniGenMetadata(resident=not residency.moved, restored=restored,
                                      cleared=cleared)

@@ -147,10 +147,13 @@ class Residency:
         """The requests live in the sparse groups (over the pool while moved)."""
         return {request_id for manager in self.managers for request_id in manager.req_to_blocks}
 
-    def step(self, fits: bool) -> bool:
-        """One scheduler step over the pool (``fits``: whether its live requests
-        would fit back); whether to return now (``restore``)."""
+    def tick(self) -> None:
+        """One scheduler step, resident or not (the connector, each step)."""
         self._steps += 1
+
+    def step(self, fits: bool) -> bool:
+        """A step over the pool (``fits``: whether its live requests would fit
+        back); whether to return now (``restore``)."""
         self._fit_steps = self._fit_steps + 1 if fits else 0
         return self._fit_steps >= self.patience
 
