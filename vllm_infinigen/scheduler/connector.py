@@ -145,9 +145,7 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         # free (prefix caching is off: a freed block is free), less vLLM's null
         # block; the dense group's requests (whose block ids address the pool)
         # hold no null block (full attention, no prefix hit).
-        managers = manager.coordinator.single_type_managers
-        dense = managers[dense_group_index(self._kv_cache_config.kv_cache_groups)]
-        used = sum(len(blocks) for blocks in dense.req_to_blocks.values())
+        used = sum(len(blocks) for blocks in self._dense_manager().req_to_blocks.values())
         gauges = {"device_blocks": block_pool.num_gpu_blocks - 1 - block_pool.get_num_free_blocks()}
         if self._setup.config.device_first:
             gauges["resident"] = int(self._resident())
@@ -160,6 +158,11 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
             gauges["pool_used_bytes"] = used * block_bytes
             gauges["pool_capacity_bytes"] = (block_pool.num_gpu_blocks - 1) * block_bytes
         return InfiniGenStats(data=gauges)
+
+    def _dense_manager(self):
+        """The dense group's manager: its requests' blocks address the pool's rows."""
+        managers = self._kv_cache_manager.coordinator.single_type_managers
+        return managers[dense_group_index(self._kv_cache_config.kv_cache_groups)]
 
     def _pool_capped(self) -> bool:
         """Whether the pool holds fewer rows than the dense group's slots (it evicts)."""
@@ -202,12 +205,10 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         if not live or self._pool_capped():
             residency.step(False)
             return
-        manager = self._kv_cache_manager
-        dense = manager.coordinator.single_type_managers[
-            dense_group_index(self._kv_cache_config.kv_cache_groups)]
+        dense = self._dense_manager()
         blocks = len(residency.managers) * sum(len(dense.req_to_blocks.get(request_id, ()))
                                                for request_id in live)
-        free = manager.block_pool.get_num_free_blocks()
+        free = self._kv_cache_manager.block_pool.get_num_free_blocks()
         if residency.step(blocks <= free // 2):
             residency.restore(live, blocks, free)
 

@@ -108,7 +108,7 @@ class Residency:
         """Frees every sparse group's blocks of every request, which run over the
         pool until they finish or come back (``restore``). Returns the blocks freed."""
         freed = 0
-        requests = {request_id for manager in self.managers for request_id in manager.req_to_blocks}
+        requests = self.live_requests()
         for manager in self.managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 held = [block for block in blocks if not block.is_null]

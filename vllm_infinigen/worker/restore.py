@@ -70,26 +70,25 @@ def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: in
     """Each sparse layer's K/V of ``requests`` from the pool into their blocks of the
     layer's group, through the stock KV update. Returns the blocks copied per layer."""
     devices.synchronize(device)  # the pool's last writes, from every stream
-    blocks_per_layer = 0
-    for state in layers:
-        group = group_of[state.layer_name]
-        sources: list[int] = []
-        targets: list[int] = []
-        for request_id in requests:
-            block_ids = model_runner.requests[request_id].block_ids
+    sources: list[int] = []  # the requests' dense blocks, the same for every group
+    targets: dict[int, list[int]] = {group: [] for group in set(group_of.values())}
+    for request_id in requests:
+        block_ids = model_runner.requests[request_id].block_ids
+        for group, blocks in targets.items():
             if len(block_ids[group]) != len(block_ids[dense_group]):  # rows not cleared
                 raise RuntimeError(
                     f"InfiniGen: request {request_id} came back from the pool with "
                     f"{len(block_ids[group])} blocks in KV-cache group {group} for its "
                     f"{len(block_ids[dense_group])} in the dense group")
-            sources += block_ids[dense_group]
-            targets += block_ids[group]
+            blocks += block_ids[group]
+        sources += block_ids[dense_group]
+    for state in layers:
         block_size = state.kv_pool.shape[2]
         offsets = torch.arange(block_size, device=device)
         for start in range(0, len(sources), CHUNK_BLOCKS):
             chunk = slice(start, start + CHUNK_BLOCKS)
             key, value = pool_entries(state, torch.tensor(sources[chunk]), dtype, device)
-            slots = torch.tensor(targets[chunk], device=device)[:, None] * block_size + offsets
+            slots = (torch.tensor(targets[group_of[state.layer_name]][chunk], device=device)
+                     [:, None] * block_size + offsets)
             state.attention.impl.write_restored(state.attention, key, value, slots.flatten())
-        blocks_per_layer = len(sources)
-    return blocks_per_layer
+    return len(sources)
