@@ -147,7 +147,8 @@ def steps(work: Path, scripts: Path, interpreter_numpy: Path | None) -> list[Ste
         Step("Triton kernels compiled for sm_90",
              [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
               "tests/unit/test_triton_compile.py"], [r"\d+ passed"], pytest_failures,
-             summary=True),
+             # a cache of its own: a cached kernel would not be compiled again
+             {"TRITON_CACHE_DIR": str(work / "triton-cache")}, summary=True),
         Step("issue 48's training call (call 1), smoke form on the CPU",
              training_as_smoke(training, scripts, work / "pack", work / "recall"),
              [r"done \["]),
