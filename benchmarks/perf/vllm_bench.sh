@@ -48,7 +48,9 @@ KV_BYTES="${KV_BYTES:-33554432}"
 RESULTS="$REPO/benchmarks/results"
 # How this run was started, for the summary's provenance.
 COMMAND="bash benchmarks/perf/vllm_bench.sh${1:+ $1}"
-for name in NUM_PROMPTS INPUT_LEN OUTPUT_LEN KV_BYTES; do
+# (and the OpenMP and vLLM CPU thread settings the workers inherit, when set)
+for name in NUM_PROMPTS INPUT_LEN OUTPUT_LEN KV_BYTES GOMP_SPINCOUNT OMP_WAIT_POLICY \
+    VLLM_CPU_OMP_THREADS_BIND; do
   if [ -n "${!name:-}" ]; then COMMAND="$name=${!name} $COMMAND"; fi
 done
 LOGS="$RESULTS/tmp/vllm_bench"
