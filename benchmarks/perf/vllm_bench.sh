@@ -73,7 +73,9 @@ keep_results() {  # keep_results NAME COMMAND...: runs it, keeps the result line
   local started commit
   started="$(date -u +%Y-%m-%dT%H:%M:%S+00:00)"
   commit="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
-  if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  # (the results this script rewrites are not the code's changes)
+  if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no -- . \
+      ':!benchmarks/results' 2>/dev/null)" ]; then
     commit="$commit + uncommitted changes"
   fi
   log "$name: $*"
