@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode steps of engines as `vllm serve` and `LLM(...)` run them: the engine core in its
+own process, polling a core while the worker computes.
+
+    python -m benchmarks.perf.served_step [--model DIR] [--context 128] [--batch 1]
+        [--managers vllm infinigen] [--env GOMP_SPINCOUNT=1000] [--rounds 2]
+        [--out PATH]
+
+Each round starts one engine per manager and environment (``--env`` adds a configuration
+with those variables; the default environment is always measured), in turn, each in a
+child process: ``--batch`` requests of ``--context`` random prompt ids, then three times
+66 and 2 greedy tokens; a decode step is the difference over 64 steps. The decode
+benchmarks (``decode_latency``, ``step_profile``) run the engine core in their own
+process and never see the polling process beside the worker; this does. On a host with
+no core to spare, libgomp's idle worker thread spins after each parallel region
+(``GOMP_SPINCOUNT``) on the core the engine process polls from (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import paths, report
+
+BUNDLED = Path(__file__).resolve().parents[2] / "vllm_infinigen" / "assets" / "stories260k"
+
+
+def child(model: str, manager: str, context: int, batch: int) -> dict[str, Any]:
+    """One engine's decode steps (run in a child process)."""
+    import vllm_infinigen
+
+    vllm_infinigen.register()
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"kv_manager": "infinigen"} if manager == "infinigen" else {}
+    llm = LLM(model=model, max_model_len=context + 256, kv_cache_memory_bytes=1 << 30, seed=0,
+              max_num_seqs=batch, **kwargs)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(context)]}
+               for _ in range(batch)]
+
+    def run(tokens: int) -> float:
+        began = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0),
+                     use_tqdm=False)
+        return time.perf_counter() - began
+
+    run(2)  # the prompts' prefill, and the engine warmed up
+    steps = [(run(66) - run(2)) / 64 * 1000 for _ in range(3)]
+    return {"ms_per_step": steps}
+
+
+def measure(model: str, manager: str, context: int, batch: int,
+            env: dict[str, str]) -> dict[str, Any]:
+    """``child`` in a fresh process with ``env`` added to this one's."""
+    command = [sys.executable, "-m", "benchmarks.perf.served_step", "--child", model, manager,
+               str(context), str(batch)]
+    proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
+                          cwd=paths.REPO)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{manager} {env}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        model, manager, context, batch = argv[1], argv[2], int(argv[3]), int(argv[4])
+        print("RESULT " + json.dumps(child(model, manager, context, batch)), flush=True)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(BUNDLED))
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--managers", nargs="+", default=["vllm", "infinigen"])
+    parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE for a second setup")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=paths.RESULTS / "served_step")
+    args = parser.parse_args(argv)
+    setups = [{}] + ([dict(item.split("=", 1) for item in args.env)] if args.env else [])
+    rows: list[dict[str, Any]] = []
+    for round_index in range(args.rounds):
+        for manager in args.managers:
+            for env in setups:
+                steps = measure(args.model, manager, args.context, args.batch, env)["ms_per_step"]
+                rows.append({"round": round_index, "manager": manager, "env": env,
+                             "ms_per_step": steps})
+                print(f"round {round_index} {manager} {env or 'default'}: "
+                      f"{[round(s, 2) for s in steps]} ms a step", flush=True)
+    table = []
+    for manager in args.managers:
+        for env in setups:
+            steps = [s for r in rows if r["manager"] == manager and r["env"] == env
+                     for s in r["ms_per_step"]]
+            table.append([manager, " ".join(f"{k}={v}" for k, v in env.items()) or "default",
+                          f"{statistics.median(steps):.2f}", f"{min(steps):.2f}-{max(steps):.2f}"])
+    report.write_results(
+        args.out, report.run_metadata(), "Decode steps of engines as vllm serve runs them",
+        vars(args) | {"out": str(args.out)}, rows,
+        [f"{args.batch} request(s) of {args.context} prompt ids, {Path(args.model).name}; the "
+         "engine core in its own process; each engine's step = (66 tokens - 2 tokens) / 64, "
+         f"three times, {args.rounds} rounds of engines started in turn.",
+         report.markdown_table(["manager", "environment", "median ms a step", "range"], table)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
