@@ -85,6 +85,20 @@ Patch index
     Related upstream work: none found for Ray on the CPU platform.
     Future plan: drop when vLLM's CPU platform supports Ray.
 
+``patch_omp_reservation.py`` (CPU platform only)
+    File: ``vllm/utils/ompmultiprocessing.py`` (``OMPProcessManager.__init__``).
+    Why: vLLM keeps cores free of the workers' OpenMP threads for the engine
+    process, and one more per rank whenever ``kv_transfer_config`` is set (for
+    NIXL's threads). InfiniGen's connector runs no thread of its own, yet took
+    that core; on a host with no core to spare vLLM then reserved none, and
+    ``vllm serve`` ran at 0.35x stock's requests/s on two cores.
+    How: when the configuration's connector is InfiniGen's, the original runs
+    on a view of it with no connector, so the workers get stock vLLM's cores
+    (the mp executor's and, through ``ray_connection.omp_cpu_list``, Ray's);
+    any other connector is left to vLLM's count.
+    Related upstream work: none found.
+    Future plan: drop when vLLM asks the connector how many cores it needs.
+
 ``vllm_infinigen/worker/attention.py`` (the InfiniGen worker's ``load_model``)
     Objects: each full-attention ``Attention`` layer of the loaded model
     (``.impl``, ``.get_kv_cache_spec``, ``.attn_backend``; sliding-window layers, as in Gemma 3,

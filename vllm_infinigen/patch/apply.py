@@ -11,8 +11,9 @@ def apply_all() -> None:
     global _applied
     if _applied:
         return
-    from vllm_infinigen.patch import patch_arg_utils, patch_ray
+    from vllm_infinigen.patch import patch_arg_utils, patch_omp_reservation, patch_ray
 
     patch_arg_utils.apply()
     patch_ray.apply()  # after patch_arg_utils: its wrapper runs first
+    patch_omp_reservation.apply()
     _applied = True
