@@ -45,12 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu.results import gpu_run_metadata
-from benchmarks.harness import report
+from benchmarks.harness import paths, report
 
-ROOT = Path(__file__).resolve().parents[2]
-GPU_README = ROOT / "benchmarks" / "gpu" / "README.md"
-SCRIPTS = ROOT.parent / "shared" / "prototypes" / "recall-training"
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_rehearsal"
+GPU_README = paths.REPO / "benchmarks" / "gpu" / "README.md"
+SCRIPTS = paths.shared_path("prototypes/recall-training")
+DEFAULT_OUT = paths.RESULTS / "gpu_rehearsal"
 # The lent GPUs' stack (the device library's KINDS.md, 2026-11): versions a run here
 # must match, or it rehearses something else.
 DEVICE_STACK = {"python": "3.12", "torch": "2.11.", "triton": "3.6.", "transformers": "5.17.",
@@ -71,6 +70,7 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     timeout: int = 600
     summary: bool = False
+    pack: Path | None = None  # a pack the command writes, read back as the call's return
 
 
 def documented_training_call(readme: Path = GPU_README) -> tuple[str, str]:
@@ -151,7 +151,7 @@ def steps(work: Path, scripts: Path, interpreter_numpy: Path | None) -> list[Ste
              {"TRITON_CACHE_DIR": str(work / "triton-cache")}, summary=True),
         Step("issue 48's training call (call 1), smoke form on the CPU",
              training_as_smoke(training, scripts, work / "pack", work / "recall"),
-             [r"done \["]),
+             [r"done \["], pack=work / "pack"),
     ]
 
 
@@ -160,7 +160,7 @@ def run_step(step: Step, log: Path) -> dict[str, Any]:
     env = {**os.environ, **step.env}
     began = time.perf_counter()
     try:
-        proc = subprocess.run(step.command, cwd=ROOT, env=env, capture_output=True, text=True,
+        proc = subprocess.run(step.command, cwd=paths.REPO, env=env, capture_output=True, text=True,
                               timeout=step.timeout)
         output, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as timed_out:
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{step.name} ...", flush=True)
             result = run_step(step, work / f"step{len(results)}.log")
-            if "training" in step.name and result["passed"]:
-                problem = pack_comes_back(work / "pack")
+            if step.pack is not None and result["passed"]:
+                problem = pack_comes_back(step.pack)
                 result["passed"] = problem is None
                 if problem:
                     result["tail"].append(problem)

@@ -61,13 +61,15 @@ def runtime_source() -> dict[str, Any]:
 
 
 def repository_state() -> dict[str, Any]:
-    """This checkout's commit and whether tracked files differ from it. A lent
+    """This checkout's commit and whether tracked files other than the results differ
+    from it (a run that rewrites its own results files is still of a clean tree). A lent
     GPU machine gets a copy of the working tree whose .git may be missing or
     stale: there the caller names the commit of a clean tree
     (``INFINIGEN_COMMIT=$(git rev-parse HEAD)``)."""
     if os.environ.get("INFINIGEN_COMMIT"):
         return {"repo_commit": os.environ["INFINIGEN_COMMIT"], "repo_uncommitted_changes": False}
-    changes = git("status", "--porcelain", "--untracked-files=no", cwd=REPO)
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                  ":(exclude)benchmarks/results", cwd=REPO)
     return {"repo_commit": git("rev-parse", "HEAD", cwd=REPO),
             "repo_uncommitted_changes": None if changes is None else bool(changes)}
 

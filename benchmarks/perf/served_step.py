@@ -8,12 +8,16 @@ own process, polling a core while the worker computes.
 
 Each round starts one engine per manager and environment (``--env`` adds a configuration
 with those variables; the default environment is always measured), in turn, each in a
-child process: ``--batch`` requests of ``--context`` random prompt ids, then three times
-66 and 2 greedy tokens; a decode step is the difference over 64 steps. The decode
-benchmarks (``decode_latency``, ``step_profile``) run the engine core in their own
-process and never see the polling process beside the worker; this does. On a host with
-no core to spare, libgomp's idle worker thread spins after each parallel region
-(``GOMP_SPINCOUNT``) on the core the engine process polls from (docs/serving.md).
+child process: ``--batch`` requests of ``--context`` random prompt ids, added to the
+engine and stepped through ``LLMEngine.step`` as ``LLM.generate`` does. Each step that
+gives every request a token is timed where it returns; after the first tokens (the
+prompts) and 2 steps of warm-up, three windows of 64 such steps give three mean step
+times. One prefill per engine, outside the windows: an InfiniGen engine has no prefix
+cache, so timing whole generations of the same prompts would time its prefill again.
+The decode benchmarks (``decode_latency``, ``step_profile``) run the engine core in
+their own process and never see the polling process beside the worker; this does. On
+a host with no core to spare the engine process needs a core of its own: vLLM reserves
+one beside each worker's OpenMP threads (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -34,30 +38,50 @@ from benchmarks.harness import paths, report
 BUNDLED = Path(__file__).resolve().parents[2] / "vllm_infinigen" / "assets" / "stories260k"
 
 
+WARMUP_STEPS = 2
+WINDOWS = 3
+WINDOW_STEPS = 64
+# Tokens beyond the windows: requests whose prompts end in different steps (a batch's
+# chunked prefill) finish in different steps too, and the last steps are not the batch's.
+SLACK_TOKENS = 64
+
+
 def child(model: str, manager: str, context: int, batch: int) -> dict[str, Any]:
     """One engine's decode steps (run in a child process)."""
     import vllm_infinigen
 
     vllm_infinigen.register()
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     kwargs = {"kv_manager": "infinigen"} if manager == "infinigen" else {}
     llm = LLM(model=model, max_model_len=context + 256, kv_cache_memory_bytes=1 << 30, seed=0,
               max_num_seqs=batch, **kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(context)]}
-               for _ in range(batch)]
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1 + WARMUP_STEPS + WINDOWS * WINDOW_STEPS + SLACK_TOKENS,
+                            ignore_eos=True, temperature=0, output_kind=RequestOutputKind.DELTA)
+    for index in range(batch):
+        prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(context)]}
+        engine.add_request(f"served-step-{index}", prompt, params)
+    return {"ms_per_step": decode_step_ms(engine, batch)}
 
-    def run(tokens: int) -> float:
-        began = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0),
-                     use_tqdm=False)
-        return time.perf_counter() - began
 
-    run(2)  # the prompts' prefill, and the engine warmed up
-    steps = [(run(66) - run(2)) / 64 * 1000 for _ in range(3)]
-    return {"ms_per_step": steps}
+def decode_step_ms(engine: Any, batch: int, clock=time.perf_counter) -> list[float]:
+    """Steps ``engine`` until its requests finish; the mean milliseconds between steps
+    that give each of the ``batch`` requests a token, per window, after the warm-up."""
+    stamps = []  # when each step that gave every request a token returned
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if sum(1 for out in outputs if out.outputs and out.outputs[0].token_ids) == batch:
+            stamps.append(clock())
+    gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])][WARMUP_STEPS:]
+    if len(gaps) < WINDOWS * WINDOW_STEPS:
+        raise RuntimeError(f"{len(gaps)} decode steps of the whole batch, "
+                           f"{WINDOWS * WINDOW_STEPS} expected")
+    return [statistics.fmean(gaps[k * WINDOW_STEPS:(k + 1) * WINDOW_STEPS])
+            for k in range(WINDOWS)]
 
 
 def measure(model: str, manager: str, context: int, batch: int,
@@ -109,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out, report.run_metadata(), "Decode steps of engines as vllm serve runs them",
         vars(args) | {"out": str(args.out)}, rows,
         [f"{args.batch} request(s) of {args.context} prompt ids, {Path(args.model).name}; the "
-         "engine core in its own process; each engine's step = (66 tokens - 2 tokens) / 64, "
-         f"three times, {args.rounds} rounds of engines started in turn.",
+         "engine core in its own process; each engine's step: the mean time between steps "
+         f"that give every request a token, over {WINDOWS} windows of {WINDOW_STEPS} steps "
+         f"after the prompts; {args.rounds} rounds of engines started in turn.",
          report.markdown_table(["manager", "environment", "median ms a step", "range"], table)])
     return 0
 

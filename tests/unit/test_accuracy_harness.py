@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
 
 import pytest
 
@@ -636,3 +637,25 @@ def test_comparison_rows_tables_and_notes(tmp_path):
     note = lm_eval_serve.batching_note(rows, 1)
     assert "within 1.0e-05 nats" in note and "Answers changed: 1." in note
     assert "N = 16" in lm_eval_serve.DENSE_PREFIX_NOTE.format(n=16, shortest=100, longest=700)
+
+
+def test_a_tree_whose_only_changes_are_results_is_clean(tmp_path, monkeypatch):
+    """A benchmark that rewrites its own results files as it goes (vllm_bench.sh) still
+    names a clean tree; any other tracked change makes it dirty."""
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "run.md").write_text("old\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    monkeypatch.delenv("INFINIGEN_COMMIT", raising=False)
+    monkeypatch.setattr(report, "REPO", tmp_path)
+    (tmp_path / "benchmarks" / "results" / "run.md").write_text("new\n")
+    assert report.repository_state()["repo_uncommitted_changes"] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert report.repository_state()["repo_uncommitted_changes"] is True

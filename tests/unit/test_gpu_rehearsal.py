@@ -67,3 +67,12 @@ def test_the_stack_must_be_the_gpus(tmp_path):
     assert [line.split()[0] for line in wrong] == ["python", "torch", "triton", "transformers",
                                                    "numpy"]
     assert rehearse.pack_comes_back(tmp_path) == f"no recall.tgz.part* in {tmp_path}"
+
+
+def test_the_training_step_reads_back_the_pack_its_command_writes(tmp_path):
+    packing = [step for step in rehearse.steps(tmp_path, tmp_path / "scripts", None)
+               if step.pack is not None]
+    assert [step.name for step in packing] == [
+        "issue 48's training call (call 1), smoke form on the CPU"]
+    command = packing[0].command
+    assert command[command.index("--pack-to") + 1] == str(packing[0].pack)
