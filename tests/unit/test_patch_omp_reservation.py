@@ -95,3 +95,12 @@ def test_apply_twice_wraps_once():
     patch_omp_reservation.apply()
     assert OMPProcessManager.__dict__["__init__"] is patch_omp_reservation._init
     assert patch_omp_reservation._original_init is not patch_omp_reservation._init
+
+
+def test_a_ray_workers_cores_are_stock_vllms_too(cores):
+    pytest.importorskip("ray", reason="Ray is not installed (the ray and test extras)")
+    from vllm_infinigen.platforms.cpu.ray_connection import omp_cpu_list
+
+    cores(4)
+    assert omp_cpu_list(config_with(CONNECTOR_NAME), 0) == [0, 1, 2]
+    assert omp_cpu_list(config_with(None), 0) == [0, 1, 2]

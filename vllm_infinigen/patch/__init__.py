@@ -94,7 +94,8 @@ Patch index
     ``vllm serve`` ran at 0.35x stock's requests/s on two cores.
     How: when the configuration's connector is InfiniGen's, the original runs
     on a view of it with no connector, so the workers get stock vLLM's cores
-    (the mp executor's and, through ``ray_connection.omp_cpu_list``, Ray's);
+    (the mp executor's and, through ``ray_connection.omp_cpu_list``, which loads
+    the general plugins before vLLM's ``init_worker`` would, Ray's);
     any other connector is left to vLLM's count.
     Related upstream work: none found.
     Future plan: drop when vLLM asks the connector how many cores it needs.

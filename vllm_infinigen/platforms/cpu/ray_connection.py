@@ -34,9 +34,15 @@ def omp_cpu_list(vllm_config, local_rank: int) -> list[int] | None:
     """The cores vLLM's mp executor gives this rank's OpenMP threads.
 
     Same source as ``MultiprocExecutor`` (``OMPProcessManager``, driven by
-    ``VLLM_CPU_OMP_THREADS_BIND``); None with ``nobind``.
+    ``VLLM_CPU_OMP_THREADS_BIND``); None with ``nobind``. A Ray worker asks before
+    vLLM's ``init_worker`` loads the general plugins, so they are loaded here first:
+    the manager then counts InfiniGen's connector as stock vLLM counts no connector
+    (``patch/patch_omp_reservation.py``).
     """
+    from vllm.plugins import load_general_plugins
     from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    load_general_plugins()
 
     manager = OMPProcessManager(vllm_config)
     if manager.skip_setup:
