@@ -97,10 +97,19 @@ def test_apply_twice_wraps_once():
     assert patch_omp_reservation._original_init is not patch_omp_reservation._init
 
 
-def test_a_ray_workers_cores_are_stock_vllms_too(cores):
+def test_a_ray_workers_cores_are_stock_vllms_too(cores, monkeypatch):
+    """A Ray worker asks for its cores before vLLM loads the plugins in it: as in that
+    fresh process, neither the plugins nor the patch are in place here."""
     pytest.importorskip("ray", reason="Ray is not installed (the ray and test extras)")
+    import vllm.plugins
+
+    from vllm_infinigen.patch import apply
     from vllm_infinigen.platforms.cpu.ray_connection import omp_cpu_list
 
+    monkeypatch.setattr(OMPProcessManager, "__init__", patch_omp_reservation._original_init)
+    monkeypatch.setattr(patch_omp_reservation, "_original_init", None)
+    monkeypatch.setattr(apply, "_applied", False)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     cores(4)
     assert omp_cpu_list(config_with(CONNECTOR_NAME), 0) == [0, 1, 2]
     assert omp_cpu_list(config_with(None), 0) == [0, 1, 2]
