@@ -44,6 +44,7 @@ WINDOW_STEPS = 64
 # Tokens beyond the windows: requests whose prompts end in different steps (a batch's
 # chunked prefill) finish in different steps too, and the last steps are not the batch's.
 SLACK_TOKENS = 64
+TOKENS = 1 + WARMUP_STEPS + WINDOWS * WINDOW_STEPS + SLACK_TOKENS
 
 
 def child(model: str, manager: str, context: int, batch: int) -> dict[str, Any]:
@@ -55,13 +56,13 @@ def child(model: str, manager: str, context: int, batch: int) -> dict[str, Any]:
     from vllm.sampling_params import RequestOutputKind
 
     kwargs = {"kv_manager": "infinigen"} if manager == "infinigen" else {}
-    llm = LLM(model=model, max_model_len=context + 256, kv_cache_memory_bytes=1 << 30, seed=0,
-              max_num_seqs=batch, **kwargs)
+    llm = LLM(model=model, max_model_len=context + TOKENS, kv_cache_memory_bytes=1 << 30,
+              seed=0, max_num_seqs=batch, **kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=1 + WARMUP_STEPS + WINDOWS * WINDOW_STEPS + SLACK_TOKENS,
-                            ignore_eos=True, temperature=0, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True, temperature=0,
+                            output_kind=RequestOutputKind.DELTA)
     for index in range(batch):
         prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(context)]}
         engine.add_request(f"served-step-{index}", prompt, params)
