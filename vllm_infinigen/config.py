@@ -271,6 +271,24 @@ class InfiniGenConfig:
         they last."""
         return self.residency == "device-first"
 
+    def prefix_caching_refusal(self) -> str | None:
+        """Why vLLM's prefix caching cannot run with these settings (None: it can).
+
+        A hit gives a request another request's blocks: the dense layers' K/V in
+        them, and by the same slot ids the sparse layers' pool rows and
+        speculation keys, which hold what a prefill of the same tokens would
+        write. Not where that is not so.
+        """
+        if self.device_first:
+            return (f"{flag('residency')} device-first keeps the sparse layers in device "
+                    "blocks of their own, which vLLM does not prefix-cache: a hit would "
+                    "leave them without the prefix's K/V")
+        if self.eval_dense_prefix is not None:
+            return (f"{flag('eval_dense_prefix')} selects in the prompt's rows, so a cached "
+                    "prompt's K/V depend on the selection that computed them")
+        reason = POLICY_TRAITS[self.policy].prefix_caching_refusal
+        return None if reason is None else f"{flag('policy')} {self.policy}: {reason}"
+
     def resolved_alpha(self) -> float:
         """The margin the kernels apply: the setting, or infinity (off: every finite
         score counts, so each row keeps its budget)."""

@@ -101,8 +101,12 @@ def start_engine(
         raise ValueError(f"kv_manager must be one of {KV_MANAGERS}, got {kv_manager!r}")
     if infinigen and kv_manager != "infinigen":
         raise ValueError("infinigen settings need kv_manager='infinigen'")
+    # A sweep switches the selection at run time, to policies and an evaluation mode
+    # that vLLM's prefix caching cannot serve (InfiniGenConfig.prefix_caching_refusal):
+    # each setting prefills its prompts itself.
+    own = {"enable_prefix_caching": False} if kv_manager == "infinigen" else {}
     return engine(model, **with_selection_everywhere(dict(
-        kv_manager=kv_manager, **infinigen_kwargs(infinigen), **engine_kwargs(),
+        kv_manager=kv_manager, **infinigen_kwargs(infinigen), **engine_kwargs(), **own,
         max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
         enforce_eager=True, **({} if kv_cache_dtype == "auto" else
                                {"kv_cache_dtype": kv_cache_dtype}), **llm_kwargs)))

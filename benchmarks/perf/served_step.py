@@ -12,8 +12,8 @@ child process: ``--batch`` requests of ``--context`` random prompt ids, added to
 engine and stepped through ``LLMEngine.step`` as ``LLM.generate`` does. Each step that
 gives every request a token is timed where it returns; after the first tokens (the
 prompts) and 2 steps of warm-up, three windows of 64 such steps give three mean step
-times. One prefill per engine, outside the windows: an InfiniGen engine has no prefix
-cache, so timing whole generations of the same prompts would time its prefill again.
+times. One prefill per engine, outside the windows (timing whole generations of the same
+prompts would time a prefill, or a prefix-cache hit, in every one).
 The decode benchmarks (``decode_latency``, ``step_profile``) run the engine core in
 their own process and never see the polling process beside the worker; this does. On
 a host with no core to spare the engine process needs a core of its own: vLLM reserves
@@ -23,17 +23,15 @@ one beside each worker's OpenMP threads (docs/serving.md).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import paths, report
+from benchmarks.harness.child import print_result, run_child
 
 BUNDLED = Path(__file__).resolve().parents[2] / "vllm_infinigen" / "assets" / "stories260k"
 
@@ -88,21 +86,15 @@ def decode_step_ms(engine: Any, batch: int, clock=time.perf_counter) -> list[flo
 def measure(model: str, manager: str, context: int, batch: int,
             env: dict[str, str]) -> dict[str, Any]:
     """``child`` in a fresh process with ``env`` added to this one's."""
-    command = [sys.executable, "-m", "benchmarks.perf.served_step", "--child", model, manager,
-               str(context), str(batch)]
-    proc = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True,
-                          cwd=paths.REPO)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{manager} {env}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_child("benchmarks.perf.served_step", [model, manager, context, batch],
+                     f"{manager} {env}", env)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         model, manager, context, batch = argv[1], argv[2], int(argv[3]), int(argv[4])
-        print("RESULT " + json.dumps(child(model, manager, context, batch)), flush=True)
+        print_result(child(model, manager, context, batch))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(BUNDLED))

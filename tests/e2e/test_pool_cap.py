@@ -65,6 +65,9 @@ def test_select_all_equals_stock_while_the_pool_holds_everything(capped, stock_f
 
 @pytest.mark.parametrize("policy", ["counter", "lru", "fifo"])
 def test_every_policy_evicts_and_completes(capped, policy):
+    # The same prompts in each run: prefilled again, not found in vLLM's prefix
+    # cache (their retired entries go first, uncounted; test_prefix_caching.py).
+    assert capped.reset_prefix_cache()
     capped.collective_rpc("set_infinigen_selection",
                           kwargs={"eviction": policy, "budget": 0.2, "alpha": 5.0})
     before = _counters(capped).get("evictions", {})

@@ -108,6 +108,7 @@ def infinigen(model, windows) -> dict:
         kv_manager="infinigen",
         infinigen_budget=SMALL_BUDGET,
         infinigen_recent_tokens=0,  # the budget alone (the window: test_sparse_budget.py)
+        enable_prefix_caching=False,  # evaluation mode is switched on at run time
         **engine_kwargs(),
     ) as llm:
         last_chunk = _one_token_last_chunk(llm, windows[0][0] + windows[0][1])

@@ -296,3 +296,22 @@ def test_the_worker_connector_spares_vllm_its_per_layer_calls():
     finally:
         for (module, name), value in saved.items():
             setattr(module, name, value)
+
+
+def test_the_pool_counts_a_shared_prefix_once():
+    """Uncapped, the pool's rows in use are the dense group's distinct blocks:
+    two requests that hit a third one's cached prefix hold its blocks once."""
+    from types import SimpleNamespace
+
+    from vllm_infinigen.scheduler.connector import _blocks_in_use
+
+    def blocks(*ids):
+        return [SimpleNamespace(block_id=block_id, ref_cnt=0) for block_id in ids]
+
+    prefix, first, second, third = blocks(1, 2, 3), blocks(4), blocks(5, 6), blocks(7)
+    requests = [prefix + first, prefix[:2] + second, prefix + third, blocks(8, 9)]
+    for request in requests:
+        for block in request:
+            block.ref_cnt += 1
+    assert _blocks_in_use(requests) == 9
+    assert _blocks_in_use(requests[3:]) == 2

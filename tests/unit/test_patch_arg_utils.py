@@ -178,7 +178,6 @@ def test_check_engine_args_accepts_plain_args():
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "--speculative-config"),
         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
-        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
         ({"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector",
                                                  kv_role="kv_both")},
          "--kv-transfer-config"),
@@ -477,3 +476,50 @@ def test_the_connector_declines_sleep_mode():
 
     declared = InfiniGenConnector.__dict__["supports_sleep_mode"]
     assert isinstance(declared, property) and declared.fget(None) is False
+
+
+# vLLM's prefix caching
+
+
+@pytest.mark.parametrize("settings", [{}, {"infinigen_policy": "quest"},
+                                      {"infinigen_policy": "streaming"}])
+def test_prefix_caching_is_on_by_default_as_in_stock(settings):
+    stock = EngineArgs(model=STORIES_DIR).create_engine_config()
+    config = EngineArgs(model=STORIES_DIR, kv_manager="infinigen",
+                        **settings).create_engine_config()
+    assert stock.cache_config.enable_prefix_caching
+    assert config.cache_config.enable_prefix_caching
+    explicit = EngineArgs(model=STORIES_DIR, kv_manager="infinigen", enable_prefix_caching=False,
+                          **settings).create_engine_config()
+    assert not explicit.cache_config.enable_prefix_caching
+
+
+PREFIX_CACHING_REFUSED = [
+    ({"infinigen_residency": "device-first"}, "--infinigen-residency device-first"),
+    ({"infinigen_policy": "h2o"}, "--infinigen-policy h2o"),
+    ({"infinigen_eval_dense_prefix": 16}, "--infinigen-eval-dense-prefix"),
+]
+
+
+@pytest.mark.parametrize("settings,flag", PREFIX_CACHING_REFUSED)
+def test_prefix_caching_is_off_by_default_where_it_cannot_run(settings, flag, monkeypatch):
+    said: list[str] = []
+    monkeypatch.setattr(patch_arg_utils.logger, "info",
+                        lambda message, *args: said.append(message % args))
+    config = EngineArgs(model=STORIES_DIR, kv_manager="infinigen",
+                        **settings).create_engine_config()
+    assert not config.cache_config.enable_prefix_caching
+    assert any(line.startswith(f"InfiniGen: prefix caching off (vLLM's default is on): {flag}")
+               for line in said), said
+
+
+@pytest.mark.parametrize("settings,flag", PREFIX_CACHING_REFUSED)
+def test_prefix_caching_asked_for_where_it_cannot_run_is_refused(settings, flag):
+    args = EngineArgs(model=STORIES_DIR, kv_manager="infinigen", enable_prefix_caching=True,
+                      **settings)
+    with pytest.raises(ValueError) as info:
+        args.create_engine_config()
+    message = str(info.value)
+    assert message.startswith("--kv-manager infinigen: --enable-prefix-caching: ")
+    assert flag in message and "--no-enable-prefix-caching" in message
+

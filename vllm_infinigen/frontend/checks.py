@@ -94,8 +94,9 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
                "i + 1 with that layer's query weights, which a stage boundary "
                "would put on another rank; use --tensor-parallel-size")
     if args.enable_prefix_caching:
-        refuse("prefix caching is not supported (the pool and the device would "
-               "diverge); use --no-enable-prefix-caching")
+        reason = config.prefix_caching_refusal()
+        if reason is not None:
+            refuse(f"--enable-prefix-caching: {reason}; use --no-enable-prefix-caching")
     if getattr(args, "kv_offloading_size", None):
         refuse("--kv-offloading-size replaces the KV connector InfiniGen needs; "
                "remove it")

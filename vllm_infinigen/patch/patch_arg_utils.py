@@ -97,7 +97,11 @@ def _create_engine_config(self, *args, **kwargs):
     self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}
     from vllm.config import KVTransferConfig
 
-    self.enable_prefix_caching = False
+    if self.enable_prefix_caching is None:  # vLLM's default: on where it can run
+        reason = config.prefix_caching_refusal()
+        if reason is not None:
+            logger.info("InfiniGen: prefix caching off (vLLM's default is on): %s", reason)
+            self.enable_prefix_caching = False
     self.worker_cls = worker_cls_for(platform_name(current_platform))
     self.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,

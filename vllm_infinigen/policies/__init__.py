@@ -36,6 +36,9 @@ class PolicyTraits:
     # Tokens per page of its per-slot state (pages of slot ids): the block
     # size must be a multiple, so that no page spans two blocks.
     page_tokens: int = 1
+    # Why it cannot run with vLLM's prefix caching (None: it can): a cached
+    # prefix's pool rows and keys are shared with whatever request hits it.
+    prefix_caching_refusal: str | None = None
 
 
 _REGISTRY = {
@@ -45,7 +48,10 @@ _REGISTRY = {
         "vllm_infinigen.policies.h2o:H2OPolicy",
         eval_mode_refusal="H2O's scores accumulate over decode steps one token at a time, "
         "which a single prefill cannot reproduce; measure H2O by teacher-forced decoding "
-        "(benchmarks/accuracy/teacher_forcing.py)"),
+        "(benchmarks/accuracy/teacher_forcing.py)",
+        prefix_caching_refusal="H2O keeps each token's accumulated attention, and its "
+        "evictions, per slot of the request that computed it: a request hitting a cached "
+        "prefix would inherit another request's scores and evictions"),
     "streaming": PolicyTraits("vllm_infinigen.policies.streaming:StreamingPolicy"),
     "quest": PolicyTraits("vllm_infinigen.policies.quest:QuestPolicy", page_tokens=16),
 }

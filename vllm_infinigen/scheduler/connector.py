@@ -42,6 +42,23 @@ class InfiniGenMetadata(KVConnectorMetadata):
         self.cleared = cleared
 
 
+def _blocks_in_use(requests_blocks) -> int:
+    """Distinct blocks held by the requests of a full-attention group.
+
+    A block two requests share (a prefix-cache hit) has ``ref_cnt`` > 1, and a
+    hit takes the longest cached prefix, so a request's shared blocks are a
+    run at the start of its list: each is counted once, walking those runs only.
+    """
+    total, shared = 0, {}
+    for blocks in requests_blocks:
+        total += len(blocks)
+        for block in blocks:
+            if block.ref_cnt <= 1:
+                break
+            shared[block.block_id] = block.ref_cnt
+    return total - sum(count - 1 for count in shared.values())
+
+
 class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -141,11 +158,11 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         block_pool = manager.block_pool
         block_size = self._vllm_config.cache_config.block_size
         # Every step: O(requests), not O(blocks) (at 128K tokens and blocks of
-        # 16 a batch of 32 holds 262K blocks). The blocks in use are those not
-        # free (prefix caching is off: a freed block is free), less vLLM's null
-        # block; the dense group's requests (whose block ids address the pool)
-        # hold no null block (full attention, no prefix hit).
-        used = sum(len(blocks) for blocks in self._dense_manager().req_to_blocks.values())
+        # 16 a batch of 32 holds 262K blocks), plus the prefixes shared through
+        # vLLM's prefix cache (``_blocks_in_use``). The device blocks in use are
+        # those not free, less vLLM's null block (a block kept only by the
+        # prefix cache is free).
+        used = _blocks_in_use(self._dense_manager().req_to_blocks.values())
         gauges = {"device_blocks": block_pool.num_gpu_blocks - 1 - block_pool.get_num_free_blocks()}
         if self._setup.config.device_first:
             gauges["resident"] = int(self._resident())

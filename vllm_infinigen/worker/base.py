@@ -30,7 +30,8 @@ from typing import ContextManager
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-from vllm_infinigen.config import V1_RUNNER_REFUSAL, EngineSetup, InfiniGenConfig, engine_setup
+from vllm_infinigen.config import (V1_RUNNER_REFUSAL, EngineSetup, InfiniGenConfig, engine_setup,
+                                   runtime_settings)
 from vllm_infinigen.layout import kv_dtype
 from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
@@ -39,6 +40,7 @@ from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, mod
 from vllm_infinigen.worker import restore
 from vllm_infinigen.worker.attention import install, layer_sources
 from vllm_infinigen.worker.data_path import DataPath
+from vllm_infinigen.worker.pool_index import IdentityPoolIndex
 from vllm_infinigen.worker.runtime import InfiniGenRuntime, PromptLengths
 
 
@@ -182,8 +184,22 @@ class InfiniGenWorkerMixin:
         """``LLM.collective_rpc("set_infinigen_selection", kwargs={"budget": 0.1})``.
 
         Changes the selection settings of the running engine, so that a sweep
-        needs one engine start (``InfiniGenRuntime.update_selection``).
+        needs one engine start (``InfiniGenRuntime.update_selection``). With
+        prefix caching, blocks cached before the change keep the K/V the old
+        selection computed for generated tokens (prompts are prefilled densely,
+        the same under any selection): ``LLM.reset_prefix_cache()`` drops them.
+
+        Raises:
+            ValueError: On a setting prefix caching cannot run with, when on.
         """
+        if self.cache_config.enable_prefix_caching:
+            known = {name: value for name, value in changes.items()
+                     if name in runtime_settings() - {"alpha"}}
+            reason = dataclasses.replace(self.infinigen_runtime.config,
+                                         **known).prefix_caching_refusal()
+            if reason is not None:
+                raise ValueError(f"{reason}; start the engine with --no-enable-prefix-caching "
+                                 "(enable_prefix_caching=False) to change it at run time")
         self.infinigen_runtime.update_selection(**changes)
 
     def determine_available_memory(self) -> int:
@@ -235,16 +251,50 @@ class InfiniGenWorkerMixin:
 
     def execute_model(self, scheduler_output):
         """Frees the pool rows of requests that finished or were preempted
-        since the last step, before this step's tokens take rows; empties the
-        sparse rows of requests whose blocks come back (``worker/restore.py``)
-        before the runner appends them."""
+        since the last step, before this step's tokens take rows (with prefix
+        caching keeps them: ``_keep_cached_rows``); empties the sparse rows of
+        requests whose blocks come back (``worker/restore.py``) before the
+        runner appends them."""
         gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
-        for req_id in gone:
-            request = self.model_runner.requests.get(req_id)
-            if request is not None:
-                self.infinigen_runtime.release_blocks(request.block_ids[self._dense_group])
+        if self.cache_config.enable_prefix_caching:
+            self._keep_cached_rows(scheduler_output, gone)
+        else:
+            for req_id in gone:
+                request = self.model_runner.requests.get(req_id)
+                if request is not None:
+                    self.infinigen_runtime.release_blocks(request.block_ids[self._dense_group])
         metadata = getattr(scheduler_output, "kv_connector_metadata", None)
         if getattr(metadata, "cleared", ()):  # their rows still name the blocks of a move
             restore.clear_rows(self.model_runner, set(self._sparse_groups.values()),
                                metadata.cleared)
         return super().execute_model(scheduler_output)
+
+    def _keep_cached_rows(self, scheduler_output, gone: set[str]) -> None:
+        """With prefix caching vLLM keeps a freed block's K/V for a later hit, and
+        the pool's rows of it stay too: a capped pool retires those no live
+        request holds (first to go) and revives those a request of this step
+        hit, before the step's tokens take rows. The data path's copies of the
+        freed blocks go as without prefix caching."""
+        runtime, requests, group = self.infinigen_runtime, self.model_runner.requests, \
+            self._dense_group
+        freed = [block for req_id in gone if (request := requests.get(req_id)) is not None
+                 for block in request.block_ids[group]]
+        if freed:
+            runtime.data_path.release_blocks(freed)
+        if isinstance(runtime.pool_index, IdentityPoolIndex):
+            return  # a row per slot: nothing to keep or revive
+        if freed:
+            live = {block for req_id, request in requests.items() if req_id not in gone
+                    for block in request.block_ids[group]}
+            runtime.pool_index.retire_blocks([block for block in freed if block not in live])
+        hits = [(new.block_ids, new.num_computed_tokens)
+                for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        hits += [(block_ids, computed) for req_id, block_ids, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)
+            if req_id in cached.resumed_req_ids and block_ids is not None]
+        block_size = self.cache_config.block_size
+        revived = [block for block_ids, computed in hits
+                   for block in block_ids[group][:computed // block_size]]
+        if revived:
+            runtime.pool_index.revive_blocks(revived)

@@ -38,6 +38,14 @@ class PoolIndex(Protocol):
     def release_blocks(self, block_ids: list[int]) -> None:
         """Frees the rows of a finished or preempted request's blocks."""
 
+    def retire_blocks(self, block_ids: list[int]) -> None:
+        """With prefix caching, instead of ``release_blocks``: keeps the rows of
+        blocks no live request holds (vLLM keeps their K/V for a hit), first to go."""
+
+    def revive_blocks(self, block_ids: list[int]) -> None:
+        """A new request hit these blocks in vLLM's prefix cache: their retired
+        rows are held again."""
+
     def record_selection(self, layer: int, positions: torch.Tensor,
                          block_table: torch.Tensor) -> None:
         """Counts a selection's uses (the eviction policy's input)."""
@@ -77,6 +85,12 @@ class IdentityPoolIndex:
         return None
 
     def release_blocks(self, block_ids: list[int]) -> None:
+        return None
+
+    def retire_blocks(self, block_ids: list[int]) -> None:
+        return None
+
+    def revive_blocks(self, block_ids: list[int]) -> None:
         return None
 
     def record_selection(self, layer: int, positions: torch.Tensor,

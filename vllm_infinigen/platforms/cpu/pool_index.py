@@ -17,6 +17,13 @@ select. Eviction policies (the InfiniGen artifact's three, lower key first):
 An evicted entry is gone for good: the selector no longer sees its token, and
 prefill rows of later chunks attend without it.
 
+With vLLM's prefix caching a finished or preempted request's blocks keep their
+K/V for a later request that hits them, so their entries are *retired*
+instead of freed (``retire_blocks``): kept, first to go under every policy (their
+keys below every live entry's), counted neither as held (``occupancy``) nor as
+evictions when they go. A request that hits them revives them
+(``revive_blocks``: keys as if admitted now); a slot written again drops them.
+
 Cost per step. The slot -> row map is block-granular,
 ``row_map[layer, block, head, offset]`` (int32, -1 when absent), so a kernel can
 read one layer's map as a ``[num_blocks, H, block_size]`` array. Every
@@ -43,6 +50,7 @@ _COUNT_SHIFT = 40  # key = newer_half << 62 | count << 40 | insertion tick
 _NEWER_HALF = 1 << 62
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of a free row
 _RESERVE_FRACTION = 16  # a batch eviction leaves num_rows // 16 rows spare
+_RETIRED = -1  # insertion and use tick of a retired entry: below every live one's
 
 
 def make_pool_index(num_layers: int, num_heads: int, num_slots: int, num_rows: int,
@@ -102,6 +110,7 @@ class CappedPoolIndex:
                                       device=device).repeat(num_layers, num_heads, 1)
         self.num_free = torch.full((num_layers, num_heads), num_rows, dtype=torch.int64,
                                    device=device)  # [L, H]
+        self.num_retired = torch.zeros_like(self.num_free)  # [L, H] retired entries held
         self._tick = 0
         self._layer_ids = torch.arange(num_layers, device=device)
         self._heads = torch.arange(num_heads, device=device)[None, :, None]
@@ -122,7 +131,8 @@ class CappedPoolIndex:
         return evictions
 
     def occupancy(self) -> tuple[int, int]:
-        return (int(self.occupied().sum()), self.num_rows * self.num_heads * self.num_layers)
+        held = self.occupied().sum() - self.num_retired.sum()
+        return (int(held), self.num_rows * self.num_heads * self.num_layers)
 
     @property
     def row_of(self) -> torch.Tensor:
@@ -162,9 +172,48 @@ class CappedPoolIndex:
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Frees the entries of every slot of ``block_ids``."""
+        self.release(self._slots_of(block_ids))
+
+    def retire_blocks(self, block_ids: list[int]) -> None:
+        """Keeps the entries of ``block_ids`` (prefix-cached, held by no live
+        request), first to be evicted."""
+        rows, held = self._held_rows(block_ids)
+        held &= self._ticks_of(rows, self.inserted) != _RETIRED
+        self.num_retired += held.sum(dim=-1)
+        self._set_ticks(rows, held, _RETIRED)
+
+    def revive_blocks(self, block_ids: list[int]) -> None:
+        """The retired entries of ``block_ids`` (a new request's prefix-cache
+        hit) held again, as if admitted now."""
+        rows, held = self._held_rows(block_ids)
+        held &= self._ticks_of(rows, self.inserted) == _RETIRED
+        self.num_retired -= held.sum(dim=-1)
+        self._set_ticks(rows, held, self._tick)
+        self._tick += 1
+
+    def _slots_of(self, block_ids: list[int]) -> torch.Tensor:
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.row_map.device)
-        self.release((blocks[:, None] * self.block_size
-                      + torch.arange(self.block_size, device=blocks.device)).flatten())
+        return (blocks[:, None] * self.block_size
+                + torch.arange(self.block_size, device=blocks.device)).flatten()
+
+    def _held_rows(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[L, H, n] rows of the slots of ``block_ids`` (-1 clamped to 0) and
+        where they are held."""
+        table = self.row_map.view(self.row_map.shape[0], -1)
+        slots = torch.unique(self._slots_of(block_ids))
+        rows = table[:, self._flat(slots[None, :], self._heads[0])].to(torch.int64)
+        return rows.clamp(min=0), rows >= 0
+
+    def _ticks_of(self, rows: torch.Tensor, ticks: torch.Tensor) -> torch.Tensor:
+        return ticks.gather(-1, rows)
+
+    def _set_ticks(self, rows: torch.Tensor, held: torch.Tensor, tick: int) -> None:
+        """Insertion and use ticks of ``rows`` [L, H, n] where ``held``; count 0."""
+        where = (self._layer_ids.view(-1, 1, 1).expand_as(rows)[held],
+                 self._heads.expand_as(rows)[held], rows[held])
+        self.inserted[where] = tick
+        self.last_used[where] = tick
+        self.count[where] = 0
 
     def admit(self, slots: torch.Tensor) -> None:
         """Gives every (layer, head) a row for each new slot, evicting when full.
@@ -234,6 +283,9 @@ class CappedPoolIndex:
         layer_of = layers.view(-1, 1, 1).expand_as(rows)[held]
         head_of = self._heads.expand_as(rows)[held]
         freed = rows[held]
+        retired = self.inserted[layer_of, head_of, freed] == _RETIRED
+        self.num_retired.index_put_((layer_of[retired], head_of[retired]),
+                                    -torch.ones_like(freed[retired]), accumulate=True)
         self.owner[layer_of, head_of, freed] = -1
         self.free_rows[layer_of, head_of, top[held]] = freed
         self.num_free[layers] += held.sum(dim=-1)
@@ -255,7 +307,8 @@ class CappedPoolIndex:
         held = ranks < want[..., None]  # [l, H, k]: the want lowest keys
         previous = self.owner[layers].gather(-1, victims)  # [l, H, k] slots
         held &= previous >= 0
-        self.evictions[layers] += held.sum(dim=(1, 2))
+        live = held & (self.inserted[layers].gather(-1, victims) != _RETIRED)
+        self.evictions[layers] += live.sum(dim=(1, 2))  # (retired entries: not losses)
         table = self.row_map.view(self.row_map.shape[0], -1)
         where = self._flat(previous.clamp(min=0), self._heads)  # [l, H, k]
         layer_of = layers.view(-1, 1, 1).expand_as(where)

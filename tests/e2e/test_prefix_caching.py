@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's prefix caching with InfiniGen: a hit reuses the dense layers' blocks,
+and by their slot ids the sparse layers' pool rows and speculation keys, with
+the same tokens as a prefill of the whole prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
+from vllm_infinigen.scheduler.metrics import summarize
+
+pytestmark = pytest.mark.slow
+
+# A prefix of two 128-token steps (the tests' --max-num-batched-tokens), so
+# that a request alone is prefilled in the same chunks whether it hits it or not.
+PREFIX = 256
+SUFFIXES = [40, 17, 64]
+MAX_TOKENS = 24
+BUDGET = {"kv_manager": "infinigen", "infinigen_budget": 0.2}
+
+
+def shared_prefix_prompts(seed: int = 0) -> list[dict]:
+    """Prompts of ``PREFIX`` common tokens and suffixes of ``SUFFIXES`` tokens."""
+    prefix = random_prompts([PREFIX], seed=seed)[0]["prompt_token_ids"]
+    suffixes = random_prompts([n + 1 for n in SUFFIXES], seed=seed + 1)
+    return [{"prompt_token_ids": prefix + s["prompt_token_ids"][1:]} for s in suffixes]
+
+
+def prefix_cache_hits(llm) -> int:
+    """Prompt tokens vLLM found in its prefix cache so far."""
+    return int(sum(metric.value for metric in llm.get_metrics()
+                   if metric.name == "vllm:prefix_cache_hits"))
+
+
+def test_budget_with_hits_equals_without(tiny_models):
+    """At budget 0.2, one request at a time: the requests that hit the first
+    one's prefix generate what an engine without prefix caching does."""
+    model = tiny_models["llama-gqa"]
+    prompts = shared_prefix_prompts()
+    with engine(model, enable_prefix_caching=True, **BUDGET) as llm:
+        hot = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        hits = prefix_cache_hits(llm)
+        with pytest.raises(Exception, match="--no-enable-prefix-caching") as refused:
+            llm.collective_rpc("set_infinigen_selection", kwargs={"policy": "h2o"})
+    with engine(model, enable_prefix_caching=False, **BUDGET) as llm:
+        cold = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+    assert hits >= (len(prompts) - 1) * PREFIX
+    assert hot == cold
+    assert "--infinigen-policy h2o" in str(refused.value)
+
+
+def test_select_all_with_hits_equals_stock(tiny_models, shared_engine):
+    """Select-all, one batch whose requests hit each other's blocks (within a
+    step, and across steps while the long ones are still prefilled), then the
+    same prompts again (whole-prompt hits): stock vLLM's tokens, both times."""
+    model = tiny_models["llama-gqa"]
+    prompts = shared_prefix_prompts(seed=3)
+    stock_llm = shared_engine(model)
+    stock_llm.reset_prefix_cache()
+    stock = greedy_tokens(stock_llm, prompts, MAX_TOKENS)
+    stock_again = greedy_tokens(stock_llm, prompts, MAX_TOKENS)
+    with engine(model, enable_prefix_caching=True, **SELECT_ALL) as llm:
+        ours = greedy_tokens(llm, prompts, MAX_TOKENS)
+        before = prefix_cache_hits(llm)
+        again = greedy_tokens(llm, prompts, MAX_TOKENS)
+        hits = prefix_cache_hits(llm) - before
+    assert hits >= len(prompts) * PREFIX
+    assert ours == stock
+    assert again == stock_again
+
+
+def test_capped_pool_keeps_a_finished_requests_rows_for_a_hit(shared_engine):
+    """A capped pool (--infinigen-cpu-pool-gib) retires a finished request's
+    rows instead of freeing them: the requests after it hit its prefix and,
+    select-all, generate stock vLLM's tokens, with nothing evicted; a flush
+    leaves only the flushing request's entries counted as held."""
+    from benchmarks.harness.paths import BUNDLED_MODEL
+    from tests.e2e.test_pool_cap import POOL_GIB, POOL_TOKENS, TOKEN_BYTES
+
+    model = str(BUNDLED_MODEL)
+    prompts = shared_prefix_prompts(seed=5)
+    stock_llm = shared_engine(model)
+    stock = [greedy_tokens(stock_llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+    with engine(model, enable_prefix_caching=True, infinigen_cpu_pool_gib=POOL_GIB,
+                **SELECT_ALL) as llm:
+        ours = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        hits = prefix_cache_hits(llm)
+        greedy_tokens(llm, random_prompts([3], seed=1), 1)  # frees what the others held
+        counters = summarize(llm.get_metrics())
+    assert hits >= (len(prompts) - 1) * PREFIX
+    assert ours == stock
+    assert sum(counters.get("evictions", {}).values()) == 0
+    assert sum(counters["pool_used_bytes"].values()) == 3 * TOKEN_BYTES
+    assert sum(counters["pool_capacity_bytes"].values()) == POOL_TOKENS * TOKEN_BYTES
+
+
+def test_the_cuda_data_path_serves_hits_from_the_pool(tiny_models, shared_engine):
+    """The CUDA platform's data path (``cuda_path_worker.py``, on CPU tensors): a
+    finished request's blocks leave the device block cache, and the requests that
+    hit its prefix fetch them from the pool again; select-all, one at a time and
+    then in one batch, stock vLLM's tokens."""
+    from tests.e2e.cuda_path_worker import with_cuda_data_path
+
+    model = tiny_models["llama-gqa"]
+    prompts = shared_prefix_prompts(seed=7)
+    stock_llm = shared_engine(model)
+    stock_llm.reset_prefix_cache()
+    stock = [greedy_tokens(stock_llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+    stock_batch = greedy_tokens(stock_llm, prompts, MAX_TOKENS)
+    with with_cuda_data_path(), engine(model, enable_prefix_caching=True, **SELECT_ALL) as llm:
+        ours = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        batch = greedy_tokens(llm, prompts, MAX_TOKENS)
+        hits = prefix_cache_hits(llm)
+        counters = summarize(llm.get_metrics())
+    assert hits >= (2 * len(prompts) - 1) * PREFIX
+    assert sum(counters["cache_misses"].values()) > 0
+    assert ours == stock
+    assert batch == stock_batch
