@@ -14,8 +14,8 @@ were added to the step that returned its first token, through ``LLMEngine.step``
 ``LLM.generate`` does; the last token's time is the batch's. Setups: ``vllm`` (stock,
 prefix caching on: vLLM's default), ``infinigen`` (the default, which keeps it on), and
 ``infinigen-no-prefix-caching`` (what InfiniGen did before it kept prefix caching on).
-The default model is the decode benchmark's (``models.long_context_model``, random
-weights: the default budget of 0.2 binds whatever the weights).
+The default model is the decode benchmarks' head_dim-128 one (``models.GQA128_MODEL``,
+random weights: the default budget of 0.2 binds whatever the weights).
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=paths.RESULTS / "prefix_reuse")
     args = parser.parse_args(argv)
     if args.model is None:
-        from benchmarks.harness.models import long_context_model
+        from benchmarks.harness import models
 
-        args.model = str(long_context_model())
+        args.model = str(models.long_context_model(**models.GQA128_MODEL))
     rows, table = [], []
     for setup in args.setups:
         result = measure(args, setup)
