@@ -17,7 +17,7 @@ import functools
 import torch
 
 from vllm_infinigen.memory import PoolPlan
-from vllm_infinigen.platforms.cpu import kernels
+from vllm_infinigen.platforms.cpu import kernels, prefill
 from vllm_infinigen.platforms.cpu.huge_pages import zeros_on_huge_pages
 from vllm_infinigen.platforms.cpu.pool_index import make_pool_index
 from vllm_infinigen.platforms.cpu.transfer import make_transfer
@@ -163,6 +163,11 @@ class CpuDataPath:
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
+        if row_map is None:  # vLLM's own kernel (prefill.py); a capped pool: ours
+            prefill.attend(query, output, layer.kv_pool, plan.all_block_table,
+                           plan.query_start, plan.seq_lens, plan.prompt_requests,
+                           scale=layer.scale, **layer.kv_scales())
+            return
         kernels.attend_prefill(query, output, layer.kv_pool, plan.all_block_table,
                                plan.query_start, plan.seq_lens, plan.prompt_requests,
                                scale=layer.scale, row_map=row_map, **layer.kv_scales())

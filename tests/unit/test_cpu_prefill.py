@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CPU platform's prompt rows over an uncapped pool by vLLM's own CPU attention
+kernel (``platforms/cpu/prefill.py``) equal ``kernels.attend_prefill``'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_kernels import DTYPES, Case, _assert_close
+from vllm_infinigen.platforms.cpu import kernels, prefill
+
+
+def _step(case: Case, query_dtype: torch.dtype):
+    """Three requests: a first chunk, a later chunk (context before it), a decode row;
+    the arguments both functions take, and the step's query."""
+    gen = torch.Generator().manual_seed(15)
+    query = torch.randn((91, case.num_kv_heads * case.group, case.head_size),
+                        generator=gen).to(query_dtype)
+    args = (case.block_table, torch.tensor([0, 50, 90, 91], dtype=torch.int64),
+            torch.tensor([50, 170, 90], dtype=torch.int64),
+            torch.tensor([0, 1], dtype=torch.int64))  # the decode row is not a prompt row
+    return query, args
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_size"), [(2, 1, 32), (2, 4, 64),
+                                                                  (1, 2, 128)])
+def test_vllms_kernel_equals_the_flash_attention_path(dtype, num_kv_heads, group, head_size):
+    case = Case(seed=14, dtype=dtype, num_kv_heads=num_kv_heads, group=group,
+                head_size=head_size, context_lens=[49, 169, 89])
+    query, args = _step(case, dtype)
+    want, got = torch.zeros_like(query), torch.zeros_like(query)
+    kernels.attend_prefill(query, want, case.kv_pool, *args, scale=case.scale)
+    prefill.attend(query, got, case.kv_pool, *args, scale=case.scale)
+    _assert_close(got[:90], want[:90], dtype)
+    assert bool((got[90:] == 0).all())  # the decode row is left alone
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_pool_is_widened_and_its_scales_applied(fp8, query_dtype):
+    case = Case(seed=3, dtype=query_dtype, num_kv_heads=2, group=2, head_size=64,
+                context_lens=[49, 169, 89])
+    case.kv_pool = case.kv_pool.to(fp8)
+    query, args = _step(case, query_dtype)
+    scales = {"key_scale": 0.5, "value_scale": 2.0}
+    want, got = torch.zeros_like(query), torch.zeros_like(query)
+    kernels.attend_prefill(query, want, case.kv_pool, *args, scale=case.scale, **scales)
+    prefill.attend(query, got, case.kv_pool, *args, scale=case.scale, **scales)
+    _assert_close(got[:90], want[:90], query_dtype)
