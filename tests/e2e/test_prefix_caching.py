@@ -50,11 +50,14 @@ def test_budget_with_hits_equals_without(tiny_models):
     assert "--infinigen-policy h2o" in str(refused.value)
 
 
-def test_select_all_with_hits_equals_stock(tiny_models, shared_engine):
+# gemma3: its sliding-window layers' groups take part in vLLM's hit lookup (beside
+# the dense group; the sparse groups do not). opt: no RoPE, learned positions.
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma3", "opt"])
+def test_select_all_with_hits_equals_stock(name, tiny_models, shared_engine):
     """Select-all, one batch whose requests hit each other's blocks (within a
     step, and across steps while the long ones are still prefilled), then the
     same prompts again (whole-prompt hits): stock vLLM's tokens, both times."""
-    model = tiny_models["llama-gqa"]
+    model = tiny_models[name]
     prompts = shared_prefix_prompts(seed=3)
     stock_llm = shared_engine(model)
     stock_llm.reset_prefix_cache()
