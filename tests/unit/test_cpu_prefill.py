@@ -49,3 +49,8 @@ def test_an_fp8_pool_is_widened_and_its_scales_applied(fp8, query_dtype):
     kernels.attend_prefill(query, want, case.kv_pool, *args, scale=case.scale, **scales)
     prefill.attend(query, got, case.kv_pool, *args, scale=case.scale, **scales)
     _assert_close(got[:90], want[:90], query_dtype)
+
+
+def test_head_sizes_vllms_kernel_lacks_keep_the_flash_attention_path():
+    assert prefill.supports(128) and prefill.supports(32)
+    assert not prefill.supports(8)

@@ -163,7 +163,7 @@ class CpuDataPath:
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
-        if row_map is None:  # vLLM's own kernel (prefill.py); a capped pool: ours
+        if row_map is None and prefill.supports(layer.head_size):  # vLLM's kernel
             prefill.attend(query, output, layer.kv_pool, plan.all_block_table,
                            plan.query_start, plan.seq_lens, plan.prompt_requests,
                            scale=layer.scale, **layer.kv_scales())

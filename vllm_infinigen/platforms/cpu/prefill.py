@@ -14,7 +14,9 @@ blocks are gathered into that layout once per layer (an FP8 pool widened to the
 query's dtype, its scales folded into the softmax scale and the output) and attended
 causally, the last ``query_len`` of its ``seq_len`` tokens being this step's rows,
 as vLLM attends a chunked prefill. A capped pool keeps ``kernels.attend_prefill``:
-its heads evict different entries, and vLLM's kernel takes one length per request.
+its heads evict different entries, and vLLM's kernel takes one length per request; so
+does a head size vLLM's kernel lacks (``supports``: none in an engine, whose dense
+layers run on that kernel; the data paths' tests use tiny heads).
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return _get_attn_isa(dtype, block_size, head_size)
+
+
+@functools.cache
+def supports(head_size: int) -> bool:
+    """Whether vLLM's CPU attention kernel takes this head size."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return head_size in CPUAttentionBackend.get_supported_head_sizes()
 
 
 def attend(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
