@@ -26,7 +26,10 @@ def _step(case: Case, query_dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_size"), [(2, 1, 32), (2, 4, 64),
                                                                   (1, 2, 128)])
-def test_vllms_kernel_equals_the_flash_attention_path(dtype, num_kv_heads, group, head_size):
+@pytest.mark.parametrize("chunk_blocks", [prefill.CHUNK_BLOCKS, 2])
+def test_vllms_kernel_equals_the_flash_attention_path(dtype, num_kv_heads, group, head_size,
+                                                      chunk_blocks, monkeypatch):
+    monkeypatch.setattr(prefill, "CHUNK_BLOCKS", chunk_blocks)  # 2: gathered in pieces
     case = Case(seed=14, dtype=dtype, num_kv_heads=num_kv_heads, group=group,
                 head_size=head_size, context_lens=[49, 169, 89])
     query, args = _step(case, dtype)

@@ -26,6 +26,9 @@ import functools
 import torch
 
 
+CHUNK_BLOCKS = 256  # blocks gathered from the pool at a time
+
+
 @functools.cache
 def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     """The instruction set vLLM's CPU backend picks for these shapes."""
@@ -68,16 +71,20 @@ def attend(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
         if end <= begin:
             continue
         num_blocks = -(-seq_len // block_size)
-        units = kv_pool.index_select(0, block_table[req, :num_blocks].to(torch.int64))
-        tokens = units.transpose(1, 2).reshape(num_blocks * block_size, num_kv_heads, row)
-        tokens = tokens[:seq_len].to(query.dtype)  # [seq_len, H_kv, 2D] in order
         # (zeros: vLLM's kernel reads the last block whole, and stale bits may be NaN)
         cache = torch.zeros((num_blocks, num_kv_heads, 2 * block_size, head_size),
                             dtype=query.dtype)
         keys, values = cache.chunk(2, dim=2)  # vLLM's [n, H_kv, block_size, D] views
-        # (written by vLLM's own op: the layout inside a block is its ISA's)
-        ops.cpu_attn_reshape_and_cache(tokens[..., :head_size], tokens[..., head_size:], keys,
-                                       values, torch.arange(seq_len, dtype=torch.int64), isa)
+        blocks = block_table[req, :num_blocks].to(torch.int64)
+        for first in range(0, num_blocks, CHUNK_BLOCKS):  # (bounds the temporaries)
+            units = kv_pool.index_select(0, blocks[first:first + CHUNK_BLOCKS])
+            count = min(seq_len - first * block_size, units.shape[0] * block_size)
+            tokens = units.transpose(1, 2).reshape(-1, num_kv_heads, row)[:count]
+            tokens = tokens.to(query.dtype)  # [count, H_kv, 2D] in order
+            # (written by vLLM's own op: the layout inside a block is its ISA's)
+            slots = torch.arange(first * block_size, first * block_size + count)
+            ops.cpu_attn_reshape_and_cache(tokens[..., :head_size], tokens[..., head_size:],
+                                           keys, values, slots, isa)
         rows = torch.tensor([0, end - begin], dtype=torch.int32)
         length = torch.tensor([seq_len], dtype=torch.int32)
         metadata = ops.cpu_attn_get_scheduler_metadata(
