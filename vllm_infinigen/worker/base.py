@@ -40,7 +40,6 @@ from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, mod
 from vllm_infinigen.worker import restore
 from vllm_infinigen.worker.attention import install, layer_sources
 from vllm_infinigen.worker.data_path import DataPath
-from vllm_infinigen.worker.pool_index import IdentityPoolIndex
 from vllm_infinigen.worker.runtime import InfiniGenRuntime, PromptLengths
 
 
@@ -281,8 +280,8 @@ class InfiniGenWorkerMixin:
                  for block in request.block_ids[group]]
         if freed:
             runtime.data_path.release_blocks(freed)
-        if isinstance(runtime.pool_index, IdentityPoolIndex):
-            return  # a row per slot: nothing to keep or revive
+        if runtime.pool_index.row_map_of(0) is None:
+            return  # a slot's row is the slot id: nothing to keep or revive
         if freed:
             live = {block for req_id, request in requests.items() if req_id not in gone
                     for block in request.block_ids[group]}

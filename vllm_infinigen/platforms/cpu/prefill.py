@@ -5,7 +5,7 @@ attention kernel (``cpu_attention_with_kv_cache``, the dense layers' kernel).
 ``kernels.attend_prefill`` runs ATen's flash attention once per KV head with the
 query group expanded; on the decode benchmarks' head_dim-128 model a 4K prompt's
 sparse layer took 2.7x vLLM's kernel's time over the same tokens in a dense layer
-(a 4K prompt 1.93x stock's, ``benchmarks/results/prefix_reuse.md`` at 689e689).
+(a 4K prompt 1.93x stock's, ``benchmarks/results/archive/prefix_reuse_before_prefill_kernel.md``).
 
 Uncapped, the pool's units are the dense group's blocks (``[blocks, H_kv,
 block_size, 2D]``, each token's K | V in one row), while vLLM's kernel reads, per
