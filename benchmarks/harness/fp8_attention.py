@@ -10,21 +10,23 @@ vLLM's attention through this double, and so do the accuracy benchmarks on a
 host without vLLM's own FP8 kernel (``native()``; their reports say which):
 
 - the KV-cache write rounds K / k_scale and V / v_scale to the FP8 format in
-  torch (to nearest, saturating), widens them back times the scales (exact:
-  each FP8 value is a float32, bfloat16 and float16 value) and writes them
-  with vLLM's own kernel, ``kv_cache_dtype="auto"``, into a shadow of vLLM's
-  byte pages in the model's dtype (vLLM's kernels keep their own layout in a
-  page, so the double leaves the byte pages alone);
+  torch and widens them back times the scales (exact: each FP8 value is a
+  float32, bfloat16 and float16 value), then writes them with vLLM's own kernel,
+  ``kv_cache_dtype="auto"``, into a shadow of vLLM's byte pages in the model's
+  dtype (vLLM's kernels keep their own layout in a page, so the double leaves
+  the byte pages alone);
 - the attention calls vLLM's own kernel on the shadow pages, ``"auto"``.
 
-It is the arithmetic of a kernel that widens FP8 inside (as InfiniGen's do),
-on the values vLLM's CUDA build writes (rounded to nearest, saturating), not
-vLLM's CPU FP8 kernel itself. The tests use it on every host, AVX-512 ones
-too, so that they check the same thing every day: the stock engine and
-InfiniGen's dense layers both go through it, and select-all compares
-InfiniGen's FP8 pool with these FP8 pages. How vLLM's own AVX-512 kernel
-rounds was not checked here (no such host was available when this was
-written).
+It rounds as vLLM's CPU FP8 write does (``toward_zero``: toward zero,
+saturating; byte for byte vLLM's AVX-512 kernel's, checked where the host has it,
+``tests/unit/test_kernels_fp8.py``), or, with ``rounding="nearest"``, as vLLM's
+CUDA build does (to nearest, saturating: the tests of the CUDA platform's data
+path inside a CPU-build engine). It is the arithmetic of a kernel that widens
+FP8 inside (as InfiniGen's do) on those values, not vLLM's CPU FP8 kernel itself.
+The tests use it on every host, AVX-512 ones too, so that they check the same
+thing every day: the stock engine and InfiniGen's dense layers both go through
+it, and select-all compares InfiniGen's FP8 pool with these FP8 pages; on a host
+with vLLM's own FP8 kernel ``tests/e2e/test_fp8.py`` also compares with it.
 """
 
 from __future__ import annotations
@@ -38,11 +40,32 @@ FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
            "fp8_e5m2": torch.float8_e5m2}
 
 
-def _rounded(x: torch.Tensor, scale: float, fmt: torch.dtype) -> torch.Tensor:
+def toward_zero(x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """float32 ``x`` in ``fmt`` as vLLM's CPU build writes its FP8 pages: rounded
+    toward zero, saturating at the format's largest finite value (InfiniGen's CPU
+    kernels' ``to_kv``)."""
+    largest = torch.finfo(fmt).max
+    nearest = x.clamp(-largest, largest).to(fmt)
+    bits = nearest.view(torch.uint8).to(torch.int16)
+    magnitude = bits & 0x7F
+    rounded_up = (nearest.float().abs() > x.abs()) & (magnitude > 0)  # one code too far
+    bits = (bits & 0x80) | torch.where(rounded_up, magnitude - 1, magnitude)
+    return bits.to(torch.uint8).view(fmt)
+
+
+ROUNDINGS = ("toward-zero", "nearest")
+
+
+def _rounded(x: torch.Tensor, scale: float, fmt: torch.dtype, rounding: str) -> torch.Tensor:
     """``x`` as the FP8 pages hold it (x / scale, rounded, saturating), widened
     back times ``scale`` in ``x``'s dtype."""
-    largest = torch.finfo(fmt).max
-    return ((x.float() / scale).clamp(-largest, largest).to(fmt).float() * scale).to(x.dtype)
+    scaled = x.float() / scale
+    if rounding == "nearest":
+        largest = torch.finfo(fmt).max
+        codes = scaled.clamp(-largest, largest).to(fmt)
+    else:
+        codes = toward_zero(scaled, fmt)
+    return (codes.float() * scale).to(x.dtype)
 
 
 def native() -> bool:
@@ -62,9 +85,15 @@ def described(kv_cache_dtype: str) -> str:
 
 
 @contextlib.contextmanager
-def emulated():
+def emulated(rounding: str = "toward-zero"):
     """vLLM's CPU attention with the double's FP8 write and read, restored
-    afterwards. Engines in this process only: patches vLLM's module functions."""
+    afterwards. Engines in this process only: patches vLLM's module functions.
+
+    Args:
+        rounding: ``"toward-zero"``, vLLM's CPU build's; ``"nearest"``, its CUDA build's.
+    """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding {rounding!r}: one of {ROUNDINGS}")
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends import cpu_attn
 
@@ -103,7 +132,8 @@ def emulated():
             return original_write(key, value, key_cache, value_cache, slot_mapping, isa,
                                   k_scale, v_scale, kv_cache_dtype)
         fmt = FORMATS[kv_cache_dtype]
-        return original_write(_rounded(key, k_scale, fmt), _rounded(value, v_scale, fmt),
+        return original_write(_rounded(key, k_scale, fmt, rounding),
+                              _rounded(value, v_scale, fmt, rounding),
                               *shadow(key_cache, key.dtype), slot_mapping, isa, 1.0, 1.0, "auto")
 
     def attend(query, key_cache, value_cache, output, *args, k_scale=1.0, v_scale=1.0,

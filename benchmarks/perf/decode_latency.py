@@ -4,7 +4,7 @@
 python -m benchmarks.perf.decode_latency [--preset long|short|gqa128|gutenberg] [--model DIR]
     [--contexts 1024 ... 16384] [--batch-sizes 1 4] [--policies infinigen h2o streaming quest]
     [--engines dense in-place copy] [--budget 0.2] [--min-context N] [--decode-steps 16]
-    [--dtype float32|bfloat16] [--alphas default 5]
+    [--dtype float32|bfloat16] [--kv-cache-dtype auto|fp8|fp8_e5m2] [--alphas default 5]
     [--max-batch-tokens 65536] [--retries 2] [--bandwidth-mib 256] [--out PATH]
     [--paired [--rounds 8]]
 python -m benchmarks.perf.decode_latency --render RESULT.json   (rewrites RESULT.md and .png)
@@ -96,6 +96,7 @@ from benchmarks.perf.bandwidth import measure_bandwidth
 from benchmarks.perf.decode_windows import (  # noqa: F401
     DTYPE_BYTES,
     ENGINES,
+    KV_CACHE_DTYPES,
     POLICY_ORDER,
     config_label,
     engine_alpha,
@@ -105,6 +106,7 @@ from benchmarks.perf.decode_windows import (  # noqa: F401
     measure_row,
     ordered_policies,
     select_window,
+    shape_of,
     sizing,
     speculation_keys,
     timed_window,
@@ -141,7 +143,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def run_engine(engine_name: str, model: Path, args, progress: machine.Progress) -> list[dict]:
     """One engine: every (context, batch), every policy of the window."""
-    shape = kv_math.model_shape(model, dtype_bytes=DTYPE_BYTES[args.dtype])
+    shape = shape_of(model, args)
     policies, max_tokens, _, kv_bytes = sizing(engine_name, shape, args)
     points = grid(args)
     infinigen = infinigen_settings(engine_name, args)
@@ -209,6 +211,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(InfiniGen's --infinigen-cpu-pool-gib)")
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
                         help="the engines' dtype (--dtype of vllm); the KV bytes follow it")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="vLLM's --kv-cache-dtype for every engine (fp8: e4m3; vLLM's CPU "
+                        "FP8 attention needs AVX-512 or AMX); the KV bytes follow it")
     parser.add_argument("--alphas", nargs="+", default=["default", "5"],
                         help="InfiniGen windows: 'default' (the engine's alpha: off unless "
                         "--alpha, so the budget binds, the density a served model reads) and "
@@ -308,11 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                 for row in run_engine(name, Path(args.model), args, progress)]
     meta["load_average_end"] = machine.load_average()
     meta["wall_s"] = round(time.monotonic() - progress.start, 1)
-    shape = kv_math.model_shape(Path(args.model), dtype_bytes=DTYPE_BYTES[args.dtype])
+    shape = shape_of(Path(args.model), args)
     settings = {key: (str(value) if isinstance(value, Path) else value)
                 for key, value in vars(args).items()}
     settings["model_shape"] = {"layers": shape.layers, "kv_heads": shape.kv_heads,
-                               "head_dim": shape.head_dim, "dtype_bytes": shape.dtype_bytes}
+                               "head_dim": shape.head_dim, "dtype_bytes": shape.dtype_bytes,
+                               "kv_element_bytes": shape.kv_element_bytes}
     title = f"Decode latency and KV bytes per step: {Path(args.model).name} ({args.preset})"
     report.write_results(args.out, meta, title, settings, rows, decode_report.sections(
         rows, args, shape, meta.get("bandwidth"), meta["model_weight_bytes"]))

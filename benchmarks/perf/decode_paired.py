@@ -36,7 +36,7 @@ from benchmarks.perf.step_driver import Driver
 def _engine_process(engine_name: str, model: str, args: argparse.Namespace, conn) -> None:
     """Serves one engine: prefill, timed windows and finish, as the parent asks."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    shape = kv_math.model_shape(Path(model), dtype_bytes=dw.DTYPE_BYTES[args.dtype])
+    shape = dw.shape_of(Path(model), args)
     _, max_tokens, _, kv_bytes = dw.sizing(engine_name, shape, _sizing_args(args))
     infinigen = dw.ENGINES[engine_name]["infinigen"] is not None
     with dw.engine_of(engine_name, Path(model), args, max_tokens, kv_bytes) as llm:
@@ -132,7 +132,7 @@ def paired_speedups(round_ms: dict[str, list[float]]) -> dict[str, dict[str, flo
 def run(args: argparse.Namespace, model: Path, progress: machine.Progress) -> list[dict]:
     """Every (context, batch): both engines prefill it, then ``args.rounds`` rounds
     of one window per config in turn; one row per config and point."""
-    shape = kv_math.model_shape(model, dtype_bytes=dw.DTYPE_BYTES[args.dtype])
+    shape = dw.shape_of(model, args)
     windows = [(name, policy, alpha) for name in args.engines
                for policy, alpha in dw.windows(
                    dw.ordered_policies(args.policies) if dw.ENGINES[name]["infinigen"]

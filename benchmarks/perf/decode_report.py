@@ -188,6 +188,18 @@ def _ratio(value: float | None) -> str:
     return "no growth" if math.isinf(value) else f"{value:.2f}"
 
 
+def _kv_cache_text(kv_cache_dtype: str) -> str:
+    """What the notes say of ``--kv-cache-dtype`` (nothing for the model's dtype)."""
+    if kv_cache_dtype == "auto":
+        return ""
+    from benchmarks.harness import fp8_attention
+
+    kernel = ("vLLM's own CPU FP8 attention" if fp8_attention.native() else
+              "no FP8 kernel in this host's vLLM")
+    return (f", K/V in {kv_cache_dtype} (`--kv-cache-dtype {kv_cache_dtype}`: {kernel}; "
+            "the speculation keys in the model's dtype)")
+
+
 def bandwidth_text(bandwidth: Mapping[str, Any] | None) -> str:
     """The streaming limit of the run, or "n/a" (results without the measurement)."""
     if not bandwidth:
@@ -282,7 +294,7 @@ def sections(rows: list[dict], args, shape: kv_math.ModelShape,
         "## Notes\n\n"
         f"- Model: {shape.layers} layers ({args.dense_layers} dense, {sparse} sparse), "
         f"{shape.kv_heads} KV heads x {shape.head_dim}, {getattr(args, 'dtype', 'float32')}"
-        f"{weights}; budget "
+        f"{_kv_cache_text(getattr(args, 'kv_cache_dtype', 'auto'))}{weights}; budget "
         f"{args.budget}; speculation keys: the engine default ({kv_math.DEFAULT_KEYS}) "
         f"unless the config names its keys (int-keys, partial-keys); partial: ratio {args.partial_ratio}, "
         f"{rank} of {shape.head_dim} key channels, {rank / (2 * shape.head_dim):.4f} of K+V "

@@ -39,6 +39,15 @@ ENGINES = {
                      "infinigen": {"transfer": "in-place", "residency": "device-first"}},
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# vLLM's --kv-cache-dtype values the benchmarks take (K/V element bytes; auto: the model's)
+KV_CACHE_DTYPES = {"auto": None, "fp8": 1, "fp8_e5m2": 1}
+
+
+def shape_of(model: Path, args) -> kv_math.ModelShape:
+    """The model's shape for the run's dtype and ``--kv-cache-dtype``."""
+    return kv_math.model_shape(
+        Path(model), dtype_bytes=DTYPE_BYTES[args.dtype],
+        kv_element_bytes=KV_CACHE_DTYPES[getattr(args, "kv_cache_dtype", "auto")])
 # Order of the policies inside one window (see decode_latency's docstring).
 POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
 
@@ -193,7 +202,8 @@ def engine_of(engine_name: str, model: Path, args, max_tokens: int, kv_bytes: in
                   kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=max(batch for _, batch in grid(args)),
-                  enforce_eager=args.enforce_eager, dtype=args.dtype)
+                  enforce_eager=args.enforce_eager, dtype=args.dtype,
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def select_window(llm, policy: str | None, alpha: str, default_alpha: float | None,

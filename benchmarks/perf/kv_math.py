@@ -34,18 +34,22 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 4  # the benchmarks run float32 on CPU
+    # K/V element bytes where they differ from the model's (FP8 K/V: 1)
+    kv_element_bytes: int | None = None
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
         """K + V of one token in one layer, all KV heads."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.kv_heads * self.head_dim * (self.kv_element_bytes or self.dtype_bytes)
 
 
-def model_shape(model_dir: Path, dtype_bytes: int = 4) -> ModelShape:
+def model_shape(model_dir: Path, dtype_bytes: int = 4,
+                kv_element_bytes: int | None = None) -> ModelShape:
     """The shape of the Hugging Face model in ``model_dir``, as the runtime reads it."""
     layout = ModelLayout.of_model_dir(model_dir)
     return ModelShape(layers=layout.num_layers, kv_heads=layout.num_kv_heads,
-                      head_dim=layout.head_dim, dtype_bytes=dtype_bytes)
+                      head_dim=layout.head_dim, dtype_bytes=dtype_bytes,
+                      kv_element_bytes=kv_element_bytes)
 
 
 def weight_bytes(model_dir: Path, dtype_bytes: int) -> int | None:

@@ -3,7 +3,11 @@
 and the device block cache in FP8 (K / k_scale, V / v_scale), against the CPU
 platform's compiled kernels over the same tokens (the Triton kernels are held to
 these torch paths in ``triton_interpreter_checks.py`` and compiled for sm_90 in
-``test_triton_compile.py``)."""
+``test_triton_compile.py``).
+
+Each platform rounds as its vLLM writes FP8 pages: the CUDA one to nearest, the CPU
+one toward zero. The attention tests hand the CPU layer the CUDA pool's bytes, so
+that both attend over the same values."""
 
 from __future__ import annotations
 
@@ -46,23 +50,38 @@ def _pair(fmt: torch.dtype, contexts=((0, 13), (1, 9))):
     return case, cpu, layer
 
 
-def _write_both(case, cpu, layer, row: int, start: int, upto: int) -> None:
+def _write_both(case, cpu, layer, row: int, start: int, upto: int,
+                same_bytes: bool = True) -> None:
+    """The tokens written by both paths; ``same_bytes``: the CPU layer's pool then
+    takes the CUDA pool's bytes (the platforms round FP8 differently)."""
     case.written[row] = start
     case.write(row, upto)
     slots = torch.tensor([case.slot(row, p) for p in range(start, upto)])
     cpu.write(layer, case.keys[row, start:upto], case.values[row, start:upto], slots, None)
+    if same_bytes:
+        layer.kv_pool.copy_(case.layer.kv_pool)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_pool_holds_what_the_cpu_kernels_write_byte_for_byte(fmt):
-    """Both write K x (1 / k_scale) and V x (1 / v_scale) rounded to nearest and
-    saturating."""
-    case, cpu, layer = _pair(fmt, contexts=((0, 13), (1, 16)))
-    assert case.layer.kv_pool.dtype == fmt
-    assert torch.equal(case.layer.kv_pool.view(torch.uint8), layer.kv_pool.view(torch.uint8))
-    assert case.layer.kv_pool.float().abs().max() > 0
+def test_each_platform_rounds_its_pool_as_its_vllm_writes_fp8_pages(fmt):
+    """Both write K x (1 / k_scale) and V x (1 / v_scale), saturating; the CUDA path
+    rounds to nearest (vLLM's CUDA build), the CPU kernels toward zero (vLLM's CPU
+    build): the same codes or the next one toward zero."""
+    case = _Case(kv_dtype=fmt, kv_scales=SCALES)
+    case.keys, case.values = case.keys * 40, case.values * 40
+    cpu, layer = CpuDataPath("in-place"), _layer(kv_scales=SCALES)
+    layer.skew = case.layer.skew
+    cpu.allocate(layer, _plan(), NUM_BLOCKS, torch.float32, fmt)
+    for row, upto in ((0, 13), (1, 16)):
+        _write_both(case, cpu, layer, row, 0, upto, same_bytes=False)
+    cuda_pool, cpu_pool = case.layer.kv_pool, layer.kv_pool
+    assert cuda_pool.dtype == fmt and cpu_pool.dtype == fmt
+    assert cuda_pool.float().abs().max() > 0
     if fmt == torch.float8_e4m3fn:
-        assert case.layer.kv_pool.float().abs().max() == 448.0  # saturated, not NaN
+        assert cuda_pool.float().abs().max() == 448.0  # saturated, not NaN
+    assert cpu_pool.float().isfinite().all()
+    towards_zero = cuda_pool.view(torch.uint8).to(torch.int16) - cpu_pool.view(torch.uint8)
+    assert set(towards_zero.unique().tolist()) == {0, 1}  # (sign-magnitude codes)
     torch.testing.assert_close(case.layer.partial_keys, layer.partial_keys)
 
 
@@ -76,7 +95,10 @@ def test_selected_and_dense_attention_equal_the_cpu_kernels_over_an_fp8_pool(fmt
     query, selected = _decode(case, everything, [13, 9])  # writes the rows' own tokens
     rows = case.rows([13, 9])
     for row, context in enumerate([13, 9]):  # and so does the CPU layer
-        _write_both(case, cpu, layer, row, context, context + 1)
+        cpu.write(layer, case.keys[row, context:context + 1],
+                  case.values[row, context:context + 1],
+                  torch.tensor([case.slot(row, context)]), None)
+    layer.kv_pool.copy_(case.layer.kv_pool)  # (the CPU kernels round toward zero)
     assert torch.equal(case.layer.kv_pool.view(torch.uint8), layer.kv_pool.view(torch.uint8))
     expected = cpu.attend_dense(layer, rows, query, None)
     torch.testing.assert_close(selected, expected, atol=1e-4, rtol=1e-4)

@@ -93,6 +93,9 @@ class _Prompts:
             self.cpu.write(self.reference, self.case.keys[row, start:end],
                            self.case.values[row, start:end], slots, None)
             self.case.write(row, end)
+        # The CPU kernels round FP8 toward zero (vLLM's CPU pages), the CUDA path to
+        # nearest (its CUDA pages): the reference attends over the CUDA pool's values.
+        self.reference.kv_pool.copy_(self.case.layer.kv_pool)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])

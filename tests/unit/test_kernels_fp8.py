@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.harness.fp8_attention import toward_zero
 from tests.reference.sparse_attention import attend_gathered
 from tests.unit.test_kernels import BLOCK, TOLERANCE, Case, _random_positions
 from vllm_infinigen import block_layout
@@ -68,8 +69,9 @@ def test_every_byte_widens_exactly(fp8):
 @pytest.mark.parametrize("query_dtype", QUERY_DTYPES)
 @pytest.mark.parametrize("capped", [False, True])
 def test_write_rounds_to_the_pool_format(fp8, query_dtype, capped):
-    """The model's K/V rounded as torch rounds them (to nearest), saturating at
-    the format's largest finite value (values past it in the first key)."""
+    """The model's K/V rounded toward zero, as vLLM's CPU build writes its FP8
+    pages, saturating at the format's largest finite value (values past it in
+    the first key)."""
     case = fp8_case(fp8, query_dtype, seed=1, num_kv_heads=2, group=2, head_size=32,
                     context_lens=[70, 5], evict_fraction=0.3 if capped else 0.0)
     gen = torch.Generator().manual_seed(2)
@@ -81,8 +83,8 @@ def test_write_rounds_to_the_pool_format(fp8, query_dtype, capped):
     pool = case.kv_pool.clone()
     kernels.write_pool(pool, key, value, slots, case.row_map)
     want = case.kv_pool.clone()
-    largest = torch.finfo(fp8).max  # torch saturates e4m3fn itself, not e5m2
-    new = torch.cat([key, value], dim=-1).float().clamp(-largest, largest).to(fp8)
+    largest = torch.finfo(fp8).max
+    new = toward_zero(torch.cat([key, value], dim=-1).float(), fp8)
     assert new.float().isfinite().all() and (new.float().abs() == largest).sum() >= 2
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
@@ -92,6 +94,93 @@ def test_write_rounds_to_the_pool_format(fp8, query_dtype, capped):
             if (where := case.pool_row(block, head, offset)) is not None:
                 want[where[0], head, where[1]] = new[t, head]
     assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
+
+
+def _magnitudes(count: int, seed: int) -> torch.Tensor:
+    """[count] float32 of either sign over 2^-24 .. 2^20: every FP8 subnormal,
+    normal and saturated range, and values on and between the formats' grids."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.exp2(torch.empty(count).uniform_(-24, 20, generator=gen))
+    values[: count // 4] = torch.randint(-255, 256, (count // 4,), generator=gen) / 64
+    return values * torch.where(torch.rand(count, generator=gen) < 0.5, -1.0, 1.0)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_toward_zero_is_the_largest_code_not_past_the_value(fp8):
+    """The reference rounding itself, against every code of the format: each value's
+    code is the one of largest magnitude not past it (its sign kept), or the
+    format's largest."""
+    x = _magnitudes(4096, seed=5)
+    got = toward_zero(x, fp8).float()
+    codes = torch.arange(128, dtype=torch.uint8).view(fp8).float()  # non-negative, ascending
+    codes = codes[codes <= torch.finfo(fp8).max]  # (not NaN, nor e5m2's infinity)
+    below = (codes[None, :] <= x.abs()[:, None]).sum(dim=1) - 1
+    assert torch.equal(got.abs(), codes[below])
+    assert torch.equal(torch.signbit(got) | (got == 0), torch.signbit(x) | (got == 0))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES)
+def test_write_rounds_every_range_toward_zero(fp8, query_dtype):
+    """Subnormal, normal and saturated values of either sign, with scales."""
+    x = _magnitudes(64 * 32, seed=6).to(query_dtype).view(64, 1, 32)
+    for scale in (1.0, 0.37, 2.5):
+        pool = torch.zeros((1, 1, 64, 64), dtype=fp8)
+        kernels.write_pool(pool, x, x, torch.arange(64), key_scale=scale, value_scale=scale)
+        inverse = torch.tensor(1.0 / scale, dtype=torch.float32)
+        want = toward_zero(x.float() * inverse, fp8)
+        assert torch.equal(pool[0, 0, :, :32].float(), want[:, 0].float()), scale
+        assert torch.equal(pool[0, 0, :, 32:].float(), want[:, 0].float()), scale
+
+
+def _vllm_page_bytes(x: torch.Tensor, fmt: str, scale: float, head_size: int) -> torch.Tensor:
+    """[T, D] the FP8 codes vLLM's CPU cache write stores for ``x`` [T, 1, D], read
+    back through its page layout (located with values each channel alone holds)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from benchmarks.harness.fp8_attention import FORMATS
+
+    fp8, block_size = FORMATS[fmt], 128
+    isa = _get_attn_isa(x.dtype, block_size, head_size, fmt)
+    page = torch.zeros((1, 1, 2 * block_size, head_size), dtype=torch.uint8)
+    keys, values = page.chunk(2, dim=2)
+    marks = torch.tensor([sign * mantissa * 2.0 ** exponent for sign in (1, -1)
+                          for exponent in range(-6, 9) for mantissa in (1, 1.25, 1.5, 1.75)])
+    marks = marks[:head_size]  # distinct, and exact in both formats and every dtype
+    codes = torch.empty((x.shape[0], head_size), dtype=fp8)
+    for token in range(x.shape[0]):
+        page.zero_()
+        slot = torch.tensor([token % block_size])
+        ops.cpu_attn_reshape_and_cache(marks.to(x.dtype).view(1, 1, -1), x[token:token + 1],
+                                       keys, values, slot, isa, 1.0, 1.0, fmt)
+        where = [int((keys.reshape(-1).view(fp8).float() == mark).nonzero())
+                 for mark in marks.tolist()]
+        page.zero_()
+        ops.cpu_attn_reshape_and_cache(x[token:token + 1], x[token:token + 1], keys, values,
+                                       slot, isa, scale, scale, fmt)
+        codes[token] = keys.reshape(-1).view(fp8)[torch.tensor(where)]
+    return codes
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES)
+def test_write_holds_what_vllm_writes_in_its_fp8_pages(fmt, query_dtype):
+    """Our pool's FP8 values are vLLM's CPU pages' for the same K, scales and
+    dtype (vLLM's AVX-512 / AMX kernel; its AVX2 build has none)."""
+    from benchmarks.harness import fp8_attention
+
+    if not fp8_attention.native():
+        pytest.skip("this host's vLLM has no CPU FP8 kernel (it needs AVX-512 or AMX): "
+                    "the pool's rounding is checked against toward_zero only")
+    fp8, head_size = fp8_attention.FORMATS[fmt], 64
+    x = _magnitudes(48 * head_size, seed=7).to(query_dtype).view(48, 1, head_size)
+    for scale in (1.0, 0.37, 2.5):
+        pool = torch.zeros((1, 1, 64, 2 * head_size), dtype=fp8)
+        kernels.write_pool(pool, x, x, torch.arange(48), key_scale=scale, value_scale=scale)
+        vllm_codes = _vllm_page_bytes(x, fmt, scale, head_size)
+        # (values: vLLM writes a float16 -0.0 as +0)
+        assert torch.equal(pool[0, 0, :48, :head_size].float(), vllm_codes.float()), scale
 
 
 @pytest.mark.parametrize("fp8", FP8)

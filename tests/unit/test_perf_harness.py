@@ -294,6 +294,35 @@ def test_gqa128_kv_space_for_16k_by_4():
     assert 2.0 * 2**30 < kv_bytes < 2.6 * 2**30
 
 
+def test_fp8_kv_cache_halves_the_bf16_kv_space_and_reaches_the_engines(monkeypatch, tmp_path):
+    """``--kv-cache-dtype fp8``: one byte a K/V element in the sizing and the KV bytes
+    (the speculation keys stay in the model's dtype), and every engine gets the flag."""
+    args = decode_latency.parse_args(["--preset", "gqa128", "--dtype", "bfloat16",
+                                      "--contexts", "16384", "--batch-sizes", "1"])
+    assert args.kv_cache_dtype == "auto"
+    fp8 = decode_latency.parse_args(["--preset", "gqa128", "--dtype", "bfloat16",
+                                     "--contexts", "16384", "--batch-sizes", "1",
+                                     "--kv-cache-dtype", "fp8"])
+    shapes = {}
+    for name, run in (("auto", args), ("fp8", fp8)):
+        shape = kv_math.ModelShape(layers=16, kv_heads=2, head_dim=128, dtype_bytes=2,
+                                   kv_element_bytes=decode_windows.KV_CACHE_DTYPES[
+                                       run.kv_cache_dtype])
+        shapes[name] = (shape, decode_latency.sizing("dense", shape, run)[3],
+                        decode_latency.sizing("in-place", shape, run)[3])
+    assert shapes["fp8"][0].kv_bytes_per_token_layer * 2 == \
+        shapes["auto"][0].kv_bytes_per_token_layer
+    assert abs(shapes["fp8"][1] * 2 - shapes["auto"][1]) <= 2  # dense: K/V alone
+    # InfiniGen: its dense layers' K/V halve, its speculation keys do not
+    assert shapes["auto"][2] / 2 < shapes["fp8"][2] < shapes["auto"][2]
+    taken = {}
+    monkeypatch.setattr(decode_windows, "engine", lambda model, **kwargs: taken.update(kwargs))
+    decode_windows.engine_of("in-place", tmp_path, fp8, 8, 1 << 20)
+    assert taken["kv_cache_dtype"] == "fp8" and taken["dtype"] == "bfloat16"
+    decode_windows.engine_of("dense", tmp_path, args, 8, 1 << 20)
+    assert taken["kv_cache_dtype"] == "auto"
+
+
 def _args(**overrides):
     base = dict(dense_layers=2, budget=0.2, partial_ratio=0.2, dtype="float32")
     return SimpleNamespace(**{**base, **overrides})

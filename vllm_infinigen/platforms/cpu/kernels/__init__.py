@@ -31,8 +31,9 @@ def write_pool(kv_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """The host write-through: new K|V rows into one layer's pool, in place.
 
     The pool may be FP8 beside K/V of the model's dtype: it takes K / ``key_scale``
-    and V / ``value_scale`` (vLLM's ``k_scale``, ``v_scale``), rounded to
-    nearest and saturating at the format's largest finite value.
+    and V / ``value_scale`` (vLLM's ``k_scale``, ``v_scale``), rounded toward
+    zero and saturating at the format's largest finite value, as vLLM's CPU
+    build writes its FP8 pages.
 
     Args:
         kv_pool: [units, H_kv, block_size, 2 * D] one layer's pool.

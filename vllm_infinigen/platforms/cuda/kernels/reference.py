@@ -19,8 +19,9 @@ in Triton's interpreter; ``tests/gpu/``)::
     pool_rows                     a pool's K|V rows of new tokens (FP8: over the scales)
 
 An FP8 pool (``--kv-cache-dtype fp8``) holds K / key_scale and V / value_scale
-(vLLM's ``k_scale`` and ``v_scale``), rounded to nearest and saturating, as the
-CPU kernels' and vLLM's FP8 writes; the attention multiplies the scales back
+(vLLM's ``k_scale`` and ``v_scale``), rounded to nearest and saturating, as vLLM's
+CUDA build writes its FP8 pages (the CPU kernels round toward zero, as its CPU build
+does); the attention multiplies the scales back
 (key_scale into the logits' scale, value_scale into the output).
 
 The CPU build writes with its compiled kernels (``platforms/cpu/kernels/csrc/``);
@@ -112,7 +113,7 @@ def pool_rows(key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype,
     """[T, H_kv, 2 * D] the K|V rows a pool (or cache) of ``dtype`` holds for
     ``key``, ``value`` [T, H_kv, D]: in FP8, K and V times the float32 inverses
     of their scales, saturated at the format's largest finite value and
-    rounded to nearest even (the CPU kernels' ``to_kv``); else K and V as
+    rounded to nearest even (vLLM's CUDA FP8 write); else K and V as
     ``dtype``."""
     if dtype.itemsize != 1:
         return torch.cat([key, value], dim=-1).to(dtype)

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -100,19 +101,51 @@ inline fVec load_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) {
 #endif
 }
 
-// A float as a pool element: FP8 saturates at its largest finite value, as
-// vLLM's CUDA quantization does (c10's conversion would make NaN of it).
+// A float as a pool element. FP8 is written as vLLM's CPU build writes its
+// FP8 pages (cpu_attn_reshape_and_cache, --kv-cache-dtype fp8 / fp8_e5m2:
+// measured on its AVX-512 kernel, tests/unit/test_kernels_fp8.py): rounded
+// toward zero and saturating at the format's largest finite value, so that a
+// token's K/V is the same value in the pool as in vLLM's pages (select-all
+// equals stock; device-first moves and returns bytes vLLM itself would have
+// written). vLLM's CUDA build rounds to nearest, as the CUDA platform's kernels
+// do (platforms/cuda/kernels/reference.py, pool_rows).
 template <typename T>
 inline T to_kv(float x) {
   return static_cast<T>(x);
 }
+
+// The FP8 code of x with MANTISSA bits and exponent BIAS, rounded toward zero
+// and saturated at the code MAX_CODE (the format's largest finite value).
+template <typename T, int MANTISSA, int BIAS, uint8_t MAX_CODE>
+inline T fp8_toward_zero(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  const float magnitude = std::fabs(x);
+  // MAX_CODE's value (its exponent and mantissa fields).
+  const int max_exponent = (MAX_CODE >> MANTISSA) - BIAS;
+  const float max_value = std::ldexp(1.f + static_cast<float>(MAX_CODE & ((1 << MANTISSA) - 1)) /
+                                               static_cast<float>(1 << MANTISSA),
+                                     max_exponent);
+  uint8_t code;
+  if (!(magnitude < max_value)) {  // (NaN included: the pool holds no NaN)
+    code = MAX_CODE;
+  } else if (magnitude < std::ldexp(1.f, 1 - BIAS)) {  // a subnormal of the format
+    code = static_cast<uint8_t>(magnitude * std::ldexp(1.f, BIAS - 1 + MANTISSA));
+  } else {
+    const int exponent = static_cast<int>((bits >> 23) & 0xFF) - 127;
+    code = static_cast<uint8_t>(((exponent + BIAS) << MANTISSA) |
+                                ((bits >> (23 - MANTISSA)) & ((1u << MANTISSA) - 1)));
+  }
+  return T(static_cast<uint8_t>(sign | code), T::from_bits());
+}
 template <>
 inline c10::Float8_e4m3fn to_kv<c10::Float8_e4m3fn>(float x) {
-  return c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, x)));
+  return fp8_toward_zero<c10::Float8_e4m3fn, 3, 7, 0x7E>(x);  // 448
 }
 template <>
 inline c10::Float8_e5m2 to_kv<c10::Float8_e5m2>(float x) {
-  return c10::Float8_e5m2(std::min(57344.f, std::max(-57344.f, x)));
+  return fp8_toward_zero<c10::Float8_e5m2, 2, 15, 0x7B>(x);  // 57344
 }
 
 // Sum of a vector's lanes (ATen's generic reduce_add does not compile for DEFAULT).
