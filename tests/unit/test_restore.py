@@ -36,14 +36,65 @@ def test_pool_entries_are_the_blocks_tokens_in_order_with_their_heads():
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_an_fp8_pools_entries_come_back_times_their_scales(dtype):
-    """An FP8 pool holds K / k_scale and V / v_scale (as vLLM's FP8 pages do)."""
+    """An FP8 pool holds K / k_scale and V / v_scale (as vLLM's FP8 pages do): in the
+    model's dtype with scales of 1.0 (exact), and on CUDA."""
     pool = torch.randn(3, H, B, 2 * D).to(dtype)
-    key, value = restore.pool_entries(_state(pool, 2.0, 0.5), torch.tensor([2]),
-                                      torch.bfloat16, torch.device("cpu"))
-    assert key.dtype == value.dtype == torch.bfloat16
     expected = pool[2].float().permute(1, 0, 2)  # [B, H, 2D]
-    assert torch.equal(key.float(), (expected[..., :D] * 2.0).bfloat16().float())
-    assert torch.equal(value.float(), (expected[..., D:] * 0.5).bfloat16().float())
+    key, value = restore.pool_entries(_state(pool), torch.tensor([2]), torch.bfloat16,
+                                      torch.device("cpu"))
+    assert key.dtype == value.dtype == torch.bfloat16
+    assert torch.equal(key.float(), expected[..., :D])
+    assert torch.equal(value.float(), expected[..., D:])
+    key, value = restore.pool_entries(_state(pool, 2.0, 0.5), torch.tensor([2]),
+                                      torch.bfloat16, torch.device("meta"))
+    assert key.dtype == value.dtype == torch.bfloat16  # (CUDA's: the device's type only)
+
+
+def _every_code(fmt: torch.dtype) -> torch.Tensor:
+    """[3, H, B, 2D] pool units holding each finite code of ``fmt`` (and more)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt)
+    codes = codes[codes.float().isfinite()]
+    return codes.repeat(-(-3 * H * B * 2 * D // codes.numel()))[:3 * H * B * 2 * D].view(
+        3, H, B, 2 * D)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scales", [(0.37, 2.5), (0.0123, 1.0), (3.1, 0.71)])
+def test_an_fp8_pool_comes_back_to_its_codes_through_a_write_toward_zero(fmt, scales):
+    """vLLM's CPU FP8 write divides the scale out and rounds toward zero: the entries
+    (float32, a hair away from zero) land on every code the pool held, where
+    bfloat16 products would lose one code in about half of them."""
+    from benchmarks.harness.fp8_attention import toward_zero
+
+    pool = _every_code(fmt)
+    key, value = restore.pool_entries(_state(pool, *scales), torch.tensor([0, 1, 2]),
+                                      torch.bfloat16, torch.device("cpu"))
+    assert key.dtype == value.dtype == torch.float32
+    held = pool.permute(0, 2, 1, 3).flatten(0, 1)
+    for got, scale, codes in ((key, scales[0], held[..., :D]), (value, scales[1], held[..., D:])):
+        back = toward_zero(got * torch.tensor(1.0 / scale, dtype=torch.float32), fmt)
+        assert torch.equal(back.float(), codes.float()), scale
+    products = held[..., :D].to(torch.bfloat16) * scales[0]  # the model's dtype, as before
+    lost = toward_zero(products.float() / scales[0], fmt).float() != held[..., :D].float()
+    assert scales[0] == 3.1 or lost.any()  # (the test would see the old loss)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2"])
+def test_an_fp8_pool_comes_back_to_its_codes_through_vllms_own_write(fmt):
+    """vLLM's CPU FP8 cache write itself (AVX-512 / AMX hosts), bfloat16 model."""
+    from benchmarks.harness import fp8_attention
+    from tests.unit.test_kernels_fp8 import _vllm_page_bytes
+
+    if not fp8_attention.native():
+        pytest.skip("this host's vLLM has no CPU FP8 kernel (it needs AVX-512 or AMX): "
+                    "the return is checked against toward_zero only")
+    pool = _every_code(fp8_attention.FORMATS[fmt])
+    key, _ = restore.pool_entries(_state(pool, 0.37, 1.0), torch.tensor([0, 1, 2]),
+                                  torch.bfloat16, torch.device("cpu"))
+    rows = key.reshape(-1, 1, 64)
+    written = _vllm_page_bytes(rows, fmt, 0.37, 64).reshape(key.shape)
+    held = pool.permute(0, 2, 1, 3).flatten(0, 1)[..., :D]
+    assert torch.equal(written.float(), held.float())
 
 
 class _Table:

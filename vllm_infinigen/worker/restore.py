@@ -46,18 +46,36 @@ def clear_rows(model_runner, sparse_groups: Collection[int], requests: Collectio
                 batch.block_table[group].clear_row(row)
 
 
+# A hair (relative) that K x k_scale is moved away from zero by before vLLM's CPU
+# FP8 write divides the scale out again and rounds toward zero: far below the
+# format's step (2^-3 at least), far above float32's rounding of the two products.
+TOWARD_ZERO_MARGIN = 2.0 ** -20
+
+
 def pool_entries(state: LayerState, blocks: torch.Tensor, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [len(blocks) * block_size, H_kv, D] of ``blocks`` (dense group ids:
-    an uncapped pool's units) in ``dtype``, unscaled (an FP8 pool holds K / k_scale)."""
+    an uncapped pool's units) in ``dtype``, unscaled (an FP8 pool holds K / k_scale).
+
+    An FP8 pool's entries with scales other than 1.0 come back in float32, a hair
+    away from zero, on the CPU build: vLLM's CPU FP8 write rounds toward zero, and
+    the products with the scale in ``dtype`` (bfloat16: about half of them under
+    k_scale 0.37) or in float32 rounded below the code would lose one code each;
+    so they land on the pool's codes, as vLLM's own pages had them. (On CUDA vLLM
+    rounds to nearest: ``dtype`` lands there.)"""
     units = state.kv_pool[blocks.to(state.kv_pool.device)].to(device)  # [n, H, B, 2D]
     entries = units.permute(0, 2, 1, 3).flatten(0, 1)  # [n * B, H, 2D]
     scales, head_size = state.kv_scales(), state.head_size
+    unit_scales = scales["key_scale"] == 1.0 and scales["value_scale"] == 1.0
+    if entries.dtype.itemsize == 1 and device.type == "cpu" and not unit_scales:
+        dtype, margin = torch.float32, 1.0 + TOWARD_ZERO_MARGIN
+    else:
+        margin = 1.0
     key, value = entries[..., :head_size].to(dtype), entries[..., head_size:].to(dtype)
     if scales["key_scale"] != 1.0:
-        key = key * scales["key_scale"]
+        key = key * (scales["key_scale"] * margin)
     if scales["value_scale"] != 1.0:
-        value = value * scales["value_scale"]
+        value = value * (scales["value_scale"] * margin)
     return key.contiguous(), value.contiguous()
 
 
