@@ -32,6 +32,19 @@ SYNCHRONIZERS = {
     "cuda": "torch.cuda.synchronize",
 }
 
+# Device type -> how vLLM's own FP8 KV-cache write rounds K / k_scale and V / v_scale
+# there (``--kv-cache-dtype fp8``): its CPU build toward zero
+# (``cpu_attn_reshape_and_cache``, measured: tests/unit/test_kernels_fp8.py); a device
+# without a line to nearest (its CUDA build).
+FP8_WRITE_ROUNDING = {
+    "cpu": "toward-zero",
+}
+
+
+def fp8_write_rounding(device: torch.device) -> str:
+    """``"toward-zero"`` or ``"nearest"``: how vLLM's FP8 pages on ``device`` round."""
+    return FP8_WRITE_ROUNDING.get(device.type, "nearest")
+
 
 def rotate(rope, positions: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """``query`` after the model's RoPE (``rope``: its ``rotary_emb``), by the

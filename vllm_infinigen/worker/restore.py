@@ -67,7 +67,8 @@ def pool_entries(state: LayerState, blocks: torch.Tensor, dtype: torch.dtype,
     entries = units.permute(0, 2, 1, 3).flatten(0, 1)  # [n * B, H, 2D]
     scales, head_size = state.kv_scales(), state.head_size
     unit_scales = scales["key_scale"] == 1.0 and scales["value_scale"] == 1.0
-    if entries.dtype.itemsize == 1 and device.type == "cpu" and not unit_scales:
+    if (entries.dtype.itemsize == 1 and not unit_scales
+            and devices.fp8_write_rounding(device) == "toward-zero"):
         dtype, margin = torch.float32, 1.0 + TOWARD_ZERO_MARGIN
     else:
         margin = 1.0
