@@ -16,6 +16,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks.harness import models, paths
 from benchmarks.perf import (bandwidth, decode_latency, decode_report, decode_windows,
@@ -564,3 +565,21 @@ def test_weight_bytes_are_the_weights_in_the_runs_dtype(tmp_path):
     assert kv_math.weight_bytes(tmp_path, 4) == (12 + 5) * 4 + 2 * 8
     assert kv_math.weight_bytes(tmp_path, 2) == (12 + 5) * 2 + 2 * 8
     assert kv_math.weight_bytes(tmp_path / "absent", 2) is None
+
+
+def test_the_prefill_micro_benchmark_times_both_paths_and_they_agree(tmp_path):
+    """``benchmarks/perf/prefill_micro``: both paths over the same capped pool (a third
+    of the earlier entries evicted), a row per dtype and eviction, and the file."""
+    from benchmarks.perf import prefill_micro
+
+    out = tmp_path / "prefill_micro"
+    assert prefill_micro.main(["--context", "300", "--rows", "100", "--rounds", "1",
+                               "--dtypes", "float32", "--evict", "0", "0.3",
+                               "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [row["evict"] for row in rows] == [0.0, 0.3]
+    assert all(row["max_abs_difference"] < 1e-4 for row in rows)
+    c = prefill_micro.case(300, 100, 2, 4, 128, 0.3, torch.float32)
+    earlier = c["row_map"].transpose(1, 2).reshape(-1, 2)[:200]
+    assert 0.2 < float((earlier < 0).float().mean()) < 0.4  # evicted, earlier entries only
+    assert bool((c["row_map"].transpose(1, 2).reshape(-1, 2)[200:300] >= 0).all())

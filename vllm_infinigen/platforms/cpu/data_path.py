@@ -163,10 +163,14 @@ class CpuDataPath:
 
     def attend_prompt(self, layer: LayerState, plan: StepPlan, query: torch.Tensor,
                       output: torch.Tensor, row_map: torch.Tensor | None) -> None:
-        if row_map is None and prefill.supports(layer.head_size):  # vLLM's kernel
-            prefill.attend(query, output, layer.kv_pool, plan.all_block_table,
-                           plan.query_start, plan.seq_lens, plan.prompt_requests,
-                           scale=layer.scale, **layer.kv_scales())
+        if prefill.supports(layer.head_size):  # vLLM's kernel
+            args = (plan.all_block_table, plan.query_start, plan.seq_lens, plan.prompt_requests)
+            if row_map is None:
+                prefill.attend(query, output, layer.kv_pool, *args, scale=layer.scale,
+                               **layer.kv_scales())
+            else:
+                prefill.attend_capped(query, output, layer.kv_pool, row_map, *args,
+                                      scale=layer.scale, **layer.kv_scales())
             return
         kernels.attend_prefill(query, output, layer.kv_pool, plan.all_block_table,
                                plan.query_start, plan.seq_lens, plan.prompt_requests,

@@ -13,10 +13,17 @@ block and KV head, the block's keys and then its values. Each prompt request's
 blocks are gathered into that layout once per layer (an FP8 pool widened to the
 query's dtype, its scales folded into the softmax scale and the output) and attended
 causally, the last ``query_len`` of its ``seq_len`` tokens being this step's rows,
-as vLLM attends a chunked prefill. A capped pool keeps ``kernels.attend_prefill``:
-its heads evict different entries, and vLLM's kernel takes one length per request; so
-does a head size vLLM's kernel lacks (``supports``: none in an engine, whose dense
-layers run on that kernel; the data paths' tests use tiny heads).
+as vLLM attends a chunked prefill.
+
+A capped pool (``attend_capped``) evicts different entries in each KV head, and vLLM's
+kernel takes one length per request: each (request, KV head) is one of its requests,
+with one KV head and the head's query group, over the entries the head holds in
+position order. The step's own tokens are always held (the write admitted them), so
+they are the last ``query_len`` of those: causal as above, every earlier held entry
+visible to every row, as ``kernels.attend_prefill`` attends them (ATen's flash
+attention, 2.7x slower; it stays for head sizes vLLM's kernel lacks, ``supports``:
+none in an engine, whose dense layers run on that kernel; the data paths' tests use
+tiny heads).
 """
 
 from __future__ import annotations
@@ -59,45 +66,126 @@ def attend(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
         seq_lens: [num_reqs] int64 tokens of each request after this step.
         requests: [R] int64 the requests whose rows to compute.
     """
-    import vllm.envs as envs
-    from vllm import _custom_ops as ops
-
     _, num_kv_heads, block_size, row = kv_pool.shape
     head_size = row // 2
-    isa = _isa(query.dtype, block_size, head_size)
     starts, lens = query_start.tolist(), seq_lens.tolist()
     for req in requests.tolist():
         begin, end, seq_len = starts[req], starts[req + 1], lens[req]
         if end <= begin:
             continue
         num_blocks = -(-seq_len // block_size)
-        # (zeros: vLLM's kernel reads the last block whole, and stale bits may be NaN)
-        cache = torch.zeros((num_blocks, num_kv_heads, 2 * block_size, head_size),
-                            dtype=query.dtype)
-        keys, values = cache.chunk(2, dim=2)  # vLLM's [n, H_kv, block_size, D] views
+        cache = _Scratch(num_blocks, num_kv_heads, block_size, head_size, query.dtype)
         blocks = block_table[req, :num_blocks].to(torch.int64)
         for first in range(0, num_blocks, CHUNK_BLOCKS):  # (bounds the temporaries)
             units = kv_pool.index_select(0, blocks[first:first + CHUNK_BLOCKS])
             count = min(seq_len - first * block_size, units.shape[0] * block_size)
             tokens = units.transpose(1, 2).reshape(-1, num_kv_heads, row)[:count]
-            tokens = tokens.to(query.dtype)  # [count, H_kv, 2D] in order
-            # (written by vLLM's own op: the layout inside a block is its ISA's)
-            slots = torch.arange(first * block_size, first * block_size + count)
-            ops.cpu_attn_reshape_and_cache(tokens[..., :head_size], tokens[..., head_size:],
-                                           keys, values, slots, isa)
-        rows = torch.tensor([0, end - begin], dtype=torch.int32)
-        length = torch.tensor([seq_len], dtype=torch.int32)
+            cache.write(tokens, torch.arange(first * block_size, first * block_size + count))
+        cache.attend(query[begin:end], output[begin:end], torch.tensor([0, end - begin]),
+                     torch.tensor([seq_len]), torch.arange(num_blocks)[None],
+                     scale=scale * key_scale, value_scale=value_scale)
+
+
+def attend_capped(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
+                  row_map: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor,
+                  seq_lens: torch.Tensor, requests: torch.Tensor, *, scale: float,
+                  key_scale: float = 1.0, value_scale: float = 1.0) -> None:
+    """``kernels.attend_prefill`` over a capped pool (``row_map``), by vLLM's kernel:
+    each KV head one of its requests, over the entries the head holds.
+
+    Args:
+        row_map: [num_blocks, H_kv, block_size] int32 each entry's row (-1: evicted).
+        The others: ``attend``'s.
+
+    Raises:
+        RuntimeError: If a token of this step is not in the pool.
+    """
+    _, num_kv_heads, block_size, row = kv_pool.shape
+    head_size = row // 2
+    group = query.shape[1] // num_kv_heads
+    pool_rows = kv_pool.view(-1, row)  # row r of head h: ((r // B) x H_kv + h) x B + r % B
+    chunk = CHUNK_BLOCKS * block_size
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    for req in requests.tolist():
+        begin, end, seq_len = starts[req], starts[req + 1], lens[req]
+        if end <= begin:
+            continue
+        blocks = block_table[req, :-(-seq_len // block_size)].to(torch.int64)
+        rows = row_map.index_select(0, blocks).transpose(0, 1).reshape(num_kv_heads, -1)
+        rows = rows[:, :seq_len]  # [H_kv, seq_len] each position's row, in order
+        if bool((rows[:, seq_len - (end - begin):] < 0).any()):
+            raise RuntimeError("InfiniGen: a token of this step is not in the pool")
+        held = [rows[head][rows[head] >= 0].to(torch.int64) for head in range(num_kv_heads)]
+        counts = [entries.numel() for entries in held]
+        firsts = [0]  # each head's first block in the scratch cache
+        for count in counts:
+            firsts.append(firsts[-1] - (-count // block_size))
+        cache = _Scratch(firsts[-1], 1, block_size, head_size, query.dtype)
+        for head, entries in enumerate(held):
+            for first in range(0, entries.numel(), chunk):  # (bounds the temporaries)
+                piece = entries[first:first + chunk]
+                taken = pool_rows.index_select(0, (piece // block_size * num_kv_heads + head)
+                                               * block_size + piece % block_size)
+                cache.write(taken[:, None], firsts[head] * block_size + first
+                            + torch.arange(taken.shape[0]))
+        widest = max(b - a for a, b in zip(firsts, firsts[1:]))
+        table = torch.tensor([[min(a + i, b - 1) for i in range(widest)]
+                              for a, b in zip(firsts, firsts[1:])])
+        length = end - begin
+        # [H_kv x length, G, D]: the KV heads' query groups one after another
+        grouped = (query[begin:end].view(length, num_kv_heads, group, head_size)
+                   .transpose(0, 1).reshape(num_kv_heads * length, group, head_size))
+        out = torch.empty_like(grouped)
+        cache.attend(grouped, out, torch.arange(num_kv_heads + 1) * length,
+                     torch.tensor(counts), table, scale=scale * key_scale,
+                     value_scale=value_scale)
+        output[begin:end] = (out.view(num_kv_heads, length, group, head_size).transpose(0, 1)
+                             .reshape(length, num_kv_heads * group, head_size))
+
+
+class _Scratch:
+    """A zeroed cache in vLLM's CPU layout (``[blocks, H_kv, 2 x block_size, D]``:
+    each block's keys, then its values), written by vLLM's own op (the layout inside
+    a block is its ISA's) and attended by its kernel. Zeros: the kernel reads a last
+    block whole, and stale bits may be NaN."""
+
+    def __init__(self, num_blocks: int, num_kv_heads: int, block_size: int, head_size: int,
+                 dtype: torch.dtype):
+        self.cache = torch.zeros((num_blocks, num_kv_heads, 2 * block_size, head_size),
+                                 dtype=dtype)
+        self.keys, self.values = self.cache.chunk(2, dim=2)
+        self.isa = _isa(dtype, block_size, head_size)
+
+    def write(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+        """``tokens`` [n, H_kv, 2D] (K | V rows of the pool; an FP8 pool's widened
+        to the cache's dtype) at ``slots`` [n]."""
+        from vllm import _custom_ops as ops
+
+        tokens = tokens.to(self.cache.dtype)
+        head_size = self.cache.shape[-1]
+        ops.cpu_attn_reshape_and_cache(tokens[..., :head_size], tokens[..., head_size:],
+                                       self.keys, self.values, slots.to(torch.int64), self.isa)
+
+    def attend(self, query: torch.Tensor, output: torch.Tensor, query_start: torch.Tensor,
+               seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float,
+               value_scale: float) -> None:
+        """vLLM's causal attention of ``query`` [N, H, D] (its requests' rows one after
+        another, ``query_start`` [R + 1]) over ``seq_lens`` [R] tokens of the cache's
+        blocks ``block_table`` [R, W], into ``output``; times ``value_scale``."""
+        import vllm.envs as envs
+        from vllm import _custom_ops as ops
+
+        query_start = query_start.to(torch.int32)
+        seq_lens = seq_lens.to(torch.int32)
         metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=query.shape[1], num_kv_heads=num_kv_heads,
-            head_dim=head_size, seq_lens=length, dtype=query.dtype, query_start_loc=rows,
-            causal=True, sliding_window_size=-1, isa=isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
-        out = output[begin:end]
+            num_reqs=seq_lens.numel(), num_heads=query.shape[1],
+            num_kv_heads=self.cache.shape[1], head_dim=self.cache.shape[-1],
+            seq_lens=seq_lens, dtype=query.dtype, query_start_loc=query_start, causal=True,
+            sliding_window_size=-1, isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
         ops.cpu_attention_with_kv_cache(
-            query=query[begin:end], key_cache=keys, value_cache=values, output=out,
-            query_start_loc=rows, seq_lens=length, scale=scale * key_scale, causal=True,
-            alibi_slopes=None, sliding_window=-1,
-            block_table=torch.arange(num_blocks, dtype=torch.int32)[None], softcap=0.0,
-            scheduler_metadata=metadata, s_aux=None)
+            query=query, key_cache=self.keys, value_cache=self.values, output=output,
+            query_start_loc=query_start, seq_lens=seq_lens, scale=scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=block_table.to(torch.int32),
+            softcap=0.0, scheduler_metadata=metadata, s_aux=None)
         if value_scale != 1.0:
-            out.mul_(value_scale)
+            output.mul_(value_scale)
