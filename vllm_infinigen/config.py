@@ -277,12 +277,10 @@ class InfiniGenConfig:
         A hit gives a request another request's blocks: the dense layers' K/V in
         them, and by the same slot ids the sparse layers' pool rows and
         speculation keys, which hold what a prefill of the same tokens would
-        write. Not where that is not so.
+        write. Not where that is not so. (``device-first``: the sparse layers' own
+        blocks of a resident request's hit are filled from the pool, or the engine
+        moves to it: ``scheduler/spec.py``.)
         """
-        if self.device_first:
-            return (f"{flag('residency')} device-first keeps the sparse layers in device "
-                    "blocks of their own, which vLLM does not prefix-cache: a hit would "
-                    "leave them without the prefix's K/V")
         if self.eval_dense_prefix is not None:
             return (f"{flag('eval_dense_prefix')} selects in the prompt's rows, so a cached "
                     "prompt's K/V depend on the selection that computed them")

@@ -120,3 +120,60 @@ def test_the_cuda_data_path_serves_hits_from_the_pool(tiny_models, shared_engine
     assert sum(counters["cache_misses"].values()) > 0
     assert ours == stock
     assert batch == stock_batch
+
+
+@pytest.mark.parametrize("data_path", ["cpu", "cuda"])
+def test_device_first_fills_a_resident_hit_from_the_pool(data_path, shared_engine):
+    """``device-first`` keeps prefix caching on: a resident request's hit gets the
+    dense group's cached blocks and fresh sparse blocks, which the workers fill from
+    the pool before the forward. The engine stays resident (vLLM's kernel over those
+    blocks, no InfiniGen step), and its tokens are stock vLLM's, one request at a
+    time and then in one batch (whole-prompt hits); without the fill the hit's
+    sparse blocks would hold whatever they held before."""
+    import contextlib
+
+    from benchmarks.harness.paths import BUNDLED_MODEL
+    from tests.e2e.cuda_path_worker import with_cuda_data_path
+
+    model = str(BUNDLED_MODEL)
+    prompts = shared_prefix_prompts(seed=9)
+    stock_llm = shared_engine(model)
+    stock_llm.reset_prefix_cache()
+    stock = [greedy_tokens(stock_llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+    stock_batch = greedy_tokens(stock_llm, prompts, MAX_TOKENS)
+    worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
+    with worker, engine(model, infinigen_residency="device-first", **SELECT_ALL) as llm:
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        ours = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        batch = greedy_tokens(llm, prompts, MAX_TOKENS)
+        hits = prefix_cache_hits(llm)
+        counters = summarize(llm.get_metrics())
+    assert hits >= (2 * len(prompts) - 1) * PREFIX
+    assert counters["resident"] == {"": 1.0}
+    assert counters.get("residency_moves", {}) in ({}, {"pool": 0, "device": 0})
+    assert sum(counters.get("selected_tokens", {}).values()) == 0  # vLLM's kernel only
+    assert ours == stock
+    assert batch == stock_batch
+
+
+def test_device_first_over_a_capped_pool_moves_at_a_resident_hit(shared_engine):
+    """A capped pool may have evicted a hit's entries, so a resident hit moves the
+    engine to the pool, which serves it: select-all over a pool that holds
+    everything, stock vLLM's tokens."""
+    from benchmarks.harness.paths import BUNDLED_MODEL
+    from tests.e2e.test_pool_cap import POOL_GIB
+
+    model = str(BUNDLED_MODEL)
+    prompts = shared_prefix_prompts(seed=11)
+    stock_llm = shared_engine(model)
+    stock_llm.reset_prefix_cache()
+    stock = [greedy_tokens(stock_llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+    with engine(model, infinigen_residency="device-first", infinigen_cpu_pool_gib=POOL_GIB,
+                **SELECT_ALL) as llm:
+        ours = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        hits = prefix_cache_hits(llm)
+        counters = summarize(llm.get_metrics())
+    assert hits >= (len(prompts) - 1) * PREFIX
+    assert counters["residency_moves"]["pool"] >= 1
+    assert sum(counters["selected_tokens"].values()) > 0  # over the pool
+    assert ours == stock

@@ -482,7 +482,8 @@ def test_the_connector_declines_sleep_mode():
 
 
 @pytest.mark.parametrize("settings", [{}, {"infinigen_policy": "quest"},
-                                      {"infinigen_policy": "streaming"}])
+                                      {"infinigen_policy": "streaming"},
+                                      {"infinigen_residency": "device-first"}])
 def test_prefix_caching_is_on_by_default_as_in_stock(settings):
     stock = EngineArgs(model=STORIES_DIR).create_engine_config()
     config = EngineArgs(model=STORIES_DIR, kv_manager="infinigen",
@@ -495,7 +496,6 @@ def test_prefix_caching_is_on_by_default_as_in_stock(settings):
 
 
 PREFIX_CACHING_REFUSED = [
-    ({"infinigen_residency": "device-first"}, "--infinigen-residency device-first"),
     ({"infinigen_policy": "h2o"}, "--infinigen-policy h2o"),
     ({"infinigen_eval_dense_prefix": 16}, "--infinigen-eval-dense-prefix"),
 ]

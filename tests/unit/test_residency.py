@@ -261,3 +261,82 @@ def test_a_capped_pool_never_returns_while_requests_are_live():
     connector = _connector(managers, pool, dense_blocks={"a": 1}, capped=True)
     connector.build_connector_meta(None)
     assert residency.moved
+
+
+# vLLM's prefix caching under device-first
+
+
+def _allocate_hit(managers, request_id: str, tokens: int, hit: int) -> list[int]:
+    """A first allocation with ``hit`` tokens of a prefix-cache hit (in the dense
+    group: these groups cache nothing), as vLLM's coordinator makes it."""
+    counts = [m.get_num_blocks_to_allocate(request_id, tokens, [], hit, hit, tokens)
+              for m in managers]
+    for manager in managers:
+        manager.add_local_computed_blocks(request_id, [], hit, 0)
+    for manager in managers:
+        manager.allocate_new_blocks(request_id, tokens, tokens)
+    return counts
+
+
+def test_a_resident_hit_gets_every_block_and_its_hit_filled_from_the_pool():
+    pool, managers = _managers(64)
+    residency = managers[0].residency
+    assert _allocate_hit(managers, "a", 5 * BLOCK, 3 * BLOCK) == [5, 5]
+    assert [len(m.req_to_blocks["a"]) for m in managers] == [5, 5]
+    assert residency.take_fills() == (("a", 3),) and residency.take_fills() == ()
+    assert _allocate(managers, "a", 6 * BLOCK) == [1, 1]  # its next step: nothing
+    assert residency.take_fills() == ()
+    _allocate_hit(managers, "b", 2 * BLOCK, 0)  # no hit: nothing to fill
+    assert residency.take_fills() == ()
+
+
+def test_a_fill_is_forgotten_when_its_blocks_go():
+    pool, managers = _managers(32)
+    residency = managers[0].residency
+    _allocate_hit(managers, "a", 4 * BLOCK, 2 * BLOCK)
+    _free(managers, "a")  # finished or preempted in the same step
+    assert residency.take_fills() == ()
+    _allocate_hit(managers, "b", 4 * BLOCK, 2 * BLOCK)
+    _allocate(managers, "c", 30 * BLOCK)  # moves: "b"'s new blocks are freed
+    assert residency.moved and residency.take_fills() == ()
+
+
+def test_over_the_pool_a_hit_needs_no_fill():
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 4))
+    assert _allocate_hit(managers, "b", 4 * BLOCK, 2 * BLOCK) == [0, 0]
+    assert residency.moved and residency.take_fills() == ()
+
+
+def test_a_capped_pool_moves_the_engine_at_a_resident_hit():
+    """A capped pool may have evicted the hit's entries: the pool serves the hit
+    instead (an estimate moves nothing); once idle, a hit stays over the pool."""
+    pool, managers = _managers(64)
+    residency = managers[0].residency
+    residency.pool_capped = True
+    _allocate(managers, "a", 2 * BLOCK)  # no hit: resident
+    assert residency.take_fills() == () and not residency.moved
+    assert managers[0].get_num_blocks_to_allocate("b", 4 * BLOCK, [], BLOCK, BLOCK, 4 * BLOCK,
+                                                  apply_admission_cap=True) == 0
+    assert not residency.moved
+    assert _allocate_hit(managers, "b", 4 * BLOCK, BLOCK) == [0, 0]
+    assert residency.moved and residency.take_moves() == {"pool": 1, "device": 0}
+    assert residency.take_fills() == ()
+    _free(managers, "a", "b")
+    assert _allocate_hit(managers, "c", 4 * BLOCK, BLOCK) == [0, 0]  # idle, a hit: stays
+    assert residency.moved
+    _free(managers, "c")
+    assert _allocate(managers, "d", 2 * BLOCK) == [2, 2] and not residency.moved
+
+
+def test_the_connector_names_the_fills_and_learns_a_capped_pool():
+    pool, managers = _managers(64)
+    connector = _connector(managers, pool, dense_blocks={"a": 3})
+    _allocate_hit(managers, "a", 3 * BLOCK, 2 * BLOCK)
+    metadata = connector.build_connector_meta(None)
+    assert metadata.resident is True and metadata.filled == (("a", 2),)
+    assert metadata.restored == metadata.cleared == ()
+    assert managers[0].residency.pool_capped is False
+    capped = _connector(managers, pool, dense_blocks={"a": 3}, capped=True)
+    capped.build_connector_meta(None)
+    assert managers[0].residency.pool_capped is True

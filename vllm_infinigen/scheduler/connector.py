@@ -31,15 +31,19 @@ class InfiniGenMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers each step (``--infinigen-residency
     device-first``): whether the sparse layers are in the device blocks, and
     the requests over the pool whose sparse blocks came back in this step
-    (``restored``: the workers copy their K/V there from the pool)."""
+    (``restored``: the workers copy their K/V there from the pool), and the new
+    resident requests with a prefix-cache hit (``filled``: request, the hit's
+    blocks, whose sparse blocks the workers fill from the pool)."""
 
     def __init__(self, resident: bool, restored: tuple[str, ...] = (),
-                 cleared: tuple[str, ...] = ()) -> None:
+                 cleared: tuple[str, ...] = (),
+                 filled: tuple[tuple[str, int], ...] = ()) -> None:
         self.resident = resident
         self.restored = restored
         # The requests whose sparse rows the workers empty before the step's blocks
         # (``restored``, and any whose blocks a move in the same step freed again).
         self.cleared = cleared
+        self.filled = filled
 
 
 def _blocks_in_use(requests_blocks) -> int:
@@ -97,11 +101,14 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         if self._runtime is not None and isinstance(connector_metadata, InfiniGenMetadata):
             self._runtime.set_resident(connector_metadata.resident)
-            if connector_metadata.restored:
+            if connector_metadata.restored or connector_metadata.filled:
                 if self._restore is None:
                     raise RuntimeError("InfiniGen: requests came back from the pool to a "
                                        "worker that cannot copy their K/V")
-                self._restore(connector_metadata.restored)
+                if connector_metadata.restored:
+                    self._restore(connector_metadata.restored)
+                if connector_metadata.filled:  # only the hit's blocks
+                    self._restore(*zip(*connector_metadata.filled))
 
     def has_connector_metadata(self) -> bool:
         """False: InfiniGen has no work per layer (``wait_for_layer_load`` and
@@ -143,6 +150,8 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         if stats is not None and any(key.startswith("pool_capacity_bytes.")
                                      for key in stats.data):
             self._workers_report_pool = True
+            if self._kv_cache_manager is not None:  # (before the next step's allocations)
+                residency_of(self._kv_cache_manager.block_pool).pool_capped = True
 
     def _scheduler_gauges(self) -> InfiniGenStats | None:
         """Pool and device usage, from vLLM's block pool.
@@ -206,7 +215,8 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
         residency.tick()
         cleared, restored = residency.take_returns()
         metadata = InfiniGenMetadata(resident=not residency.moved, restored=restored,
-                                     cleared=cleared)
+                                     cleared=cleared, filled=residency.take_fills())
+        residency.pool_capped = self._pool_capped()  # (the config's cap, from the first)
         if residency.moved:
             self._maybe_restore(residency)
         return metadata

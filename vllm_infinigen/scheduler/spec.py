@@ -30,6 +30,13 @@ step each of them gets its blocks back at its next allocation and the
 workers copy its K/V there from the pool before the forward (uncapped pools
 only: a capped one has evicted). Each move is logged and counted by direction
 (``vllm:infinigen_residency_moves``).
+
+vLLM's prefix caching: a resident request's hit gives it the dense group's cached
+blocks, and fresh blocks in the sparse groups (vLLM caches none of theirs); the
+workers fill the hit's sparse blocks from the pool before the forward (``filled``),
+since the hit's dense slots address the pool's rows, which hold the prefix's K/V.
+Over a capped pool a hit's entries may be evicted: a resident hit moves the engine
+instead, and the pool serves it as it serves every request over it.
 """
 
 from __future__ import annotations
@@ -96,6 +103,11 @@ class Residency:
         self.to_restore: set[str] = set()
         self.cleared: set[str] = set()
         self.restored: set[str] = set()
+        # Requests allocated while resident with a prefix-cache hit, in the step
+        # being scheduled: the hit's blocks, whose sparse blocks the workers fill
+        # from the pool; and whether the pool is capped (the connector says).
+        self.filled: dict[str, int] = {}
+        self.pool_capped = False
         # Against flip-flops (each return copies its requests' K/V): the steps the
         # return's condition must hold in a row, doubled when a return is undone
         # by a move within QUICK_UNDO steps, back to 1 after one that lasted.
@@ -120,6 +132,7 @@ class Residency:
         self.moved = True
         self.to_restore.clear()  # over the pool again, with the rest
         self.restored.clear()  # their blocks are freed; nothing to copy
+        self.filled.clear()  # (the pool serves their hits)
         if self._returned_at is not None:
             undone = self._steps - self._returned_at < QUICK_UNDO
             self.patience = min(2 * self.patience, MAX_PATIENCE) if undone else 1
@@ -179,11 +192,18 @@ class Residency:
         self.cleared, self.restored = set(), set()
         return cleared, restored
 
+    def take_fills(self) -> tuple[tuple[str, int], ...]:
+        """The requests whose prefix-cache hit's sparse blocks the workers fill from
+        the pool in the step just scheduled, with the hit's blocks."""
+        filled, self.filled = tuple(sorted(self.filled.items())), {}
+        return filled
+
     def forget(self, request_id: str) -> None:
         """``request_id`` was freed (finished or preempted): nothing comes back."""
         self.to_restore.discard(request_id)
         self.cleared.discard(request_id)
         self.restored.discard(request_id)
+        self.filled.pop(request_id, None)
 
     def take_moves(self) -> dict[str, int]:
         """The moves since the last call, by destination (``pool``, ``device``)."""
@@ -223,6 +243,13 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
                           and not residency.holds_requests())
         if not self.resident and not moved_and_idle:
             return 0
+        # A prefix-cache hit that a capped pool cannot fill (it may have evicted the
+        # hit's entries): over the pool, which serves it as it serves the rest.
+        hit = args[1] if len(args) > 1 else 0  # num_local_computed_tokens
+        unfillable = (hit and residency.pool_capped
+                      and not self.req_to_blocks.get(request_id))
+        if moved_and_idle and unfillable:
+            return 0  # (stays over the pool)
         needed = super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, *args,
             apply_admission_cap=apply_admission_cap, **kwargs)
@@ -233,6 +260,13 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
                 return 0
             residency.move_back()
             return needed
+        if unfillable:
+            if not apply_admission_cap:
+                logger.info("InfiniGen: request %s hits %d tokens of vLLM's prefix cache, "
+                            "which a capped pool cannot copy into the device blocks",
+                            request_id, hit)
+                residency.move()
+            return 0
         # The blocks in every group (the dense one and each sparse one need as
         # many): where they would not fit, move instead of waiting or
         # preempting, and need none here. An estimate (admission, a
@@ -249,6 +283,17 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
                 self.residency.move()
             return 0
         return needed
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence,
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """A first allocation's prefix-cache hit (dense blocks only: these groups cache
+        none): resident, its blocks of every sparse group are filled from the pool."""
+        super().add_local_computed_blocks(request_id, new_computed_blocks,
+                                          num_local_computed_tokens,
+                                          num_external_computed_tokens)
+        if self.resident and num_local_computed_tokens:
+            self.residency.filled[request_id] = num_local_computed_tokens // self.block_size
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list:

@@ -240,13 +240,15 @@ class InfiniGenWorkerMixin:
             raise RuntimeError("InfiniGen worker started without its KV connector")
         get_kv_transfer_group().bind_runtime(runtime, restore=self._copy_restored)
 
-    def _copy_restored(self, requests: tuple[str, ...]) -> None:
-        """The K/V of requests back from the pool into their sparse blocks
-        (``worker/restore.py``; the connector, before the step's forward)."""
+    def _copy_restored(self, requests: tuple[str, ...],
+                       blocks: tuple[int, ...] | None = None) -> None:
+        """The K/V of requests back from the pool into their sparse blocks, or into
+        their first ``blocks`` each, a prefix-cache hit's (``worker/restore.py``; the
+        connector, before the step's forward)."""
         runtime = self.infinigen_runtime
         restore.copy_from_pool(runtime.sparse_layers, self.model_runner, self._dense_group,
                                self._sparse_groups, requests, self.model_config.dtype,
-                               runtime.device)
+                               runtime.device, blocks)
 
     def execute_model(self, scheduler_output):
         """Frees the pool rows of requests that finished or were preempted

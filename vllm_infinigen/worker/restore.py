@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``--infinigen-residency device-first``: requests over the pool back in the device blocks.
+"""``--infinigen-residency device-first``: requests over the pool back in the device blocks,
+and a resident request's prefix-cache hit in its sparse blocks.
 
 When the engine returns while requests that ran over the pool are live
 (``scheduler/spec.py``, ``Residency.restore``), each gets its sparse groups' blocks
@@ -19,11 +20,17 @@ stock backend's own KV update (its layout, its FP8 scaling) before the forward:
   chunk of blocks at a time. On a GPU the device finishes first: the last steps
   over the pool wrote the pinned pool from its kernels, perhaps still running
   (vLLM's asynchronous scheduling waits for none of them here).
+
+A request admitted while resident with a hit in vLLM's prefix cache (``filled``)
+gets the dense group's cached blocks and fresh sparse ones; ``copy_from_pool``
+fills the hit's first blocks of each sparse group from the pool the same way (the
+hit's dense slots address the rows that hold the prefix's K/V; uncapped pools
+only: the scheduler moves the engine where the pool is capped).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -84,23 +91,27 @@ CHUNK_BLOCKS = 256  # blocks a copy reads from the pool at a time (bounds its te
 
 
 def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: int,
-                   group_of: Mapping[str, int], requests: Collection[str],
-                   dtype: torch.dtype, device: torch.device) -> int:
+                   group_of: Mapping[str, int], requests: Sequence[str],
+                   dtype: torch.dtype, device: torch.device,
+                   first_blocks: Sequence[int] | None = None) -> int:
     """Each sparse layer's K/V of ``requests`` from the pool into their blocks of the
-    layer's group, through the stock KV update. Returns the blocks copied per layer."""
+    layer's group, through the stock KV update; with ``first_blocks`` (one per
+    request) into their first blocks only (a prefix-cache hit's). Returns the blocks
+    copied per layer."""
     devices.synchronize(device)  # the pool's last writes, from every stream
     sources: list[int] = []  # the requests' dense blocks, the same for every group
     targets: dict[int, list[int]] = {group: [] for group in set(group_of.values())}
-    for request_id in requests:
+    for index, request_id in enumerate(requests):
         block_ids = model_runner.requests[request_id].block_ids
+        count = len(block_ids[dense_group]) if first_blocks is None else first_blocks[index]
         for group, blocks in targets.items():
             if len(block_ids[group]) != len(block_ids[dense_group]):  # rows not cleared
                 raise RuntimeError(
                     f"InfiniGen: request {request_id} came back from the pool with "
                     f"{len(block_ids[group])} blocks in KV-cache group {group} for its "
                     f"{len(block_ids[dense_group])} in the dense group")
-            blocks += block_ids[group]
-        sources += block_ids[dense_group]
+            blocks += block_ids[group][:count]
+        sources += block_ids[dense_group][:count]
     for state in layers:
         block_size = state.kv_pool.shape[2]
         offsets = torch.arange(block_size, device=device)
