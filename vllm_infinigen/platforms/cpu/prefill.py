@@ -21,7 +21,8 @@ with one KV head and the head's query group, over the entries the head holds in
 position order. The step's own tokens are always held (the write admitted them), so
 they are the last ``query_len`` of those: causal as above, every earlier held entry
 visible to every row, as ``kernels.attend_prefill`` attends them (ATen's flash
-attention, 2.7x slower; it stays for head sizes vLLM's kernel lacks, ``supports``:
+attention, 2.1-2.3x the time over a capped pool, ``benchmarks/results/prefill_micro.md``;
+it stays for head sizes vLLM's kernel lacks, ``supports``:
 none in an engine, whose dense layers run on that kernel; the data paths' tests use
 tiny heads).
 """
