@@ -122,8 +122,11 @@ def test_the_cuda_data_path_serves_hits_from_the_pool(tiny_models, shared_engine
     assert batch == stock_batch
 
 
-@pytest.mark.parametrize("data_path", ["cpu", "cuda"])
-def test_device_first_fills_a_resident_hit_from_the_pool(data_path, shared_engine):
+# gemma3: its window groups take part in the hit lookup beside the dense group.
+@pytest.mark.parametrize("name, data_path", [("stories260K", "cpu"), ("stories260K", "cuda"),
+                                             ("gemma3", "cpu")])
+def test_device_first_fills_a_resident_hit_from_the_pool(name, data_path, tiny_models,
+                                                          shared_engine):
     """``device-first`` keeps prefix caching on: a resident request's hit gets the
     dense group's cached blocks and fresh sparse blocks, which the workers fill from
     the pool before the forward. The engine stays resident (vLLM's kernel over those
@@ -135,7 +138,7 @@ def test_device_first_fills_a_resident_hit_from_the_pool(data_path, shared_engin
     from benchmarks.harness.paths import BUNDLED_MODEL
     from tests.e2e.cuda_path_worker import with_cuda_data_path
 
-    model = str(BUNDLED_MODEL)
+    model = str(BUNDLED_MODEL) if name == "stories260K" else tiny_models[name]
     prompts = shared_prefix_prompts(seed=9)
     stock_llm = shared_engine(model)
     stock_llm.reset_prefix_cache()
