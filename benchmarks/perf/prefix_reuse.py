@@ -4,7 +4,8 @@ vLLM's prefix caching: time to first token and to the last.
 
     python -m benchmarks.perf.prefix_reuse [--model DIR] [--prefix 3968] [--suffix 128]
         [--batch 4] [--tokens 32] [--out PATH]
-        [--setups vllm infinigen infinigen-no-prefix-caching infinigen-capped]
+        [--setups vllm infinigen infinigen-no-prefix-caching infinigen-capped
+                  infinigen-device-first infinigen-device-first-no-prefix-caching]
 
 Each setup runs in a child process (an ``LLM(...)`` engine as `vllm serve` runs one: the
 engine core in its own process), in turn: first one request alone (``--prefix`` shared
@@ -15,7 +16,9 @@ were added to the step that returned its first token, through ``LLMEngine.step``
 prefix caching on: vLLM's default), ``infinigen`` (the default, which keeps it on),
 ``infinigen-no-prefix-caching`` (what InfiniGen did before it kept prefix caching on) and,
 when named, ``infinigen-capped`` (a pool capped at 0.25 GiB: each KV head evicts on its
-own, and the prompt rows attend over what each holds).
+own, and the prompt rows attend over what each holds) and ``infinigen-device-first``
+(resident: vLLM's kernel over the sparse layers' own blocks, a hit's filled from the pool),
+with or without (``-no-prefix-caching``, as before b5e8156) prefix caching.
 The default model is the decode benchmarks' head_dim-128 one (``models.GQA128_MODEL``,
 random weights: the default budget of 0.2 binds whatever the weights).
 """
@@ -40,6 +43,12 @@ SETUPS = {
     # A capped pool (the default model: ~9,500 tokens per layer and KV head in float32,
     # twice what the run holds at once; an uncapped one would want ~7 GiB).
     "infinigen-capped": {"kv_manager": "infinigen", "infinigen_cpu_pool_gib": 0.25},
+    # Dense while memory allows (resident here: 1 GiB holds ~32K tokens of every layer);
+    # before b5e8156 device-first turned prefix caching off.
+    "infinigen-device-first": {"kv_manager": "infinigen", "infinigen_residency": "device-first"},
+    "infinigen-device-first-no-prefix-caching": {
+        "kv_manager": "infinigen", "infinigen_residency": "device-first",
+        "enable_prefix_caching": False},
 }
 
 
