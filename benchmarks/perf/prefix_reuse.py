@@ -94,8 +94,13 @@ def child(model: str, setup: str, prefix: int, suffix: int, batch: int,
     result = {"prefix_caching": caching,
               "alone": timed(engine, prompts[:1], params, "alone"),
               "batch": timed(engine, prompts[1:], params, "batch")}
-    result["hit_tokens"] = int(sum(metric.value for metric in llm.get_metrics()
+    metrics = llm.get_metrics()
+    result["hit_tokens"] = int(sum(metric.value for metric in metrics
                                    if metric.name == "vllm:prefix_cache_hits"))
+    if SETUPS[setup].get("infinigen_residency") == "device-first":
+        from vllm_infinigen.scheduler.metrics import summarize
+
+        result["residency_moves"] = summarize(metrics).get("residency_moves", {})
     return result
 
 
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{alone['ttft_s'][0]:.2f}", f"{statistics.median(batch['ttft_s']):.2f}",
                       f"{max(batch['ttft_s']):.2f}", f"{batch['total_s']:.2f}"])
         print(f"{setup}: {table[-1][1:]}", flush=True)
+    moves = [f"{row['setup']}: {row['residency_moves'] or 'none'}" for row in rows
+             if "residency_moves" in row]
     report.write_results(
         args.out, report.run_metadata(), "Requests sharing a prefix, with vLLM's prefix caching",
         vars(args) | {"out": str(args.out)}, rows,
@@ -145,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
          report.markdown_table(["setup", "prefix caching", "prompt tokens hit",
                                 "alone: first token s",
                                 "batch: median first token s", "batch: last first token s",
-                                "batch: all tokens s"], table)])
+                                "batch: all tokens s"], table),
+         *([f"`device-first` moves between the device blocks and the pool: "
+            f"{'; '.join(moves)}."] if moves else [])])
     return 0
 
 
