@@ -189,15 +189,13 @@ def _ratio(value: float | None) -> str:
 
 
 def _kv_cache_text(kv_cache_dtype: str) -> str:
-    """What the notes say of ``--kv-cache-dtype`` (nothing for the model's dtype)."""
+    """What the notes say of ``--kv-cache-dtype`` (nothing for the model's dtype). The
+    engines run vLLM's own FP8 attention: vLLM refuses FP8 on a host without it, and
+    these benchmarks use no double."""
     if kv_cache_dtype == "auto":
         return ""
-    from benchmarks.harness import fp8_attention
-
-    kernel = ("vLLM's own CPU FP8 attention" if fp8_attention.native() else
-              "no FP8 kernel in this host's vLLM")
-    return (f", K/V in {kv_cache_dtype} (`--kv-cache-dtype {kv_cache_dtype}`: {kernel}; "
-            "the speculation keys in the model's dtype)")
+    return (f", K/V in {kv_cache_dtype} (`--kv-cache-dtype {kv_cache_dtype}`: vLLM's own "
+            "CPU FP8 attention; the speculation keys in the model's dtype)")
 
 
 def bandwidth_text(bandwidth: Mapping[str, Any] | None) -> str:

@@ -41,6 +41,8 @@ ENGINES = {
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # vLLM's --kv-cache-dtype values the benchmarks take (K/V element bytes; auto: the model's)
 KV_CACHE_DTYPES = {"auto": None, "fp8": 1, "fp8_e5m2": 1}
+# Order of the policies inside one window (see decode_latency's docstring).
+POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
 
 
 def shape_of(model: Path, args) -> kv_math.ModelShape:
@@ -48,8 +50,6 @@ def shape_of(model: Path, args) -> kv_math.ModelShape:
     return kv_math.model_shape(
         Path(model), dtype_bytes=DTYPE_BYTES[args.dtype],
         kv_element_bytes=KV_CACHE_DTYPES[getattr(args, "kv_cache_dtype", "auto")])
-# Order of the policies inside one window (see decode_latency's docstring).
-POLICY_ORDER = ("infinigen", "streaming", "quest", "h2o")
 
 
 def config_label(engine_name: str, policy: str | None, alpha: str = "default") -> str:

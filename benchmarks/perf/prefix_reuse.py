@@ -50,6 +50,8 @@ SETUPS = {
         "kv_manager": "infinigen", "infinigen_residency": "device-first",
         "enable_prefix_caching": False},
 }
+# What a run without --setups measures (the others: when named)
+DEFAULT_SETUPS = ("vllm", "infinigen", "infinigen-no-prefix-caching")
 
 
 def timed(engine: Any, prompts: list[dict], params: Any, tag: str,
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suffix", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS)[:3], choices=list(SETUPS))
+    parser.add_argument("--setups", nargs="+", default=list(DEFAULT_SETUPS),
+                        choices=list(SETUPS))
     parser.add_argument("--out", type=Path, default=paths.RESULTS / "prefix_reuse")
     args = parser.parse_args(argv)
     if args.model is None:
