@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.unit.test_kernels import BLOCK, DTYPES, Case, _assert_close
-from vllm_infinigen import block_layout
 from vllm_infinigen.platforms.cpu import kernels, prefill
 
 SEQ_LENS, NEW_ROWS = (50, 170, 90), (50, 40, 1)  # ``_step``'s requests
@@ -58,19 +57,6 @@ def test_an_fp8_pool_is_widened_and_its_scales_applied(fp8, query_dtype):
     _assert_close(got[:90], want[:90], query_dtype)
 
 
-def _capped(case: Case) -> None:
-    """The step's own tokens held in ``case``'s capped pool, as the write admits them
-    (rows past the pool's: only the attention reads them here, and it reads the rows
-    by the map)."""
-    for req, (seq_len, rows) in enumerate(zip(SEQ_LENS, NEW_ROWS)):
-        positions = torch.arange(seq_len - rows, seq_len)[None]
-        blocks, offsets = block_layout.block_coordinates(positions,
-                                                         case.block_table[req:req + 1], BLOCK)
-        held = case.row_map[blocks[0], :, offsets[0]]
-        fresh = torch.arange(held.numel(), dtype=torch.int32).view_as(held) + 7
-        case.row_map[blocks[0], :, offsets[0]] = torch.where(held < 0, fresh, held)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_kv_heads", "group", "head_size"), [(2, 1, 32), (2, 4, 64),
                                                                   (4, 2, 128)])
@@ -81,7 +67,7 @@ def test_a_capped_pool_by_vllms_kernel_equals_the_flash_attention_path(
     monkeypatch.setattr(prefill, "CHUNK_BLOCKS", chunk_blocks)  # 1: gathered in pieces
     case = Case(seed=14, dtype=dtype, num_kv_heads=num_kv_heads, group=group,
                 head_size=head_size, context_lens=[49, 169, 89], evict_fraction=0.35)
-    _capped(case)
+    case.hold_step_rows(SEQ_LENS, NEW_ROWS)
     held = (case.row_map[case.block_table[1, :2].long()] >= 0).sum(dim=(0, 2))
     assert len(set(held.tolist())) > 1  # the heads hold different counts
     query, args = _step(case, dtype)
@@ -101,7 +87,7 @@ def test_a_capped_fp8_pool_is_widened_and_its_scales_applied(fp8):
     case = Case(seed=3, dtype=torch.bfloat16, num_kv_heads=2, group=2, head_size=64,
                 context_lens=[49, 169, 89], evict_fraction=0.3)
     case.kv_pool = case.kv_pool.to(fp8)
-    _capped(case)
+    case.hold_step_rows(SEQ_LENS, NEW_ROWS)
     query, args = _step(case, torch.bfloat16)
     scales = {"key_scale": 0.5, "value_scale": 2.0}
     want, got = torch.zeros_like(query), torch.zeros_like(query)
@@ -115,7 +101,7 @@ def test_a_capped_fp8_pool_is_widened_and_its_scales_applied(fp8):
 def test_a_capped_pool_missing_a_token_of_the_step_is_an_error():
     case = Case(seed=5, dtype=torch.float32, num_kv_heads=2, group=2, head_size=64,
                 context_lens=[49, 169, 89], evict_fraction=0.3)
-    _capped(case)
+    case.hold_step_rows(SEQ_LENS, NEW_ROWS)
     block, offset = divmod(160, BLOCK)  # request 1's rows are positions 130..169
     case.row_map[case.block_table[1, block], 1, offset] = -1
     query, args = _step(case, torch.float32)

@@ -76,6 +76,18 @@ class Case:
         mapped = int(self.row_map[block, head, offset])
         return None if mapped < 0 else divmod(mapped, BLOCK)
 
+    def hold_step_rows(self, seq_lens, new_rows) -> None:
+        """A capped pool's map holding each request's last ``new_rows`` of its
+        ``seq_lens`` tokens, as a step's write admits them (rows past the pool's where
+        they were evicted: a prompt step's attention reads the rows by the map alone)."""
+        for req, (seq_len, rows) in enumerate(zip(seq_lens, new_rows)):
+            positions = torch.arange(seq_len - rows, seq_len)[None]
+            blocks, offsets = block_layout.block_coordinates(
+                positions, self.block_table[req:req + 1], BLOCK)
+            held = self.row_map[blocks[0], :, offsets[0]]
+            fresh = torch.arange(held.numel(), dtype=torch.int32).view_as(held) + 7
+            self.row_map[blocks[0], :, offsets[0]] = torch.where(held < 0, fresh, held)
+
     def current(self) -> tuple[torch.Tensor, torch.Tensor]:
         own = self.context_lens[:, None, None].expand(-1, self.num_kv_heads, 1)
         keys, values = self.entries(own)

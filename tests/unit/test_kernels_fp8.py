@@ -227,13 +227,7 @@ def test_prefill_over_fp8_equals_the_widened_pool(fp8, query_dtype, capped):
     case = fp8_case(fp8, query_dtype, seed=14, num_kv_heads=2, group=2, head_size=64,
                     context_lens=[n - 1 for n in seq_lens], evict_fraction=0.3 if capped else 0.0)
     if case.row_map is not None:  # this step's rows were just written: held
-        for req, (seq_len, rows) in enumerate(zip(seq_lens, new_rows)):
-            positions = torch.arange(seq_len - rows, seq_len)[None]
-            blocks, offsets = block_layout.block_coordinates(
-                positions, case.block_table[req:req + 1], BLOCK)
-            held = case.row_map[blocks[0], :, offsets[0]]
-            fresh = torch.arange(held.numel(), dtype=torch.int32).view_as(held)
-            case.row_map[blocks[0], :, offsets[0]] = torch.where(held < 0, fresh + 7, held)
+        case.hold_step_rows(seq_lens, new_rows)
     gen = torch.Generator().manual_seed(15)
     query = torch.randn((sum(new_rows), 4, 64), generator=gen).to(query_dtype)
     args = (case.block_table, torch.tensor([0, 50, 90], dtype=torch.int64),
