@@ -125,19 +125,25 @@ def test_the_cuda_data_path_serves_hits_from_the_pool(tiny_models, shared_engine
 # gemma3: its window groups take part in the hit lookup beside the dense group.
 @pytest.mark.parametrize("name, data_path", [("stories260K", "cpu"), ("stories260K", "cuda"),
                                              ("gemma3", "cpu")])
-def test_device_first_fills_a_resident_hit_from_the_pool(name, data_path, tiny_models,
-                                                          shared_engine):
-    """``device-first`` keeps prefix caching on: a resident request's hit gets the
-    dense group's cached blocks and fresh sparse blocks, which the workers fill from
-    the pool before the forward. The engine stays resident (vLLM's kernel over those
-    blocks, no InfiniGen step), and its tokens are stock vLLM's, one request at a
-    time and then in one batch (whole-prompt hits); without the fill the hit's
-    sparse blocks would hold whatever they held before."""
+def test_device_first_shares_a_resident_hits_sparse_blocks(name, data_path, tiny_models,
+                                                            shared_engine, monkeypatch):
+    """``device-first`` keeps prefix caching on: a resident request's hit shares the
+    sparse groups' cached blocks as it shares the dense group's, one request at a time
+    (nothing copied). With those uncached (as a move leaves them), the same prompts in
+    one batch get fresh sparse blocks for the dense group's whole hit, which the workers
+    fill from the pool before the forward; without the fill they would hold whatever
+    they held before. The engine stays resident (vLLM's kernel over those blocks, no
+    InfiniGen step), and its tokens are stock vLLM's both times."""
     import contextlib
 
     from benchmarks.harness.paths import BUNDLED_MODEL
     from tests.e2e.cuda_path_worker import with_cuda_data_path
+    from vllm_infinigen.worker import restore
 
+    copied = []
+    copy = restore.copy_from_pool
+    monkeypatch.setattr(restore, "copy_from_pool",
+                        lambda *args, **kwargs: copied.append(copy(*args, **kwargs)))
     model = str(BUNDLED_MODEL) if name == "stories260K" else tiny_models[name]
     prompts = shared_prefix_prompts(seed=9)
     stock_llm = shared_engine(model)
@@ -148,10 +154,15 @@ def test_device_first_fills_a_resident_hit_from_the_pool(name, data_path, tiny_m
     with worker, engine(model, infinigen_residency="device-first", **SELECT_ALL) as llm:
         assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         ours = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        shared_copies = list(copied)
+        assert uncache_sparse_blocks(llm) > 0
         batch = greedy_tokens(llm, prompts, MAX_TOKENS)
         hits = prefix_cache_hits(llm)
         counters = summarize(llm.get_metrics())
+        block_size = llm.llm_engine.vllm_config.cache_config.block_size
     assert hits >= (2 * len(prompts) - 1) * PREFIX
+    # the prefix's blocks once, per layer: the batch's others share what the first filled
+    assert shared_copies == [] and sum(copied) == PREFIX // block_size
     assert counters["resident"] == {"": 1.0}
     assert counters.get("residency_moves", {}) in ({}, {"pool": 0, "device": 0})
     assert sum(counters.get("selected_tokens", {}).values()) == 0  # vLLM's kernel only
@@ -159,10 +170,46 @@ def test_device_first_fills_a_resident_hit_from_the_pool(name, data_path, tiny_m
     assert batch == stock_batch
 
 
-def test_device_first_over_a_capped_pool_moves_at_a_resident_hit(shared_engine):
-    """A capped pool may have evicted a hit's entries, so a resident hit moves the
-    engine to the pool, which serves it: select-all over a pool that holds
-    everything, stock vLLM's tokens."""
+def uncache_sparse_blocks(llm) -> int:
+    """Takes the sparse groups' blocks out of an in-process engine's prefix cache (the
+    dense group's stay); returns how many were cached."""
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    from vllm_infinigen.scheduler.spec import InfiniGenSparseManager
+
+    manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    sparse = {index for index, group in enumerate(manager.coordinator.single_type_managers)
+              if isinstance(group, InfiniGenSparseManager)}
+    cached = {block.block_id for block in manager.block_pool.blocks
+              if block.block_hash is not None and get_group_id(block.block_hash) in sparse}
+    manager.block_pool.evict_blocks(cached)
+    return len(cached)
+
+
+def test_device_first_hits_on_blocks_computed_in_the_same_step(tiny_models):
+    """Prompts sharing a prefix, new to the cache, in one step (a step of 1,024
+    tokens): the later ones hit the blocks the first computes in that step, which the
+    pool does not hold before the forward, so the sparse groups share them as the dense
+    group does. Stock vLLM's tokens (a fill from the pool gave others)."""
+    from benchmarks.harness.paths import BUNDLED_MODEL
+
+    model, prompts = str(BUNDLED_MODEL), shared_prefix_prompts(seed=21)
+    with engine(model, max_num_batched_tokens=1024) as llm:
+        stock = greedy_tokens(llm, prompts, MAX_TOKENS)
+    with engine(model, max_num_batched_tokens=1024, infinigen_residency="device-first",
+                **SELECT_ALL) as llm:
+        ours = greedy_tokens(llm, prompts, MAX_TOKENS)
+        hits = prefix_cache_hits(llm)
+    assert hits == (len(prompts) - 1) * PREFIX
+    assert ours == stock
+
+
+def test_device_first_over_a_capped_pool_moves_at_a_hit_it_would_fill(shared_engine):
+    """A capped pool may have evicted a hit's entries: a resident hit that shares the
+    sparse groups' cached blocks needs none of them and stays resident; one that would
+    be filled from the pool (its sparse blocks uncached) moves the engine to the pool,
+    which serves it: select-all over a pool that holds everything, stock vLLM's
+    tokens both times."""
     from benchmarks.harness.paths import BUNDLED_MODEL
     from tests.e2e.test_pool_cap import POOL_GIB
 
@@ -173,10 +220,15 @@ def test_device_first_over_a_capped_pool_moves_at_a_resident_hit(shared_engine):
     stock = [greedy_tokens(stock_llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
     with engine(model, infinigen_residency="device-first", infinigen_cpu_pool_gib=POOL_GIB,
                 **SELECT_ALL) as llm:
-        ours = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        shared = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
+        resident = summarize(llm.get_metrics())
+        uncache_sparse_blocks(llm)
+        filled = [greedy_tokens(llm, [prompt], MAX_TOKENS)[0] for prompt in prompts]
         hits = prefix_cache_hits(llm)
         counters = summarize(llm.get_metrics())
-    assert hits >= (len(prompts) - 1) * PREFIX
+    assert hits >= (2 * len(prompts) - 1) * PREFIX
+    assert resident.get("residency_moves", {}) in ({}, {"pool": 0, "device": 0})
+    assert sum(resident.get("selected_tokens", {}).values()) == 0
     assert counters["residency_moves"]["pool"] >= 1
     assert sum(counters["selected_tokens"].values()) > 0  # over the pool
-    assert ours == stock
+    assert shared == stock and filled == stock

@@ -23,12 +23,13 @@ from vllm_infinigen.scheduler.spec import InfiniGenSparseManager, InfiniGenSpars
 BLOCK = 16
 
 
-def _managers(num_blocks: int, device_first: bool = True, groups: int = 2):
-    pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=BLOCK)
+def _managers(num_blocks: int, device_first: bool = True, groups: int = 2,
+              caching: bool = False):
+    pool = BlockPool(num_blocks, enable_caching=caching, hash_block_size=BLOCK)
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
                              dtype=torch.float32)
     spec = InfiniGenSparseSpec.of(full, device_first)
-    managers = [InfiniGenSparseManager(spec, pool, False, index + 1, BLOCK)
+    managers = [InfiniGenSparseManager(spec, pool, caching, index + 1, BLOCK)
                 for index in range(groups)]
     return pool, managers
 
@@ -268,7 +269,7 @@ def test_a_capped_pool_never_returns_while_requests_are_live():
 
 def _allocate_hit(managers, request_id: str, tokens: int, hit: int) -> list[int]:
     """A first allocation with ``hit`` tokens of a prefix-cache hit (in the dense
-    group: these groups cache nothing), as vLLM's coordinator makes it."""
+    group; no sparse block of it cached), as vLLM's coordinator makes it."""
     counts = [m.get_num_blocks_to_allocate(request_id, tokens, [], hit, hit, tokens)
               for m in managers]
     for manager in managers:
@@ -283,7 +284,7 @@ def test_a_resident_hit_gets_every_block_and_its_hit_filled_from_the_pool():
     residency = managers[0].residency
     assert _allocate_hit(managers, "a", 5 * BLOCK, 3 * BLOCK) == [5, 5]
     assert [len(m.req_to_blocks["a"]) for m in managers] == [5, 5]
-    assert residency.take_fills() == (("a", 3),) and residency.take_fills() == ()
+    assert residency.take_fills() == (("a", 0, 3),) and residency.take_fills() == ()
     assert _allocate(managers, "a", 6 * BLOCK) == [1, 1]  # its next step: nothing
     assert residency.take_fills() == ()
     _allocate_hit(managers, "b", 2 * BLOCK, 0)  # no hit: nothing to fill
@@ -334,7 +335,7 @@ def test_the_connector_names_the_fills_and_learns_a_capped_pool():
     connector = _connector(managers, pool, dense_blocks={"a": 3})
     _allocate_hit(managers, "a", 3 * BLOCK, 2 * BLOCK)
     metadata = connector.build_connector_meta(None)
-    assert metadata.resident is True and metadata.filled == (("a", 2),)
+    assert metadata.resident is True and metadata.filled == (("a", 0, 2),)
     assert metadata.restored == metadata.cleared == ()
     assert managers[0].residency.pool_capped is False
     capped = _connector(managers, pool, dense_blocks={"a": 3}, capped=True)

@@ -161,9 +161,9 @@ def test_copy_from_pool_writes_each_layers_blocks_at_the_new_ids_after_the_devic
         assert torch.equal(key, expected[..., :D]) and torch.equal(value, expected[..., D:])
 
 
-def test_a_prefix_hit_fills_only_its_first_blocks(monkeypatch):
-    """``first_blocks``: each request's hit, its first blocks of every group (the
-    dense ones the cached blocks of the hit, the sparse ones fresh)."""
+def test_a_prefix_hit_fills_only_its_uncached_blocks(monkeypatch):
+    """``spans``: each request's blocks of its hit that the sparse groups had not
+    cached (the dense ones the cached blocks of the hit, the sparse ones fresh)."""
     calls: list = []
     monkeypatch.setattr(restore.devices, "synchronize", lambda device: None)
     pool = torch.randn(8, H, B, 2 * D)
@@ -171,11 +171,11 @@ def test_a_prefix_hit_fills_only_its_first_blocks(monkeypatch):
                 "b": SimpleNamespace(block_ids=([3, 7], [6, 0]))}
     copied = restore.copy_from_pool([_layer("l2", pool, calls)], SimpleNamespace(
         requests=requests), 0, {"l2": 1}, ["a", "b"], torch.float32, torch.device("cpu"),
-        first_blocks=[2, 1])
+        spans=[(1, 3), (0, 1)])
     assert copied == 3
     (_, key, value, slots), = calls
-    assert slots == [t * B + o for t in (2, 3, 6) for o in range(B)]
-    expected = pool[[5, 1, 3]].permute(0, 2, 1, 3).flatten(0, 1)
+    assert slots == [t * B + o for t in (3, 4, 6) for o in range(B)]
+    expected = pool[[1, 6, 3]].permute(0, 2, 1, 3).flatten(0, 1)
     assert torch.equal(key, expected[..., :D]) and torch.equal(value, expected[..., D:])
 
 

@@ -32,12 +32,13 @@ class InfiniGenMetadata(KVConnectorMetadata):
     device-first``): whether the sparse layers are in the device blocks, and
     the requests over the pool whose sparse blocks came back in this step
     (``restored``: the workers copy their K/V there from the pool), and the new
-    resident requests with a prefix-cache hit (``filled``: request, the hit's
-    blocks, whose sparse blocks the workers fill from the pool)."""
+    resident requests with a prefix-cache hit that the sparse groups had not all
+    cached (``filled``: request, and the first and the end of the hit's blocks
+    whose sparse blocks the workers fill from the pool)."""
 
     def __init__(self, resident: bool, restored: tuple[str, ...] = (),
                  cleared: tuple[str, ...] = (),
-                 filled: tuple[tuple[str, int], ...] = ()) -> None:
+                 filled: tuple[tuple[str, int, int], ...] = ()) -> None:
         self.resident = resident
         self.restored = restored
         # The requests whose sparse rows the workers empty before the step's blocks
@@ -107,8 +108,9 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
                                        "worker that cannot copy their K/V")
                 if connector_metadata.restored:
                     self._restore(connector_metadata.restored)
-                if connector_metadata.filled:  # only the hit's blocks
-                    self._restore(*zip(*connector_metadata.filled))
+                if connector_metadata.filled:  # only the hit's uncached blocks
+                    requests, *spans = zip(*connector_metadata.filled)
+                    self._restore(requests, tuple(zip(*spans)))
 
     def has_connector_metadata(self) -> bool:
         """False: InfiniGen has no work per layer (``wait_for_layer_load`` and

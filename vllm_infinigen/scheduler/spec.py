@@ -31,21 +31,29 @@ workers copy its K/V there from the pool before the forward (uncapped pools
 only: a capped one has evicted). Each move is logged and counted by direction
 (``vllm:infinigen_residency_moves``).
 
-vLLM's prefix caching: a resident request's hit gives it the dense group's cached
-blocks, and fresh blocks in the sparse groups (vLLM caches none of theirs); the
-workers fill the hit's sparse blocks from the pool before the forward (``filled``),
-since the hit's dense slots address the pool's rows, which hold the prefix's K/V.
-Over a capped pool a hit's entries may be evicted: a resident hit moves the engine
-instead, and the pool serves it as it serves every request over it.
+vLLM's prefix caching: with ``device_first`` the sparse groups cache their blocks as
+full attention's do, while resident, so that a resident request's hit shares the sparse
+blocks of the requests it shares the prefix with, as it shares the dense ones (a batch
+on one long prefix attends over one copy; a hit on blocks that a request computes in
+the same step reads what the forward writes there). Where the sparse groups cached
+less of the prefix than the dense group (blocks written over the pool, or evicted),
+the rest of the hit gets fresh blocks, which the workers fill from the pool before the
+forward (``filled``): the hit's dense slots address the pool's rows, which hold the
+prefix's K/V. Those groups never shorten the dense group's hit. A move uncaches every
+sparse block it frees (blocks allocated in the same step were never written). Over a
+capped pool the hit's entries may be evicted: a resident hit that needs a fill moves the
+engine instead, and the pool serves it as it serves every request over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -61,7 +69,8 @@ class InfiniGenSparseSpec(AttentionSpec):
 
     @property
     def prefix_cacheable(self) -> bool:
-        return False
+        """Resident blocks are cached as full attention's (``device_first``)."""
+        return self.device_first
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         return 0
@@ -104,9 +113,10 @@ class Residency:
         self.cleared: set[str] = set()
         self.restored: set[str] = set()
         # Requests allocated while resident with a prefix-cache hit, in the step
-        # being scheduled: the hit's blocks, whose sparse blocks the workers fill
-        # from the pool; and whether the pool is capped (the connector says).
-        self.filled: dict[str, int] = {}
+        # being scheduled: the hit's blocks the sparse groups did not have cached
+        # (first, stop), which the workers fill from the pool; and whether the pool
+        # is capped (the connector says).
+        self.filled: dict[str, tuple[int, int]] = {}
         self.pool_capped = False
         # Against flip-flops (each return copies its requests' K/V): the steps the
         # return's condition must hold in a row, doubled when a return is undone
@@ -124,6 +134,8 @@ class Residency:
         for manager in self.managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 held = [block for block in blocks if not block.is_null]
+                # Uncached first: those of this step's tokens are never written now.
+                manager.block_pool.evict_blocks({block.block_id for block in held})
                 manager.block_pool.free_blocks(reversed(held))
                 freed += len(held)
                 manager.req_to_blocks[request_id] = []
@@ -192,10 +204,11 @@ class Residency:
         self.cleared, self.restored = set(), set()
         return cleared, restored
 
-    def take_fills(self) -> tuple[tuple[str, int], ...]:
+    def take_fills(self) -> tuple[tuple[str, int, int], ...]:
         """The requests whose prefix-cache hit's sparse blocks the workers fill from
-        the pool in the step just scheduled, with the hit's blocks."""
-        filled, self.filled = tuple(sorted(self.filled.items())), {}
+        the pool in the step just scheduled, with the first and the end of them."""
+        filled = tuple((request_id, *span) for request_id, span in sorted(self.filled.items()))
+        self.filled = {}
         return filled
 
     def forget(self, request_id: str) -> None:
@@ -243,10 +256,11 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
                           and not residency.holds_requests())
         if not self.resident and not moved_and_idle:
             return 0
-        # A prefix-cache hit that a capped pool cannot fill (it may have evicted the
-        # hit's entries): over the pool, which serves it as it serves the rest.
+        # A prefix-cache hit that needs a fill (the sparse groups cached less of it)
+        # which a capped pool cannot make (it may have evicted the hit's entries):
+        # over the pool, which serves it as it serves the rest.
         hit = args[1] if len(args) > 1 else 0  # num_local_computed_tokens
-        unfillable = (hit and residency.pool_capped
+        unfillable = (hit > len(new_computed_blocks) * self.block_size and residency.pool_capped
                       and not self.req_to_blocks.get(request_id))
         if moved_and_idle and unfillable:
             return 0  # (stays over the pool)
@@ -287,13 +301,17 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence,
                                   num_local_computed_tokens: int,
                                   num_external_computed_tokens: int) -> None:
-        """A first allocation's prefix-cache hit (dense blocks only: these groups cache
-        none): resident, its blocks of every sparse group are filled from the pool."""
+        """A first allocation's prefix-cache hit: resident, the sparse groups' cached
+        blocks of it, and the rest of the hit filled from the pool; over the pool,
+        none (the pool serves the hit)."""
+        if not self.resident:
+            new_computed_blocks = []
         super().add_local_computed_blocks(request_id, new_computed_blocks,
                                           num_local_computed_tokens,
                                           num_external_computed_tokens)
-        if self.resident and num_local_computed_tokens:
-            self.residency.filled[request_id] = num_local_computed_tokens // self.block_size
+        first, stop = len(new_computed_blocks), num_local_computed_tokens // self.block_size
+        if self.resident and first < stop:
+            self.residency.filled[request_id] = (first, stop)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list:
@@ -307,8 +325,10 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         self.num_cached_block[request_id] = 0
         return []
 
-    def cache_blocks(self, *args, **kwargs) -> None:
-        return None
+    def cache_blocks(self, request, *args, **kwargs) -> None:
+        """Resident blocks only (over the pool a request holds none)."""
+        if self.resident and self.req_to_blocks.get(request.request_id):
+            super().cache_blocks(request, *args, **kwargs)
 
     def pop_blocks_for_free(self, request_id: str) -> list:
         """(``free`` calls it, and vLLM directly where it defers the frees.)"""
@@ -317,8 +337,22 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids,
-                               *args, **kwargs):
-        return tuple([] for _ in kv_cache_group_ids), 0
+                               block_pool, kv_cache_spec, *args, **kwargs):
+        """The run of the hit's blocks these groups have cached (``device_first``), as
+        full attention finds its own; the hit's length stays the dense group's (what
+        they lack is filled from the pool: ``add_local_computed_blocks``)."""
+        hits = tuple([] for _ in kv_cache_group_ids)
+        if kv_cache_spec.device_first:
+            block_size = kv_cache_spec.block_size
+            block_hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size,
+                                                block_size)
+            for block_hash in itertools.islice(block_hashes, max_length // block_size):
+                cached = block_pool.get_cached_block(block_hash, kv_cache_group_ids)
+                if not cached:
+                    break
+                for blocks, block in zip(hits, cached):
+                    blocks.append(block)
+        return hits, max_length
 
 
 def dense_group_index(kv_cache_groups: Sequence) -> int:

@@ -241,14 +241,14 @@ class InfiniGenWorkerMixin:
         get_kv_transfer_group().bind_runtime(runtime, restore=self._copy_restored)
 
     def _copy_restored(self, requests: tuple[str, ...],
-                       blocks: tuple[int, ...] | None = None) -> None:
+                       spans: tuple[tuple[int, int], ...] | None = None) -> None:
         """The K/V of requests back from the pool into their sparse blocks, or into
-        their first ``blocks`` each, a prefix-cache hit's (``worker/restore.py``; the
-        connector, before the step's forward)."""
+        their blocks ``spans`` (first, end) each, a prefix-cache hit's uncached ones
+        (``worker/restore.py``; the connector, before the step's forward)."""
         runtime = self.infinigen_runtime
         restore.copy_from_pool(runtime.sparse_layers, self.model_runner, self._dense_group,
                                self._sparse_groups, requests, self.model_config.dtype,
-                               runtime.device, blocks)
+                               runtime.device, spans)
 
     def execute_model(self, scheduler_output):
         """Frees the pool rows of requests that finished or were preempted

@@ -21,11 +21,12 @@ stock backend's own KV update (its layout, its FP8 scaling) before the forward:
   over the pool wrote the pinned pool from its kernels, perhaps still running
   (vLLM's asynchronous scheduling waits for none of them here).
 
-A request admitted while resident with a hit in vLLM's prefix cache (``filled``)
-gets the dense group's cached blocks and fresh sparse ones; ``copy_from_pool``
-fills the hit's first blocks of each sparse group from the pool the same way (the
-hit's dense slots address the rows that hold the prefix's K/V; uncapped pools
-only: the scheduler moves the engine where the pool is capped).
+A request admitted while resident with a hit in vLLM's prefix cache gets the dense
+group's cached blocks and, in the sparse groups, their cached blocks of the hit (as
+many as they have) and fresh ones for the rest of it (``filled``); ``copy_from_pool``
+fills those of each sparse group from the pool the same way (the hit's dense slots
+address the rows that hold the prefix's K/V; uncapped pools only: the scheduler moves
+the engine where the pool is capped).
 """
 
 from __future__ import annotations
@@ -93,25 +94,25 @@ CHUNK_BLOCKS = 256  # blocks a copy reads from the pool at a time (bounds its te
 def copy_from_pool(layers: Collection[LayerState], model_runner, dense_group: int,
                    group_of: Mapping[str, int], requests: Sequence[str],
                    dtype: torch.dtype, device: torch.device,
-                   first_blocks: Sequence[int] | None = None) -> int:
+                   spans: Sequence[tuple[int, int]] | None = None) -> int:
     """Each sparse layer's K/V of ``requests`` from the pool into their blocks of the
-    layer's group, through the stock KV update; with ``first_blocks`` (one per
-    request) into their first blocks only (a prefix-cache hit's). Returns the blocks
-    copied per layer."""
+    layer's group, through the stock KV update; with ``spans`` (first, end: one per
+    request) into those blocks only (a prefix-cache hit's that the group had not
+    cached). Returns the blocks copied per layer."""
     devices.synchronize(device)  # the pool's last writes, from every stream
     sources: list[int] = []  # the requests' dense blocks, the same for every group
     targets: dict[int, list[int]] = {group: [] for group in set(group_of.values())}
     for index, request_id in enumerate(requests):
         block_ids = model_runner.requests[request_id].block_ids
-        count = len(block_ids[dense_group]) if first_blocks is None else first_blocks[index]
+        span = slice(0, None) if spans is None else slice(*spans[index])
         for group, blocks in targets.items():
             if len(block_ids[group]) != len(block_ids[dense_group]):  # rows not cleared
                 raise RuntimeError(
                     f"InfiniGen: request {request_id} came back from the pool with "
                     f"{len(block_ids[group])} blocks in KV-cache group {group} for its "
                     f"{len(block_ids[dense_group])} in the dense group")
-            blocks += block_ids[group][:count]
-        sources += block_ids[dense_group][:count]
+            blocks += block_ids[group][span]
+        sources += block_ids[dense_group][span]
     for state in layers:
         block_size = state.kv_pool.shape[2]
         offsets = torch.arange(block_size, device=device)
