@@ -43,6 +43,45 @@ def test_vllms_kernel_equals_the_flash_attention_path(dtype, num_kv_heads, group
     assert bool((got[90:] == 0).all())  # the decode row is left alone
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scratch_blocks", [None, 4])
+def test_requests_sharing_blocks_gather_them_once(dtype, scratch_blocks, monkeypatch):
+    """Two prompt requests on the same two full blocks (a prefix-cache hit), a decode
+    row between their rows, the pool NaN wherever no request reads: the kernel over
+    one scratch cache (or two, ``SCRATCH_BYTES`` of 4 blocks) equals the flash
+    attention path, each shared block written once, no NaN read."""
+    heads, group, head_size = 2, 2, 64
+    gen = torch.Generator().manual_seed(21)
+    pool = torch.randn((12, heads, BLOCK, 2 * head_size), generator=gen).to(dtype)
+    # blocks 3 and 5 shared; 7 and 9 partial last blocks; block 1 the decode row's
+    table = torch.tensor([[3, 5, 7, 0], [1, 0, 0, 0], [3, 5, 9, 2]], dtype=torch.int32)
+    seq_lens = torch.tensor([2 * BLOCK + 10, 5, 3 * BLOCK + 7])
+    clean = pool.clone()
+    for block, count in ((7, 10), (2, 7), (1, 5)):
+        pool[block, :, count:] = float("nan")
+    for block in (0, 4, 6, 8, 10, 11, 9):
+        pool[block] = float("nan")
+    clean[9] = pool[9] = torch.randn((heads, BLOCK, 2 * head_size), generator=gen).to(dtype)
+    query_start = torch.tensor([0, 30, 31, 71])  # 30 rows, a decode row, 40 rows
+    query = torch.randn((71, heads * group, head_size), generator=gen).to(dtype)
+    args = (table, query_start, seq_lens, torch.tensor([0, 2]))
+    if scratch_blocks:
+        monkeypatch.setattr(prefill, "SCRATCH_BYTES",
+                            scratch_blocks * heads * BLOCK * 2 * head_size * dtype.itemsize)
+    writes = []
+    write = prefill._Scratch.write
+    monkeypatch.setattr(prefill._Scratch, "write", lambda self, tokens, slots: (
+        writes.append(int((slots >= 0).sum())), write(self, tokens, slots)))
+    want, got = torch.zeros_like(query), torch.zeros_like(query)
+    kernels.attend_prefill(query, want, clean, *args, scale=0.125)
+    prefill.attend(query, got, pool, *args, scale=0.125)
+    _assert_close(got[:30], want[:30], dtype)
+    _assert_close(got[31:], want[31:], dtype)
+    assert bool((got[30] == 0).all())
+    together = 2 * BLOCK + 10 + BLOCK + 7  # the shared blocks once, the partial ones' own
+    assert sum(writes) == (together if scratch_blocks is None else int(seq_lens[[0, 2]].sum()))
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 def test_an_fp8_pool_is_widened_and_its_scales_applied(fp8, query_dtype):

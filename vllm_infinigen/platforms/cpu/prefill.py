@@ -9,11 +9,12 @@ sparse layer took 2.7x vLLM's kernel's time over the same tokens in a dense laye
 
 Uncapped, the pool's units are the dense group's blocks (``[blocks, H_kv,
 block_size, 2D]``, each token's K | V in one row), while vLLM's kernel reads, per
-block and KV head, the block's keys and then its values. Each prompt request's
-blocks are gathered into that layout once per layer (an FP8 pool widened to the
-query's dtype, its scales folded into the softmax scale and the output) and attended
-causally, the last ``query_len`` of its ``seq_len`` tokens being this step's rows,
-as vLLM attends a chunked prefill.
+block and KV head, the block's keys and then its values. The step's prompt requests'
+blocks are gathered into that layout once per layer, into one scratch cache up to
+``SCRATCH_BYTES`` (a block several requests read, a prefix-cache hit's, once; an FP8
+pool widened to the query's dtype, its scales folded into the softmax scale and the
+output), and attended causally in one call, the last ``query_len`` of each request's
+``seq_len`` tokens being this step's rows, as vLLM attends a chunked prefill.
 
 A capped pool (``attend_capped``) evicts different entries in each KV head, and vLLM's
 kernel takes one length per request: each (request, KV head) is one of its requests,
@@ -57,7 +58,9 @@ def attend(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
            block_table: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
            requests: torch.Tensor, *, scale: float, key_scale: float = 1.0,
            value_scale: float = 1.0) -> None:
-    """``kernels.attend_prefill`` without a row map, by vLLM's kernel.
+    """``kernels.attend_prefill`` without a row map, by vLLM's kernel: the requests'
+    blocks gathered into one scratch cache (a block they share, a prefix-cache hit's,
+    once), up to ``SCRATCH_BYTES`` at a time, and attended in one call.
 
     Args:
         query, output: [T, H_q, D] the step's rows; ``output`` written in place.
@@ -68,23 +71,70 @@ def attend(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
         requests: [R] int64 the requests whose rows to compute.
     """
     _, num_kv_heads, block_size, row = kv_pool.shape
-    head_size = row // 2
+    block_bytes = num_kv_heads * block_size * row * query.element_size()
     starts, lens = query_start.tolist(), seq_lens.tolist()
+    tables = block_table[:, :max(-(-max(lens, default=0) // block_size), 1)].tolist()
+    batch: list[tuple[int, int, int, list[int]]] = []  # (begin, end, seq_len, blocks)
+    held: set[int] = set()
     for req in requests.tolist():
         begin, end, seq_len = starts[req], starts[req + 1], lens[req]
         if end <= begin:
             continue
-        num_blocks = -(-seq_len // block_size)
-        cache = _Scratch(num_blocks, num_kv_heads, block_size, head_size, query.dtype)
-        blocks = block_table[req, :num_blocks].to(torch.int64)
-        for first in range(0, num_blocks, CHUNK_BLOCKS):  # (bounds the temporaries)
-            units = kv_pool.index_select(0, blocks[first:first + CHUNK_BLOCKS])
-            count = min(seq_len - first * block_size, units.shape[0] * block_size)
-            tokens = units.transpose(1, 2).reshape(-1, num_kv_heads, row)[:count]
-            cache.write(tokens, torch.arange(first * block_size, first * block_size + count))
-        cache.attend(query[begin:end], output[begin:end], torch.tensor([0, end - begin]),
-                     torch.tensor([seq_len]), torch.arange(num_blocks)[None],
-                     scale=scale * key_scale, value_scale=value_scale)
+        blocks = tables[req][:-(-seq_len // block_size)]
+        new = held.union(blocks)
+        if batch and len(new) * block_bytes > SCRATCH_BYTES:
+            _attend_gathered(query, output, kv_pool, batch, scale * key_scale, value_scale)
+            batch, new = [], set(blocks)
+        batch.append((begin, end, seq_len, blocks))
+        held = new
+    if batch:
+        _attend_gathered(query, output, kv_pool, batch, scale * key_scale, value_scale)
+
+
+SCRATCH_BYTES = 256 << 20  # one scratch cache's size at most (a larger request: its own)
+
+
+def _attend_gathered(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
+                     batch: list[tuple[int, int, int, list[int]]], scale: float,
+                     value_scale: float) -> None:
+    """``attend`` of ``batch`` (row range, length and pool blocks of each request)."""
+    _, num_kv_heads, block_size, row = kv_pool.shape
+    index: dict[int, int] = {}  # pool block -> scratch block
+    filled: dict[int, int] = {}  # scratch block -> tokens any request reads of it
+    tables = []
+    for _, _, seq_len, blocks in batch:
+        table = [index.setdefault(block, len(index)) for block in blocks]
+        for position, scratch in enumerate(table):
+            count = min(seq_len - position * block_size, block_size)
+            filled[scratch] = max(filled.get(scratch, 0), count)
+        tables.append(table)
+    cache = _Scratch(len(index), num_kv_heads, block_size, row // 2, query.dtype,
+                     zeroed=[scratch for scratch, count in filled.items() if count < block_size])
+    limits = torch.tensor([filled[scratch] for scratch in range(len(index))])
+    sources = torch.tensor(list(index), dtype=torch.int64)
+    by_token = kv_pool.transpose(1, 2)  # [blocks, block_size, H_kv, 2D]: a gather copies once
+    offsets = torch.arange(block_size)
+    for first in range(0, len(index), CHUNK_BLOCKS):  # (bounds the temporaries)
+        chunk = slice(first, first + CHUNK_BLOCKS)
+        tokens = by_token[sources[chunk]].reshape(-1, num_kv_heads, row)
+        slots = torch.arange(first, first + tokens.shape[0] // block_size)[:, None] * block_size
+        slots = torch.where(offsets < limits[chunk, None], slots + offsets, -1)  # -1: skipped
+        cache.write(tokens, slots.flatten())
+    widest = max(len(table) for table in tables)
+    table = torch.tensor([table + table[-1:] * (widest - len(table)) for table in tables])
+    rows = [(begin, end) for begin, end, _, _ in batch]
+    lengths = torch.tensor([0] + [end - begin for begin, end in rows])
+    seq_lens = torch.tensor([seq_len for _, _, seq_len, _ in batch])
+    if all(end == begin for (_, end), (begin, _) in zip(rows, rows[1:])):  # one run of rows
+        span = slice(rows[0][0], rows[-1][1])
+        cache.attend(query[span], output[span], lengths.cumsum(0), seq_lens, table,
+                     scale=scale, value_scale=value_scale)
+        return
+    picked = torch.cat([torch.arange(begin, end) for begin, end in rows])
+    out = torch.empty((picked.numel(), *output.shape[1:]), dtype=output.dtype)
+    cache.attend(query.index_select(0, picked), out, lengths.cumsum(0), seq_lens, table,
+                 scale=scale, value_scale=value_scale)
+    output.index_copy_(0, picked, out)
 
 
 def attend_capped(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
@@ -145,21 +195,26 @@ def attend_capped(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tens
 
 
 class _Scratch:
-    """A zeroed cache in vLLM's CPU layout (``[blocks, H_kv, 2 x block_size, D]``:
-    each block's keys, then its values), written by vLLM's own op (the layout inside
-    a block is its ISA's) and attended by its kernel. Zeros: the kernel reads a last
-    block whole, and stale bits may be NaN."""
+    """A cache in vLLM's CPU layout (``[blocks, H_kv, 2 x block_size, D]``: each
+    block's keys, then its values), written by vLLM's own op (the layout inside a
+    block is its ISA's) and attended by its kernel. Zeroed, or only the blocks
+    ``zeroed`` (those not written whole): the kernel reads a last block whole, and
+    stale bits may be NaN."""
 
     def __init__(self, num_blocks: int, num_kv_heads: int, block_size: int, head_size: int,
-                 dtype: torch.dtype):
-        self.cache = torch.zeros((num_blocks, num_kv_heads, 2 * block_size, head_size),
-                                 dtype=dtype)
+                 dtype: torch.dtype, zeroed: list[int] | None = None):
+        shape = (num_blocks, num_kv_heads, 2 * block_size, head_size)
+        if zeroed is None:
+            self.cache = torch.zeros(shape, dtype=dtype)
+        else:
+            self.cache = torch.empty(shape, dtype=dtype)
+            self.cache[zeroed] = 0
         self.keys, self.values = self.cache.chunk(2, dim=2)
         self.isa = _isa(dtype, block_size, head_size)
 
     def write(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         """``tokens`` [n, H_kv, 2D] (K | V rows of the pool; an FP8 pool's widened
-        to the cache's dtype) at ``slots`` [n]."""
+        to the cache's dtype) at ``slots`` [n] (-1: not written)."""
         from vllm import _custom_ops as ops
 
         tokens = tokens.to(self.cache.dtype)
