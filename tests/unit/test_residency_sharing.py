@@ -125,3 +125,31 @@ def test_without_device_first_no_sparse_block_is_cached_or_looked_up():
     request = _request("a", 4, 0)
     _admit(managers, request, 0)
     assert _hit(managers, request, 4 * BLOCK) == (([], []), 4 * BLOCK)
+
+
+def test_a_request_freed_before_its_copy_leaves_no_cached_sparse_block():
+    """Restored (its blocks to be copied from the pool before the forward), then
+    preempted in the same step (vLLM's priority policy): its blocks were cached at
+    allocation and will never be written, so no later hit may share them."""
+    pool, managers = _managers(64, caching=True)
+    residency = _moved_with(managers, ("a", 4))
+    residency.restore({"a"}, blocks=8, free=63)
+    request = _request("a", 4, 0)
+    _admit(managers, request, 0)  # its blocks back, cached
+    assert [len(blocks) for blocks in _hit(managers, _request("c", 4, 0), 4 * BLOCK)[0]] == [4, 4]
+    for manager in managers:
+        manager.free("a")
+    assert residency.take_returns() == ((), ())
+    assert _hit(managers, _request("c", 4, 0), 4 * BLOCK) == (([], []), 4 * BLOCK)
+
+
+def test_a_hit_freed_before_its_fill_uncaches_only_the_blocks_to_fill():
+    pool, managers = _managers(64, caching=True)
+    _admit(managers, _request("a", 4, 1), 0)
+    pool.evict_blocks({m.req_to_blocks["a"][2].block_id for m in managers})
+    _admit(managers, _request("b", 4, 1), 4 * BLOCK)  # shares 2 blocks, fills 2
+    for manager in managers:
+        manager.free("b")
+    assert managers[0].residency.take_fills() == ()
+    hits, _ = _hit(managers, _request("c", 4, 0), 4 * BLOCK)
+    assert [len(blocks) for blocks in hits] == [2, 2]  # "a"'s, still cached

@@ -135,7 +135,7 @@ class Residency:
             for request_id, blocks in manager.req_to_blocks.items():
                 held = [block for block in blocks if not block.is_null]
                 # Uncached first: those of this step's tokens are never written now.
-                manager.block_pool.evict_blocks({block.block_id for block in held})
+                manager.block_pool.evict_blocks(_cached(held))
                 manager.block_pool.free_blocks(reversed(held))
                 freed += len(held)
                 manager.req_to_blocks[request_id] = []
@@ -212,7 +212,16 @@ class Residency:
         return filled
 
     def forget(self, request_id: str) -> None:
-        """``request_id`` was freed (finished or preempted): nothing comes back."""
+        """``request_id`` was freed (finished or preempted): nothing comes back. Freed
+        before the workers' copy into its blocks (preempted in the step that gave them:
+        vLLM's priority policy), those blocks are uncached in every sparse group (their
+        hashes were set at allocation; nothing will write them)."""
+        unwritten = (slice(None) if request_id in self.restored
+                     else slice(*self.filled[request_id]) if request_id in self.filled
+                     else None)
+        for manager in self.managers if unwritten is not None else ():
+            manager.block_pool.evict_blocks(
+                _cached(manager.req_to_blocks.get(request_id, [])[unwritten]))
         self.to_restore.discard(request_id)
         self.cleared.discard(request_id)
         self.restored.discard(request_id)
@@ -222,6 +231,11 @@ class Residency:
         """The moves since the last call, by destination (``pool``, ``device``)."""
         moves, self._moves = self._moves, {"pool": 0, "device": 0}
         return moves
+
+
+def _cached(blocks) -> set[int]:
+    """The ids of ``blocks`` in vLLM's prefix cache."""
+    return {block.block_id for block in blocks if block.block_hash is not None}
 
 
 def residency_of(block_pool) -> Residency:
@@ -248,7 +262,8 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         return self.kv_cache_spec.device_first and not self.residency.moved
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence, *args,
+                                   new_computed_blocks: Sequence, total_computed_tokens: int,
+                                   num_local_computed_tokens: int, num_tokens_main_model: int,
                                    apply_admission_cap: bool = False, **kwargs) -> int:
         residency = self.residency
         # A request not yet allocated while none is live: nothing runs over the pool.
@@ -259,13 +274,14 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         # A prefix-cache hit that needs a fill (the sparse groups cached less of it)
         # which a capped pool cannot make (it may have evicted the hit's entries):
         # over the pool, which serves it as it serves the rest.
-        hit = args[1] if len(args) > 1 else 0  # num_local_computed_tokens
+        hit = num_local_computed_tokens
         unfillable = (hit > len(new_computed_blocks) * self.block_size and residency.pool_capped
                       and not self.req_to_blocks.get(request_id))
         if moved_and_idle and unfillable:
             return 0  # (stays over the pool)
         needed = super().get_num_blocks_to_allocate(
-            request_id, num_tokens, new_computed_blocks, *args,
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model,
             apply_admission_cap=apply_admission_cap, **kwargs)
         if moved_and_idle:
             # The first request after the pool's last one: resident again where
@@ -311,7 +327,10 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
                                           num_external_computed_tokens)
         first, stop = len(new_computed_blocks), num_local_computed_tokens // self.block_size
         if self.resident and first < stop:
-            self.residency.filled[request_id] = (first, stop)
+            # (one span for every sparse group: they are looked up together)
+            if self.residency.filled.setdefault(request_id, (first, stop)) != (first, stop):
+                raise RuntimeError(f"InfiniGen: the sparse groups hold different parts of "
+                                   f"request {request_id}'s prefix-cache hit")
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list:
