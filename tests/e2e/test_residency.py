@@ -189,3 +189,60 @@ def test_the_load_benchmark_stays_resident_only_where_the_engine_returns_under_l
     assert under_load["requests"] == lull["requests"] == 8  # 6 in the burst, 2 after
     assert "- command: `python -m benchmarks.perf.residency_load --steps 60" in (
         out.with_suffix(".md").read_text())
+
+
+# A 256-token prefix (2 blocks) shared by requests of 1 block of their own each.
+SHARED = [{"prompt_token_ids": random_prompts([256], seed=34)[0]["prompt_token_ids"]
+           + suffix["prompt_token_ids"][1:]}
+          for suffix in random_prompts([21, 61, 101, 41, 81], seed=35)]
+SHARED_TOKENS = [60, 8, 30, 8, 16]
+
+
+@DATA_PATHS
+def test_requests_sharing_a_prefix_through_a_move_and_a_return_equal_stock(
+        shared_engine, data_path):
+    """17 blocks, with vLLM's prefix caching: resident, the requests after the first
+    share its 2 sparse blocks of the prefix in each group (a block of their own each),
+    until the blocks run short and the engine moves (every sparse block freed and
+    uncached, the dense ones still shared); once the short ones have finished, the
+    others come back with their K/V copied from the pool; the same prompts again hit
+    every cached block of theirs. Stock vLLM's tokens throughout."""
+    stock_llm = shared_engine(BUNDLED_MODEL)
+    stock_llm.reset_prefix_cache()
+    stock = greedy_tokens(stock_llm, SHARED, SHARED_TOKENS)
+    worker = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
+    with worker, engine(str(BUNDLED_MODEL), kv_cache_memory_bytes=BATCH_MOVES,
+                        **DEVICE_FIRST) as llm:
+        first = greedy_tokens(llm, SHARED, SHARED_TOKENS)
+        moved = summarize(llm.get_metrics())
+        again = greedy_tokens(llm, SHARED, SHARED_TOKENS)
+        counters = summarize(llm.get_metrics())
+        hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    assert first == stock and again == stock
+    assert moved["residency_moves"] == {"pool": 1, "device": 1}
+    assert counters["residency_moves"] == {"pool": 2, "device": 2}
+    assert counters["resident"] == {"": 1.0}
+    assert hits == (2 * len(SHARED) - 1) * 256  # the prefix, then each whole prompt's blocks
+
+
+def test_a_move_in_the_step_that_cached_a_prompts_sparse_blocks_leaves_none_to_hit():
+    """Steps of 1,024 tokens, 17 blocks: a 300-token prompt's blocks are allocated and
+    cached, then a 400-token prompt in the same step moves the engine, so that step
+    runs over the pool and never writes them (the engine returns once the second has
+    finished, the first's K/V copied into new blocks). The first prompt again is
+    resident: its hit must not share the unwritten blocks (the move uncached them).
+    Stock vLLM's tokens (without the move's uncaching, others)."""
+    first, second = random_prompts([300, 400], seed=36)
+    with engine(str(BUNDLED_MODEL), max_num_batched_tokens=1024) as llm:
+        stock = greedy_tokens(llm, [first, second], [40, 8])
+    with engine(str(BUNDLED_MODEL), max_num_batched_tokens=1024,
+                kv_cache_memory_bytes=BATCH_MOVES, **DEVICE_FIRST) as llm:
+        both = greedy_tokens(llm, [first, second], [40, 8])
+        moved = summarize(llm.get_metrics())
+        again = greedy_tokens(llm, [first], 40)
+        counters = summarize(llm.get_metrics())
+        hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    assert moved["residency_moves"]["pool"] == 1
+    assert counters["residency_moves"]["pool"] == 1  # the hit resident, no new move
+    assert counters["resident"] == {"": 1.0} and hits == 256
+    assert both == stock and again == stock[:1]
