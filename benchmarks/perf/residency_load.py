@@ -63,7 +63,7 @@ def run(plan: dict[int, list], steps: int, **llm_kwargs) -> dict:
     from vllm import SamplingParams
 
     from vllm_infinigen.scheduler.metrics import summarize
-    from vllm_infinigen.scheduler.spec import residency_of
+    from vllm_infinigen.scheduler.residency import residency_of
 
     with engine(str(BUNDLED_MODEL), enforce_eager=True, max_model_len=512,
                 max_num_batched_tokens=512, **with_selection_everywhere(llm_kwargs)) as llm:
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "residency_load")
     args = parser.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
-    from vllm_infinigen.scheduler.spec import Residency
+    from vllm_infinigen.scheduler.residency import Residency
 
     plan = arrivals(args.steps)
     stock = run(plan, args.steps, kv_manager="vllm", kv_cache_memory_bytes=32 << 20)

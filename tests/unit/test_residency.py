@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The residency switch's scheduler side (``scheduler/spec.py``): with
+"""The residency switch's scheduler side (``scheduler/spec.py``, ``residency.py``): with
 ``device_first`` the sparse groups hold device blocks until a step's blocks
 would not fit; then every sparse group frees every request's blocks, so that
 vLLM's allocation succeeds instead of preempting, and allocates none until

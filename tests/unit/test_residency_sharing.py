@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``device-first`` with vLLM's prefix caching (``scheduler/spec.py``): while resident
-the sparse groups cache their blocks as full attention does, so that a hit shares them
-(one copy of a long prefix for a batch, and a hit on blocks computed in the same step
-reads what the forward writes there); what they lack of the dense group's hit is filled
-from the pool; a move uncaches what it frees."""
+"""``device-first`` with vLLM's prefix caching (``scheduler/spec.py``, ``residency.py``):
+while resident the sparse groups cache their blocks as full attention does, so that a hit
+shares them (one copy of a long prefix for a batch, and a hit on blocks computed in the
+same step reads what the forward writes there); what they lack of the dense group's hit
+is filled from the pool; a move uncaches what it frees."""
 
 from __future__ import annotations
 

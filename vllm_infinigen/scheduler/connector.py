@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_infinigen.config import engine_setup
 from vllm_infinigen.memory import cap_rows
 from vllm_infinigen.scheduler.metrics import InfiniGenPromMetrics, InfiniGenStats
-from vllm_infinigen.scheduler.spec import dense_group_index, residency_of
+from vllm_infinigen.scheduler.residency import residency_of
+from vllm_infinigen.scheduler.spec import dense_group_index
 
 if TYPE_CHECKING:
     from vllm_infinigen.worker.runtime import InfiniGenRuntime
