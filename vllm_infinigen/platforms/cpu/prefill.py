@@ -73,14 +73,13 @@ def attend(query: torch.Tensor, output: torch.Tensor, kv_pool: torch.Tensor,
     _, num_kv_heads, block_size, row = kv_pool.shape
     block_bytes = num_kv_heads * block_size * row * query.element_size()
     starts, lens = query_start.tolist(), seq_lens.tolist()
-    tables = block_table[:, :max(-(-max(lens, default=0) // block_size), 1)].tolist()
     batch: list[tuple[int, int, int, list[int]]] = []  # (begin, end, seq_len, blocks)
     held: set[int] = set()
     for req in requests.tolist():
         begin, end, seq_len = starts[req], starts[req + 1], lens[req]
         if end <= begin:
             continue
-        blocks = tables[req][:-(-seq_len // block_size)]
+        blocks = block_table[req, :-(-seq_len // block_size)].tolist()
         new = held.union(blocks)
         if batch and len(new) * block_bytes > SCRATCH_BYTES:
             _attend_gathered(query, output, kv_pool, batch, scale * key_scale, value_scale)
