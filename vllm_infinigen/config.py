@@ -277,9 +277,9 @@ class InfiniGenConfig:
         A hit gives a request another request's blocks: the dense layers' K/V in
         them, and by the same slot ids the sparse layers' pool rows and
         speculation keys, which hold what a prefill of the same tokens would
-        write. Not where that is not so. (``device-first``: the sparse layers' own
-        blocks of a resident request's hit are filled from the pool, or the engine
-        moves to it: ``scheduler/spec.py``.)
+        write. Not where that is not so. (``device-first``: a resident request's hit
+        shares the sparse layers' cached blocks too, and what they lack of it is
+        filled from the pool, or the engine moves to it: ``scheduler/spec.py``.)
         """
         if self.eval_dense_prefix is not None:
             return (f"{flag('eval_dense_prefix')} selects in the prompt's rows, so a cached "

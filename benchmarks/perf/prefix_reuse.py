@@ -17,7 +17,7 @@ prefix caching on: vLLM's default), ``infinigen`` (the default, which keeps it o
 ``infinigen-no-prefix-caching`` (what InfiniGen did before it kept prefix caching on) and,
 when named, ``infinigen-capped`` (a pool capped at 0.25 GiB: each KV head evicts on its
 own, and the prompt rows attend over what each holds) and ``infinigen-device-first``
-(resident: vLLM's kernel over the sparse layers' own blocks, a hit's filled from the pool),
+(resident: vLLM's kernel over the sparse layers' own blocks, which a hit shares),
 with or without (``-no-prefix-caching``, as before b5e8156) prefix caching.
 The default model is the decode benchmarks' head_dim-128 one (``models.GQA128_MODEL``,
 random weights: the default budget of 0.2 binds whatever the weights).
