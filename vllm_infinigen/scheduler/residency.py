@@ -137,12 +137,12 @@ class Residency:
         before the workers' copy into its blocks (preempted in the step that gave them:
         vLLM's priority policy), those blocks are uncached in every sparse group (their
         hashes were set at allocation; nothing will write them)."""
-        unwritten = (slice(None) if request_id in self.restored
-                     else slice(*self.filled[request_id]) if request_id in self.filled
-                     else None)
-        for manager in self.managers if unwritten is not None else ():
-            manager.block_pool.evict_blocks(
-                _cached(manager.req_to_blocks.get(request_id, [])[unwritten]))
+        if request_id in self.restored or request_id in self.filled:
+            unwritten = (slice(None) if request_id in self.restored
+                         else slice(*self.filled[request_id]))
+            for manager in self.managers:
+                manager.block_pool.evict_blocks(
+                    _cached(manager.req_to_blocks.get(request_id, [])[unwritten]))
         self.to_restore.discard(request_id)
         self.cleared.discard(request_id)
         self.restored.discard(request_id)
