@@ -5,6 +5,8 @@ the same tokens as a prefill of the whole prompt."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.e2e.engines import SELECT_ALL, engine, greedy_tokens, random_prompts
@@ -232,3 +234,34 @@ def test_device_first_over_a_capped_pool_moves_at_a_hit_it_would_fill(shared_eng
     assert counters["residency_moves"]["pool"] >= 1
     assert sum(counters["selected_tokens"].values()) > 0  # over the pool
     assert shared == stock and filled == stock
+
+
+@pytest.mark.parametrize("data_path, residency", [("cpu", "pool"), ("cuda", "pool"),
+                                                  ("cpu", "device-first")])
+def test_beam_search_equals_stock(data_path, residency, shared_engine):
+    """``LLM.beam_search``: each of its steps is a batch of one-token requests, one
+    per beam, each a prefix-cache hit on a parent's blocks (pool rows shared by
+    their slot ids, or under ``device-first`` the sparse blocks themselves).
+    Select-all, the beams, their texts and scores are stock vLLM's."""
+    from vllm.sampling_params import BeamSearchParams
+
+    from benchmarks.harness.paths import BUNDLED_MODEL
+    from tests.e2e.cuda_path_worker import with_cuda_data_path
+
+    model = str(BUNDLED_MODEL)
+    prompts = random_prompts([150, 40], seed=11)
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+
+    def beams(llm) -> list[list[tuple[list[int], float]]]:
+        return [[(list(seq.tokens), round(seq.cum_logprob, 4)) for seq in out.sequences]
+                for out in llm.beam_search(prompts, params)]
+
+    stock = beams(shared_engine(model))
+    paths = with_cuda_data_path() if data_path == "cuda" else contextlib.nullcontext()
+    with paths, engine(model, enable_prefix_caching=True, infinigen_residency=residency,
+                       **SELECT_ALL) as llm:
+        ours = beams(llm)
+        hits = prefix_cache_hits(llm)
+    assert [len(out) for out in ours] == [3, 3]
+    assert hits > 0
+    assert ours == stock
