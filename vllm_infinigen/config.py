@@ -203,7 +203,7 @@ class InfiniGenConfig:
         DEFAULT_MIN_CONTEXT, "Rows with a shorter context attend densely in the sparse "
         "layers, without speculating (0: always select).", check=_count(0), runtime=True)
     # Dense while memory allows (issue 35): the sparse layers stay in vLLM's
-    # device blocks until they run short (scheduler/spec.py, Residency).
+    # device blocks until they run short (scheduler/residency.py, Residency).
     residency: str = setting(
         "pool", "Where the sparse layers' K/V lives: pool (the host pool from the first "
         "token, attended through InfiniGen's selection) or device-first (vLLM's device "
@@ -227,19 +227,23 @@ class InfiniGenConfig:
         if self.skew_file is not None and self.speculation_keys != "partial":
             raise ValueError(
                 f"{flag('skew_file')} applies to {flag('speculation_keys')} partial; "
-                f"add {flag('speculation_keys')} partial or remove {flag('skew_file')}"
-            )
+                f"add {flag('speculation_keys')} partial or remove {flag('skew_file')}")
         traits = POLICY_TRAITS[self.policy]
         if self.eval_dense_prefix is not None and traits.eval_mode_refusal:
             raise ValueError(
                 f"{flag('eval_dense_prefix')} does not apply to {flag('policy')} "
-                f"{self.policy}: {traits.eval_mode_refusal}"
-            )
+                f"{self.policy}: {traits.eval_mode_refusal}")
+        resident_refusal = (  # a resident step attends with vLLM's kernel
+            f"{flag('policy')} {self.policy}: {traits.device_first_refusal}"
+            if traits.device_first_refusal else f"{flag('eval_dense_prefix')} measures the "
+            "selection on prompt rows, which vLLM's kernel attends while the blocks last"
+            if self.eval_dense_prefix is not None else None)
+        if self.device_first and resident_refusal:
+            raise ValueError(f"{resident_refusal}; use {flag('residency')} pool, not device-first")
         if not traits.supports_capped_pool and self.cpu_pool_gib is not None:
             raise ValueError(
                 f"{flag('policy')} {self.policy} runs on an uncapped pool; "
-                f"remove {flag('cpu_pool_gib')}"
-            )
+                f"remove {flag('cpu_pool_gib')}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> InfiniGenConfig:

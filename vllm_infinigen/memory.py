@@ -112,7 +112,8 @@ class PoolPlan:
 
 
 def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_tokens: int,
-              cap: int | None, budget: int | None, sized_by: str, free: int) -> PoolPlan:
+              cap: int | None, budget: int | None, sized_by: str, free: int,
+              uncapped_only: str | None = None) -> PoolPlan:
     """Decides the pool of a worker whose dense group has ``num_blocks`` blocks.
 
     Args:
@@ -123,6 +124,8 @@ def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_to
             the flag's cap).
         sized_by: The setting that granted them, for the log and the errors.
         free: Free host memory now, in bytes.
+        uncapped_only: The policy's flag where it cannot run on a pool that
+            evicts (None: it can).
 
     Raises:
         ValueError: When a budget cannot hold one step's tokens, or the pool
@@ -141,6 +144,11 @@ def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_to
                 f"--kv-cache-memory-bytes, or size the pool with {CAP_FLAG}"
             )
     capped = rows < num_slots
+    if capped and uncapped_only:
+        raise ValueError(
+            f"{uncapped_only} runs on an uncapped pool, and the {budget / 2**30:.3f} GiB it "
+            f"gets from {sized_by} hold {rows} of the dense layers' {num_slots} tokens: "
+            "raise --gpu-memory-utilization or lower --kv-cache-memory-bytes")
     units = -(-rows // block_size) if capped else num_blocks
     plan = PoolPlan(rows, num_slots, block_size, units * block_size * bytes_per_token,
                     sized_by or "the dense group's slots")

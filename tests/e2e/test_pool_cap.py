@@ -84,3 +84,11 @@ def test_every_policy_evicts_and_completes(capped, policy):
     assert sorted(evicted) == ["2", "3", "4"]
     assert all(count > 0 for count in evicted.values()), evicted
     assert _flush_and_read_pool_bytes(capped) == 3 * TOKEN_BYTES
+
+
+def test_a_baseline_policy_is_refused_on_the_capped_pool_at_run_time(capped):
+    """The baselines read what they select without the row map: switching a capped
+    engine to one is refused, naming the flag, and the engine still serves."""
+    with pytest.raises(Exception, match="--infinigen-policy streaming runs on an uncapped pool"):
+        capped.collective_rpc("set_infinigen_selection", kwargs={"policy": "streaming"})
+    assert _flush_and_read_pool_bytes(capped) == 3 * TOKEN_BYTES

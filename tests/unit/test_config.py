@@ -217,6 +217,24 @@ def test_eval_mode_refused_for_h2o_naming_both_flags():
         InfiniGenConfig(eval_dense_prefix=16, policy="h2o")
 
 
+def test_device_first_refuses_what_a_resident_step_would_not_measure():
+    """A resident step attends with vLLM's kernel: H2O would accumulate no scores
+    there, and evaluation mode would score dense prompt rows. Both refused, at
+    start-up and at run time (``dataclasses.replace`` checks again), naming the flags."""
+    with pytest.raises(ValueError, match="--infinigen-policy h2o: .*--infinigen-residency pool"):
+        InfiniGenConfig(residency="device-first", policy="h2o")
+    with pytest.raises(ValueError,
+                       match="--infinigen-eval-dense-prefix .*--infinigen-residency pool"):
+        InfiniGenConfig(residency="device-first", eval_dense_prefix=16)
+    resident = InfiniGenConfig(residency="device-first")
+    with pytest.raises(ValueError, match="--infinigen-policy h2o"):
+        dataclasses.replace(resident, policy="h2o")
+    for policy in ("infinigen", "streaming", "quest"):
+        assert InfiniGenConfig(residency="device-first", policy=policy).device_first
+    assert InfiniGenConfig(policy="h2o").policy == "h2o"  # over the pool, as before
+    assert InfiniGenConfig(eval_dense_prefix=16).eval_dense_prefix == 16
+
+
 def test_a_setting_declared_once_is_a_flag_a_keyword_and_a_key(monkeypatch):
     """One field added to InfiniGenConfig appears in --help, as an LLM(...)
     keyword, as a CLI flag, as an additional_config key, validated naming its

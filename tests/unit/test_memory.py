@@ -103,3 +103,19 @@ def test_fp8_pages_and_pool_cost_one_byte_an_element_the_keys_the_models():
     assert kv_dtype("auto", torch.bfloat16) == torch.bfloat16
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8_inc is not supported"):
         kv_dtype("fp8_inc", torch.bfloat16)
+
+
+def test_a_policy_of_an_uncapped_pool_is_refused_where_the_grant_would_cap_it():
+    """The baselines (H2O, StreamingLLM, Quest) read the positions they select
+    without a capped pool's row map: a grant that holds fewer tokens than the
+    dense layers' slots is refused for them, naming the flags, not run capped."""
+    def pool(budget: int, uncapped_only: str | None):
+        return plan_pool(num_blocks=625, block_size=8, bytes_per_token=2048, step_tokens=256,
+                         cap=None, budget=budget, sized_by="--gpu-memory-utilization 0.3",
+                         free=2**50, uncapped_only=uncapped_only)
+
+    with pytest.raises(ValueError, match="--infinigen-policy h2o runs on an uncapped pool.*"
+                       "1000 of the dense layers' 5000 tokens.*--gpu-memory-utilization"):
+        pool(2048 * 1000, "--infinigen-policy h2o")
+    assert pool(2048 * 1000, None).num_rows == 1000  # InfiniGen's policy evicts
+    assert pool(2048 * 10**6, "--infinigen-policy h2o").num_rows == 5000  # every slot held

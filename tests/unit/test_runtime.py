@@ -44,6 +44,20 @@ def test_previous_layer_selects_exactly_the_matching_tokens(step):
     assert counters["candidate_tokens.2"] == CONTEXT
 
 
+def test_alpha_none_at_run_time_turns_the_rule_off(step):
+    """``set_infinigen_selection(alpha=None)``: off, as at start-up (it kept the
+    previous alpha before)."""
+    runtime = step[0]
+    runtime.update_selection(alpha=5)
+    assert runtime.config.alpha == 5.0 and isinstance(runtime.config.alpha, float)
+    runtime.update_selection(alpha=None)
+    assert runtime.config.alpha is None
+    runtime.update_selection(budget=0.5)  # alpha not named: kept
+    assert runtime.config.alpha is None and runtime.config.budget == 0.5
+    with pytest.raises(ValueError, match="can change at run time"):
+        runtime.update_selection(partial_ratio=0.5)
+
+
 def test_same_layer_speculation_selects_with_the_layers_own_query(step):
     runtime, metadata, new_slot = step
     runtime.update_selection(speculation="same-layer")

@@ -39,6 +39,9 @@ class PolicyTraits:
     # Why it cannot run with vLLM's prefix caching (None: it can): a cached
     # prefix's pool rows and keys are shared with whatever request hits it.
     prefix_caching_refusal: str | None = None
+    # Why it cannot run under --infinigen-residency device-first (None: it can):
+    # a resident step attends with vLLM's kernel, not the policy's.
+    device_first_refusal: str | None = None
 
 
 _REGISTRY = {
@@ -51,7 +54,10 @@ _REGISTRY = {
         "(benchmarks/accuracy/teacher_forcing.py)",
         prefix_caching_refusal="H2O keeps each token's accumulated attention, and its "
         "evictions, per slot of the request that computed it: a request hitting a cached "
-        "prefix would inherit another request's scores and evictions"),
+        "prefix would inherit another request's scores and evictions",
+        device_first_refusal="H2O accumulates each token's attention in its own attention "
+        "calls, which vLLM's kernel makes instead while the engine is resident: after a move "
+        "its scores would start empty"),
     "streaming": PolicyTraits("vllm_infinigen.policies.streaming:StreamingPolicy"),
     "quest": PolicyTraits("vllm_infinigen.policies.quest:QuestPolicy", page_tokens=16),
 }

@@ -31,10 +31,11 @@ import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
 from vllm_infinigen.config import (V1_RUNNER_REFUSAL, EngineSetup, InfiniGenConfig, engine_setup,
-                                   runtime_settings)
+                                   flag, runtime_settings)
 from vllm_infinigen.layout import kv_dtype
 from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
+from vllm_infinigen.policies import POLICY_TRAITS
 from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
 from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, model_fingerprint
 from vllm_infinigen.worker import restore
@@ -191,6 +192,11 @@ class InfiniGenWorkerMixin:
         Raises:
             ValueError: On a setting prefix caching cannot run with, when on.
         """
+        policy = changes.get("policy")
+        if (policy in POLICY_TRAITS and _uncapped_only(policy)
+                and self.infinigen_runtime.pool_index.row_map_of(0) is not None):
+            raise ValueError(f"{_uncapped_only(policy)} runs on an uncapped pool, and this "
+                             "engine's pool evicts (sized at start-up)")
         if self.cache_config.enable_prefix_caching:
             known = {name: value for name, value in changes.items()
                      if name in runtime_settings() - {"alpha"}}
@@ -224,7 +230,8 @@ class InfiniGenWorkerMixin:
             step_tokens=setup.step_tokens,
             cap=cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token,
                          setup.step_tokens),
-            budget=budget, sized_by=sized_by, free=psutil.virtual_memory().available)
+            budget=budget, sized_by=sized_by, free=psutil.virtual_memory().available,
+            uncapped_only=_uncapped_only(setup.config.policy))
         runtime.allocate_pool(plan, kv_cache_config.num_blocks, self.model_config.dtype,
                               kv_dtype(self.cache_config.cache_dtype, self.model_config.dtype))
         if not runtime.data_path.plans_on_device:  # (the CPU's; CUDA's graphs left as they are)
@@ -299,3 +306,8 @@ class InfiniGenWorkerMixin:
                    for block in block_ids[group][:computed // block_size]]
         if revived:
             runtime.pool_index.revive_blocks(revived)
+
+
+def _uncapped_only(policy: str) -> str | None:
+    """``--infinigen-policy NAME`` where that policy cannot run on a pool that evicts."""
+    return None if POLICY_TRAITS[policy].supports_capped_pool else f"{flag('policy')} {policy}"

@@ -189,23 +189,22 @@ class InfiniGenRuntime:
         self.pool_index.release_blocks(block_ids)
         self.data_path.release_blocks(block_ids)
 
-    def update_selection(self, alpha: float | None = None, **changes) -> None:
+    def update_selection(self, **changes) -> None:
         """Changes the selection settings of the running engine (for sweeps).
 
         Args:
-            alpha: New alpha, if given.
-            changes: New values of the other settings declared with
-                ``runtime=True`` (``config.py``: budget, sink/recent tokens,
+            changes: New values of the settings declared with ``runtime=True``
+                (``config.py``: alpha, None for off; budget, sink/recent tokens,
                 eviction, policy, speculation, evaluation mode, min context).
 
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
-        allowed = runtime_settings() - {"alpha"}
+        allowed = runtime_settings()
         if set(changes) - allowed:
-            raise ValueError(f"only alpha and {sorted(allowed)} can change at run time")
-        if alpha is not None:
-            changes["alpha"] = float(alpha)
+            raise ValueError(f"only {sorted(allowed)} can change at run time")
+        if changes.get("alpha") is not None:
+            changes["alpha"] = float(changes["alpha"])
         config = dataclasses.replace(self.config, **changes)
         self.data_path.configure(config)
         self.config = config
