@@ -39,3 +39,43 @@ def test_on_the_cpu_vllm_makes_no_kv_update_call_and_the_forward_writes():
     assert writes_in_forward(SimpleNamespace(attn_backend=writing))
     assert not writes_in_forward(SimpleNamespace(attn_backend=separate))
     assert not writes_in_forward(None)  # no layer (tests driving the impl alone)
+
+
+def test_a_dense_backend_whose_metadata_lacks_the_plans_fields_is_refused():
+    """The step plan reads the dense layers' query_start_loc, seq_lens and
+    block_table: vLLM's CPU, FlashAttention, Triton and Flex backends keep them;
+    one that does not (vLLM's FlashInfer) is refused at install, naming the flag."""
+    import dataclasses
+
+    import pytest
+    from vllm.v1.attention.backend import AttentionMetadataBuilder
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    from vllm_infinigen.worker.attention import check_dense_backend
+
+    for backend in (CPUAttentionBackend, FlashAttentionBackend, TritonAttentionBackend,
+                    FlexAttentionBackend):
+        check_dense_backend(backend)
+
+    @dataclasses.dataclass
+    class PlannedElsewhere:  # FlashInferMetadata's kind: per-phase wrappers
+        num_actual_tokens: int
+        slot_mapping: object
+
+    class Builder(AttentionMetadataBuilder[PlannedElsewhere]):
+        pass
+
+    class Backend(CPUAttentionBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "FLASHINFER"
+
+        @staticmethod
+        def get_builder_cls():
+            return Builder
+
+    with pytest.raises(ValueError, match="FLASHINFER backend keeps no block_table, "
+                       "query_start_loc, seq_lens; start with --attention-backend FLASH_ATTN"):
+        check_dense_backend(Backend)

@@ -6,8 +6,10 @@ attention to the runtime, and leaves dense layers to the platform's own kernel."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import typing
 
 import torch
 from vllm.forward_context import get_forward_context
@@ -177,6 +179,8 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         attention = source.attention
         if state.windowed:
             continue
+        if not state.sparse:
+            check_dense_backend(attention.attn_backend)
         if state.sparse:
             device_first = runtime.config.device_first
             attention.get_kv_cache_spec = _sparse_spec_getter(attention, device_first)
@@ -207,6 +211,28 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         else "the whole qkv_proj",
         ", the per-head q_norm" if any(s.q_norm is not None for s in sparse) else "",
     )
+
+
+# What the step plan reads of the dense layers' metadata (``worker/step_plan.py``).
+DENSE_METADATA_FIELDS = ("query_start_loc", "seq_lens", "block_table")
+
+
+def check_dense_backend(backend) -> None:
+    """Refuses a dense-layer backend whose metadata lacks the fields the step plan
+    reads (vLLM's FlashInfer, its first choice on some GPUs, keeps none of them),
+    naming ``--attention-backend``; a metadata class it cannot read is let through."""
+    builder = backend.get_builder_cls()
+    metadata = next((args[0] for base in getattr(builder, "__orig_bases__", ())
+                     if (args := typing.get_args(base))), None)
+    if not dataclasses.is_dataclass(metadata):
+        return
+    missing = set(DENSE_METADATA_FIELDS) - {field.name for field in dataclasses.fields(metadata)}
+    if missing:
+        raise ValueError(
+            f"InfiniGen plans each step from the dense layers' attention metadata "
+            f"({', '.join(DENSE_METADATA_FIELDS)}), and vLLM's {backend.get_name()} backend "
+            f"keeps no {', '.join(sorted(missing))}; start with --attention-backend "
+            "FLASH_ATTN (or TRITON_ATTN)")
 
 
 class SparseLayerMetadata:
