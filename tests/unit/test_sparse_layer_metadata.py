@@ -79,3 +79,21 @@ def test_a_dense_backend_whose_metadata_lacks_the_plans_fields_is_refused():
     with pytest.raises(ValueError, match="FLASHINFER backend keeps no block_table, "
                        "query_start_loc, seq_lens; start with --attention-backend FLASH_ATTN"):
         check_dense_backend(Backend)
+
+
+def test_no_layer_offers_vllms_attention_output_quant_fusion():
+    """The sparse layers write unquantized output (no output scale): a wrapped impl,
+    dense or sparse, declines vLLM's fusion even where its own backend offers it."""
+    from types import SimpleNamespace
+
+    from vllm_infinigen.worker.attention import InfiniGenImplMixin
+
+    class Fusing:
+        def fused_output_quant_supported(self, quant_key) -> bool:
+            return True
+
+    for sparse in (False, True):
+        wrapped = InfiniGenImplMixin.wrap(Fusing(), SimpleNamespace(),
+                                          SimpleNamespace(sparse=sparse))
+        assert Fusing().fused_output_quant_supported(None)
+        assert wrapped.fused_output_quant_supported(None) is False

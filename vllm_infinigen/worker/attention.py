@@ -63,6 +63,13 @@ class InfiniGenImplMixin:
             return  # the forward writes and attends in one op (``runtime.decode_short``)
         _write(runtime, state, context, dense_metadata, key, value)
 
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        """False: vLLM's attention + output-quant fusion (opt-in, CUDA) stays off. The
+        sparse layers' kernels write unquantized output and take no output scale, and
+        a pattern vLLM registers for a layer may match every layer (its layer-name
+        wildcard)."""
+        return False
+
     def write_restored(self, layer, key, value, slot_mapping) -> None:
         """K/V copied back from the pool into vLLM's blocks (``worker/restore.py``):
         the stock update alone (the pool holds them already)."""
