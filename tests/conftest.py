@@ -76,10 +76,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
     import torch
 
-    model = next((line.split(":", 1)[1].strip()
-                  for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "unknown") \
-        if Path("/proc/cpuinfo").exists() else "unknown"
+    from benchmarks.harness.report import processor
+
+    model = processor()["cpu_model"] or "unknown"
     extras = [name for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"),
                                        ("amx_tile", "_is_amx_tile_supported"))
               if getattr(torch.cpu, probe, lambda: False)()]

@@ -233,13 +233,12 @@ class InfiniGenConfig:
             raise ValueError(
                 f"{flag('eval_dense_prefix')} does not apply to {flag('policy')} "
                 f"{self.policy}: {traits.eval_mode_refusal}")
-        resident_refusal = (  # a resident step attends with vLLM's kernel
-            f"{flag('policy')} {self.policy}: {traits.device_first_refusal}"
-            if traits.device_first_refusal else f"{flag('eval_dense_prefix')} measures the "
-            "selection on prompt rows, which vLLM's kernel attends while the blocks last"
-            if self.eval_dense_prefix is not None else None)
-        if self.device_first and resident_refusal:
-            raise ValueError(f"{resident_refusal}; use {flag('residency')} pool, not device-first")
+        # A resident step attends with vLLM's kernel, not the policy's nor the evaluation's.
+        if self.device_first and (traits.device_first_refusal or self.eval_dense_prefix):
+            why = (f"{flag('policy')} {self.policy}: {traits.device_first_refusal}"
+                   if traits.device_first_refusal else f"{flag('eval_dense_prefix')} measures the "
+                   "selection on prompt rows, which vLLM's kernel attends while the blocks last")
+            raise ValueError(f"{why}; use {flag('residency')} pool, not device-first")
         if not traits.supports_capped_pool and self.cpu_pool_gib is not None:
             raise ValueError(
                 f"{flag('policy')} {self.policy} runs on an uncapped pool; "

@@ -186,8 +186,6 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
         attention = source.attention
         if state.windowed:
             continue
-        if not state.sparse:
-            check_dense_backend(attention.attn_backend)
         if state.sparse:
             device_first = runtime.config.device_first
             attention.get_kv_cache_spec = _sparse_spec_getter(attention, device_first)
@@ -195,6 +193,8 @@ def install(runtime: InfiniGenRuntime, sources: list[LayerSource]) -> None:
                 resident_backend(attention.attn_backend) if device_first
                 else sparse_backend(attention.attn_backend,
                                     writes_in_forward=not runtime.data_path.plans_on_device))
+        else:
+            check_dense_backend(attention.attn_backend)
         if state.next is not None:
             if state.next.qkv_proj is None or state.qkv_proj is None:
                 raise ValueError(f"InfiniGen: layer {source.name} has no qkv_proj to hook")

@@ -193,10 +193,10 @@ class InfiniGenWorkerMixin:
             ValueError: On a setting prefix caching cannot run with, when on.
         """
         policy = changes.get("policy")
-        if (policy in POLICY_TRAITS and _uncapped_only(policy)
-                and self.infinigen_runtime.pool_index.row_map_of(0) is not None):
-            raise ValueError(f"{_uncapped_only(policy)} runs on an uncapped pool, and this "
-                             "engine's pool evicts (sized at start-up)")
+        uncapped = _uncapped_only(policy) if policy in POLICY_TRAITS else None
+        if uncapped and self.infinigen_runtime.pool_index.row_map_of(0) is not None:
+            raise ValueError(f"{uncapped} runs on an uncapped pool, and this engine's pool "
+                             "evicts (sized at start-up)")
         if self.cache_config.enable_prefix_caching:
             known = {name: value for name, value in changes.items()
                      if name in runtime_settings() - {"alpha"}}
