@@ -224,10 +224,12 @@ class InfiniGenConfig:
             problem = check(value)
             if problem is not None:
                 raise ValueError(f"{flag(field.name)} {problem}, got {value!r}")
-        if self.skew_file is not None and self.speculation_keys != "partial":
-            raise ValueError(
-                f"{flag('skew_file')} applies to {flag('speculation_keys')} partial; "
-                f"add {flag('speculation_keys')} partial or remove {flag('skew_file')}")
+        for name in ("skew_file", "partial_ratio"):  # the partial keys' own settings
+            default = type(self).__dataclass_fields__[name].default
+            if self.speculation_keys != "partial" and getattr(self, name) != default:
+                raise ValueError(
+                    f"{flag(name)} applies to {flag('speculation_keys')} partial; "
+                    f"add {flag('speculation_keys')} partial or remove {flag(name)}")
         traits = POLICY_TRAITS[self.policy]
         if self.eval_dense_prefix is not None and traits.eval_mode_refusal:
             raise ValueError(

@@ -113,7 +113,7 @@ class PoolPlan:
 
 def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_tokens: int,
               cap: int | None, budget: int | None, sized_by: str, free: int,
-              uncapped_only: str | None = None) -> PoolPlan:
+              uncapped_only: str | None = None, cappable: bool = True) -> PoolPlan:
     """Decides the pool of a worker whose dense group has ``num_blocks`` blocks.
 
     Args:
@@ -126,6 +126,7 @@ def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_to
         free: Free host memory now, in bytes.
         uncapped_only: The policy's flag where it cannot run on a pool that
             evicts (None: it can).
+        cappable: The platform takes ``CAP_FLAG`` (CUDA's pool has a row per slot).
 
     Raises:
         ValueError: When a budget cannot hold one step's tokens, or the pool
@@ -153,10 +154,12 @@ def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_to
     plan = PoolPlan(rows, num_slots, block_size, units * block_size * bytes_per_token,
                     sized_by or "the dense group's slots")
     if plan.num_bytes > FREE_MEMORY_SHARE * free:
+        fix = (f"set {CAP_FLAG} or lower --kv-cache-memory-bytes" if cappable else
+               "lower --gpu-memory-utilization or --kv-cache-memory-bytes (this platform "
+               f"refuses {CAP_FLAG})")
         raise ValueError(
             f"InfiniGen's pool for {rows} tokens needs {plan.num_bytes / 2**30:.2f} GiB "
-            f"of host memory, {free / 2**30:.2f} GiB is free; set {CAP_FLAG} or lower "
-            "--kv-cache-memory-bytes (uncapped, the pool holds every token the dense "
-            "layers' blocks can hold)"
+            f"of host memory, {free / 2**30:.2f} GiB is free; {fix} (uncapped, the pool "
+            "holds every token the dense layers' blocks can hold)"
         )
     return plan

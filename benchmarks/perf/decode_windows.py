@@ -141,8 +141,9 @@ def infinigen_settings(engine_name: str, args) -> dict[str, Any] | None:
     setup = ENGINES[engine_name]["infinigen"]
     if not setup:
         return None
-    settings = {**setup, "budget": args.budget, "dense_layers": args.dense_layers,
-                "partial_ratio": args.partial_ratio}
+    settings = {**setup, "budget": args.budget, "dense_layers": args.dense_layers}
+    if speculation_keys(engine_name) == "partial":  # others refuse a partial ratio
+        settings["partial_ratio"] = args.partial_ratio
     if getattr(args, "min_context", None) is not None:
         settings["min_context"] = args.min_context
     if getattr(args, "alpha", None) is not None:

@@ -77,17 +77,27 @@ def test_existing_skew_file_accepted(tmp_path):
                            skew_file=str(path)).skew_file == str(path)
 
 
-def test_a_skew_file_is_for_the_partial_keys(tmp_path):
+@pytest.mark.parametrize("keys", ["bounds", "int"])
+def test_a_skew_file_and_a_partial_ratio_are_for_the_partial_keys(tmp_path, keys):
     path = tmp_path / "skew.safetensors"
     path.write_bytes(b"x")
     with pytest.raises(ValueError, match="--infinigen-skew-file applies to "
                        "--infinigen-speculation-keys partial"):
-        InfiniGenConfig(skew_file=str(path))  # the bound keys (default) need no skew
+        InfiniGenConfig(speculation_keys=keys, skew_file=str(path))  # no skew read
+    # The ratio of the partial keys' channels would change nothing: refused, not ignored.
+    with pytest.raises(ValueError, match="--infinigen-partial-ratio applies to "
+                       "--infinigen-speculation-keys partial; add --infinigen-speculation-keys "
+                       "partial or remove --infinigen-partial-ratio"):
+        InfiniGenConfig.from_dict({"speculation_keys": keys, "partial_ratio": 0.3})
+    # Its default, given or not, is no setting to refuse.
+    assert InfiniGenConfig(speculation_keys=keys, partial_ratio=0.2).partial_ratio == 0.2
+    assert InfiniGenConfig(speculation_keys="partial", partial_ratio=0.3).partial_ratio == 0.3
 
 
 @pytest.mark.parametrize(
     "values",
-    [{"alpha": 1e-3}, {"alpha": 5}, {"budget": 1.0}, {"partial_ratio": 1.0},
+    [{"alpha": 1e-3}, {"alpha": 5}, {"budget": 1.0},
+     {"speculation_keys": "partial", "partial_ratio": 1.0},
      {"dense_layers": 1}, {"sink_tokens": 4, "recent_tokens": 0}],
 )
 def test_good_values_accepted(values):

@@ -119,3 +119,24 @@ def test_a_policy_of_an_uncapped_pool_is_refused_where_the_grant_would_cap_it():
         pool(2048 * 1000, "--infinigen-policy h2o")
     assert pool(2048 * 1000, None).num_rows == 1000  # InfiniGen's policy evicts
     assert pool(2048 * 10**6, "--infinigen-policy h2o").num_rows == 5000  # every slot held
+
+
+def test_a_pool_beyond_free_memory_names_the_flags_of_the_platform():
+    """The CPU build caps the pool with --infinigen-cpu-pool-gib; CUDA refuses that flag
+    (its pool has a row per slot), so there the way out is a smaller KV space."""
+    from vllm_infinigen.platforms.cuda.worker import InfiniGenCUDAWorker
+    from vllm_infinigen.platforms.cpu.worker import InfiniGenCPUWorker
+
+    def pool(free: int, **cappable):
+        return plan_pool(num_blocks=625, block_size=8, bytes_per_token=2048, step_tokens=256,
+                         cap=None, budget=None, sized_by="", free=free, **cappable)
+
+    assert pool(GIB, cappable=False).num_bytes == 5000 * 2048  # fits in the free GiB
+    with pytest.raises(ValueError, match=r"needs 0\.01 GiB of host memory, 0\.00 GiB is free; "
+                       "set --infinigen-cpu-pool-gib or lower --kv-cache-memory-bytes"):
+        pool(2**20)
+    with pytest.raises(ValueError, match="is free; lower --gpu-memory-utilization or "
+                       r"--kv-cache-memory-bytes \(this platform refuses --infinigen-cpu-pool-gib"):
+        pool(2**20, cappable=False)
+    assert InfiniGenCPUWorker.infinigen_pool_cappable
+    assert not InfiniGenCUDAWorker.infinigen_pool_cappable

@@ -101,13 +101,13 @@ def test_cli_flags_fold_into_additional_config():
 def test_cli_every_flag():
     args = parse([
         "--model", "x", "--kv-manager", "infinigen", "--infinigen-alpha", "4.5",
-        "--infinigen-partial-ratio", "0.25", "--infinigen-budget", "0.1",
-        "--infinigen-dense-layers", "3", "--infinigen-sink-tokens", "4",
-        "--infinigen-recent-tokens", "8",
+        "--infinigen-speculation-keys", "partial", "--infinigen-partial-ratio", "0.25",
+        "--infinigen-budget", "0.1", "--infinigen-dense-layers", "3",
+        "--infinigen-sink-tokens", "4", "--infinigen-recent-tokens", "8",
     ], cls=EngineArgs)
     assert args.additional_config["infinigen"] == {
-        "alpha": 4.5, "partial_ratio": 0.25, "budget": 0.1, "dense_layers": 3,
-        "sink_tokens": 4, "recent_tokens": 8,
+        "alpha": 4.5, "speculation_keys": "partial", "partial_ratio": 0.25, "budget": 0.1,
+        "dense_layers": 3, "sink_tokens": 4, "recent_tokens": 8,
     }
 
 
@@ -236,11 +236,6 @@ def test_check_engine_args_refuses_unsupported_models(tmp_path):
     with pytest.raises(ValueError, match="model type 'gemma2' is not supported: attention "
                                          "logit soft-capping"):
         checks.check_engine_args(EngineArgs(model=gemma2))
-
-
-def test_check_engine_args_needs_local_files(tmp_path):
-    with pytest.raises(ValueError, match="needs the model files on disk"):
-        checks.check_engine_args(EngineArgs(model=str(tmp_path / "absent")))
 
 
 def _shapes(model_dir) -> dict[str, int]:

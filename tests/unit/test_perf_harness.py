@@ -113,6 +113,11 @@ def test_decode_benchmark_engines_name_their_keys():
     assert decode_latency.infinigen_settings("int-keys", args)["speculation_keys"] == "int"
     assert decode_latency.infinigen_settings("partial-keys", args)["speculation_keys"] == "partial"
     assert "speculation_keys" not in decode_latency.infinigen_settings("in-place", args)
+    # The partial ratio only where the keys are partial (the others refuse it).
+    args.partial_ratio = 0.3
+    assert decode_latency.infinigen_settings("partial-keys", args)["partial_ratio"] == 0.3
+    for engine in ("int-keys", "in-place"):
+        assert "partial_ratio" not in decode_latency.infinigen_settings(engine, args)
 
 
 def test_streaming_reads_no_metadata_and_bad_inputs_fail():
@@ -281,8 +286,7 @@ def test_gqa128_preset_and_min_context_passthrough():
     args = decode_latency.parse_args(["--min-context", "512", "--engines", "copy"])
     assert args.model_spec is None  # long preset: LONG_MODEL
     assert decode_latency.infinigen_settings("copy", args) == {
-        "transfer": "copy", "budget": 0.2, "dense_layers": 2, "partial_ratio": 0.2,
-        "min_context": 512}
+        "transfer": "copy", "budget": 0.2, "dense_layers": 2, "min_context": 512}
 
 
 def test_gqa128_kv_space_for_16k_by_4():

@@ -4,6 +4,7 @@ one decode step, and the exact positions each policy selects."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -45,15 +46,21 @@ def test_previous_layer_selects_exactly_the_matching_tokens(step):
 
 
 def test_alpha_none_at_run_time_turns_the_rule_off(step):
-    """``set_infinigen_selection(alpha=None)``: off, as at start-up (it kept the
-    previous alpha before)."""
-    runtime = step[0]
+    """``set_infinigen_selection(alpha=None)``: off, resolved as at start-up (infinity:
+    the kernels take a number), and the next step selects (it kept the previous alpha
+    before 2026-11-30, then handed the kernels None until 2026-12-01)."""
+    runtime, metadata, new_slot = step
     runtime.update_selection(alpha=5)
     assert runtime.config.alpha == 5.0 and isinstance(runtime.config.alpha, float)
     runtime.update_selection(alpha=None)
-    assert runtime.config.alpha is None
+    assert runtime.config.alpha == math.inf
     runtime.update_selection(budget=0.5)  # alpha not named: kept
-    assert runtime.config.alpha is None and runtime.config.budget == 0.5
+    assert runtime.config.alpha == math.inf and runtime.config.budget == 0.5
+    speculating = runtime.layers[1]
+    speculating.capture(torch.tensor([[10.0, 0.0, 0.0, 0.0]]))
+    runtime.begin_layer(speculating, metadata, new_slot, block_size=BLOCK)
+    selected = [p for p in runtime.layers[2].selection[0, 0].tolist() if p >= 0]
+    assert set(IMPORTANT) <= set(selected) and len(selected) <= CONTEXT // 2  # the budget
     with pytest.raises(ValueError, match="can change at run time"):
         runtime.update_selection(partial_ratio=0.5)
 
@@ -249,8 +256,6 @@ def test_a_steps_prompts_are_placed_before_their_write_over_the_pool_only():
 def test_a_layer_reads_vllms_kv_scales_for_an_fp8_pool_only():
     """``--kv-cache-dtype fp8``: the pool holds K / k_scale, V / v_scale, read
     from vLLM's layer at each call; any other pool holds K and V (1.0)."""
-    from types import SimpleNamespace
-
     from vllm_infinigen.worker.layer_state import LayerState
 
     attn = SimpleNamespace(impl=SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=32,

@@ -28,9 +28,8 @@ from vllm_infinigen.config import (
     flag,
     infinigen_config_of,
 )
-from vllm_infinigen.layout import FP8_KV_CACHE_DTYPES, ModelLayout, read_hf_config
+from vllm_infinigen.layout import FP8_KV_CACHE_DTYPES, ModelLayout
 from vllm_infinigen.platforms import WORKERS, platform_name, refusal_for, worker_cls_for
-from vllm_infinigen.skewing.tables import local_model_dir
 
 logger = init_logger(__name__)
 
@@ -38,9 +37,16 @@ CONNECTOR_NAME = "InfiniGenConnector"
 CONNECTOR_MODULE = "vllm_infinigen.scheduler.connector"
 
 
+def model_hf_config(args: EngineArgs) -> dict[str, Any]:
+    """The model's config as vLLM resolves it for these arguments: a local directory
+    or a Hugging Face Hub id (fetched as stock vLLM fetches it), at ``--revision``,
+    from ``--hf-config-path``, with ``--hf-overrides``."""
+    return args.create_model_config().hf_config.to_dict()
+
+
 def layout_of(hf_config: dict[str, Any], config: InfiniGenConfig,
               attention: AttentionPlan | None) -> ModelLayout:
-    """The model's layout with these settings, from its ``config.json``."""
+    """The model's layout with these settings, from its config (``model_hf_config``)."""
     return ModelLayout.from_hf_config(
         hf_config, config.dense_layers, config.partial_ratio,
         window_layers=attention.window_layers if attention is not None else (),
@@ -69,14 +75,12 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
     Args:
         config: The settings parsed from ``args.additional_config`` (None:
             parsed here).
-        hf_config: The model's ``config.json`` (None: read here).
+        hf_config: ``model_hf_config(args)`` (None: resolved here).
         attention: ``attention_plan(args, hf_config)`` (None: computed here).
         layout: The model's layout with these settings (None: built here).
     """
     if config is None:
         config = infinigen_config_of(args.additional_config) or InfiniGenConfig()
-    if hf_config is None:
-        hf_config = read_hf_config(local_model_dir(args.model))
     from vllm.platforms import current_platform
 
     def refuse(reason: str) -> None:
@@ -116,6 +120,8 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
             refuse(f"--kv-cache-dtype {args.kv_cache_dtype}: {flag('policy')} {config.policy} "
                    f"reads the pool with torch in the model's dtype; use --kv-cache-dtype auto "
                    f"or {flag('policy')} infinigen")
+    if hf_config is None:  # after the refusals that need no model config
+        hf_config = model_hf_config(args)
     reason = model_type_refusal(hf_config)
     if reason is None:
         if attention is None:

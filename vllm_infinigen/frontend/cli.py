@@ -46,14 +46,14 @@ def prepare(args: argparse.Namespace) -> int:
         compute_skew_tables,
         read_calibration_files,
     )
-    from vllm_infinigen.skewing.tables import local_model_dir, save_skew_tables
+    from vllm_infinigen.skewing.tables import model_files, save_skew_tables
 
     texts = read_calibration_files(args.calibration_text) if args.calibration_text else None
     source = (f"{len(texts)} calibration file(s)" if texts
               else f"the bundled text ({CALIBRATION_TEXT.name})")
     start = time.perf_counter()
     tables = compute_skew_tables(
-        local_model_dir(args.model), args.partial_ratio, texts, args.max_tokens,
+        model_files(args.model, args.revision, args.download_dir), args.partial_ratio, texts, args.max_tokens,
         dtype=args.dtype, progress=True,
     )
     save_skew_tables(tables, args.out)
@@ -110,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-infinigen")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="write a skew file for a model")
-    p.add_argument("model", help="Hugging Face model directory")
+    p.add_argument("model", help="Hugging Face model directory or Hub id (fetched as "
+                   "vLLM fetches it)")
+    p.add_argument("--revision", default=None,
+                   help="the Hub revision, as given to vllm serve (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="where the Hub files go, as given to vllm serve (default: the "
+                   "Hugging Face cache)")
     p.add_argument("--calibration-text", nargs="+", metavar="PATH",
                    help="text files or directories (every *.txt inside), used in order "
                         "(default: the bundled book excerpt)")

@@ -31,12 +31,12 @@ from vllm_infinigen.frontend.checks import (
     check_engine_args,
     keep_v1_model_runner,
     layout_of,
+    model_hf_config,
 )
 from vllm_infinigen.frontend.skew_setup import prepare_skew_file
-from vllm_infinigen.layout import read_hf_config
 from vllm_infinigen.memory import cap_rows
 from vllm_infinigen.platforms import platform_name, worker_cls_for
-from vllm_infinigen.skewing.tables import local_model_dir
+from vllm_infinigen.skewing.tables import model_files
 
 logger = init_logger(__name__)
 
@@ -80,8 +80,7 @@ def _create_engine_config(self, *args, **kwargs):
         return _original_create_engine_config(self, *args, **kwargs)
     from vllm.platforms import current_platform
 
-    model_dir = local_model_dir(self.model)
-    hf_config = read_hf_config(model_dir)
+    hf_config = model_hf_config(self)
     attention = attention_plan(self, hf_config)
     layout = layout_of(hf_config, config, attention)
     check_engine_args(self, config, hf_config, attention, layout)
@@ -92,6 +91,7 @@ def _create_engine_config(self, *args, **kwargs):
             "(--disable-sliding-window)", attention.window, attention.max_model_len)
         self.disable_sliding_window = True
     if config.speculation_keys == "partial":  # the int keys need no skew
+        model_dir = model_files(self.model, self.revision, self.download_dir)
         config = dataclasses.replace(config,
                                      skew_file=prepare_skew_file(model_dir, config, layout))
     self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}

@@ -62,19 +62,35 @@ class SkewTables:
         return self.skew[0].shape[-1]
 
 
-def local_model_dir(model: str) -> str:
-    """A local directory for ``model`` (a path, or a snapshot in the HF cache)."""
+# What the skew calibration and the fingerprint read of a Hub model: its config
+# and tokenizer files and its safetensors weights (vLLM downloads the weights anyway).
+MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken")
+
+
+def model_files(model: str, revision: str | None = None,
+                download_dir: str | None = None) -> str:
+    """A local directory with ``model``'s config, tokenizer and safetensors weights.
+
+    A directory is itself. A Hugging Face Hub id is its snapshot at ``revision``
+    (``--revision``) in ``download_dir`` (``--download-dir``, where vLLM puts the
+    weights; default: the Hugging Face cache), downloaded where missing as vLLM
+    downloads a model, from the cache alone under ``HF_HUB_OFFLINE=1``.
+
+    Raises:
+        ValueError: If the files cannot be had, naming the model and the cause.
+    """
     if os.path.isdir(model):
         return model
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
-        return snapshot_download(model, local_files_only=True)
+    try:
+        return snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                 allow_patterns=list(MODEL_FILE_PATTERNS),
+                                 local_files_only=constants.HF_HUB_OFFLINE)
     except Exception as e:
         raise ValueError(
-            f"--kv-manager infinigen needs the model files on disk; {model!r} is "
-            f"neither a directory nor in the local Hugging Face cache ({e})"
-        ) from e
+            f"--kv-manager infinigen: cannot get the files of {model!r} (revision "
+            f"{revision or 'main'}) from the Hugging Face Hub or its cache: {e}") from e
 
 
 def model_fingerprint(model_dir: str) -> str:

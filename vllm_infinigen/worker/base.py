@@ -37,7 +37,7 @@ from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
 from vllm_infinigen.policies import POLICY_TRAITS
 from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
-from vllm_infinigen.skewing.tables import load_skew_tables, local_model_dir, model_fingerprint
+from vllm_infinigen.skewing.tables import load_skew_tables, model_files, model_fingerprint
 from vllm_infinigen.worker import restore
 from vllm_infinigen.worker.attention import install, layer_sources
 from vllm_infinigen.worker.data_path import DataPath
@@ -110,9 +110,11 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
     rank, world_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     skew: list[torch.Tensor | None] = [None] * layout.num_layers  # int keys: no skew
     if config.speculation_keys == "partial":
+        model_config = vllm_config.model_config  # the files the front end calibrated on
         tables = load_skew_tables(
             config.skew_file,
-            fingerprint=model_fingerprint(local_model_dir(vllm_config.model_config.model)),
+            fingerprint=model_fingerprint(model_files(
+                model_config.model, model_config.revision, vllm_config.load_config.download_dir)),
             partial_ratio=config.partial_ratio,
             num_layers=layout.num_layers,
             num_kv_heads=layout.num_kv_heads,
@@ -134,6 +136,9 @@ class InfiniGenWorkerMixin:
     infinigen_runtime: InfiniGenRuntime
 
     # -- what a platform supplies
+
+    # It takes --infinigen-cpu-pool-gib (CUDA's pool has a row per slot: refused there).
+    infinigen_pool_cappable = True
 
     def infinigen_device(self) -> torch.device:
         raise NotImplementedError
@@ -231,7 +236,8 @@ class InfiniGenWorkerMixin:
             cap=cap_rows(setup.config.cpu_pool_gib, setup.pool_bytes_per_token,
                          setup.step_tokens),
             budget=budget, sized_by=sized_by, free=psutil.virtual_memory().available,
-            uncapped_only=_uncapped_only(setup.config.policy))
+            uncapped_only=_uncapped_only(setup.config.policy),
+            cappable=self.infinigen_pool_cappable)
         runtime.allocate_pool(plan, kv_cache_config.num_blocks, self.model_config.dtype,
                               kv_dtype(self.cache_config.cache_dtype, self.model_config.dtype))
         if not runtime.data_path.plans_on_device:  # (the CPU's; CUDA's graphs left as they are)

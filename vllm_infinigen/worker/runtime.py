@@ -203,8 +203,8 @@ class InfiniGenRuntime:
         allowed = runtime_settings()
         if set(changes) - allowed:
             raise ValueError(f"only {sorted(allowed)} can change at run time")
-        if changes.get("alpha") is not None:
-            changes["alpha"] = float(changes["alpha"])
+        if "alpha" in changes:  # None: off, resolved as at start-up (the kernels take a number)
+            changes["alpha"] = float("inf" if changes["alpha"] is None else changes["alpha"])
         config = dataclasses.replace(self.config, **changes)
         self.data_path.configure(config)
         self.config = config

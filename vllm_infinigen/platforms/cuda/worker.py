@@ -32,6 +32,8 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
     """vLLM's GPU worker whose sparse layers attend over a device block cache
     filled from a pinned host pool (``data_path.py``)."""
 
+    infinigen_pool_cappable = False  # platforms/cuda/refusals.py
+
     def infinigen_device(self) -> torch.device:
         return self.device
 
