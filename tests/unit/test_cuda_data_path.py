@@ -303,11 +303,13 @@ def test_prompt_rows_attend_as_the_cpu_platform():
     assert got[1:].abs().sum() > 0 and got[0].abs().sum() == 0  # the decode row untouched
 
 
-def test_a_capped_pool_is_refused_naming_the_flag():
+def test_a_capped_pool_cannot_reach_the_cuda_data_path():
+    """The front end refuses --infinigen-cpu-pool-gib on CUDA and its pool plan never
+    caps (``infinigen_pool_cappable``): a capped plan here is a bug, not a setting."""
     path = CudaDataPath("cpu", 4)
     capped = PoolPlan(num_rows=8, num_slots=NUM_BLOCKS * BLOCK, block_size=BLOCK,
                       num_bytes=0, sized_by="")
-    with pytest.raises(ValueError, match="--infinigen-cpu-pool-gib"):
+    with pytest.raises(RuntimeError, match="got a capped one"):
         path.allocate(_layer(), capped, NUM_BLOCKS, torch.float32, torch.float32)
 
 
@@ -327,6 +329,10 @@ def test_settings_change_in_place_and_widening_changes_are_refused():
                          ({"eval_dense_prefix": 8}, "--infinigen-eval-dense-prefix")):
         with pytest.raises(ValueError, match=flag):
             case.path.configure(InfiniGenConfig(**{"alpha": 1.0, "min_context": 0, **change}))
+    # A baseline policy: refused as CUDA refuses it at start-up, not "restart with it".
+    with pytest.raises(ValueError, match="on CUDA, --infinigen-policy h2o is not supported "
+                       r"\(the baselines run on the CPU build\); keep infinigen"):
+        case.path.configure(InfiniGenConfig(alpha=1.0, min_context=0, policy="h2o"))
     capped = CudaDataPath("cpu", 16)
     capped.allocate(_layer(3), _plan(), NUM_BLOCKS, torch.float32, torch.float32)
     capped.configure(InfiniGenConfig(alpha=1.0, min_context=0, budget_tokens=8))

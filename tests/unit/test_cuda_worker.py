@@ -50,7 +50,11 @@ def test_cache_slots_cover_the_block_rules_widest_step_times_the_reuse_factor():
 def test_the_grant_keeps_the_cache_and_splits_the_rest_by_block_costs():
     split = memory.split_device_grant(10_000, pages=60, speculation=20, cache=2_000)
     assert split == memory.DeviceSplit(kv_space=6_000, speculation=2_000, cache=2_000)
-    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+    # The cache holds every block below --infinigen-min-context (the default 4096 rules
+    # the cache's size at contexts up to ~20K): the message names it with the others.
+    with pytest.raises(ValueError, match="lower --max-num-seqs, --max-model-len, "
+                       "--infinigen-min-context or --infinigen-budget, set "
+                       "--infinigen-budget-tokens, or raise --gpu-memory-utilization"):
         memory.split_device_grant(2_050, pages=60, speculation=20, cache=2_000)
 
 
@@ -70,3 +74,23 @@ def test_the_worker_split_counts_speculation_keys_cache_and_vllm_pages():
     speculation = 16 * layout.partial_bytes_per_token(2, 2) + 2 * 2 * 4
     assert kv_space == ((1 << 20) - cache) * pages // (pages + speculation)
     assert budget is None and "host memory" in sized_by
+
+
+def test_the_device_block_cache_at_vllms_defaults_and_with_a_cap():
+    """The arithmetic the README's CUDA limit quotes: a Llama-3.1-8B shape (30 sparse
+    layers, 8 KV heads of 128, bfloat16). The cache holds, for each of --max-num-seqs
+    rows, the widest selection of a --max-model-len context: at vLLM's 256 rows and
+    128K it cannot fit any GPU (the start-up refuses it, naming the flags); 32 rows
+    under a 4,096-token cap fit beside the model on an 80 GB one."""
+    def gib(max_num_seqs: int, max_model_len: int, budget_tokens: int | None) -> float:
+        slots = memory.cache_slots_per_head(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=16,
+            budget=0.2, min_context=4096, sink_tokens=0, recent_tokens=16,
+            budget_tokens=budget_tokens)
+        return memory.cache_bytes(num_sparse=30, kv_heads=8, slots_per_head=slots,
+                                  block_size=16, head_size=128, dtype_bytes=2) / 2**30
+
+    assert round(gib(256, 131072, None)) == 1544
+    assert round(gib(256, 8192, None)) == 241  # every block below the min context
+    assert round(gib(256, 131072, 4096)) == 244
+    assert round(gib(32, 131072, 4096), 1) == 30.4

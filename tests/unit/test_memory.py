@@ -138,5 +138,9 @@ def test_a_pool_beyond_free_memory_names_the_flags_of_the_platform():
     with pytest.raises(ValueError, match="is free; lower --gpu-memory-utilization or "
                        r"--kv-cache-memory-bytes \(this platform refuses --infinigen-cpu-pool-gib"):
         pool(2**20, cappable=False)
+    with pytest.raises(ValueError, match="is free; lower --infinigen-cpu-pool-gib"):
+        plan_pool(num_blocks=625, block_size=8, bytes_per_token=2048, step_tokens=256,
+                  cap=4000, budget=None, sized_by="--infinigen-cpu-pool-gib 0.008",
+                  free=2**20)
     assert InfiniGenCPUWorker.infinigen_pool_cappable
     assert not InfiniGenCUDAWorker.infinigen_pool_cappable

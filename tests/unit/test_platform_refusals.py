@@ -136,6 +136,20 @@ def test_both_platforms_take_fp8_kv_with_infinigens_policy(monkeypatch, dtype):
         checks.check_engine_args(args, InfiniGenConfig(policy="h2o"))
 
 
+def test_cuda_refuses_a_block_size_its_attention_kernel_cannot_read(monkeypatch):
+    """vLLM takes any block size, InfiniGen a multiple of 16 (``check_block_size``); the
+    CUDA attention kernel a power of two: 48 was refused at the first sparse step."""
+    from vllm.platforms import current_platform
+
+    for block_size in (16, 32, 128, None):
+        assert refusal_for("cuda", _args(block_size=block_size), InfiniGenConfig()) is None
+    assert refusal_for("cpu", _args(block_size=48), InfiniGenConfig()) is None
+    monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)
+    with pytest.raises(ValueError, match="--kv-manager infinigen: --block-size 48: the CUDA "
+                       "attention kernel reads blocks of a power of two tokens"):
+        checks.check_engine_args(_args(block_size=48), InfiniGenConfig())
+
+
 def test_cuda_runs_device_first_with_vllms_default_graphs():
     """Both residencies' full graphs are captured (``platforms/cuda/residency.py``)."""
     config = InfiniGenConfig(residency="device-first")

@@ -61,7 +61,8 @@ def test_alpha_none_at_run_time_turns_the_rule_off(step):
     runtime.begin_layer(speculating, metadata, new_slot, block_size=BLOCK)
     selected = [p for p in runtime.layers[2].selection[0, 0].tolist() if p >= 0]
     assert set(IMPORTANT) <= set(selected) and len(selected) <= CONTEXT // 2  # the budget
-    with pytest.raises(ValueError, match="can change at run time"):
+    with pytest.raises(ValueError, match=r"\['partial_ratio'\]: only \[.*\] can change at "
+                       "run time; start the engine with the others' flags"):
         runtime.update_selection(partial_ratio=0.5)
 
 

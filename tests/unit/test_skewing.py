@@ -206,7 +206,8 @@ def test_load_wrong_shapes(tmp_path, overrides):
 def test_load_missing_layer(tmp_path):
     path = tmp_path / "skew.safetensors"
     save_skew_tables(make_tables(num_layers=2), str(path))
-    assert_load_fails(path, match="no tensor for layer 2", num_layers=3)
+    assert_load_fails(path, match="no tensor for layer 2; write it again with "
+                      "`vllm-infinigen prepare` for this model and ratio", num_layers=3)
 
 
 # ---------------------------------------------------------------------------
@@ -409,6 +410,11 @@ def test_prepare_takes_several_files_and_reports_time_and_memory(tmp_path, capsy
                                 max_tokens=300)
     assert alone.calibration_tokens < 300
     assert not all(torch.equal(a, b) for a, b in zip(alone.skew, tables.skew))
+    # A ratio the engine would refuse stops prepare before it loads the model.
+    for ratio in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            main(["prepare", STORIES_DIR, "--out", str(out), "--partial-ratio", ratio])
+    assert "--partial-ratio must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_calibration_text_the_tokenizer_cannot_read_is_refused_naming_the_flag(tmp_path):
@@ -420,7 +426,8 @@ def test_calibration_text_the_tokenizer_cannot_read_is_refused_naming_the_flag(t
     recall = require_shared("models/recall-llama-1k")
     english = tmp_path / "english.txt"
     english.write_text(CALIBRATION_TEXT.read_text()[:4000])
-    with pytest.raises(ValueError, match=r"--calibration-text: \d+ of its \d+ tokens are "
+    with pytest.raises(ValueError, match=r"\(--calibration-text, or the bundled one at "
+                       r"start-up\): \d+ of its \d+ tokens are "
                        r"unknown .*'<unk>'.*vllm-infinigen prepare.*--infinigen-skew-file"):
         compute_skew_tables(str(recall), 0.2, english.read_text())
     with pytest.raises(ValueError, match="--calibration-text"):

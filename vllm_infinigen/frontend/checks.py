@@ -108,7 +108,8 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
     if kv_transfer is not None and getattr(kv_transfer, "kv_connector", None) != CONNECTOR_NAME:
         refuse("--kv-transfer-config is taken by InfiniGen's own connector; remove it")
     if args.worker_cls not in ("auto", *WORKERS.values()):
-        refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen")
+        refuse(f"--worker-cls {args.worker_cls} cannot be combined with InfiniGen (it brings "
+               "its own worker); remove --worker-cls")
     if getattr(args, "enable_sleep_mode", False):
         refuse("sleep mode would not remap InfiniGen's pool and partial keys; "
                "remove --enable-sleep-mode")

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="text files or directories (every *.txt inside), used in order "
                         "(default: the bundled book excerpt)")
     p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--partial-ratio", type=float, default=0.2)
+    p.add_argument("--partial-ratio", type=float, default=0.2,
+                   help="the engine's --infinigen-partial-ratio (default 0.2)")
     p.add_argument("--max-tokens", type=int, default=2048,
                    help="calibration tokens in all (default: 2048, as the paper's artifact)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--infinigen-min-context of the demo (default 0: always select)")
     d.set_defaults(run=demo)
     args = parser.parse_args(argv)
+    if args.command == "prepare" and not 0 < args.partial_ratio <= 1:
+        parser.error(f"--partial-ratio must be in (0, 1], got {args.partial_ratio}")
     return args.run(args)
 
 

@@ -188,7 +188,7 @@ MAX_UNKNOWN_SHARE = 0.5
 CALIBRATION_HINT = (
     "give text the model's tokenizer reads with `vllm-infinigen prepare MODEL "
     "--calibration-text FILE_OR_DIR --out SKEW` and --infinigen-skew-file SKEW, or "
-    "use --infinigen-speculation-keys int, which needs no calibration")
+    "use --infinigen-speculation-keys bounds (the default) or int, which need no calibration")
 
 
 def check_calibration_tokens(tokenizer, chunks: Sequence[Sequence[int]], model_dir: str) -> int:
@@ -206,12 +206,14 @@ def check_calibration_tokens(tokenizer, chunks: Sequence[Sequence[int]], model_d
     known = num_tokens - unknown
     if unknown > MAX_UNKNOWN_SHARE * num_tokens:
         raise ValueError(
-            f"--calibration-text: {unknown} of its {num_tokens} tokens are unknown to "
+            f"the calibration text (--calibration-text, or the bundled one at start-up): "
+            f"{unknown} of its {num_tokens} tokens are unknown to "
             f"{model_dir}'s tokenizer ({tokenizer.unk_token!r}); {CALIBRATION_HINT}"
         )
     if known < MIN_CALIBRATION_TOKENS:
         raise ValueError(
-            f"--calibration-text gives {known} tokens that {model_dir}'s tokenizer knows "
+            f"the calibration text (--calibration-text, or the bundled one at start-up) "
+            f"gives {known} tokens that {model_dir}'s tokenizer knows "
             f"({num_tokens} in all), fewer than {MIN_CALIBRATION_TOKENS}; {CALIBRATION_HINT}"
         )
     return num_tokens

@@ -89,8 +89,9 @@ def model_files(model: str, revision: str | None = None,
                                  local_files_only=constants.HF_HUB_OFFLINE)
     except Exception as e:
         raise ValueError(
-            f"--kv-manager infinigen: cannot get the files of {model!r} (revision "
-            f"{revision or 'main'}) from the Hugging Face Hub or its cache: {e}") from e
+            f"cannot get the files of {model!r} (revision {revision or 'main'}) from the "
+            f"Hugging Face Hub or its cache: {e}; check the model, --revision and "
+            "--download-dir (HF_HUB_OFFLINE=1 reads the cache alone)") from e
 
 
 def model_fingerprint(model_dir: str) -> str:
@@ -106,7 +107,9 @@ def model_fingerprint(model_dir: str) -> str:
     digest.update(json.dumps(subset, sort_keys=True).encode())
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
+        raise ValueError(f"no *.safetensors weights in {model_dir}, which the partial keys' "
+                         "skew file is checked against; use --infinigen-speculation-keys "
+                         "bounds (the default) or int, which need none")
     for path in files:
         with open(path, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
@@ -149,7 +152,9 @@ def load_skew_tables(
     from safetensors import safe_open
 
     def fail(reason: str) -> ValueError:
-        return ValueError(f"{SKEW_FLAG} {path}: {reason}")
+        fix = "" if "vllm-infinigen prepare" in reason else (
+            "; write it again with `vllm-infinigen prepare` for this model and ratio")
+        return ValueError(f"{SKEW_FLAG} {path}: {reason}{fix}")
 
     try:
         with safe_open(path, framework="pt") as f:

@@ -201,7 +201,7 @@ class InfiniGenWorkerMixin:
         uncapped = _uncapped_only(policy) if policy in POLICY_TRAITS else None
         if uncapped and self.infinigen_runtime.pool_index.row_map_of(0) is not None:
             raise ValueError(f"{uncapped} runs on an uncapped pool, and this engine's pool "
-                             "evicts (sized at start-up)")
+                             f"evicts (sized at start-up); start the engine with {uncapped}")
         if self.cache_config.enable_prefix_caching:
             known = {name: value for name, value in changes.items()
                      if name in runtime_settings() - {"alpha"}}

@@ -174,7 +174,8 @@ class InfiniGenRuntime:
             "tokens: %.3f GiB device memory; %s",
             plan.num_rows, len(sparse), kv_heads, str(kv_dtype).removeprefix("torch."),
             f"capped below the dense group's {plan.num_slots} slots, {self.config.eviction} "
-            f"eviction" if plan.capped else "a row per dense slot (uncapped)",
+            f"eviction" if plan.capped else "a row per dense slot (uncapped: never evicts, "
+            "--infinigen-eviction unused)",
             plan.num_bytes / 2**30, plan.sized_by, plan.num_slots, partial_bytes / 2**30,
             self.data_path.describe(),
         )
@@ -194,15 +195,15 @@ class InfiniGenRuntime:
 
         Args:
             changes: New values of the settings declared with ``runtime=True``
-                (``config.py``: alpha, None for off; budget, sink/recent tokens,
-                eviction, policy, speculation, evaluation mode, min context).
+                (``config.py``); alpha None: off.
 
         Raises:
             ValueError: On other settings or bad values, naming the flag.
         """
         allowed = runtime_settings()
         if set(changes) - allowed:
-            raise ValueError(f"only {sorted(allowed)} can change at run time")
+            raise ValueError(f"{sorted(set(changes) - allowed)}: only {sorted(allowed)} can "
+                             "change at run time; start the engine with the others' flags")
         if "alpha" in changes:  # None: off, resolved as at start-up (the kernels take a number)
             changes["alpha"] = float("inf" if changes["alpha"] is None else changes["alpha"])
         config = dataclasses.replace(self.config, **changes)

@@ -132,7 +132,10 @@ class DeviceBlockCache:
             raise ValueError(
                 f"a step selects up to {per_head} blocks per KV head ({num_rows} rows x "
                 f"{width}) but the device block cache has {self.slots_per_head} slots per "
-                "head; give the cache more memory or lower --infinigen-budget")
+                "head, sized at start-up for --max-num-seqs rows at the start-up "
+                "--infinigen-budget, --infinigen-budget-tokens and --infinigen-min-context; "
+                "restart with a larger --max-num-seqs, or with --max-num-batched-tokens at "
+                "most --max-num-seqs where prompt rows select (--infinigen-eval-dense-prefix)")
         return per_head
 
     # -- per layer and step (worker, ``start_fetch``)

@@ -144,9 +144,9 @@ class CudaDataPath:
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
                  dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-        if plan.capped:
-            raise ValueError(f"the CUDA data path gathers whole blocks from a pool with a row "
-                             f"per slot; unset {CAP_FLAG} (or give it room for every slot)")
+        if plan.capped:  # refused at start-up (refusals.py); its plan never caps
+            raise RuntimeError(f"the CUDA data path gathers whole blocks from a pool with a "
+                               f"row per slot, got a capped one ({CAP_FLAG} is refused on CUDA)")
         block_size, heads, head_size = plan.block_size, layer.num_kv_heads, layer.head_size
         host_pool = None
         shape = (num_blocks, heads, block_size, head_size)

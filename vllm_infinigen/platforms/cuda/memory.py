@@ -93,9 +93,12 @@ def split_device_grant(granted: int, *, pages: int, speculation: int,
     if rest < pages + speculation:
         raise ValueError(
             f"InfiniGen's device block cache needs {cache / 2**30:.3f} GiB of the "
-            f"{granted / 2**30:.3f} GiB KV space, leaving no room for one block; raise "
-            "--gpu-memory-utilization, or lower --max-num-seqs, --max-model-len or "
-            "--infinigen-budget")
+            f"{granted / 2**30:.3f} GiB KV space, leaving no room for one block (it holds, for "
+            "each of --max-num-seqs rows, every block of a context below "
+            "--infinigen-min-context and the budget's blocks above it); lower --max-num-seqs, "
+            "--max-model-len, --infinigen-min-context or --infinigen-budget, set "
+            "--infinigen-budget-tokens, or raise --gpu-memory-utilization "
+            "(--kv-cache-memory-bytes where given)")
     kv_space = rest * pages // (pages + speculation)
     return DeviceSplit(kv_space, rest - kv_space, cache)
 
@@ -103,6 +106,9 @@ def split_device_grant(granted: int, *, pages: int, speculation: int,
 def refuse_widening(start: InfiniGenConfig, config: InfiniGenConfig) -> None:
     """Raises ValueError naming the flag whose change ``widening`` finds."""
     refused = widening(start, config)
+    if refused == flag("policy"):  # from infinigen's, the only one CUDA starts with
+        raise ValueError(f"on CUDA, {flag('policy')} {config.policy} is not supported (the "
+                         "baselines run on the CPU build); keep infinigen")
     if refused:
         raise ValueError(
             f"on CUDA, {refused} cannot change that way in a running engine (the device "

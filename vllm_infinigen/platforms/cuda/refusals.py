@@ -50,6 +50,10 @@ def refusal(args: EngineArgs, config: InfiniGenConfig) -> str | None:
     if config.transfer != "auto":
         return (f"{flag('transfer')} {config.transfer} applies to the CPU build; on CUDA "
                 f"the device block cache moves the blocks: remove it")
+    block_size = getattr(args, "block_size", None)  # None: the platform's, 16
+    if block_size is not None and block_size & (block_size - 1):
+        return (f"--block-size {block_size}: the CUDA attention kernel reads blocks of a "
+                f"power of two tokens; use 16, 32, 64 or 128")
     graphs = getattr(args.compilation_config, "cudagraph_mode", None)
     if (config.eval_dense_prefix is not None and not args.enforce_eager
             and graphs != CUDAGraphMode.NONE):
