@@ -19,7 +19,7 @@ def main(model: str, out: str) -> None:
     from vllm import SamplingParams
 
     from tests.e2e.engines import engine, random_prompts
-    from vllm_infinigen.config import engine_setup
+    from vllm_infinigen.engine_setup import engine_setup
     from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec
 
     rng = random.Random(11)

@@ -17,7 +17,8 @@ from typing import Any
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.logger import init_logger
 
-from vllm_infinigen.config import engine_setup, infinigen_config_of
+from vllm_infinigen.config import infinigen_config_of
+from vllm_infinigen.engine_setup import engine_setup
 from vllm_infinigen.frontend.args import (
     add_infinigen_args,
     extras_from_cli,

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_infinigen.config import engine_setup
+from vllm_infinigen.engine_setup import engine_setup
 from vllm_infinigen.memory import cap_rows
 from vllm_infinigen.scheduler.metrics import InfiniGenPromMetrics, InfiniGenStats
 from vllm_infinigen.scheduler.residency import residency_of

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from vllm_infinigen.config import engine_setup
+from vllm_infinigen.engine_setup import engine_setup
 
 COUNTERS = {
     "selected_tokens": "Context tokens that InfiniGen's sparse layers attended to.",

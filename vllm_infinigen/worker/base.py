@@ -30,8 +30,8 @@ from typing import ContextManager
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-from vllm_infinigen.config import (V1_RUNNER_REFUSAL, EngineSetup, InfiniGenConfig, engine_setup,
-                                   flag, runtime_settings)
+from vllm_infinigen.config import V1_RUNNER_REFUSAL, InfiniGenConfig, flag, runtime_settings
+from vllm_infinigen.engine_setup import EngineSetup, engine_setup
 from vllm_infinigen.layout import kv_dtype
 from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
