@@ -32,6 +32,9 @@ SUPPORTED_MODEL_TYPES = {
                    "the full-attention layers are split into dense and sparse, "
                    "each speculating for the next full-attention layer",
 }
+# vLLM's Mistral format (params.json beside consolidated weights) gives a config
+# without model_type, naming its architecture alone (``adapt_config_dict``).
+MISTRAL_FORMAT_TYPES = {"MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
 # Families whose sliding-window layers stay beside InfiniGen's full-attention ones.
 HYBRID_MODEL_TYPES = ("gemma3_text",)
 # model_type -> why it is refused (others: "not supported").

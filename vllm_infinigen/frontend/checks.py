@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm.config import ModelConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 
 from vllm_infinigen.architectures import (
+    MISTRAL_FORMAT_TYPES,
     AttentionPlan,
     model_type_refusal,
     names_a_window,
@@ -37,11 +39,14 @@ CONNECTOR_NAME = "InfiniGenConnector"
 CONNECTOR_MODULE = "vllm_infinigen.scheduler.connector"
 
 
-def model_hf_config(args: EngineArgs) -> dict[str, Any]:
-    """The model's config as vLLM resolves it for these arguments: a local directory
-    or a Hugging Face Hub id (fetched as stock vLLM fetches it), at ``--revision``,
-    from ``--hf-config-path``, with ``--hf-overrides``."""
-    return args.create_model_config().hf_config.to_dict()
+def model_hf_config(model_config: ModelConfig) -> dict[str, Any]:
+    """The model's config as vLLM resolves it (``EngineArgs.create_model_config``): a
+    local directory or a Hugging Face Hub id (fetched as stock vLLM fetches it), at
+    ``--revision``, from ``--hf-config-path``, with ``--hf-overrides``."""
+    hf_config = model_config.hf_config.to_dict()
+    if not hf_config.get("model_type"):  # vLLM's Mistral format
+        hf_config["model_type"] = MISTRAL_FORMAT_TYPES.get(model_config.architecture, "")
+    return hf_config
 
 
 def layout_of(hf_config: dict[str, Any], config: InfiniGenConfig,
@@ -75,7 +80,7 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
     Args:
         config: The settings parsed from ``args.additional_config`` (None:
             parsed here).
-        hf_config: ``model_hf_config(args)`` (None: resolved here).
+        hf_config: ``model_hf_config`` of the args (None: resolved here).
         attention: ``attention_plan(args, hf_config)`` (None: computed here).
         layout: The model's layout with these settings (None: built here).
     """
@@ -122,7 +127,7 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
                    f"reads the pool with torch in the model's dtype; use --kv-cache-dtype auto "
                    f"or {flag('policy')} infinigen")
     if hf_config is None:  # after the refusals that need no model config
-        hf_config = model_hf_config(args)
+        hf_config = model_hf_config(args.create_model_config())
     reason = model_type_refusal(hf_config)
     if reason is None:
         if attention is None:

@@ -81,7 +81,8 @@ def _create_engine_config(self, *args, **kwargs):
         return _original_create_engine_config(self, *args, **kwargs)
     from vllm.platforms import current_platform
 
-    hf_config = model_hf_config(self)
+    model_config = self.create_model_config()  # the model stock vLLM will load
+    hf_config = model_hf_config(model_config)
     attention = attention_plan(self, hf_config)
     layout = layout_of(hf_config, config, attention)
     check_engine_args(self, config, hf_config, attention, layout)
@@ -92,7 +93,7 @@ def _create_engine_config(self, *args, **kwargs):
             "(--disable-sliding-window)", attention.window, attention.max_model_len)
         self.disable_sliding_window = True
     if config.speculation_keys == "partial":  # the int keys need no skew
-        model_dir = model_files(self.model, self.revision, self.download_dir)
+        model_dir = model_files(model_config.model, model_config.revision, self.download_dir)
         config = dataclasses.replace(config,
                                      skew_file=prepare_skew_file(model_dir, config, layout))
     self.additional_config = {**self.additional_config, "infinigen": config.to_dict()}

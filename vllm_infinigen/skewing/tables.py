@@ -63,8 +63,11 @@ class SkewTables:
 
 
 # What the skew calibration and the fingerprint read of a Hub model: its config
-# and tokenizer files and its safetensors weights (vLLM downloads the weights anyway).
+# and tokenizer files and its Hugging Face safetensors weights, at the top of the
+# repository (vLLM downloads the same weights; not the Mistral format's
+# consolidated ones, nor other folders' variants).
 MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken")
+SKIPPED_FILE_PATTERNS = ("*/*", "consolidated*")
 
 
 def model_files(model: str, revision: str | None = None,
@@ -81,11 +84,17 @@ def model_files(model: str, revision: str | None = None,
     """
     if os.path.isdir(model):
         return model
+    if os.path.isfile(model) or "://" in model:  # a GGUF file, an object store's URL
+        raise ValueError(
+            f"{model!r} is no Hugging Face checkpoint, whose safetensors weights the partial "
+            "keys' calibration reads; use --infinigen-speculation-keys bounds (the default) "
+            "or int, which need none")
     from huggingface_hub import constants, snapshot_download
 
     try:
         return snapshot_download(model, revision=revision, cache_dir=download_dir,
                                  allow_patterns=list(MODEL_FILE_PATTERNS),
+                                 ignore_patterns=list(SKIPPED_FILE_PATTERNS),
                                  local_files_only=constants.HF_HUB_OFFLINE)
     except Exception as e:
         raise ValueError(
@@ -98,14 +107,17 @@ def model_fingerprint(model_dir: str) -> str:
     """Identifies a checkpoint: its shape-defining config and weight bytes.
 
     Hashes the config fields that define shapes, then for every safetensors
-    file its header (names, shapes, offsets) and first MiB of tensor data.
+    file its header (names, shapes, offsets) and first MiB of tensor data; not
+    the Mistral format's ``consolidated*`` copy of the same weights, which vLLM
+    may download beside them after the front end's calibration.
     """
     digest = hashlib.sha256()
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     subset = {key: config.get(key) for key in _FINGERPRINT_CONFIG_KEYS}
     digest.update(json.dumps(subset, sort_keys=True).encode())
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    files = sorted(path for path in glob.glob(os.path.join(model_dir, "*.safetensors"))
+                   if not os.path.basename(path).startswith("consolidated"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_dir}, which the partial keys' "
                          "skew file is checked against; use --infinigen-speculation-keys "
