@@ -56,6 +56,11 @@ def test_the_grant_keeps_the_cache_and_splits_the_rest_by_block_costs():
                        "--infinigen-min-context or --infinigen-budget, set "
                        "--infinigen-budget-tokens, or raise --gpu-memory-utilization"):
         memory.split_device_grant(2_050, pages=60, speculation=20, cache=2_000)
+    # Sized for 10 rows (200 bytes each) of 2 blocks (80 bytes each): 5 fit with theirs.
+    with pytest.raises(ValueError, match=r"where given\); 5 rows of --max-model-len would "
+                       r"fit beside their blocks \(--max-num-seqs 5\)"):
+        memory.split_device_grant(2_050, pages=60, speculation=20, cache=2_000, rows=10,
+                                  row_blocks=2)
 
 
 def test_the_worker_split_counts_speculation_keys_cache_and_vllm_pages():
@@ -66,6 +71,8 @@ def test_the_worker_split_counts_speculation_keys_cache_and_vllm_pages():
     worker = SimpleNamespace(
         infinigen=SimpleNamespace(layout=layout, dtype_bytes=2, kv_dtype_bytes=2),
         cache_config=SimpleNamespace(block_size=16),
+        scheduler_config=SimpleNamespace(max_num_seqs=1),
+        model_config=SimpleNamespace(max_model_len=64),
         infinigen_runtime=SimpleNamespace(sparse_layers=[SimpleNamespace(num_kv_heads=2)],
                                           data_path=SimpleNamespace(slots_per_head=5)))
     kv_space, budget, sized_by = InfiniGenCUDAWorker.split_memory(worker, 1 << 20)

@@ -74,8 +74,8 @@ class DeviceSplit:
     cache: int  # bytes of the device block cache
 
 
-def split_device_grant(granted: int, *, pages: int, speculation: int,
-                       cache: int) -> DeviceSplit:
+def split_device_grant(granted: int, *, pages: int, speculation: int, cache: int,
+                       rows: int = 1, row_blocks: int = 0) -> DeviceSplit:
     """Splits vLLM's GPU grant.
 
     Args:
@@ -84,6 +84,9 @@ def split_device_grant(granted: int, *, pages: int, speculation: int,
         speculation: Bytes of every sparse layer's speculation keys (and the
             cache's per-block lookup) per block id.
         cache: Bytes of the device block cache (``cache_bytes``).
+        rows, row_blocks: ``--max-num-seqs``, for which the cache is sized, and the
+            blocks of a ``--max-model-len`` row: the error says how many such rows
+            would fit beside their blocks.
 
     Raises:
         ValueError: When the cache leaves nothing for vLLM's blocks, naming
@@ -91,6 +94,9 @@ def split_device_grant(granted: int, *, pages: int, speculation: int,
     """
     rest = granted - cache
     if rest < pages + speculation:
+        fit = int(granted // (cache / rows + row_blocks * (pages + speculation)))
+        fits = (f"; {fit} rows of --max-model-len would fit beside their blocks "
+                f"(--max-num-seqs {fit})" if 0 < fit < rows else "")
         raise ValueError(
             f"InfiniGen's device block cache needs {cache / 2**30:.3f} GiB of the "
             f"{granted / 2**30:.3f} GiB KV space, leaving no room for one block (it holds, for "
@@ -98,7 +104,7 @@ def split_device_grant(granted: int, *, pages: int, speculation: int,
             "--infinigen-min-context and the budget's blocks above it); lower --max-num-seqs, "
             "--max-model-len, --infinigen-min-context or --infinigen-budget, set "
             "--infinigen-budget-tokens, or raise --gpu-memory-utilization "
-            "(--kv-cache-memory-bytes where given)")
+            f"(--kv-cache-memory-bytes where given){fits}")
     kv_space = rest * pages // (pages + speculation)
     return DeviceSplit(kv_space, rest - kv_space, cache)
 

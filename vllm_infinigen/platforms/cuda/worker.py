@@ -77,8 +77,10 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
         costs = rank_block_costs(setup, block_size, runtime)  # its pool: host memory
         # the speculation keys and the cache's lookup of each block
         speculation = costs.partial + layout.num_sparse * kv_heads * BLOCK_BOOKKEEPING_BYTES
-        split = split_device_grant(available, pages=costs.pages, speculation=speculation,
-                                   cache=cache)
+        split = split_device_grant(
+            available, pages=costs.pages, speculation=speculation, cache=cache,
+            rows=self.scheduler_config.max_num_seqs,
+            row_blocks=-(-self.model_config.max_model_len // block_size))
         logger.info(
             "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per block id) "
             "+ %.3f GiB speculation keys + %.3f GiB device block cache (%d blocks per "
