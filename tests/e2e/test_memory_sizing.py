@@ -48,7 +48,8 @@ def test_the_fraction_covers_kv_space_partial_keys_and_an_uncapped_pool(capfd):
     granted, blocks, partial, budget = _gib(
         rf"InfiniGen: KV space {NUMBER} GiB = {NUMBER} GiB vLLM blocks .* \+ {NUMBER} GiB "
         rf"speculation keys; up to {NUMBER} GiB for the pool", log)
-    (pool,) = _gib(rf"a row per dense slot \(uncapped\): {NUMBER} GiB host memory, sized by "
+    (pool,) = _gib(rf"a row per dense slot \(uncapped: never evicts, --infinigen-eviction "
+                   rf"unused\): {NUMBER} GiB host memory, sized by "
                    rf"--gpu-memory-utilization {FRACTION}, shared", log)
     assert granted <= requested - resident + 0.01
     assert blocks + partial + pool <= granted + 0.002
