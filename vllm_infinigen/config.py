@@ -216,10 +216,8 @@ class InfiniGenConfig:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            value, check = getattr(self, field.name), field.metadata.get("check")
-            if value is None or check is None:
-                continue
-            problem = check(value)
+            value = getattr(self, field.name)
+            problem = setting_problem(field.name, value)
             if problem is not None:
                 raise ValueError(f"{flag(field.name)} {problem}, got {value!r}")
         for name in ("skew_file", "partial_ratio"):  # the partial keys' own settings
@@ -294,6 +292,13 @@ class InfiniGenConfig:
         """The margin the kernels apply: the setting, or infinity (off: every finite
         score counts, so each row keeps its budget)."""
         return math.inf if self.alpha is None else float(self.alpha)
+
+
+def setting_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for setting ``name``, by the setting's own check
+    (None: nothing; None is always valid)."""
+    check = InfiniGenConfig.__dataclass_fields__[name].metadata["check"]
+    return None if value is None or check is None else check(value)
 
 
 def settings() -> tuple[dataclasses.Field, ...]:

@@ -154,10 +154,13 @@ def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_to
     plan = PoolPlan(rows, num_slots, block_size, units * block_size * bytes_per_token,
                     sized_by or "the dense group's slots")
     if plan.num_bytes > FREE_MEMORY_SHARE * free:
-        fix = (f"lower {CAP_FLAG}" if cap is not None else
-               f"set {CAP_FLAG} or lower --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE)"
-               if cappable else "lower --gpu-memory-utilization or --kv-cache-memory-bytes "
-               f"(this platform refuses {CAP_FLAG})")
+        if cap is not None:
+            fix = f"lower {CAP_FLAG}"
+        elif cappable:
+            fix = f"set {CAP_FLAG} or lower --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE)"
+        else:
+            fix = (f"lower --gpu-memory-utilization or --kv-cache-memory-bytes (this "
+                   f"platform refuses {CAP_FLAG})")
         raise ValueError(
             f"InfiniGen's pool for {rows} tokens needs {plan.num_bytes / 2**30:.2f} GiB "
             f"of host memory, {free / 2**30:.2f} GiB is free; {fix} (sized by "

@@ -76,11 +76,12 @@ def test_qwen_window_on_some_layers_is_refused_as_vllm_does(tmp_path):
 
 def test_attention_plan_resolves_as_vllm(tmp_path):
     plan = checks.attention_plan(
-        EngineArgs(model=variant(tmp_path, **MISTRAL, sliding_window=128)),
+        EngineArgs(model=variant(tmp_path, **MISTRAL, sliding_window=128)).create_model_config(),
         {"sliding_window": 128})
     assert plan == AttentionPlan("mistral", (128,) * 5, 512)
     assert plan.window_excludes_tokens and plan.full_layers == []
-    assert checks.attention_plan(EngineArgs(model=str(STORIES_DIR)), {}) is None
+    assert checks.attention_plan(EngineArgs(model=str(STORIES_DIR)).create_model_config(),
+                                 {}) is None
     # A window on some layers, from layer_types (Llama reads them per layer).
     mixed = AttentionPlan("llama", (64, None, 64, None), 512)
     assert mixed.full_layers == [1, 3] and mixed.window == 64
@@ -183,7 +184,7 @@ def test_gemma3_keeps_its_windows(tmp_path):
 
     model = str(models.build_tiny_gemma3(tmp_path / "gemma3"))
     args = EngineArgs(model=model, max_model_len=512)
-    plan = checks.attention_plan(args, {"sliding_window": 64})
+    plan = checks.attention_plan(args.create_model_config(), {"sliding_window": 64})
     assert plan.windows == (64, None) * 4 and plan.window_excludes_tokens
     assert plan.window_layers == (0, 2, 4, 6) and plan.full_layers == [1, 3, 5, 7]
     assert window_refusal(plan) is None and not plan.switches_window_off

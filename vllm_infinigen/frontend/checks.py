@@ -58,17 +58,16 @@ def layout_of(hf_config: dict[str, Any], config: InfiniGenConfig,
         speculation_keys=config.speculation_keys)
 
 
-def attention_plan(args: EngineArgs, hf_config: dict[str, Any]) -> AttentionPlan | None:
-    """The attention vLLM would run, when ``config.json`` names a sliding window
-    (None otherwise: every layer is full attention).
+def attention_plan(model_config: ModelConfig,
+                   hf_config: dict[str, Any]) -> AttentionPlan | None:
+    """The attention vLLM would run, when the config (``model_hf_config``) names a
+    sliding window (None otherwise: every layer is full attention).
 
     Resolved through vLLM's own ``ModelConfig`` (what ``create_engine_config``
     builds first), so that transformers' defaults (Qwen's ``use_sliding_window``),
     ``--disable-sliding-window`` and the resolved ``--max-model-len`` count.
     """
-    if not names_a_window(hf_config):
-        return None
-    return AttentionPlan.of(args.create_model_config())
+    return AttentionPlan.of(model_config) if names_a_window(hf_config) else None
 
 
 def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
@@ -81,7 +80,7 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         config: The settings parsed from ``args.additional_config`` (None:
             parsed here).
         hf_config: ``model_hf_config`` of the args (None: resolved here).
-        attention: ``attention_plan(args, hf_config)`` (None: computed here).
+        attention: ``attention_plan`` of the args (None: computed here).
         layout: The model's layout with these settings (None: built here).
     """
     if config is None:
@@ -126,12 +125,15 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
             refuse(f"--kv-cache-dtype {args.kv_cache_dtype}: {flag('policy')} {config.policy} "
                    f"reads the pool with torch in the model's dtype; use --kv-cache-dtype auto "
                    f"or {flag('policy')} infinigen")
-    if hf_config is None:  # after the refusals that need no model config
-        hf_config = model_hf_config(args.create_model_config())
+    model_config = None  # built once, after the refusals that need none
+    if hf_config is None:
+        model_config = args.create_model_config()
+        hf_config = model_hf_config(model_config)
     reason = model_type_refusal(hf_config)
     if reason is None:
         if attention is None:
-            attention = attention_plan(args, hf_config)
+            attention = attention_plan(
+                args.create_model_config() if model_config is None else model_config, hf_config)
         reason = None if attention is None else window_refusal(attention)
     if reason is not None:
         refuse(reason)

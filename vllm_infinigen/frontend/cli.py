@@ -53,8 +53,8 @@ def prepare(args: argparse.Namespace) -> int:
               else f"the bundled text ({CALIBRATION_TEXT.name})")
     start = time.perf_counter()
     tables = compute_skew_tables(
-        model_files(args.model, args.revision, args.download_dir), args.partial_ratio, texts, args.max_tokens,
-        dtype=args.dtype, progress=True,
+        model_files(args.model, args.revision, args.download_dir), args.partial_ratio, texts,
+        args.max_tokens, dtype=args.dtype, progress=True,
     )
     save_skew_tables(tables, args.out)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -142,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="--infinigen-min-context of the demo (default 0: always select)")
     d.set_defaults(run=demo)
     args = parser.parse_args(argv)
-    if args.command == "prepare" and not 0 < args.partial_ratio <= 1:
-        parser.error(f"--partial-ratio must be in (0, 1], got {args.partial_ratio}")
+    if args.command == "prepare":  # the engine's own check of --infinigen-partial-ratio
+        from vllm_infinigen.config import setting_problem
+
+        problem = setting_problem("partial_ratio", args.partial_ratio)
+        if problem is not None:
+            parser.error(f"--partial-ratio {problem}, got {args.partial_ratio}")
     return args.run(args)
 
 

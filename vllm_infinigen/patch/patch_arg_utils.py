@@ -83,7 +83,7 @@ def _create_engine_config(self, *args, **kwargs):
 
     model_config = self.create_model_config()  # the model stock vLLM will load
     hf_config = model_hf_config(model_config)
-    attention = attention_plan(self, hf_config)
+    attention = attention_plan(model_config, hf_config)
     layout = layout_of(hf_config, config, attention)
     check_engine_args(self, config, hf_config, attention, layout)
     if attention is not None and attention.switches_window_off:

@@ -163,9 +163,8 @@ def load_skew_tables(
     """
     from safetensors import safe_open
 
-    def fail(reason: str) -> ValueError:
-        fix = "" if "vllm-infinigen prepare" in reason else (
-            "; write it again with `vllm-infinigen prepare` for this model and ratio")
+    def fail(reason: str, fix: str = "; write it again with `vllm-infinigen prepare` for "
+             "this model and ratio") -> ValueError:
         return ValueError(f"{SKEW_FLAG} {path}: {reason}{fix}")
 
     try:
@@ -175,14 +174,13 @@ def load_skew_tables(
     except Exception as e:  # safetensors raises several types for bad files
         raise fail(f"not a readable safetensors file ({e})") from e
     if metadata.get("format") != "vllm-infinigen-skew":
-        raise fail("not a skew file written by `vllm-infinigen prepare`")
+        raise fail("not a skew file written by `vllm-infinigen prepare`", fix="")
     if metadata.get("format_version") != FORMAT_VERSION:
         raise fail(f"format version {metadata.get('format_version')}, expected {FORMAT_VERSION}")
     if metadata.get("fingerprint") != fingerprint:
         raise fail(
             f"written for another model (fingerprint {metadata.get('fingerprint')}, "
-            f"this model {fingerprint}); run `vllm-infinigen prepare` for this model"
-        )
+            f"this model {fingerprint})", fix="; run `vllm-infinigen prepare` for this model")
     file_ratio = float(metadata.get("partial_ratio", "nan"))
     if file_ratio != partial_ratio:
         raise fail(

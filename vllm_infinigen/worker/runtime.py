@@ -204,9 +204,9 @@ class InfiniGenRuntime:
         if set(changes) - allowed:
             raise ValueError(f"{sorted(set(changes) - allowed)}: only {sorted(allowed)} can "
                              "change at run time; start the engine with the others' flags")
-        if "alpha" in changes:  # None: off, resolved as at start-up (the kernels take a number)
-            changes["alpha"] = float("inf" if changes["alpha"] is None else changes["alpha"])
         config = dataclasses.replace(self.config, **changes)
+        # alpha None: off, resolved as at start-up (the kernels take a number)
+        config = dataclasses.replace(config, alpha=config.resolved_alpha())
         self.data_path.configure(config)
         self.config = config
         self.pool_index.set_eviction(self.config.eviction)
