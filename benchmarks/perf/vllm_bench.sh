@@ -7,6 +7,9 @@
 #   vllm bench serve        (against a `vllm serve` this script starts, random dataset)
 #
 #   benchmarks/perf/vllm_bench.sh [MODEL]       (default: the bundled stories260K)
+#   benchmarks/perf/vllm_bench.sh --serve-rounds N [MODEL]
+#       `vllm bench serve` alone, stock and InfiniGen in alternation N times, into
+#       benchmarks/results/vllm_bench_serve_rounds.md (each round's ratio, their median)
 #
 # Writes benchmarks/results/vllm_bench_<bench>_<kv manager>.json (vLLM's own
 # result files, to which the summary adds a "meta" entry), .txt (date, commit,
@@ -129,6 +132,54 @@ if [ "${1:-}" = "--serve-one" ]; then  # internal: one serve benchmark (already 
   shift; MODEL="$1"; manager="$2"; port="$3"; shift 3
   serve_and_bench "$manager" "$port" "$@"
   exit $?
+fi
+
+if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ... N rounds
+  rounds="$2"; MODEL="${3:-$MODEL}"
+  out="$RESULTS/vllm_bench_serve_rounds.md"
+  commit="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
+  {
+    echo "# vllm bench serve, stock and InfiniGen in alternation"
+    echo
+    echo "- command: \`bash benchmarks/perf/vllm_bench.sh --serve-rounds $rounds${3:+ $3}\`"
+    echo "- repository commit: $commit"
+    echo "- machine: $(uname -srm), $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))"
+    echo "- date (UTC): $(date -u +%Y-%m-%dT%H:%M:%S+00:00)"
+    echo "- model: $MODEL; $NUM_PROMPTS prompts of $INPUT_LEN + $OUTPUT_LEN random tokens, --max-concurrency 16 (both engines hold 16 requests at once), ${COMMON[*]}; InfiniGen: ${INFINIGEN[*]}"
+    echo
+    echo "Each round starts \`vllm serve\` for stock vLLM, benchmarks it and stops it, then the same for InfiniGen: a slow spell of this shared host hits a round's two runs alike, and each round gives its own ratio."
+    echo
+    echo "| round | stock requests/s | InfiniGen requests/s | ratio | stock TPOT ms | InfiniGen TPOT ms | stock TTFT ms | InfiniGen TTFT ms |"
+    echo "|---|---|---|---|---|---|---|---|"
+  } >"$out"
+  port_base=$((20000 + RANDOM % 20000))
+  field() { grep -E "$1" "$2" | awk '{print $NF}'; }
+  ratios=()
+  for round in $(seq 1 "$rounds"); do
+    row=("$round")
+    for manager in vllm infinigen; do
+      extra=(); [ "$manager" = infinigen ] && extra=("${INFINIGEN[@]}")
+      log="$LOGS/serve_rounds_${manager}_$round.log"
+      with_lock bash "${BASH_SOURCE[0]}" --serve-one "$MODEL" "rounds_$manager" \
+        "$((port_base + round * 2 + ${#manager} % 2))" "${extra[@]}" >"$log" 2>&1 || true
+      rm -f "$RESULTS/vllm_bench_serve_rounds_$manager.json"
+      row+=("$(field 'Request throughput' "$log")" "$(field 'Mean TPOT' "$log")" \
+            "$(field 'Mean TTFT' "$log")")
+    done
+    ratio="$(awk -v a="${row[1]}" -v b="${row[4]}" 'BEGIN { if (a > 0) printf "%.2f", b / a }')"
+    ratios+=("$ratio")
+    echo "| ${row[0]} | ${row[1]} | ${row[4]} | $ratio | ${row[2]} | ${row[5]} | ${row[3]} | ${row[6]} |" >>"$out"
+    log "round $round: stock ${row[1]}, InfiniGen ${row[4]} requests/s ($ratio)"
+  done
+  median="$(printf '%s\n' "${ratios[@]}" | sort -g | awk '{v[NR]=$1} END {
+    if (NR % 2) print v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+  {
+    echo
+    echo "InfiniGen's requests/s over stock's: median over rounds **${median}x** (rounds: ${ratios[*]})."
+    echo "Full logs: benchmarks/results/tmp/vllm_bench/serve_rounds_*.log (not committed)."
+  } >>"$out"
+  log "wrote $out"
+  exit 0
 fi
 
 # -- throughput ------------------------------------------------------------------
