@@ -135,7 +135,7 @@ if [ "${1:-}" = "--serve-one" ]; then  # internal: one serve benchmark (already 
 fi
 
 if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ... N rounds
-  rounds="$2"; MODEL="${3:-$MODEL}"
+  rounds="$2"; MODEL="${3:-$REPO/vllm_infinigen/assets/stories260k}"
   out="$RESULTS/vllm_bench_serve_rounds.md"
   commit="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
   {
@@ -153,7 +153,7 @@ if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ...
     echo "|---|---|---|---|---|---|---|---|"
   } >"$out"
   port_base=$((20000 + RANDOM % 20000))
-  field() { grep -E "$1" "$2" | awk '{print $NF}'; }
+  field() { grep -E "$1" "$2" | awk '{print $NF}' || true; }  # (empty: the run failed)
   ratios=()
   for round in $(seq 1 "$rounds"); do
     row=("$round")
