@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.reference.sparse_attention import attend_gathered
+from tests.unit.host_syncs import host_syncs
 from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.memory import PoolPlan
 from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
@@ -115,6 +116,36 @@ def _decode(case: _Case, positions: torch.Tensor, context_lens: list[int]) -> to
     out, waited = case.path.attend_selected(case.layer, rows, query, positions, None, None)
     assert waited == 0.0
     return query, out
+
+
+def test_the_calls_around_a_step_make_no_host_sync():
+    """vLLM asks for the counters right after it queues a step's forward, and the
+    worker frees finished requests' blocks before it queues the next: a host sync
+    there waits for the forward, and with async scheduling (vLLM's CUDA default)
+    the next step's preparation with it. The device is meta (no values):
+    ``host_syncs`` sees what would sync on a GPU."""
+    path = CudaDataPath("meta", 16)
+    path.allocate(_layer(), _plan(), NUM_BLOCKS, torch.float32, torch.float32)
+    path.configure(InfiniGenConfig(alpha=1.0, min_context=0))
+    stats = torch.zeros(3, 2, dtype=torch.float64, device="meta")
+    with host_syncs() as syncs:
+        path.add_counts(stats)
+        path.release_blocks([1, 2])
+        path.release_blocks([])
+    assert syncs == []
+
+
+def test_host_syncs_sees_each_kind_of_sync():
+    on_device = torch.zeros(2, device="meta")
+    with host_syncs() as syncs:
+        torch.tensor([1, 2], device="meta")
+        torch.ones(2).to("meta")
+        on_device.copy_(torch.ones(2))
+        with pytest.raises(NotImplementedError):  # (meta holds no values)
+            on_device.cpu()
+        torch.ones(2).to("meta", non_blocking=True)  # (CUDA: pinned memory too)
+        torch.tensor([1, 2]).to(torch.float64)  # on the host
+    assert len(syncs) == 4, syncs
 
 
 def test_blocks_of_positions_lists_each_block_once_with_the_own_block_last():

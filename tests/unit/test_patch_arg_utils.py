@@ -465,6 +465,22 @@ def test_the_worker_refuses_model_runner_v2():
         worker.init_device()
 
 
+def test_the_connector_is_no_consumer_so_vllm_frees_blocks_at_once():
+    """With async scheduling (vLLM's CUDA default: two steps in flight) vLLM's
+    scheduler holds a finished request's blocks two steps longer for a consumer
+    connector, whose loads may not be ordered after the steps still writing them
+    (``Scheduler.defer_block_free``). InfiniGen loads nothing that way: with the
+    blocks held, device-first residency would see fewer free blocks and move to
+    the pool where a synchronous engine stays resident."""
+    config = EngineArgs(model=STORIES_DIR, kv_manager="infinigen").create_engine_config()
+    transfer = config.kv_transfer_config
+    assert transfer.kv_connector == checks.CONNECTOR_NAME
+    assert transfer.is_kv_producer and not transfer.is_kv_consumer
+    from vllm_infinigen.scheduler.connector import InfiniGenConnector
+
+    assert InfiniGenConnector.requires_kv_delivery.fget(None) is False  # (a producer's default)
+
+
 def test_the_connector_declines_sleep_mode():
     """vLLM 0.33's connector base asks ``supports_sleep_mode`` (default True)."""
     from vllm_infinigen.scheduler.connector import InfiniGenConnector

@@ -123,6 +123,20 @@ def test_clear_rows_empties_the_sparse_groups_only_of_the_requests_named():
     assert [t.cleared for t in tables] == [[], [1], [1]]
 
 
+def test_clear_rows_waits_for_the_last_steps_copy_of_the_block_table():
+    """Under async scheduling the last step's copy of the pinned block table to the
+    device may still be running: the rows are cleared after vLLM's event for it."""
+    order: list[str] = []
+    table = _Table(1)
+    table.clear_row = lambda row: order.append("cleared")
+    runner = SimpleNamespace(
+        requests={"a": SimpleNamespace(block_ids=([1], [7]))},
+        input_batch=SimpleNamespace(req_id_to_index={"a": 0}, block_table=[_Table(1), table]),
+        prepare_inputs_event=SimpleNamespace(synchronize=lambda: order.append("waited")))
+    restore.clear_rows(runner, {1}, ["a"])
+    assert order == ["waited", "cleared"]
+
+
 def _layer(name: str, pool: torch.Tensor, calls: list):
     impl = SimpleNamespace(write_restored=lambda layer, key, value, slots:
                            calls.append((name, key.clone(), value.clone(), slots.tolist())))

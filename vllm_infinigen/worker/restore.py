@@ -41,7 +41,15 @@ from vllm_infinigen.worker.layer_state import LayerState
 
 def clear_rows(model_runner, sparse_groups: Collection[int], requests: Collection[str]) -> None:
     """Empties ``requests``' block ids of ``sparse_groups`` in the runner's state and
-    its persistent batch (a request not in it is added from its state)."""
+    its persistent batch (a request not in it is added from its state).
+
+    The persistent batch's block table is pinned host memory that the last step's
+    copy to the device may still be reading under async scheduling (vLLM's CUDA
+    default): the edit waits for that copy first, as vLLM's own preparation does
+    (``GPUModelRunner.synchronize_input_prep``; no event without async scheduling)."""
+    event = getattr(model_runner, "prepare_inputs_event", None)
+    if event is not None:
+        event.synchronize()
     batch = model_runner.input_batch
     for request_id in requests:
         state = model_runner.requests.get(request_id)

@@ -338,11 +338,12 @@ class DeviceBlockCache:
     # -- once per step (worker, ``execute_model``)
 
     def release_blocks(self, block_ids: list[int]) -> None:
-        """Drops a finished or preempted request's blocks from every layer's cache."""
+        """Drops a finished or preempted request's blocks from every layer's cache
+        (no host sync: the ids reach the device behind the queued step)."""
         if not block_ids:
             return
         heads = self._heads.view(1, -1)
-        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        blocks = host_to_device(block_ids, self.device)
         entries = (blocks[:, None] * self.num_kv_heads + heads).flatten()  # [n * H]
         slots = self.slot_of[:, entries].to(torch.int64)  # [L, n * H]
         held = slots >= 0
@@ -351,7 +352,7 @@ class DeviceBlockCache:
         where = (layer_of, head_of, torch.where(held, slots, self.slots_per_head))
         for table, value in ((self.block_of, -1), (self.last_used, -1), (self.inserted, -1),
                              (self.num_uses, 0)):
-            table.index_put_(where, torch.tensor(value, device=self.device))
+            table.index_put_(where, table.new_full((), value))
         self.slot_of[:, entries] = -1
 
     def take_counters(self) -> tuple[list[int], list[int]]:
@@ -377,3 +378,14 @@ class DeviceBlockCache:
         self.counters[:, :, COUNTS.index("hits"):].zero_()
         self.staged.zero_()
         return counts
+
+
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` on ``device`` without a host sync: ``torch.tensor(values,
+    device=...)`` copies from pageable memory, which torch follows with a stream
+    synchronize (the host would wait for the step queued before, and vLLM's
+    overlap of the next step's preparation with it would be lost); from pinned
+    memory the copy is queued like a kernel (its buffer kept until it is done
+    by torch's pinned-memory allocator)."""
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

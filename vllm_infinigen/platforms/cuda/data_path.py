@@ -102,12 +102,12 @@ class CudaDataPath:
         self._host_pool = host_pool
         self._layers: dict[int, _LayerCache] = {}
         self._cache: DeviceBlockCache | None = None  # every layer's bookkeeping, once configured
+        self._layer_rows = None  # the layers' rows of the runtime's stats, on the device
         self._stream = None
         if self.device.type == "cuda":
             # Priority 0, the lowest (the model's stream has it too unless raised).
             self._stream = torch.cuda.Stream(self.device, priority=0)
-        # [4] float64 (``kernels.SETTINGS``), updated in place by ``configure``.
-        self.settings: torch.Tensor | None = None
+        self.settings: torch.Tensor | None = None  # [4] float64 (kernels.SETTINGS): configure
         self._start = None  # the settings at start-up (InfiniGenConfig): the width
         self._stats_drain = CounterDrain()
 
@@ -140,6 +140,7 @@ class CudaDataPath:
             blocks, heads = entries[0].host_pool_shape
             self._cache = DeviceBlockCache(len(entries), heads, self.slots_per_head, blocks,
                                            self.device)
+            self._layer_rows = torch.tensor(list(self._layers), device=self.device)
             kernels.reserve_attention(self.device)  # before vLLM captures its graphs
 
     def allocate(self, layer: LayerState, plan: PoolPlan, num_blocks: int,
@@ -297,8 +298,7 @@ class CudaDataPath:
 
         Raises:
             ValueError: If ``probs`` is asked for (policies that record the
-                attention received run on the CPU build only).
-        """
+                attention received run on the CPU build only)."""
         entry = self._layers[layer.layer_idx]
         if entry.slots is None:
             raise RuntimeError(f"InfiniGen: sparse layer {layer.layer_idx} attends unfetched")
@@ -360,9 +360,9 @@ class CudaDataPath:
     def add_counts(self, stats: torch.Tensor) -> None:
         """Adds the entries the selections attended and the rows' context tokens,
         counted on the device per layer, to the runtime's [layers, 2] ``stats``."""
-        if self._cache is not None:
-            layers = torch.tensor(list(self._layers), device=stats.device)
-            stats.index_add_(0, layers, self._cache.take_attended().to(stats.device, stats.dtype))
+        if self._cache is not None:  # (the rows made once: no host sync a step)
+            stats.index_add_(0, self._layer_rows.to(stats.device),
+                             self._cache.take_attended().to(stats.device, stats.dtype))
 
     def take_stats(self, wait: bool = False) -> dict[str, int]:
         """``block_cache.CACHE_COUNTERS`` since the last call, keyed
