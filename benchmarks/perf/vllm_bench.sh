@@ -145,7 +145,7 @@ if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ...
     echo "- repository commit: $commit"
     echo "- machine: $(uname -srm), $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))"
     echo "- date (UTC): $(date -u +%Y-%m-%dT%H:%M:%S+00:00)"
-    echo "- model: $MODEL; $NUM_PROMPTS prompts of $INPUT_LEN + $OUTPUT_LEN random tokens, --max-concurrency 16 (both engines hold 16 requests at once), ${COMMON[*]}; InfiniGen: ${INFINIGEN[*]}"
+    echo "- model: ${MODEL#"$REPO"/}; $NUM_PROMPTS prompts of $INPUT_LEN + $OUTPUT_LEN random tokens, --max-concurrency 16 (both engines hold 16 requests at once), ${COMMON[*]}; InfiniGen: ${INFINIGEN[*]}"
     echo
     echo "Each round starts \`vllm serve\` for stock vLLM, benchmarks it and stops it, then the same for InfiniGen: a slow spell of this shared host hits a round's two runs alike, and each round gives its own ratio."
     echo
