@@ -135,21 +135,35 @@ if [ "${1:-}" = "--serve-one" ]; then  # internal: one serve benchmark (already 
 fi
 
 if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ... N rounds
-  rounds="$2"; MODEL="${3:-$REPO/vllm_infinigen/assets/stories260k}"
+  rounds="${2:-}"; MODEL="${3:-$REPO/vllm_infinigen/assets/stories260k}"
+  if ! [[ "$rounds" =~ ^[1-9][0-9]*$ ]]; then
+    echo "usage: $0 --serve-rounds N [MODEL] (N: rounds, at least 1)" >&2; exit 2
+  fi
   out="$RESULTS/vllm_bench_serve_rounds.md"
   commit="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo unknown)"
+  if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no -- . \
+      ':!benchmarks/results' 2>/dev/null)" ]; then
+    commit="$commit + uncommitted changes"
+  fi
+  command="${COMMAND%" --serve-rounds"} --serve-rounds $rounds${3:+ $3}"
+  cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
   {
     echo "# vllm bench serve, stock and InfiniGen in alternation"
     echo
-    echo "- command: \`bash benchmarks/perf/vllm_bench.sh --serve-rounds $rounds${3:+ $3}\`"
+    echo "- command: \`$command\`"
     echo "- repository commit: $commit"
-    echo "- machine: $(uname -srm), $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs))"
+    echo "- machine: $(uname -srm), $(nproc) CPUs ($cpu)"
     echo "- date (UTC): $(date -u +%Y-%m-%dT%H:%M:%S+00:00)"
-    echo "- model: ${MODEL#"$REPO"/}; $NUM_PROMPTS prompts of $INPUT_LEN + $OUTPUT_LEN random tokens, --max-concurrency 16 (both engines hold 16 requests at once), ${COMMON[*]}; InfiniGen: ${INFINIGEN[*]}"
+    echo "- model: ${MODEL#"$REPO"/}; $NUM_PROMPTS prompts of $INPUT_LEN + $OUTPUT_LEN" \
+      "random tokens, --max-concurrency 16 (both engines hold 16 requests at once)," \
+      "${COMMON[*]}; InfiniGen: ${INFINIGEN[*]}"
     echo
-    echo "Each round starts \`vllm serve\` for stock vLLM, benchmarks it and stops it, then the same for InfiniGen: a slow spell of this shared host hits a round's two runs alike, and each round gives its own ratio."
+    echo "Each round starts \`vllm serve\` for stock vLLM, benchmarks it and stops it," \
+      "then the same for InfiniGen: a slow spell of this shared host hits a round's" \
+      "two runs alike, and each round gives its own ratio (- where a run failed)."
     echo
-    echo "| round | stock requests/s | InfiniGen requests/s | ratio | stock TPOT ms | InfiniGen TPOT ms | stock TTFT ms | InfiniGen TTFT ms |"
+    echo "| round | stock requests/s | InfiniGen requests/s | ratio | stock TPOT ms" \
+      "| InfiniGen TPOT ms | stock TTFT ms | InfiniGen TTFT ms |"
     echo "|---|---|---|---|---|---|---|---|"
   } >"$out"
   port_base=$((20000 + RANDOM % 20000))
@@ -159,24 +173,34 @@ if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ...
     row=("$round")
     for manager in vllm infinigen; do
       extra=(); [ "$manager" = infinigen ] && extra=("${INFINIGEN[@]}")
-      log="$LOGS/serve_rounds_${manager}_$round.log"
-      with_lock bash "${BASH_SOURCE[0]}" --serve-one "$MODEL" "rounds_$manager" \
+      name="rounds_${manager}_$round"  # its server log: $LOGS/serve_$name.server.log
+      log="$LOGS/serve_$name.log"
+      with_lock bash "${BASH_SOURCE[0]}" --serve-one "$MODEL" "$name" \
         "$((port_base + round * 2 + ${#manager} % 2))" "${extra[@]}" >"$log" 2>&1 || true
-      rm -f "$RESULTS/vllm_bench_serve_rounds_$manager.json"
-      row+=("$(field 'Request throughput' "$log")" "$(field 'Mean TPOT' "$log")" \
-            "$(field 'Mean TTFT' "$log")")
+      rm -f "$RESULTS/vllm_bench_serve_$name.json"
+      value() { local got; got="$(field "$1" "$log")"; echo "${got:--}"; }
+      row+=("$(value 'Request throughput')" "$(value 'Mean TPOT')" "$(value 'Mean TTFT')")
     done
-    ratio="$(awk -v a="${row[1]}" -v b="${row[4]}" 'BEGIN { if (a > 0) printf "%.2f", b / a }')"
-    ratios+=("$ratio")
-    echo "| ${row[0]} | ${row[1]} | ${row[4]} | $ratio | ${row[2]} | ${row[5]} | ${row[3]} | ${row[6]} |" >>"$out"
+    ratio=-
+    if [ "${row[1]}" != - ] && [ "${row[4]}" != - ]; then
+      ratio="$(awk -v a="${row[1]}" -v b="${row[4]}" 'BEGIN { printf "%.2f", b / a }')"
+      ratios+=("$ratio")
+    fi
+    echo "| ${row[0]} | ${row[1]} | ${row[4]} | $ratio | ${row[2]} | ${row[5]}" \
+      "| ${row[3]} | ${row[6]} |" >>"$out"
     log "round $round: stock ${row[1]}, InfiniGen ${row[4]} requests/s ($ratio)"
   done
-  median="$(printf '%s\n' "${ratios[@]}" | sort -g | awk '{v[NR]=$1} END {
-    if (NR % 2) print v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
   {
     echo
-    echo "InfiniGen's requests/s over stock's: median over rounds **${median}x** (rounds: ${ratios[*]})."
-    echo "Full logs: benchmarks/results/tmp/vllm_bench/serve_rounds_*.log (not committed)."
+    if [ "${#ratios[@]}" -eq 0 ]; then
+      echo "No round completed both runs: see the logs."
+    else
+      median="$(printf '%s\n' "${ratios[@]}" | sort -g | awk '{v[NR] = $1} END {
+        if (NR % 2) print v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+      echo "InfiniGen's requests/s over stock's: median over the ${#ratios[@]} complete" \
+        "rounds **${median}x** (rounds: ${ratios[*]})."
+    fi
+    echo "Full logs: benchmarks/results/tmp/vllm_bench/serve_rounds_* (not committed)."
   } >>"$out"
   log "wrote $out"
   exit 0

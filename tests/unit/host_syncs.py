@@ -2,16 +2,21 @@
 """The host syncs a call would make on a GPU, seen on the CPU.
 
 With the device tensors on ``meta`` (no values, no copies), ``host_syncs()``
-records each operation that would make the host wait for the device's queued
-work on CUDA:
+records these operations, each of which makes the host wait for the device's
+queued work on CUDA:
 - a tensor made from host data straight onto the device (``torch.tensor(data,
-  device=...)``, ``torch.as_tensor``): a copy from pageable memory, which torch
-  follows with a stream synchronize;
+  device=...)``, ``torch.as_tensor``, ``Tensor.new_tensor``): a copy from
+  pageable memory, which torch follows with a stream synchronize;
 - a blocking copy between the host and the device (``.to``, ``.cpu()``,
   ``copy_``; the way without is ``non_blocking=True`` from pinned memory, and
   off CUDA, where nothing pins, ``non_blocking=True`` is what is checked);
 - a read of device values on the host (``.item()``, ``.tolist()``,
-  ``.numpy()``; these raise on meta anyway).
+  ``.numpy()``; these raise on meta anyway), and data-dependent shapes
+  (``nonzero``, boolean masks: these raise on meta).
+
+Not seen: host lists or CPU tensors used as indices into a device tensor
+(``x[[1, 2]] = v``), and, off CUDA, whether a ``non_blocking`` copy's source is
+pinned.
 
 vLLM queues a step's forward and, with async scheduling (its CUDA default), the
 next step's preparation behind it; a sync in the per-step work outside the
@@ -26,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _FROM_HOST_DATA = {torch.tensor, torch.as_tensor}
+_TO_DEVICE = {torch.Tensor.cuda}
 _DEVICE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
                  torch.Tensor.cpu}
 
@@ -44,6 +50,15 @@ def _target_device(args, kwargs):
     return None
 
 
+def _non_blocking(args, kwargs) -> bool:
+    """``Tensor.to``'s non_blocking, by keyword or in place (after the device or
+    the dtype: ``to(device, dtype, non_blocking)``, ``to(dtype, non_blocking)``)."""
+    if "non_blocking" in kwargs:
+        return bool(kwargs["non_blocking"])
+    flags = [value for value in args[1:] if isinstance(value, bool)]
+    return bool(flags[0]) if flags else False
+
+
 class _Recorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
@@ -53,10 +68,15 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _FROM_HOST_DATA and _on_device(kwargs.get("device")):
             self.syncs.append(f"{func.__name__}(host data, device={kwargs['device']})")
+        elif func is torch.Tensor.new_tensor and _on_device(
+                kwargs.get("device", args[0].device)):
+            self.syncs.append(f"new_tensor(host data) on {args[0].device}")
+        elif func in _TO_DEVICE and args[0].device.type == "cpu":
+            self._copy(args[0], torch.device("cuda"), kwargs.get("non_blocking", False))
         elif func in _DEVICE_READS and _on_device(args[0].device):
             self.syncs.append(f"Tensor.{func.__name__} of a {args[0].device} tensor")
         elif func is torch.Tensor.to:
-            self._copy(args[0], _target_device(args, kwargs), kwargs.get("non_blocking", False))
+            self._copy(args[0], _target_device(args, kwargs), _non_blocking(args, kwargs))
         elif func is torch.Tensor.copy_:
             self._copy(args[1], args[0].device,
                        args[2] if len(args) > 2 else kwargs.get("non_blocking", False))

@@ -143,9 +143,11 @@ def test_host_syncs_sees_each_kind_of_sync():
         on_device.copy_(torch.ones(2))
         with pytest.raises(NotImplementedError):  # (meta holds no values)
             on_device.cpu()
+        on_device.new_tensor([1, 2])
         torch.ones(2).to("meta", non_blocking=True)  # (CUDA: pinned memory too)
+        torch.ones(2).to("meta", torch.float64, True)  # the same, non_blocking in place
         torch.tensor([1, 2]).to(torch.float64)  # on the host
-    assert len(syncs) == 4, syncs
+    assert len(syncs) == 5, syncs
 
 
 def test_blocks_of_positions_lists_each_block_once_with_the_own_block_last():

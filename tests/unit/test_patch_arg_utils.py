@@ -467,7 +467,7 @@ def test_the_worker_refuses_model_runner_v2():
 
 def test_the_connector_is_no_consumer_so_vllm_frees_blocks_at_once():
     """With async scheduling (vLLM's CUDA default: two steps in flight) vLLM's
-    scheduler holds a finished request's blocks two steps longer for a consumer
+    scheduler holds a finished request's blocks a step longer for a consumer
     connector, whose loads may not be ordered after the steps still writing them
     (``Scheduler.defer_block_free``). InfiniGen loads nothing that way: with the
     blocks held, device-first residency would see fewer free blocks and move to
@@ -478,7 +478,9 @@ def test_the_connector_is_no_consumer_so_vllm_frees_blocks_at_once():
     assert transfer.is_kv_producer and not transfer.is_kv_consumer
     from vllm_infinigen.scheduler.connector import InfiniGenConnector
 
-    assert InfiniGenConnector.requires_kv_delivery.fget(None) is False  # (a producer's default)
+    # A producer's default is True (recompute a preempted request whose hand-off is
+    # pending): InfiniGen hands nothing off.
+    assert InfiniGenConnector.requires_kv_delivery.fget(None) is False
 
 
 def test_the_connector_declines_sleep_mode():

@@ -105,10 +105,10 @@ def _create_engine_config(self, *args, **kwargs):
             logger.info("InfiniGen: prefix caching off (vLLM's default is on): %s", reason)
             self.enable_prefix_caching = False
     self.worker_cls = worker_cls_for(platform_name(current_platform))
-    # A producer: no consumer loads into vLLM's blocks out of stream order (the
-    # residency's copies from the pool synchronize first, worker/restore.py), so
-    # vLLM need not defer freeing blocks under async scheduling, its CUDA default
-    # (v1/core/sched/scheduler.py: "defer_block_free" for consumers).
+    # A producer: InfiniGen loads nothing into vLLM's blocks out of stream order (the
+    # residency's copies from the pool synchronize first, worker/restore.py), so vLLM
+    # need not hold freed blocks a step longer under async scheduling, its CUDA
+    # default (v1/core/sched/scheduler.py: "defer_block_free" for consumers).
     self.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_connector_module_path=CONNECTOR_MODULE,
