@@ -167,7 +167,9 @@ if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ...
     echo "|---|---|---|---|---|---|---|---|"
   } >"$out"
   port_base=$((20000 + RANDOM % 20000))
-  field() { grep -E "$1" "$2" | awk '{print $NF}' || true; }  # (empty: the run failed)
+  value() {  # value PATTERN LOG: the last word of the line, - where the run failed
+    local got; got="$(grep -E "$1" "$2" | awk '{print $NF}' || true)"; echo "${got:--}"
+  }
   ratios=()
   for round in $(seq 1 "$rounds"); do
     row=("$round")
@@ -178,8 +180,8 @@ if [ "${1:-}" = "--serve-rounds" ]; then  # paired: stock, infinigen, stock, ...
       with_lock bash "${BASH_SOURCE[0]}" --serve-one "$MODEL" "$name" \
         "$((port_base + round * 2 + ${#manager} % 2))" "${extra[@]}" >"$log" 2>&1 || true
       rm -f "$RESULTS/vllm_bench_serve_$name.json"
-      value() { local got; got="$(field "$1" "$log")"; echo "${got:--}"; }
-      row+=("$(value 'Request throughput')" "$(value 'Mean TPOT')" "$(value 'Mean TTFT')")
+      row+=("$(value 'Request throughput' "$log")" "$(value 'Mean TPOT' "$log")" \
+            "$(value 'Mean TTFT' "$log")")
     done
     ratio=-
     if [ "${row[1]}" != - ] && [ "${row[4]}" != - ]; then

@@ -31,7 +31,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _FROM_HOST_DATA = {torch.tensor, torch.as_tensor}
-_TO_DEVICE = {torch.Tensor.cuda}
 _DEVICE_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
                  torch.Tensor.cpu}
 
@@ -69,9 +68,9 @@ class _Recorder(TorchFunctionMode):
         if func in _FROM_HOST_DATA and _on_device(kwargs.get("device")):
             self.syncs.append(f"{func.__name__}(host data, device={kwargs['device']})")
         elif func is torch.Tensor.new_tensor and _on_device(
-                kwargs.get("device", args[0].device)):
+                kwargs.get("device") or args[0].device):
             self.syncs.append(f"new_tensor(host data) on {args[0].device}")
-        elif func in _TO_DEVICE and args[0].device.type == "cpu":
+        elif func is torch.Tensor.cuda:
             self._copy(args[0], torch.device("cuda"), kwargs.get("non_blocking", False))
         elif func in _DEVICE_READS and _on_device(args[0].device):
             self.syncs.append(f"Tensor.{func.__name__} of a {args[0].device} tensor")
