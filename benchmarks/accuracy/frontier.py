@@ -147,6 +147,8 @@ class Task:
     model: Path
     data: Path | None  # recall prompts; None: the book's perplexity
     metric: str  # accuracy | perplexity
+    # RoPE positions divided by this factor (``recall_lengths.linear_rope``), or None
+    rope_linear_factor: float | None = None
 
 
 TASKS = {task.name: task for task in (
@@ -183,9 +185,14 @@ def settings_grid(rules: list[str], budgets: list[float], caps: list[int]) -> li
 
 
 def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(task.model),
+    from benchmarks.accuracy.recall_lengths import linear_rope
+
+    config = AutoConfig.from_pretrained(str(task.model))
+    if task.rope_linear_factor is not None:
+        config.rope_parameters = linear_rope(config.rope_parameters, task.rope_linear_factor)
+    model = AutoModelForCausalLM.from_pretrained(str(task.model), config=config,
                                                  dtype=torch.float32).eval()
     sparse_model = SparseLlama(model, args.dense_layers)
     layers = range(args.dense_layers, sparse_model.num_layers)
@@ -284,6 +291,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "benchmarks/models/...), run as a task beside --tasks")
     parser.add_argument("--recall-prompts", type=Path, default=None,
                         help="its recall prompts (jsonl, the training script's held-out form)")
+    parser.add_argument("--rope-linear-factor", type=float, default=None,
+                        help="read --recall-model with its RoPE positions interpolated "
+                        "linearly by this factor (recall_lengths)")
     parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
     parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     parser.add_argument("--token-caps", type=int, nargs="*", default=[256, 512, 1024],
@@ -305,10 +315,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.recall_model is None) != (args.recall_prompts is None):
         parser.error("--recall-model and --recall-prompts go together")
+    if args.rope_linear_factor is not None and args.recall_model is None:
+        parser.error("--rope-linear-factor applies to --recall-model")
     args.task_table = dict(TASKS)  # the named tasks and the --recall-model one
     if args.recall_model is not None:
-        args.task_table[args.recall_model.name] = Task(args.recall_model.name, args.recall_model,
-                                                       args.recall_prompts, "accuracy")
+        args.task_table[args.recall_model.name] = Task(
+            args.recall_model.name, args.recall_model, args.recall_prompts, "accuracy",
+            args.rope_linear_factor)
     if args.tasks is None:
         args.tasks = [args.recall_model.name] if args.recall_model else list(TASKS)
     elif args.recall_model is not None:

@@ -10,6 +10,8 @@ kept on the 4K model, bounded by the token cap (cap / 16K) where one is set.
 
 from __future__ import annotations
 
+import math
+
 import sys
 from pathlib import Path
 
@@ -47,10 +49,11 @@ def _by_task(payload: dict) -> dict[str, dict[str, dict]]:
 
 
 def ratio(row: dict, dense: dict, bucket: str | None = None) -> float:
-    """Accuracy / dense (a bucket's, if given), or perplexity / dense."""
-    if bucket:
-        return row["buckets"][bucket] / dense["buckets"][bucket]
-    return row["value"] / dense["value"]
+    """Accuracy / dense (a bucket's, if given), or perplexity / dense; NaN where dense is 0
+    (a bucket dense never retrieves)."""
+    value, base = ((row["buckets"][bucket], dense["buckets"][bucket]) if bucket
+                   else (row["value"], dense["value"]))
+    return value / base if base else math.nan
 
 
 def frontier_rows(payload: dict) -> list[dict]:

@@ -13,11 +13,18 @@ quotes it).
 
     python -m benchmarks.accuracy.recall_lengths --model DIR --lengths 4096:96 6144:144 \\
         [--data 4096=PATH] [--prompts 150] --out benchmarks/results/NAME
+
+``--save-prompts DIR`` writes the generated prompts as ``DIR/recall-L.jsonl.gz``, which
+the frontier (``--recall-prompts``) and ``retrieval`` (``--data``) read; with
+``--prompts-only`` nothing is measured (how ``benchmarks/data/recall-8192.jsonl.gz``
+was made: ``--lengths 8192:190 --prompts 150 --save-prompts benchmarks/data
+--prompts-only``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -51,14 +58,24 @@ def linear_rope(rope_parameters: dict | None, factor: float) -> dict:
 
 def prompts_at(task, length: int, pairs: int, count: int, data: Path | None) -> list[dict]:
     if data is not None:
-        items = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
-        return items[:count]
+        from benchmarks.accuracy import retrieval  # noqa: PLC0415 (continue_recall runs without vLLM)
+
+        return retrieval.load_examples(data, count)
     return task.make_eval_set(count, seed=11 + length, L=length, N=pairs)
+
+
+def save_prompts(items: list[dict], path: Path) -> None:
+    """``items`` as ``recall-4k.jsonl``'s lines, gzipped (``retrieval.load_examples``
+    reads them): the held-out prompts other harnesses then measure on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(item) + "\n" for item in items)
+    path.write_bytes(gzip.compress(text.encode(), mtime=0))
 
 
 def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
             data: dict[int, Path], batch: int = 2,
-            rope_linear_factor: float | None = None) -> dict[str, Any]:
+            rope_linear_factor: float | None = None,
+            save_to: Path | None = None) -> dict[str, Any]:
     """Accuracy per bucket at each length, with the prompts' source and the seconds."""
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
@@ -74,6 +91,8 @@ def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
         began = time.perf_counter()
         items = prompts_at(task, length, pairs, count, data.get(length))
         assert all(len(it["prompt_token_ids"]) == length for it in items), length
+        if save_to is not None and length not in data:
+            save_prompts(items, save_to / f"recall-{length}.jsonl.gz")
         acc = task.eval_prompts(model, items, torch.device("cpu"), bf16=False, bs=batch)
         source = data.get(length) or f"recall12.make_eval_set seed {11 + length}"
         out[str(length)] = {"pairs": pairs, "source": str(source),
@@ -95,18 +114,34 @@ def markdown(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path, default=None, help="required but with --prompts-only")
     parser.add_argument("--lengths", nargs="+", required=True, help="LENGTH:PAIRS ...")
     parser.add_argument("--data", nargs="*", default=[], help="LENGTH=PATH: prompts from a file")
     parser.add_argument("--prompts", type=int, default=150)
     parser.add_argument("--rope-linear-factor", type=float, default=None,
                         help="read the model with linear RoPE interpolation by this factor")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--save-prompts", type=Path, default=None, metavar="DIR",
+                        help="also write the generated prompts to DIR/recall-LENGTH.jsonl.gz")
+    parser.add_argument("--prompts-only", action="store_true",
+                        help="with --save-prompts: write them, measure nothing (no --out)")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.prompts_only != (args.out is None) or (args.prompts_only and not args.save_prompts):
+        parser.error("give --out, or --prompts-only with --save-prompts")
+    if args.model is None and not args.prompts_only:
+        parser.error("--model is required (but with --prompts-only)")
     lengths = [tuple(int(v) for v in x.split(":")) for x in args.lengths]
+    if args.prompts_only:
+        task = recall_task()
+        for length, pairs in lengths:
+            path = args.save_prompts / f"recall-{length}.jsonl.gz"
+            save_prompts(prompts_at(task, length, pairs, args.prompts, None), path)
+            print(f"{path}: {args.prompts} prompts of {length} tokens, {pairs} pairs, "
+                  f"recall12.make_eval_set seed {11 + length}")
+        return 0
     data = {int(k): Path(v) for k, v in (x.split("=", 1) for x in args.data)}
     results = measure(args.model, lengths, args.prompts, data,
-                      rope_linear_factor=args.rope_linear_factor)
+                      rope_linear_factor=args.rope_linear_factor, save_to=args.save_prompts)
     import torch
     import transformers
 

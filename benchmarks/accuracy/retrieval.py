@@ -35,6 +35,7 @@ token and the one speculated token are attended too). Example::
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import sys
@@ -67,8 +68,11 @@ def depth_bucket(depth: float) -> str:
 
 
 def load_examples(path: Path, limit: int | None) -> list[dict]:
-    """The first ``limit`` rows, with ``bucket`` checked against the depth rule."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The first ``limit`` rows of a ``.jsonl`` (or ``.jsonl.gz``) file, with ``bucket``
+    checked against the depth rule."""
+    data = Path(path).read_bytes()
+    text = (gzip.decompress(data) if Path(path).suffix == ".gz" else data).decode()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     rows = rows[:limit]
     for index, row in enumerate(rows):
         position = row["answer_positions"][0]

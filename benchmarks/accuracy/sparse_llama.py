@@ -102,6 +102,16 @@ class SparseLlama:
         return out.reshape(self.num_heads, -1, self.head_dim).transpose(0, 1).reshape(
             -1, self.num_heads * self.head_dim).to(self.dtype)
 
+    def attend_causal(self, q: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> torch.Tensor:
+        """``attend`` with the causal mask over a whole sequence, by torch's fused
+        attention (no [H, T, T] logits in memory: a 8K-token sequence's dense pass
+        ~6x faster on two cores); the same arithmetic in float32, other rounding."""
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.float()[None], keys.float()[None], values.float()[None], is_causal=True,
+            scale=self.scale, enable_gqa=True)[0]
+        return out.transpose(0, 1).reshape(-1, self.num_heads * self.head_dim).to(self.dtype)
+
     def finish_layer(self, layer_idx: int, residual: torch.Tensor,
                      attn_out: torch.Tensor) -> torch.Tensor:
         layer = self.layers[layer_idx]
@@ -119,7 +129,6 @@ class SparseLlama:
         ids = torch.as_tensor(token_ids, dtype=torch.int64)
         num_tokens = ids.shape[0]
         positions = torch.arange(num_tokens)
-        causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()[None]
         hidden = self.model.model.embed_tokens(ids)
         keys, values = [], []
         first_sparse_input = last_dense_input = None
@@ -132,7 +141,7 @@ class SparseLlama:
             k, v = self.key_value(idx, attn_input, positions)
             keys.append(k)
             values.append(v)
-            out = self.attend(self.query(idx, attn_input, positions), k, v, causal)
+            out = self.attend_causal(self.query(idx, attn_input, positions), k, v)
             hidden = self.finish_layer(idx, hidden, out)
         return DensePrefix(ids, keys, values, first_sparse_input, last_dense_input,
                            self.logits(hidden))

@@ -285,3 +285,31 @@ def test_a_recall_model_of_the_project_runs_as_a_task(tmp_path):
     assert "task_table" not in saved[1] and saved[1]["recall_model"] == str(model)
     with pytest.raises(SystemExit):
         frontier.parse_args(["--recall-model", str(model)])
+
+
+def test_a_recall_model_is_read_with_its_positions_interpolated(tmp_path, monkeypatch):
+    """``--rope-linear-factor F`` reaches the recall model's config as a linear RoPE
+    (what ``recall_lengths`` measures dense with), and only with ``--recall-model``."""
+    from benchmarks.harness import paths
+
+    model = paths.REPO / "benchmarks" / "models" / "recall-llama-12l-toward-16k"
+    args = frontier.parse_args(["--recall-model", str(model), "--recall-prompts", "p.jsonl",
+                                "--rope-linear-factor", "2"])
+    assert args.task_table[model.name].rope_linear_factor == 2.0
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def load(name, config=None, **kwargs):
+        seen.append(config.rope_parameters)
+        raise Stop
+
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+    with pytest.raises(Stop):
+        frontier.run_task(args.task_table[model.name], [], args)
+    assert seen == [{"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}]
+    with pytest.raises(SystemExit):
+        frontier.parse_args(["--rope-linear-factor", "2"])

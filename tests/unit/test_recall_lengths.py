@@ -33,3 +33,29 @@ def test_a_linear_rope_factor_reads_the_positions_interpolated(tmp_path):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["settings"]["rope_linear_factor"] == 2.0
     assert "RoPE positions interpolated linearly by 2" in (tmp_path / "r.md").read_text()
+
+
+def test_the_held_out_prompts_are_saved_as_the_harnesses_read_them(tmp_path):
+    """``--save-prompts DIR --prompts-only``: the generator's prompts, gzipped, read back
+    by ``retrieval.load_examples`` (which checks each needle's bucket) unchanged; the
+    committed 8K file is that command's output."""
+    from benchmarks.accuracy import retrieval
+
+    require_shared(recall_lengths.GENERATOR)
+    task = recall_lengths.recall_task()
+    assert recall_lengths.main(["--lengths", "512:12", "--prompts", "6", "--save-prompts",
+                                str(tmp_path), "--prompts-only"]) == 0
+    saved = retrieval.load_examples(tmp_path / "recall-512.jsonl.gz", None)
+    assert saved == task.make_eval_set(6, seed=11 + 512, L=512, N=12)
+    committed = paths.REPO / "benchmarks" / "data" / "recall-8192.jsonl.gz"
+    first = retrieval.load_examples(committed, 2)
+    assert first == task.make_eval_set(2, seed=11 + 8192, L=8192, N=190)
+
+
+def test_prompts_only_needs_somewhere_to_save_them():
+    import pytest
+
+    with pytest.raises(SystemExit):
+        recall_lengths.main(["--lengths", "512:12", "--prompts-only"])
+    with pytest.raises(SystemExit):
+        recall_lengths.main(["--lengths", "512:12"])  # no --model, no --out
