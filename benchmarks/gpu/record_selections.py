@@ -37,6 +37,7 @@ selections for each eviction rule and cache size.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import math
@@ -70,9 +71,16 @@ def _inputs(kind: str, source: Path, tokenizer, count: int) -> tuple[list[int], 
     if kind == "text":
         text = source.read_text(encoding="utf-8")
         return tokenizer(text[: 16 * count], verbose=False).input_ids[:count], []
-    prompts = [json.loads(line)["prompt_token_ids"] for line in source.open()]
+    prompts = [json.loads(line)["prompt_token_ids"] for line in _lines(source)]
     calibration = [" ".join(tokenizer.convert_ids_to_tokens(p[1:])) for p in prompts[1:3]]
     return prompts[0][:count], calibration
+
+
+def _lines(path: Path) -> list[str]:
+    """The non-empty lines of a ``.jsonl`` or ``.jsonl.gz`` file."""
+    data = path.read_bytes()
+    text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
+    return [line for line in text.splitlines() if line.strip()]
 
 
 class _Capture:
@@ -213,8 +221,9 @@ def record(model_name: str,
            args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """{budget label: masks [steps, sparse layers, H_kv, max_blocks]} and provenance
     (with the layers' own attention mass the selections cover)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.accuracy.recall_lengths import linear_rope
     from vllm_infinigen.skewing.calibration import compute_skew_tables
 
     model_dir, kind, source = args.sources[model_name]
@@ -224,7 +233,10 @@ def record(model_name: str,
               if args.keys == "partial" else None)
     torch.manual_seed(0)
     capture = _Capture()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+    config = AutoConfig.from_pretrained(model_dir)
+    if args.rope_linear_factor is not None and model_name == args.recall_model_name:
+        config.rope_parameters = linear_rope(config.rope_parameters, args.rope_linear_factor)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
                                                  attn_implementation=capture.name).eval()
     capture.attach(model)
     num_layers = model.config.num_hidden_layers
@@ -272,6 +284,8 @@ def record(model_name: str,
         "decode": "teacher-forced with the tokens that follow the context",
         "block_size": bs, "dense_layers": args.dense_layers, "sparse_layers": sparse,
         "kv_heads": heads, "keys": args.keys,
+        "rope_linear_factor": (args.rope_linear_factor
+                               if model_name == args.recall_model_name else None),
         "alpha": "off (the budget binds)" if args.alpha is None else args.alpha,
         "skew_calibration": None if args.keys != "partial" else "bundled calibration text"
         if not calibration else "recall prompts 2-3", "sink_blocks": sink,
@@ -383,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                         "folder's name (also a --trace-model)")
     parser.add_argument("--recall-prompts", type=Path, default=None,
                         help="its recall prompts (jsonl; the first is the request)")
+    parser.add_argument("--rope-linear-factor", type=float, default=None,
+                        help="read --recall-model with its RoPE positions interpolated "
+                        "linearly by this factor (benchmarks.accuracy.recall_lengths)")
     parser.add_argument("--context", type=int, default=1024,
                         help="prefill tokens (at most a recall prompt's length - --steps)")
     parser.add_argument("--steps", type=int, default=64)
@@ -410,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                      "add --keys int (or partial)")
     if (args.recall_model is None) != (args.recall_prompts is None):
         parser.error("--recall-model and --recall-prompts go together")
+    if args.rope_linear_factor is not None and args.recall_model is None:
+        parser.error("--rope-linear-factor applies to --recall-model")
+    args.recall_model_name = args.recall_model.name if args.recall_model else None
     # name -> (model folder, kind, input): the shared models', and --recall-model's
     args.sources = {name: (paths.shared_path(f"models/{name}"), kind, paths.shared_path(source))
                     for name, (kind, source) in MODELS.items()}
@@ -423,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     settings, results, sections = {}, {}, []
     for name in args.models:
         _, kind, source = args.sources[name]
-        prompt = (len(json.loads(source.open().readline())["prompt_token_ids"])
+        prompt = (len(json.loads(_lines(source)[0])["prompt_token_ids"])
                   if kind == "recall" else None)
         model_args = argparse.Namespace(**{**vars(args), "context": min(
             args.context, prompt - args.steps) if prompt else args.context})

@@ -347,3 +347,28 @@ def test_record_selections_takes_a_recall_model_of_the_project(tmp_path):
     assert saved["settings"][model.name]["model"] == model.name
     with pytest.raises(SystemExit):
         record_selections.main(["--recall-prompts", str(prompts)])
+
+
+def test_record_selections_reads_gzipped_prompts_and_interpolated_positions(tmp_path):
+    """The committed 8K prompts (``benchmarks/data``, gzipped) as the request, the model
+    read with ``--rope-linear-factor`` (named in the trace's provenance, which the GPU
+    benchmarks' results quote); the factor needs ``--recall-model``."""
+    import json
+
+    from benchmarks.gpu import record_selections, selection_trace
+
+    prompts = REPO / "benchmarks" / "data" / "recall-8192.jsonl.gz"
+    model = REPO / "benchmarks" / "models" / "recall-llama-12l-toward-16k"
+    out, traces = tmp_path / "reuse", tmp_path / "traces"
+    assert record_selections.main([
+        "--recall-model", str(model), "--recall-prompts", str(prompts), "--context", "256",
+        "--steps", "4", "--budgets", "0.2", "--rope-linear-factor", "2", "--trace-model",
+        model.name, "--trace-dir", str(traces), "--out", str(out)]) == 0
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["settings"][model.name]["rope_linear_factor"] == 2.0
+    [trace] = selection_trace.recorded_traces(traces, model.name)
+    masks, provenance = selection_trace.load_trace(trace)
+    assert provenance["rope_linear_factor"] == 2.0 and provenance["context_tokens"] == 256
+    assert masks.shape[0] == 4 and masks.any()
+    with pytest.raises(SystemExit):
+        record_selections.main(["--rope-linear-factor", "2"])
