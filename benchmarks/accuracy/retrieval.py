@@ -261,9 +261,23 @@ def run_engine(args, kv_manager: str, rows: Sequence[dict], variant: dict | None
             infinigen.update(speculation_keys="partial", skew_file=str(skew_file))
     with sweeps.start_engine(str(args.model), kv_manager, max_model_len=args.max_model_len,
                              infinigen=infinigen, kv_cache_memory_bytes=args.kv_cache_bytes,
-                             kv_cache_dtype=args.kv_cache_dtype) as llm:
+                             kv_cache_dtype=args.kv_cache_dtype,
+                             **rope_overrides(args.model, args.rope_linear_factor)) as llm:
         return [evaluate(llm, rows, args, kv_manager, setting, variant)
                 for setting in sweeps.sweep(llm, kv_manager, settings)]
+
+
+def rope_overrides(model: Path, factor: float | None) -> dict[str, Any]:
+    """``LLM`` keyword arguments reading ``model`` with its RoPE positions interpolated
+    linearly by ``factor`` (vLLM's ``hf_overrides``; what ``recall_lengths`` and the
+    frontier measure with ``--rope-linear-factor``), or none."""
+    if factor is None:
+        return {}
+    from benchmarks.accuracy.recall_lengths import linear_rope
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    return {"hf_overrides": {"rope_parameters": linear_rope(config.get("rope_parameters"),
+                                                            factor)}}
 
 
 def results_table(results: Sequence[dict]) -> str:
@@ -334,6 +348,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-context", type=int, default=None,
                         help="--infinigen-min-context (default: 0, selecting at every "
                         "context; the product's default is 4096)")
+    parser.add_argument("--rope-linear-factor", type=float, default=None,
+                        help="read --model with its RoPE positions interpolated linearly by "
+                        "this factor, in both engines (vLLM's --hf-overrides)")
     parser.add_argument("--decode-prompt-tokens", type=int, default=3,
                         help="prompt tokens forced through decode before the answer "
                              "(3: QUERY k ANSWER)")
@@ -373,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = report.run_metadata(model=str(args.model), data=str(args.data))
     sections = [
         f"{len(rows)} prompts of {args.data.name} ({len(rows[0]['prompt_token_ids']):,} "
-        f"tokens; needle = the queried key's position), model {args.model.name}; InfiniGen "
+        f"tokens; needle = the queried key's position), model {args.model.name}"
+        + (f" read with its RoPE positions interpolated linearly by {args.rope_linear_factor:g}"
+           if args.rope_linear_factor else "") + "; InfiniGen "
         f"selects from context {args.min_context or 0} (--infinigen-min-context). The last {args.decode_prompt_tokens} prompt tokens and the answer are "
         "teacher-forced through decode, so the answer is predicted in a decode step under the "
         "selection; correct = argmax is the expected value token."

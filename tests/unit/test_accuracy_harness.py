@@ -11,6 +11,8 @@ installed) and its reading of lm-eval's output.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import math
 import random
@@ -224,6 +226,32 @@ def test_load_examples_checks_buckets(tmp_path):
     path.write_text(json.dumps({**good, "bucket": "first_quarter"}) + "\n")
     with pytest.raises(ValueError, match="bucket"):
         retrieval.load_examples(path, None)
+    zipped = tmp_path / "r.jsonl.gz"  # the committed 8K prompts' form
+    zipped.write_bytes(gzip.compress((json.dumps(good) + "\n").encode()))
+    assert retrieval.load_examples(zipped, None) == [good]
+
+
+def test_a_linear_rope_factor_reaches_both_engines(monkeypatch, tmp_path):
+    """``--rope-linear-factor``: vLLM's ``hf_overrides`` with the model's RoPE theta
+    kept, for the dense engine and InfiniGen's alike; none without it."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}))
+    started = []
+
+    @contextlib.contextmanager
+    def start_engine(model, kv_manager, **kwargs):
+        started.append((kv_manager, kwargs.get("hf_overrides")))
+        yield None
+
+    monkeypatch.setattr(retrieval.sweeps, "start_engine", start_engine)
+    monkeypatch.setattr(retrieval.sweeps, "sweep", lambda llm, kv_manager, settings: [])
+    args = retrieval.parse_args(["--model", str(tmp_path), "--rope-linear-factor", "2",
+                                 "--budget", "0.2", "--no-select-all-control"])
+    retrieval.run_engine(args, "vllm", [], None, None)
+    retrieval.run_engine(args, "infinigen", [], {"dense_layers": 2}, None)
+    linear = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}
+    assert started == [("vllm", linear), ("infinigen", linear)]
+    assert retrieval.rope_overrides(tmp_path, None) == {}
 
 
 def test_bucket_accuracy_and_recent_window():
