@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     and isinstance(v[0], Path) else str(v) if isinstance(v, Path) else v
                     for k, v in vars(args).items() if k != "task_table"}
     payload["speed"] = speed_points(args.speed, args.speed_context, args.speed_dtype)
-    sections = frontier_report.sections(payload)
+    sections = frontier_report.sections(payload, args.out.with_suffix(".png").name)
     report.write_results(args.out, meta, "The accuracy-speed frontier of the selection rules",
                          settings, payload, sections)
     frontier_report.plot(args.out.with_suffix(".png"), payload)

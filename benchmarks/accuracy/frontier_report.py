@@ -99,7 +99,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "" if value is None else format(value, spec)
 
 
-def sections(payload: dict) -> list[str]:
+def sections(payload: dict, plot_name: str = "frontier.png") -> list[str]:
     rows = frontier_rows(payload)
     task_names = list(payload["tasks"])
     dense_layers = {payload["tasks"][name]["sparse_layers"][0] for name in task_names}
@@ -174,7 +174,7 @@ def sections(payload: dict) -> list[str]:
             ["file", "commit", "config", "density", "ms per step", "÷ dense"],
             [[p["file"], str(p["commit"])[:10], p["config"], f"{p['density']:.4f}",
               f"{p['ms_per_step']:.1f}", f"{p['vs_dense']:.2f}"] for p in points]))
-    out.append("![accuracy against the step](frontier.png)")
+    out.append(f"![accuracy against the step]({plot_name})")
     return out
 
 

@@ -274,7 +274,7 @@ def test_a_recall_model_of_the_project_runs_as_a_task(tmp_path):
 
     prompts = require_shared("data/recall/recall-1k.jsonl")
     model = paths.REPO / "benchmarks" / "models" / "recall-llama-12l-toward-16k"
-    out = tmp_path / "frontier"
+    out = tmp_path / "frontier_run"
     assert frontier.main(["--recall-model", str(model), "--recall-prompts", str(prompts),
                           "--limit", "2", "--rules", "bound 8-bit, units of 16, recent 16",
                           "--budget", "0.2", "--token-caps", "--speed", "--out", str(out)]) == 0
@@ -283,6 +283,7 @@ def test_a_recall_model_of_the_project_runs_as_a_task(tmp_path):
     rules = {row["rule"] for row in saved[2]["results"]}
     assert {"dense", "bound 8-bit, units of 16, recent 16"} <= rules
     assert "task_table" not in saved[1] and saved[1]["recall_model"] == str(model)
+    assert "![accuracy against the step](frontier_run.png)" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):
         frontier.parse_args(["--recall-model", str(model)])
 
