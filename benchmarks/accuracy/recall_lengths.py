@@ -58,15 +58,13 @@ def linear_rope(rope_parameters: dict | None, factor: float) -> dict:
 
 def prompts_at(task, length: int, pairs: int, count: int, data: Path | None) -> list[dict]:
     if data is not None:
-        from benchmarks.accuracy import retrieval  # noqa: PLC0415 (continue_recall runs without vLLM)
-
-        return retrieval.load_examples(data, count)
+        return paths.read_jsonl(data)[:count]
     return task.make_eval_set(count, seed=11 + length, L=length, N=pairs)
 
 
 def save_prompts(items: list[dict], path: Path) -> None:
-    """``items`` as ``recall-4k.jsonl``'s lines, gzipped (``retrieval.load_examples``
-    reads them): the held-out prompts other harnesses then measure on."""
+    """``items`` as ``recall-4k.jsonl``'s lines, gzipped (``paths.read_jsonl`` reads
+    them): the held-out prompts other harnesses then measure on."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(item) + "\n" for item in items)
     path.write_bytes(gzip.compress(text.encode(), mtime=0))

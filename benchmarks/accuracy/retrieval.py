@@ -35,7 +35,6 @@ token and the one speculated token are attended too). Example::
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import sys
@@ -70,10 +69,7 @@ def depth_bucket(depth: float) -> str:
 def load_examples(path: Path, limit: int | None) -> list[dict]:
     """The first ``limit`` rows of a ``.jsonl`` (or ``.jsonl.gz``) file, with ``bucket``
     checked against the depth rule."""
-    data = Path(path).read_bytes()
-    text = (gzip.decompress(data) if Path(path).suffix == ".gz" else data).decode()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    rows = rows[:limit]
+    rows = paths.read_jsonl(path)[:limit]
     for index, row in enumerate(rows):
         position = row["answer_positions"][0]
         depth = position / len(row["prompt_token_ids"])

@@ -37,7 +37,6 @@ selections for each eviction rule and cache size.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import math
@@ -71,16 +70,9 @@ def _inputs(kind: str, source: Path, tokenizer, count: int) -> tuple[list[int], 
     if kind == "text":
         text = source.read_text(encoding="utf-8")
         return tokenizer(text[: 16 * count], verbose=False).input_ids[:count], []
-    prompts = [json.loads(line)["prompt_token_ids"] for line in _lines(source)]
+    prompts = [row["prompt_token_ids"] for row in paths.read_jsonl(source)]
     calibration = [" ".join(tokenizer.convert_ids_to_tokens(p[1:])) for p in prompts[1:3]]
     return prompts[0][:count], calibration
-
-
-def _lines(path: Path) -> list[str]:
-    """The non-empty lines of a ``.jsonl`` or ``.jsonl.gz`` file."""
-    data = path.read_bytes()
-    text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
-    return [line for line in text.splitlines() if line.strip()]
 
 
 class _Capture:
@@ -443,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     settings, results, sections = {}, {}, []
     for name in args.models:
         _, kind, source = args.sources[name]
-        prompt = (len(json.loads(_lines(source)[0])["prompt_token_ids"])
+        prompt = (len(paths.read_jsonl(source)[0]["prompt_token_ids"])
                   if kind == "recall" else None)
         model_args = argparse.Namespace(**{**vars(args), "context": min(
             args.context, prompt - args.steps) if prompt else args.context})

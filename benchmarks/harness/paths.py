@@ -31,3 +31,14 @@ def find_shared(relative: str) -> Path | None:
     ``tests.shared_data.require_shared``: a skip, or under CI a failure)."""
     path = shared_path(relative)
     return path if path.exists() else None
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a ``.jsonl`` file, or of a gzipped one (``.gz``: the held-out prompts
+    of ``benchmarks/data``)."""
+    import gzip
+    import json
+
+    data = Path(path).read_bytes()
+    text = (gzip.decompress(data) if Path(path).suffix == ".gz" else data).decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
