@@ -234,7 +234,8 @@ def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
     info = {"num_sequences": len(data), "sparse_layers": list(layers),
             "head_dim": sparse_model.head_dim, "num_kv_heads": sparse_model.num_kv_heads,
             "group": sparse_model.group, "max_control_logit_diff": max_control_diff,
-            "context": len(data[0]["ids"]) if data else 0}
+            "context": len(data[0]["ids"]) if data else 0,
+            "rope_linear_factor": task.rope_linear_factor}
     return results, info
 
 
@@ -317,6 +318,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--recall-model and --recall-prompts go together")
     if args.rope_linear_factor is not None and args.recall_model is None:
         parser.error("--rope-linear-factor applies to --recall-model")
+    if args.recall_model is not None and args.recall_model.name in TASKS:
+        parser.error(f"--recall-model's folder name {args.recall_model.name!r} is a named task's "
+                     "(--tasks): the results are keyed by it; use another folder name")
     args.task_table = dict(TASKS)  # the named tasks and the --recall-model one
     if args.recall_model is not None:
         args.task_table[args.recall_model.name] = Task(

@@ -129,7 +129,10 @@ def sections(payload: dict, plot_name: str = "frontier.png") -> list[str]:
                        if r["task"] == name and r["rule"] == "control")
         metric = "accuracy" if "buckets" in dense else "perplexity"
         equal = "equals dense" if control["value"] == dense["value"] else "DIFFERS from dense"
-        lines.append(f"- {name}: {info['num_sequences']} sequences of {info['context']} tokens, "
+        factor = info.get("rope_linear_factor")
+        lines.append(f"- {name}"
+                     + (f" (RoPE positions interpolated linearly by {factor:g})" if factor else "")
+                     + f": {info['num_sequences']} sequences of {info['context']} tokens, "
                      f"dense {metric} {dense['value']:.4f}"
                      + (f" (first ¼ {dense['buckets']['first_quarter']:.3f})"
                         if metric == "accuracy" else "")

@@ -35,7 +35,6 @@ token and the one speculated token are attended too). Example::
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -269,11 +268,12 @@ def rope_overrides(model: Path, factor: float | None) -> dict[str, Any]:
     frontier measure with ``--rope-linear-factor``), or none."""
     if factor is None:
         return {}
+    from transformers import AutoConfig
+
     from benchmarks.accuracy.recall_lengths import linear_rope
 
-    config = json.loads((Path(model) / "config.json").read_text())
-    return {"hf_overrides": {"rope_parameters": linear_rope(config.get("rope_parameters"),
-                                                            factor)}}
+    config = AutoConfig.from_pretrained(str(model))  # rope_parameters, theta normalised
+    return {"hf_overrides": {"rope_parameters": linear_rope(config.rope_parameters, factor)}}
 
 
 def results_table(results: Sequence[dict]) -> str:

@@ -422,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rope_linear_factor is not None and args.recall_model is None:
         parser.error("--rope-linear-factor applies to --recall-model")
     args.recall_model_name = args.recall_model.name if args.recall_model else None
+    if args.recall_model_name in MODELS:
+        parser.error(f"--recall-model's folder name {args.recall_model_name!r} is a shared "
+                     "model's (--models): the results and traces are keyed by it; use another "
+                     "folder name")
     # name -> (model folder, kind, input): the shared models', and --recall-model's
     args.sources = {name: (paths.shared_path(f"models/{name}"), kind, paths.shared_path(source))
                     for name, (kind, source) in MODELS.items()}

@@ -235,7 +235,7 @@ def test_a_linear_rope_factor_reaches_both_engines(monkeypatch, tmp_path):
     """``--rope-linear-factor``: vLLM's ``hf_overrides`` with the model's RoPE theta
     kept, for the dense engine and InfiniGen's alike; none without it."""
     (tmp_path / "config.json").write_text(json.dumps(
-        {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}))
+        {"model_type": "llama", "rope_theta": 500.0}))  # a legacy top-level theta
     started = []
 
     @contextlib.contextmanager

@@ -349,7 +349,8 @@ def test_record_selections_takes_a_recall_model_of_the_project(tmp_path):
         record_selections.main(["--recall-prompts", str(prompts)])
 
 
-def test_record_selections_reads_gzipped_prompts_and_interpolated_positions(tmp_path):
+def test_record_selections_reads_gzipped_prompts_and_interpolated_positions(tmp_path,
+                                                                            monkeypatch):
     """The committed 8K prompts (``benchmarks/data``, gzipped) as the request, the model
     read with ``--rope-linear-factor`` (named in the trace's provenance, which the GPU
     benchmarks' results quote); the factor needs ``--recall-model``."""
@@ -360,15 +361,28 @@ def test_record_selections_reads_gzipped_prompts_and_interpolated_positions(tmp_
     prompts = REPO / "benchmarks" / "data" / "recall-8192.jsonl.gz"
     model = REPO / "benchmarks" / "models" / "recall-llama-12l-toward-16k"
     out, traces = tmp_path / "reuse", tmp_path / "traces"
+    from transformers import AutoModelForCausalLM
+
+    loaded, load = [], AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        loaded.append(kwargs["config"].rope_parameters)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
     assert record_selections.main([
         "--recall-model", str(model), "--recall-prompts", str(prompts), "--context", "256",
         "--steps", "4", "--budgets", "0.2", "--rope-linear-factor", "2", "--trace-model",
         model.name, "--trace-dir", str(traces), "--out", str(out)]) == 0
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["settings"][model.name]["rope_linear_factor"] == 2.0
+    assert loaded == [{"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}]
     [trace] = selection_trace.recorded_traces(traces, model.name)
     masks, provenance = selection_trace.load_trace(trace)
     assert provenance["rope_linear_factor"] == 2.0 and provenance["context_tokens"] == 256
     assert masks.shape[0] == 4 and masks.any()
     with pytest.raises(SystemExit):
         record_selections.main(["--rope-linear-factor", "2"])
+    with pytest.raises(SystemExit):  # named as a shared model: its results would be replaced
+        record_selections.main(["--recall-model", str(tmp_path / "recall-llama-12l-4k"),
+                                "--recall-prompts", str(prompts)])

@@ -312,5 +312,28 @@ def test_a_recall_model_is_read_with_its_positions_interpolated(tmp_path, monkey
     with pytest.raises(Stop):
         frontier.run_task(args.task_table[model.name], [], args)
     assert seen == [{"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}]
+    payload = {"tasks": {model.name: {"num_sequences": 1, "context": 8, "sparse_layers": [2],
+                                      "max_control_logit_diff": 0.0,
+                                      "rope_linear_factor": 2.0}},
+               "results": [{"task": model.name, "rule": "dense", "value": 1.0},
+                           {"task": model.name, "rule": "control", "value": 1.0}]}
+    assert "(RoPE positions interpolated linearly by 2)" in "\n".join(
+        frontier_report.sections(payload))
     with pytest.raises(SystemExit):
         frontier.parse_args(["--rope-linear-factor", "2"])
+
+
+def test_a_bucket_dense_never_retrieves_reads_nan_not_a_division_by_zero():
+    dense = {"value": 0.5, "buckets": {"first_quarter": 0.0, "middle": 1.0}}
+    row = {"value": 0.25, "buckets": {"first_quarter": 0.0, "middle": 0.5}}
+    assert math.isnan(frontier_report.ratio(row, dense, "first_quarter"))
+    assert frontier_report.ratio(row, dense, "middle") == 0.5
+    assert frontier_report.ratio(row, dense) == 0.5
+
+
+def test_a_recall_model_named_as_a_shared_task_is_refused(tmp_path):
+    """Results are keyed by the folder's name: a recall model named as a shared task
+    would replace it, its factor applied to both."""
+    model = tmp_path / "recall-llama-12l-4k"
+    with pytest.raises(SystemExit):
+        frontier.parse_args(["--recall-model", str(model), "--recall-prompts", "p.jsonl"])
