@@ -185,13 +185,11 @@ def settings_grid(rules: list[str], budgets: list[float], caps: list[int]) -> li
 
 
 def run_task(task: Task, grid: list[Setting], args) -> tuple[list[dict], dict]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from benchmarks.accuracy.recall_lengths import linear_rope
+    from benchmarks.accuracy.recall_lengths import model_config
 
-    config = AutoConfig.from_pretrained(str(task.model))
-    if task.rope_linear_factor is not None:
-        config.rope_parameters = linear_rope(config.rope_parameters, task.rope_linear_factor)
+    config = model_config(task.model, task.rope_linear_factor)
     model = AutoModelForCausalLM.from_pretrained(str(task.model), config=config,
                                                  dtype=torch.float32).eval()
     sparse_model = SparseLlama(model, args.dense_layers)

@@ -11,7 +11,6 @@ kept on the 4K model, bounded by the token cap (cap / 16K) where one is set.
 from __future__ import annotations
 
 import math
-
 import sys
 from pathlib import Path
 

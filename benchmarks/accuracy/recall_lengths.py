@@ -56,18 +56,32 @@ def linear_rope(rope_parameters: dict | None, factor: float) -> dict:
     return {"rope_type": "linear", "factor": factor, "rope_theta": theta}
 
 
+def model_config(model_dir: str | Path, rope_linear_factor: float | None = None):
+    """The model's transformers config, its RoPE positions interpolated linearly by
+    ``rope_linear_factor`` where given (``linear_rope``): how every harness reads a model
+    with ``--rope-linear-factor``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if rope_linear_factor is not None:
+        config.rope_parameters = linear_rope(config.rope_parameters, rope_linear_factor)
+    return config
+
+
 def prompts_at(task, length: int, pairs: int, count: int, data: Path | None) -> list[dict]:
     if data is not None:
         return paths.read_jsonl(data)[:count]
     return task.make_eval_set(count, seed=11 + length, L=length, N=pairs)
 
 
-def save_prompts(items: list[dict], path: Path) -> None:
-    """``items`` as ``recall-4k.jsonl``'s lines, gzipped (``paths.read_jsonl`` reads
-    them): the held-out prompts other harnesses then measure on."""
+def save_prompts(items: list[dict], directory: Path, length: int) -> Path:
+    """``items`` as ``recall-4k.jsonl``'s lines, gzipped, in ``directory/recall-LENGTH.jsonl.gz``
+    (``paths.read_jsonl`` reads them): the held-out prompts other harnesses measure on."""
+    path = directory / f"recall-{length}.jsonl.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(item) + "\n" for item in items)
     path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    return path
 
 
 def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
@@ -76,12 +90,10 @@ def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
             save_to: Path | None = None) -> dict[str, Any]:
     """Accuracy per bucket at each length, with the prompts' source and the seconds."""
     import torch
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     task = recall_task()
-    config = AutoConfig.from_pretrained(model_dir)
-    if rope_linear_factor is not None:
-        config.rope_parameters = linear_rope(config.rope_parameters, rope_linear_factor)
+    config = model_config(model_dir, rope_linear_factor)
     model = LlamaForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
                                              attn_implementation="sdpa")
     out = {}
@@ -90,7 +102,7 @@ def measure(model_dir: Path, lengths: list[tuple[int, int]], count: int,
         items = prompts_at(task, length, pairs, count, data.get(length))
         assert all(len(it["prompt_token_ids"]) == length for it in items), length
         if save_to is not None and length not in data:
-            save_prompts(items, save_to / f"recall-{length}.jsonl.gz")
+            save_prompts(items, save_to, length)
         acc = task.eval_prompts(model, items, torch.device("cpu"), bf16=False, bs=batch)
         source = data.get(length) or f"recall12.make_eval_set seed {11 + length}"
         out[str(length)] = {"pairs": pairs, "source": str(source),
@@ -132,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts_only:
         task = recall_task()
         for length, pairs in lengths:
-            path = args.save_prompts / f"recall-{length}.jsonl.gz"
-            save_prompts(prompts_at(task, length, pairs, args.prompts, None), path)
+            path = save_prompts(prompts_at(task, length, pairs, args.prompts, None),
+                                args.save_prompts, length)
             print(f"{path}: {args.prompts} prompts of {length} tokens, {pairs} pairs, "
                   f"recall12.make_eval_set seed {11 + length}")
         return 0

@@ -268,12 +268,10 @@ def rope_overrides(model: Path, factor: float | None) -> dict[str, Any]:
     frontier measure with ``--rope-linear-factor``), or none."""
     if factor is None:
         return {}
-    from transformers import AutoConfig
+    from benchmarks.accuracy.recall_lengths import model_config
 
-    from benchmarks.accuracy.recall_lengths import linear_rope
-
-    config = AutoConfig.from_pretrained(str(model))  # rope_parameters, theta normalised
-    return {"hf_overrides": {"rope_parameters": linear_rope(config.rope_parameters, factor)}}
+    # the normalised config's rope_parameters: a legacy top-level theta kept
+    return {"hf_overrides": {"rope_parameters": model_config(model, factor).rope_parameters}}
 
 
 def results_table(results: Sequence[dict]) -> str:

@@ -213,9 +213,9 @@ def record(model_name: str,
            args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """{budget label: masks [steps, sparse layers, H_kv, max_blocks]} and provenance
     (with the layers' own attention mass the selections cover)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.accuracy.recall_lengths import linear_rope
+    from benchmarks.accuracy.recall_lengths import model_config
     from vllm_infinigen.skewing.calibration import compute_skew_tables
 
     model_dir, kind, source = args.sources[model_name]
@@ -225,10 +225,11 @@ def record(model_name: str,
               if args.keys == "partial" else None)
     torch.manual_seed(0)
     capture = _Capture()
-    config = AutoConfig.from_pretrained(model_dir)
-    if args.rope_linear_factor is not None and model_name == args.recall_model_name:
-        config.rope_parameters = linear_rope(config.rope_parameters, args.rope_linear_factor)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
+    # only --recall-model is read interpolated (main refuses a shared model's name for it)
+    factor = args.rope_linear_factor if args.recall_model is not None and (
+        model_name == args.recall_model.name) else None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=model_config(model_dir, factor),
+                                                 dtype=torch.float32,
                                                  attn_implementation=capture.name).eval()
     capture.attach(model)
     num_layers = model.config.num_hidden_layers
@@ -276,8 +277,7 @@ def record(model_name: str,
         "decode": "teacher-forced with the tokens that follow the context",
         "block_size": bs, "dense_layers": args.dense_layers, "sparse_layers": sparse,
         "kv_heads": heads, "keys": args.keys,
-        "rope_linear_factor": (args.rope_linear_factor
-                               if model_name == args.recall_model_name else None),
+        "rope_linear_factor": factor,
         "alpha": "off (the budget binds)" if args.alpha is None else args.alpha,
         "skew_calibration": None if args.keys != "partial" else "bundled calibration text"
         if not calibration else "recall prompts 2-3", "sink_blocks": sink,
@@ -421,9 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--recall-model and --recall-prompts go together")
     if args.rope_linear_factor is not None and args.recall_model is None:
         parser.error("--rope-linear-factor applies to --recall-model")
-    args.recall_model_name = args.recall_model.name if args.recall_model else None
-    if args.recall_model_name in MODELS:
-        parser.error(f"--recall-model's folder name {args.recall_model_name!r} is a shared "
+    if args.recall_model is not None and args.recall_model.name in MODELS:
+        parser.error(f"--recall-model's folder name {args.recall_model.name!r} is a shared "
                      "model's (--models): the results and traces are keyed by it; use another "
                      "folder name")
     # name -> (model folder, kind, input): the shared models', and --recall-model's
