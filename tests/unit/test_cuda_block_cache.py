@@ -225,3 +225,12 @@ def test_attention_over_cached_blocks_equals_attention_over_the_selected_tokens(
                 assert torch.allclose(out[row * heads + head], expected, atol=1e-5)
     # step 1: 10 distinct (block, head) entries, all missing; step 2: 8 of 11 cached
     assert cache.take_counters() == ([8], [13])
+
+
+def test_a_use_count_past_its_bits_saturates_and_is_not_evicted_first():
+    cache = DeviceBlockCache(1, 1, 4, 20, "cpu", eviction="counter")
+    for blocks in ([1], [2], [3], [4]):
+        cache.lookup(0, _ids(blocks))
+    cache.num_uses[0, 0, int(cache.slot_of[0, 1])] = 1 << 27  # block 1: hours of hits
+    got = cache.lookup(0, _ids([8]))
+    assert got.fetch_slots.tolist()[:1] == [1]  # block 2 (oldest half, fewest uses), not 1

@@ -160,3 +160,31 @@ def test_back_in_the_device_blocks_the_pools_last_counts_are_drained_once(engine
     assert runtime.take_counters()["candidate_tokens.2"] == 30 * 2 / 2
     runtime.stats[2, 1] = 5  # (nothing selects while resident: not read)
     assert runtime.take_counters() == {}
+
+
+@pytest.mark.parametrize("residency", ["device-first", "pool"])
+def test_the_warm_ups_counts_are_dropped(engine, monkeypatch, residency):
+    """vLLM's warm-up and graph captures run the layers on dummy rows; the worker
+    drops their counts, or the first stats (after the first move, under
+    device-first) would report them."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_infinigen.platforms.cuda.worker import InfiniGenCUDAWorker
+
+    runtime = engine.runtime
+
+    def warm_up(worker):
+        runtime.stats[2, 1] = 40  # what the dummy rows counted
+        if residency == "device-first":
+            engine.runner.capture_model()  # (the residencies' captures)
+        return "warmed"
+
+    monkeypatch.setattr(Worker, "compile_or_warm_up_model", warm_up)
+    worker = object.__new__(InfiniGenCUDAWorker)
+    worker.infinigen = SimpleNamespace(
+        config=SimpleNamespace(device_first=residency == "device-first"),
+        layout=SimpleNamespace(num_sparse=1))
+    worker.infinigen_runtime, worker.model_runner = runtime, engine.runner
+    assert worker.compile_or_warm_up_model() == "warmed"
+    runtime.set_resident(False)
+    assert "candidate_tokens.2" not in runtime.take_counters()

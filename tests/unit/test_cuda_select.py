@@ -197,6 +197,47 @@ def test_place_evicts_the_least_recently_used_slots():
     assert cache.counters[0, 0].tolist() == [4 * 4, 4 * 7, 2, 6]
 
 
+def test_a_block_two_rows_share_takes_one_slot_and_one_fetch():
+    """Prefix caching shares a prompt's full blocks between requests, so two rows may
+    select the same block: it is fetched once into one slot that both rows read (a
+    second slot would outlive the block's release and, evicted later, unmap the
+    block's next owner while a step writes its new token there)."""
+    cache = DeviceBlockCache(1, 1, 6, 10, "cpu")
+    lookup = _place(cache, torch.tensor([[[5, 6]], [[5, 8]]]))
+    _consistent(cache)
+    assert (cache.block_of[0, 0, :6] == 5).sum() == 1
+    assert lookup.slots[0, 0, 0] == lookup.slots[1, 0, 0]
+    assert lookup.num_fetch.tolist() == [3]
+    assert sorted(lookup.fetch_units[0, :3].tolist()) == [5, 6, 8]
+    assert cache.counters[0, 0, 2:].tolist() == [1, 3]  # the copy counts as a hit
+    cache.release_blocks([5, 6, 8])
+    assert not (cache.block_of[0] == 5).any() and not (cache.slot_of[0, :-1] >= 0).any()
+    # block 5 again, another request's: cached, then kept while others are evicted
+    _place(cache, torch.tensor([[[2, 5]]]))
+    held = int(cache.slot_of[0, 5])
+    lookup = _place(cache, torch.tensor([[[1, 3, 5]], [[7, -1, -1]]]))
+    _consistent(cache)
+    assert int(cache.slot_of[0, 5]) == held == int(lookup.slots[0, 0, 2])
+
+
+def test_evicting_a_stale_copy_keeps_the_blocks_map():
+    """A slot whose block is mapped to another slot (a stale copy) is evicted without
+    unmapping the block, by the device step's placement and by the host-planned
+    lookup."""
+    for use_place in (True, False):
+        cache = DeviceBlockCache(1, 1, 3, 10, "cpu")
+        cache.block_of[0, 0, :3] = torch.tensor([5, 5, -1])  # slot 0: a stale copy of 5
+        cache.slot_of[0, 5] = 1
+        cache.last_used[0, 0, :3] = torch.tensor([1, 3, -1])
+        cache.ticks[0] = 3
+        ids = torch.tensor([[[7, 8]]])
+        if use_place:
+            _place(cache, ids)
+        else:
+            cache.lookup(0, ids)
+        assert int(cache.slot_of[0, 5]) == 1 and int(cache.block_of[0, 0, 1]) == 5
+
+
 def test_place_refuses_a_step_wider_than_the_cache():
     with pytest.raises(ValueError, match="slots per head"):
         _place(DeviceBlockCache(1, 1, 3, 16, "cpu"), torch.tensor([[[1, 2]], [[3, 4]]]))

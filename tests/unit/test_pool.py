@@ -86,6 +86,16 @@ def test_counter_keeps_the_newer_half_even_if_never_selected():
     assert sorted(pool.owner[0, 0].tolist()) == [1, 2, 3, 5]
 
 
+def test_a_count_past_its_bits_saturates_and_is_not_evicted_first():
+    """A shared prefix's sink, selected by every row of every step for hours (2^23
+    selections), must not wrap into the key's sign bit and go first."""
+    pool = CappedPoolIndex(1, 1, num_slots=64, num_rows=8, policy="counter", block_size=4)
+    pool.admit(torch.arange(8))
+    pool.count[0, 0, int(pool.row_map[0, 0, 0, 0])] = 1 << 23
+    pool.admit(torch.tensor([8]))
+    assert int(pool.row_map[0, 0, 0, 0]) >= 0
+
+
 def test_free_rows_are_used_before_anything_is_evicted():
     pool = CappedPoolIndex(2, 2, num_slots=32, num_rows=6, policy="fifo")
     pool.admit(_slots(0, 1, 2))

@@ -533,6 +533,51 @@ def test_lookup_lru_equals_the_reference_over_steps(triton_lru, bins, first_tick
     assert counters[0][:, 2].sum() > 0 and counters[0][:, 3].sum() > 2 * capacity  # evicted
 
 
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_lookup_lru_shares_a_block_rows_repeat_as_the_reference(triton_lru, chunk):
+    """Rows sharing their first two blocks (a prefix-cache hit's), over steps, equal
+    to the reference: one slot and one fetch a shared block (the first copy in entry
+    order claims it: across the kernel's chunks at 4 entries, within one at 16), the
+    later copies its slot, counted as hits."""
+    gen = torch.Generator().manual_seed(4)
+    heads, capacity, num_blocks, rows, width = 2, 16, 40, 3, 5
+    states = [_cache_state(heads, capacity, num_blocks) for _ in range(2)]
+    counters = [torch.zeros(heads, 4, dtype=torch.int64) for _ in range(2)]
+    for step in range(6):
+        shared = torch.randperm(num_blocks, generator=gen)[:2]
+        others = [torch.randperm(num_blocks, generator=gen) for _ in range(rows * heads)]
+        ids = torch.stack([torch.cat([shared, rest[~torch.isin(rest, shared)][:width - 2]])
+                           for rest in others]).view(rows, heads, width)
+        ids[2, 1, 4] = -1
+        seq_lens = torch.randint(1, 20, (rows * heads,), generator=gen, dtype=torch.int32)
+        misses = _lookup_both(triton_lru, states, counters, ids, seq_lens,
+                              torch.tensor([30] * rows), capacity=capacity, bins=64, chunk=chunk)
+        slot_of, block_of = states[1][0], states[1][1]
+        for head in range(heads):
+            held = block_of[head, :capacity]
+            assert (held[held >= 0].unique(return_counts=True)[1] == 1).all()  # one slot each
+            unique = ids[:, head][ids[:, head] >= 0].unique()
+            assert int(misses[head]) <= unique.numel()
+    assert counters[1][:, 2].sum() > 0 and counters[1][:, 3].sum() > capacity  # evicted
+
+
+def test_lookup_lru_evicts_a_stale_copy_without_unmapping_its_block(triton_lru):
+    """Slot 0 holds a stale copy of block 5, which slot 1 holds and its map names:
+    the miss evicts slot 0 (the oldest) and block 5 stays mapped to slot 1."""
+    state = _cache_state(1, 4, 16)
+    slot_of, block_of, last_used, ticks = state
+    block_of[0, :4] = torch.tensor([5, 5, 6, 7])
+    last_used[0, :4] = torch.tensor([1, 3, 3, 3])
+    slot_of[torch.tensor([5, 6, 7])] = torch.tensor([1, 2, 3], dtype=torch.int32)
+    ticks.fill_(3)
+    states = [state, tuple(part.clone() for part in state)]
+    counters = [torch.zeros(1, 4, dtype=torch.int64) for _ in range(2)]
+    _lookup_both(triton_lru, states, counters, torch.tensor([[[8, -1]]]),
+                 torch.ones(1, dtype=torch.int32), torch.tensor([9]), capacity=4, bins=64)
+    for slot_of, block_of, *_ in states:
+        assert block_of[0, 0] == 8 and slot_of[8] == 0 and slot_of[5] == 1
+
+
 @pytest.mark.parametrize("bins", [0, 2, 8, 64])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lookup_lru_victims_of_a_worn_cache_equal_the_reference(triton_lru, bins, seed):

@@ -213,14 +213,14 @@ class InfiniGenRuntime:
         self.policy = self.policies.get(self.config.policy)
         self._plan_source = None
 
-    def take_counters(self, wait: bool = False) -> dict[str, float]:
+    def take_counters(self, wait: bool = False, full: bool = False) -> dict[str, float]:
         """Drains the counters: one asynchronous copy per step, not per layer,
         read a step later on a GPU (``worker/counters.py``: a read now would
         wait for the step, which vLLM overlaps with preparing the next one;
         ``wait``: every count now); none while resident (no layer selects) but
-        those of the steps over the pool before the return, in full."""
+        those of the steps over the pool before the return, in full (``full``: all)."""
         out: dict[str, float] = {}
-        if not self.resident or self._drain_in_full:
+        if not self.resident or self._drain_in_full or full:
             wait = wait or self.resident
             self.data_path.add_counts(self.stats)
             out.update(layer_counters(self.layers, self._stats_drain(self.stats, wait=wait),

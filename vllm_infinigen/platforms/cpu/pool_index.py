@@ -48,6 +48,7 @@ from vllm_infinigen.worker.pool_index import IdentityPoolIndex, PoolIndex
 
 _COUNT_SHIFT = 40  # key = newer_half << 62 | count << 40 | insertion tick
 _NEWER_HALF = 1 << 62
+_MAX_COUNT = (1 << (62 - _COUNT_SHIFT)) - 1  # counts saturate there, below the half's bit
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of a free row
 _RESERVE_FRACTION = 16  # a batch eviction leaves num_rows // 16 rows spare
 _RETIRED = -1  # insertion and use tick of a retired entry: below every live one's
@@ -331,7 +332,7 @@ class CappedPoolIndex:
             half = torch.clamp((held + 1) // 2 - 1, min=0)
             cutoff = ordered.gather(-1, half)
             newer = (inserted > cutoff).to(torch.int64) * _NEWER_HALF
-            key = newer + (self.count[layers] << _COUNT_SHIFT) + inserted
+            key = newer + (self.count[layers].clamp(max=_MAX_COUNT) << _COUNT_SHIFT) + inserted
         return key.masked_fill(free, _NEVER)
 
 

@@ -53,6 +53,7 @@ COUNTS = ("attended", "context", "hits", "misses")
 _BIG = 1 << 62  # sorts after every block id and unit
 _NEWER_HALF = 1 << 61
 _COUNT_SHIFT = 36
+_MAX_USES = (1 << (61 - _COUNT_SHIFT)) - 1  # uses saturate there, below the half's bit
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,8 @@ class DeviceBlockCache:
         own (``seq_lens`` [S * H_kv]) and, on head 0, the rows' context tokens.
 
         Args:
-            block_ids: [S, H_kv, W] int64 from ``kernels.select`` (distinct:
-                no block belongs to two rows, prefix caching being off).
+            block_ids: [S, H_kv, W] int64 from ``kernels.select``; a block
+                may repeat across rows (shared prefixes): one slot, one fetch.
             context_lens: [S] tokens before each row's own (< 0: padding).
 
         Raises:
@@ -235,8 +236,11 @@ class DeviceBlockCache:
         heads, slot_of, block_of = self._heads, self.slot_of[layer], self.block_of[layer]
         scratch_entry = slot_of.shape[0] - 1
         old = block_of.gather(1, dest)
-        slot_of.index_fill_(0, torch.where(take & (old >= 0), old.clamp(min=0) * self.num_kv_heads
-                                           + heads, scratch_entry).flatten(), -1)
+        old_entry = old.clamp(min=0) * self.num_kv_heads + heads
+        # Only where the old block's map names the slot (``place_lru_reference``).
+        names_dest = slot_of[old_entry].to(torch.int64) == dest
+        slot_of.index_fill_(0, torch.where(take & (old >= 0) & names_dest, old_entry,
+                                           scratch_entry).flatten(), -1)
         slot_of.index_put_((torch.where(take, blocks * self.num_kv_heads + heads,
                                         scratch_entry).flatten(),), dest.to(torch.int32).flatten())
         slot_of[scratch_entry] = -1
@@ -257,7 +261,8 @@ class DeviceBlockCache:
             ordered = torch.where(free, _BIG, inserted).sort(dim=-1).values
             cutoff = ordered.gather(1, torch.clamp((held + 1) // 2 - 1, min=0))
             newer = (inserted > cutoff).to(torch.int64) * _NEWER_HALF
-            key = newer + (self.num_uses[layer, :, :capacity] << _COUNT_SHIFT) + inserted + 1
+            uses = self.num_uses[layer, :, :capacity].clamp(max=_MAX_USES)
+            key = newer + (uses << _COUNT_SHIFT) + inserted + 1
             key = torch.where(free, 0, key)
         protected = torch.zeros(key.shape[0], capacity + 1, dtype=torch.bool, device=self.device)
         protected.scatter_(1, hit_slots, True)

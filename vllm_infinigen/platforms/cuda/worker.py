@@ -42,7 +42,14 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
 
     def compile_or_warm_up_model(self):
         """vLLM's, with ``--infinigen-residency device-first`` capturing the
-        full CUDA graphs of both residencies (``residency.py``)."""
+        full CUDA graphs of both residencies (``residency.py``). Its warm-up and
+        captures run the layers on dummy rows (every row selecting vLLM's null
+        block): their counts are dropped, or the first stats would report them."""
+        result = self._warm_up()
+        self.infinigen_runtime.take_counters(wait=True, full=True)
+        return result
+
+    def _warm_up(self):
         if not self.infinigen.config.device_first or not self.infinigen.layout.num_sparse:
             return super().compile_or_warm_up_model()
         runner = self.model_runner

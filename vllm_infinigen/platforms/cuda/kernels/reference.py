@@ -327,7 +327,8 @@ def place_lru_reference(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: t
     (``place_lru``; like the kernel, it reads nothing back to the host).
 
     Args:
-        block_ids: [S, H, W] selected block ids, -1 padded, distinct per head.
+        block_ids: [S, H, W] selected block ids, -1 padded; a block repeated across
+            rows (shared prefixes) is placed by its first entry, its copies hits.
         slots: [S, H, W] int64 out: flat cache slot of each entry (-1: none).
         slot_of: [num_blocks * H + 1] int32 the layer's slot of (block, head), -1.
         block_of, last_used: [H, capacity + 1] int64 the layer's slot owners
@@ -350,7 +351,8 @@ def place_lru_reference(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: t
     wanted = ids >= 0
     entries = ids.clamp(min=0) * num_heads + heads
     cached = torch.where(wanted, slot_of[entries].to(torch.int64), -1)
-    hit, miss = wanted & (cached >= 0), wanted & (cached < 0)
+    hit, miss = wanted & (cached >= 0), first_of_equals(ids) & (cached < 0)
+    shared = wanted & (cached < 0) & ~miss  # a later copy of a miss: the first's slot
     ticks += 1
     tick = ticks[:, None]  # [H, 1]
     last_used.scatter_(1, torch.where(hit, cached, capacity), tick.expand(-1, per_head))
@@ -366,7 +368,10 @@ def place_lru_reference(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: t
     rank = miss.cumsum(dim=1) - 1
     victim = torch.where(miss, in_slot_order.gather(1, rank.clamp(min=0)), capacity)
     old = block_of.gather(1, victim)
-    unmap = torch.where(miss & (old >= 0), old.clamp(min=0) * num_heads + heads, scratch_entry)
+    old_entry = old.clamp(min=0) * num_heads + heads
+    # Only where the old block's map names the victim (else the slot is a stale copy).
+    names_victim = slot_of[old_entry].to(torch.int64) == victim
+    unmap = torch.where(miss & (old >= 0) & names_victim, old_entry, scratch_entry)
     slot_of.index_fill_(0, unmap.flatten(), -1)
     mapped = torch.where(miss, entries, scratch_entry)
     slot_of.index_put_((mapped.flatten(),), victim.to(torch.int32).flatten())
@@ -375,6 +380,7 @@ def place_lru_reference(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: t
     last_used.scatter_(1, victim, tick.expand(-1, per_head))
     flat = heads * capacity
     placed = torch.where(hit, flat + cached, torch.where(miss, flat + victim, -1))
+    placed = torch.where(shared, flat + slot_of[entries].to(torch.int64), placed)
     slots.copy_(placed.view(num_heads, num_rows, width).permute(1, 0, 2))
     listed = torch.where(miss, rank, per_head)  # misses to their rank, the rest to scratch
     for out, value in ((fetch_units, entries), (fetch_slots, flat + victim)):
@@ -383,4 +389,12 @@ def place_lru_reference(block_ids: torch.Tensor, slots: torch.Tensor, slot_of: t
     num_fetch.copy_(num_miss)
     attended = (seq_lens.view(num_rows, num_heads).to(torch.int64) - 1).clamp(min=0).sum(dim=0)
     context = torch.where(heads[:, 0] == 0, context_lens.to(torch.int64).clamp(min=0).sum(), 0)
-    counters += torch.stack([attended, context, hit.sum(dim=1), num_miss], dim=1)
+    counters += torch.stack([attended, context, (hit | shared).sum(dim=1), num_miss], dim=1)
+
+
+def first_of_equals(ids: torch.Tensor) -> torch.Tensor:
+    """[H, M] bool: entries >= 0 that are the first of their value in their row."""
+    order = torch.sort(torch.where(ids >= 0, ids, _BIG), dim=1, stable=True)
+    values = order.values
+    first = (values < _BIG) & (values != torch.cat([values[:, :1] * 0 - 1, values[:, :-1]], 1))
+    return torch.zeros_like(first).scatter_(1, order.indices, first)

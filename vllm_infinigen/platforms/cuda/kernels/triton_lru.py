@@ -25,6 +25,8 @@ import triton.language as tl
 
 from vllm_infinigen.platforms.cuda.kernels.triton_select import _take
 
+# A miss's claim on its block in ``slot_of`` (int32): CLAIM + entry, below -1.
+CLAIM = tl.constexpr(-(2**31))
 SEARCH_BINS = 64  # ranges per pass of the victims' search (a power of two >= 2; 0: halving)
 # Slots (or entries) a loop step and warps: every pass over a head's slots is serial.
 CHUNK, WARPS = 1024, 4
@@ -89,10 +91,14 @@ def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_
                 ROUNDS: tl.constexpr):
     """One KV head's selection placed in its cache (LRU). Grid (KV heads).
 
-    Entries ``ids[s, head, w]`` (block ids, -1: none; distinct: no block is
-    shared between rows). A hit refreshes its slot's tick; the misses, in
+    Entries ``ids[s, head, w]`` (block ids, -1: none). A block may repeat across
+    rows (a prefix-cache hit's blocks, shared): the first copy of a miss in entry
+    order claims it (an atomic minimum of ``CLAIM`` + entry in its ``slot_of``,
+    below -1: still uncached to a later look) and is the miss; a later copy takes
+    its slot and counts as a hit. A hit refreshes its slot's tick; the misses, in
     entry order, take the free or least recently used slots not hit in this
-    step, in slot order (ties: the lower slot), and are listed for the gather.
+    step, in slot order (ties: the lower slot), and are listed for the gather; a
+    victim's old block is unmapped where its map names the victim.
     ``counters[head]`` += (entries attended besides the rows' own, context
     tokens (head 0), hits, misses).
     """
@@ -114,11 +120,23 @@ def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_
         cached = tl.load(slot_of + block_id * H + head, mask=wanted, other=-1).to(tl.int64)
         hit = wanted & (cached >= 0)
         miss = wanted & (cached < 0)
+        tl.atomic_min(slot_of + block_id * H + head, (entry + CLAIM).to(tl.int32), mask=miss)
         tl.store(used + cached, tick, mask=hit)
         tl.store(slots + at, tl.where(hit, head * capacity + cached, tl.where(miss, -2, -1)),
                  mask=live)
         hits += tl.sum(hit.to(tl.int32), axis=0)
-        misses += tl.sum(miss.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    for start in range(0, total, CHUNK):  # the claims' losers: later copies (-3)
+        entry = start + lanes
+        live = entry < total
+        at = ((entry // width) * H + head) * width + entry % width
+        miss = tl.load(slots + at, mask=live, other=-1) == -2
+        block_id = tl.load(ids + at, mask=miss, other=0).to(tl.int64)
+        claim = tl.load(slot_of + block_id * H + head, mask=miss, other=0)
+        first = miss & (claim == (entry + CLAIM).to(tl.int32))
+        tl.store(slots + at, tl.full([CHUNK], -3, tl.int64), mask=miss & ~first)
+        hits += tl.sum((miss & ~first).to(tl.int32), axis=0)
+        misses += tl.sum(first.to(tl.int32), axis=0)
     tl.debug_barrier()
     if misses > 0:
         high, older = _oldest_ticks(used, tick, capacity, misses, BINS, ROUNDS, CHUNK)
@@ -144,7 +162,9 @@ def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_
         victim = tl.load(victims + head * total + rank, mask=miss, other=0)
         block_id = tl.load(ids + at, mask=miss, other=0).to(tl.int64)
         old = tl.load(owner + victim, mask=miss, other=-1)
-        tl.store(slot_of + old * H + head, tl.full([CHUNK], -1, tl.int32), mask=miss & (old >= 0))
+        names = tl.load(slot_of + old * H + head, mask=miss & (old >= 0), other=-1)
+        tl.store(slot_of + old * H + head, tl.full([CHUNK], -1, tl.int32),
+                 mask=miss & (old >= 0) & (names.to(tl.int64) == victim))
         tl.store(slot_of + block_id * H + head, victim.to(tl.int32), mask=miss)
         tl.store(owner + victim, block_id, mask=miss)
         tl.store(used + victim, tick, mask=miss)
@@ -153,6 +173,15 @@ def _lookup_lru(ids, slots, slot_of, block_of, last_used, ticks, victims, fetch_
         tl.store(fetch_slots + head * total + rank, head * capacity + victim, mask=miss)
         ranked += tl.sum(miss.to(tl.int32), axis=0)
     tl.store(num_fetch + head, misses.to(tl.int64))
+    tl.debug_barrier()
+    for start in range(0, total, CHUNK):  # the later copies: their first's slot
+        entry = start + lanes
+        live = entry < total
+        at = ((entry // width) * H + head) * width + entry % width
+        copy = tl.load(slots + at, mask=live, other=-1) == -3
+        block_id = tl.load(ids + at, mask=copy, other=0).to(tl.int64)
+        slot = tl.load(slot_of + block_id * H + head, mask=copy, other=0).to(tl.int64)
+        tl.store(slots + at, head * capacity + slot, mask=copy)
     attended = tl.zeros([], tl.int64)  # a loop-carried variable keeps its type
     context = tl.zeros([], tl.int64)
     for start in range(0, num_rows, CHUNK):
