@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from types import SimpleNamespace
 
 from vllm_infinigen.scheduler.connector import InfiniGenConnector
+from vllm_infinigen.scheduler.residency import residency_of
 from vllm_infinigen.scheduler.spec import InfiniGenSparseManager, InfiniGenSparseSpec
 
 BLOCK = 16
@@ -199,6 +200,59 @@ def test_a_return_undone_soon_doubles_the_steps_the_next_waits_for():
     assert _steps(residency, 4, fits=True) == [False, False, False, True]
     residency.restore({"a"}, blocks=4, free=29)
     _steps(residency, 64)  # a return that lasted: resident 64 steps
+    residency.move()
+    assert residency.patience == 1
+
+
+def test_a_move_counts_the_sliding_window_groups_blocks_too():
+    """Gemma 3: beside the dense and sparse groups, sliding-window groups take blocks
+    for a request's tokens as well, and vLLM refuses an allocation whose blocks in all
+    groups do not fit (it preempts, or keeps the request waiting). A lone request that
+    fits over the pool but not resident moves the engine, through vLLM's manager."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.request import Request
+
+    from vllm_infinigen.scheduler.spec import register_spec
+
+    register_spec()
+    shape = dict(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    full = FullAttentionSpec(**shape)
+    window = SlidingWindowSpec(sliding_window=4 * BLOCK, **shape)
+    groups = [KVCacheGroupSpec(["dense"], full),
+              KVCacheGroupSpec(["sparse"], InfiniGenSparseSpec.of(full, True))]
+    groups += [KVCacheGroupSpec([f"window{i}"], window) for i in range(3)]
+    manager = KVCacheManager(KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                           kv_cache_groups=groups),
+                             max_model_len=4096, scheduler_block_size=BLOCK,
+                             hash_block_size=BLOCK, enable_caching=False)
+    connector = object.__new__(InfiniGenConnector)
+    connector.bind_kv_cache_manager(manager)
+    residency = residency_of(manager.block_pool)
+    assert residency.groups() == 5
+    # 13 blocks a group: 65 resident, 52 over the pool, 63 free
+    request = Request("r", list(range(13 * BLOCK)), SamplingParams(max_tokens=4), None)
+    assert manager.allocate_slots(request, 13 * BLOCK, has_scheduled_reqs=False) is not None
+    assert residency.moved
+
+
+def test_an_idle_return_that_lasted_resets_the_patience():
+    """Every request over the pool finished (``move_back``): a return too. Hours
+    resident after flip-flops, the next burst's requests must not wait the
+    flip-flops' patience to come back; undone soon, it keeps the patience."""
+    pool, managers = _managers(32)
+    residency = _moved_with(managers, ("a", 2))
+    for _ in range(3):  # three quick flip-flops
+        residency.restore({"a"}, blocks=4, free=29)
+        residency.move()
+    assert residency.patience == 8
+    residency.move_back()
+    _steps(residency, 10)
+    residency.move()  # undone soon: kept, not doubled (nothing was copied)
+    assert residency.patience == 8
+    residency.move_back()
+    _steps(residency, 1000)
     residency.move()
     assert residency.patience == 1
 

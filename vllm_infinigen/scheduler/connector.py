@@ -147,6 +147,13 @@ class InfiniGenConnector(KVConnectorBase_V1, SupportsHMA):
     # Scheduler-side methods
     # ==============================
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        """vLLM's, and the number of KV-cache groups to the residency: a move is
+        decided on the blocks of all of them (``Residency.groups``)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        residency_of(kv_cache_manager.block_pool).num_groups = len(
+            kv_cache_manager.coordinator.single_type_managers)
+
     def update_connector_output(self, connector_output) -> None:
         super().update_connector_output(connector_output)
         stats = connector_output.kv_connector_stats

@@ -39,13 +39,21 @@ class Residency:
         # is capped (the connector says).
         self.filled: dict[str, tuple[int, int]] = {}
         self.pool_capped = False
+        # Every KV-cache group a request allocates in, set by the connector (None:
+        # the dense group and the sparse ones); a sliding-window group (Gemma 3's)
+        # needs its blocks too.
+        self.num_groups: int | None = None
         # Against flip-flops (each return copies its requests' K/V): the steps the
         # return's condition must hold in a row, doubled when a return is undone
-        # by a move within QUICK_UNDO steps, back to 1 after one that lasted.
+        # by a move within QUICK_UNDO steps, back to 1 after one that lasted (an
+        # idle return too: ``move_back``).
         self.patience = 1
         self._fit_steps = 0
         self._steps = 0
+        # The last return's step (None: none since the last move), and whether it
+        # copied requests back (``restore``) or found none left (``move_back``).
         self._returned_at: int | None = None
+        self._copied = False
 
     def move(self) -> int:
         """Frees every sparse group's blocks of every request, which run over the
@@ -67,8 +75,10 @@ class Residency:
         self.restored.clear()  # their blocks are freed; nothing to copy
         self.filled.clear()  # (the pool serves their hits)
         if self._returned_at is not None:
-            undone = self._steps - self._returned_at < QUICK_UNDO
-            self.patience = min(2 * self.patience, MAX_PATIENCE) if undone else 1
+            if self._steps - self._returned_at >= QUICK_UNDO:
+                self.patience = 1  # a return that lasted
+            elif self._copied:
+                self.patience = min(2 * self.patience, MAX_PATIENCE)
             self._returned_at = None
         self._fit_steps = 0
         self._moves["pool"] += 1
@@ -77,13 +87,22 @@ class Residency:
                     "sparse layers freed", len(requests), freed)
         return freed
 
+    def groups(self) -> int:
+        """The KV-cache groups a request's new tokens take blocks in, each at most
+        as many as a full-attention group (a sliding window's take fewer)."""
+        return self.num_groups or len(self.managers) + 1
+
     def holds_requests(self) -> bool:
         """Whether a request is live in the sparse groups (allocated, not freed)."""
         return any(manager.req_to_blocks for manager in self.managers)
 
     def move_back(self) -> None:
-        """Resident again: every request that ran over the pool has finished."""
+        """Resident again: every request that ran over the pool has finished. A
+        return too: the patience is 1 again if it lasts (``move``); undone soon,
+        it stays (no copy was made, so nothing to double against)."""
         self.moved = False
+        self._returned_at = self._steps
+        self._copied = False
         self._moves["device"] += 1
         logger.info("InfiniGen: every request that ran over the pool has finished: new "
                     "requests are resident again (device blocks and vLLM's kernel; "
@@ -110,6 +129,7 @@ class Residency:
         self.moved = False
         self.to_restore = set(requests)
         self._returned_at = self._steps
+        self._copied = True
         self._moves["device"] += 1
         logger.info("InfiniGen: the %d request(s) over the pool fit in the device blocks "
                     "again (%d blocks of the sparse layers, %d free, for %d step(s) in a row): "

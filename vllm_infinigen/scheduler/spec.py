@@ -132,7 +132,7 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
         if moved_and_idle:
             # The first request after the pool's last one: resident again where
             # its blocks fit in every group (no request holds device blocks).
-            if needed * (len(residency.managers) + 1) > self.block_pool.get_num_free_blocks():
+            if needed * residency.groups() > self.block_pool.get_num_free_blocks():
                 return 0
             residency.move_back()
             return needed
@@ -144,12 +144,13 @@ class InfiniGenSparseManager(SingleTypeKVCacheManager):
                 residency.move()
             return 0
         # The blocks in every group (the dense one and each sparse one need as
-        # many): where they would not fit, move instead of waiting or
-        # preempting, and need none here. An estimate (admission, a
+        # many, a sliding window's at most as many: ``Residency.groups``): where
+        # they would not fit, move instead of waiting or preempting, and need
+        # none here. An estimate (admission, a
         # reservation: ``apply_admission_cap``) moves nothing but counts as
         # moved, so that a request the device cannot hold resident is not kept
         # waiting for room that only a move makes.
-        groups = len(self.residency.managers) + 1
+        groups = self.residency.groups()
         free = self.block_pool.get_num_free_blocks()
         if needed and needed * groups > free:
             if not apply_admission_cap:

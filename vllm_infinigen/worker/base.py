@@ -269,7 +269,7 @@ class InfiniGenWorkerMixin:
         caching keeps them: ``_keep_cached_rows``); empties the sparse rows of
         requests whose blocks come back (``worker/restore.py``) before the
         runner appends them."""
-        gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+        gone = self._gone_since_last_step(scheduler_output)
         if self.cache_config.enable_prefix_caching:
             self._keep_cached_rows(scheduler_output, gone)
         else:
@@ -282,6 +282,21 @@ class InfiniGenWorkerMixin:
             restore.clear_rows(self.model_runner, set(self._sparse_groups.values()),
                                metadata.cleared)
         return super().execute_model(scheduler_output)
+
+    def _gone_since_last_step(self, scheduler_output) -> set[str]:
+        """The requests whose blocks went since the last step: finished or
+        preempted. A preempted request keeps its old block ids in the runner's
+        state until it resumes; finished (aborted) before that, its blocks went
+        at the preemption and may be another request's now: not again."""
+        released = self.__dict__.setdefault("_released_at_preemption", set())
+        preempted = scheduler_output.preempted_req_ids or set()
+        finished = scheduler_output.finished_req_ids
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        released.difference_update(getattr(cached, "resumed_req_ids", ()))
+        gone = (finished - released) | preempted
+        released.difference_update(finished)
+        released.update(preempted - finished)
+        return gone
 
     def _keep_cached_rows(self, scheduler_output, gone: set[str]) -> None:
         """With prefix caching vLLM keeps a freed block's K/V for a later hit, and
@@ -297,8 +312,9 @@ class InfiniGenWorkerMixin:
             runtime.data_path.release_blocks(freed)
         if runtime.pool_index.row_map_of(0) is None:
             return  # a slot's row is the slot id: nothing to keep or revive
-        if freed:
-            live = {block for req_id, request in requests.items() if req_id not in gone
+        if freed:  # (a preempted request's ids are stale until it resumes)
+            stale = gone | self._released_at_preemption
+            live = {block for req_id, request in requests.items() if req_id not in stale
                     for block in request.block_ids[group]}
             runtime.pool_index.retire_blocks([block for block in freed if block not in live])
         hits = [(new.block_ids, new.num_computed_tokens)
