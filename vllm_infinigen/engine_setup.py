@@ -23,11 +23,15 @@ class EngineSetup:
     step_tokens: int  # tokens one step writes at most (--max-num-batched-tokens)
     # Of a cached K/V element (vLLM's pages, the pool): the model's dtype, 1 in FP8.
     kv_dtype_bytes: int
+    # KV heads summed over the tensor-parallel ranks: the model's, or the ranks'
+    # count where there are fewer (vLLM replicates a head on several ranks).
+    kv_heads_all_ranks: int
 
     @property
     def pool_bytes_per_token(self) -> int:
-        """K/V bytes of every sparse layer for one token, all ranks."""
-        return self.layout.pool_bytes_per_token(self.kv_dtype_bytes)
+        """K/V bytes of every sparse layer for one token, all ranks (a replicated
+        head's on each rank that holds it)."""
+        return self.layout.pool_bytes_per_token(self.kv_dtype_bytes, self.kv_heads_all_ranks)
 
 
 # id(additional_config) -> (that dict, its setup): one parse per process and
@@ -59,8 +63,10 @@ def engine_setup(vllm_config, parsed: InfiniGenConfig | None = None,
             window_layers=AttentionPlan.of(model).window_layers,
             speculation_keys=config.speculation_keys)
     layout = dataclasses.replace(layout, head_dim=model.get_head_size())
+    ranks = vllm_config.parallel_config.tensor_parallel_size
     setup = EngineSetup(config, layout, model.dtype.itemsize,
                         vllm_config.scheduler_config.max_num_batched_tokens,
-                        kv_dtype(vllm_config.cache_config.cache_dtype, model.dtype).itemsize)
+                        kv_dtype(vllm_config.cache_config.cache_dtype, model.dtype).itemsize,
+                        ranks * max(1, layout.num_kv_heads // ranks))
     _setups[id(additional)] = (additional, setup)
     return setup

@@ -144,3 +144,22 @@ def test_a_pool_beyond_free_memory_names_the_flags_of_the_platform():
                   free=2**20)
     assert InfiniGenCPUWorker.infinigen_pool_cappable
     assert not InfiniGenCUDAWorker.infinigen_pool_cappable
+
+
+@pytest.mark.parametrize("ranks,heads", [(1, 4), (2, 4), (8, 8)])
+def test_the_pool_flag_counts_a_replicated_heads_copies(ranks, heads):
+    """--infinigen-cpu-pool-gib is all ranks' pool: where the ranks outnumber the KV
+    heads (vLLM replicates them), each rank holds a head, so the flag's bytes per
+    token count every copy (and the counters, summed over the ranks, divide by them)."""
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+
+    from benchmarks.harness.paths import BUNDLED_MODEL
+    from vllm_infinigen.engine_setup import engine_setup
+
+    config = VllmConfig(model_config=ModelConfig(model=str(BUNDLED_MODEL)),  # 4 KV heads
+                        parallel_config=ParallelConfig(tensor_parallel_size=ranks),
+                        additional_config={"kv_manager": "infinigen"})
+    setup = engine_setup(config)
+    assert setup.kv_heads_all_ranks == heads
+    rank_bytes = setup.layout.pool_bytes_per_token(setup.kv_dtype_bytes, max(1, 4 // ranks))
+    assert setup.pool_bytes_per_token == ranks * rank_bytes

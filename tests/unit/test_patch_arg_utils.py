@@ -178,6 +178,8 @@ def test_check_engine_args_accepts_plain_args():
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
          "--speculative-config"),
         ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"),
+        ({"decode_context_parallel_size": 2}, "--decode-context-parallel-size"),
+        ({"prefill_context_parallel_size": 2}, "--prefill-context-parallel-size"),
         ({"kv_transfer_config": KVTransferConfig(kv_connector="NixlConnector",
                                                  kv_role="kv_both")},
          "--kv-transfer-config"),

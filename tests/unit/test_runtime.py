@@ -66,6 +66,35 @@ def test_alpha_none_at_run_time_turns_the_rule_off(step):
         runtime.update_selection(partial_ratio=0.5)
 
 
+def test_a_policy_that_fails_to_start_changes_nothing(step, monkeypatch):
+    """A run-time switch whose policy cannot allocate (a torch policy on an FP8 pool,
+    say) raises and leaves the running selection as it was."""
+    runtime, _, _ = step
+    before = runtime.config
+
+    def fails(name):
+        raise NotImplementedError("min_values_cpu not implemented for 'Float8_e4m3fn'")
+
+    monkeypatch.setattr(runtime.policies, "get", fails)
+    with pytest.raises(NotImplementedError):
+        runtime.update_selection(policy="quest", budget=0.5)
+    assert runtime.config is before and runtime.config.policy == "infinigen"
+
+
+def test_the_worker_refuses_a_torch_policy_over_fp8_kv():
+    """The start-up refusal (``frontend/checks.py``), again for a run-time switch."""
+    from types import SimpleNamespace
+
+    from vllm_infinigen.worker.base import InfiniGenWorkerMixin
+
+    worker = object.__new__(InfiniGenWorkerMixin)
+    worker.infinigen = SimpleNamespace(kv_dtype_bytes=1)
+    for policy in ("quest", "h2o"):
+        with pytest.raises(ValueError, match=f"--infinigen-policy {policy} reads the pool "
+                           "with torch.*--kv-cache-dtype"):
+            worker.set_infinigen_selection(policy=policy)
+
+
 def test_same_layer_speculation_selects_with_the_layers_own_query(step):
     runtime, metadata, new_slot = step
     runtime.update_selection(speculation="same-layer")

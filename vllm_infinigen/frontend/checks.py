@@ -101,6 +101,11 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         refuse("--pipeline-parallel-size must be 1: layer i speculates for layer "
                "i + 1 with that layer's query weights, which a stage boundary "
                "would put on another rank; use --tensor-parallel-size")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(args, name, 1) > 1:
+            refuse(f"--{name.replace('_', '-')} must be 1: it spreads a sequence's tokens "
+                   "over ranks, while InfiniGen's pool and selection address a block's "
+                   "tokens on one rank; use --tensor-parallel-size")
     if args.enable_prefix_caching:
         reason = config.prefix_caching_refusal()
         if reason is not None:

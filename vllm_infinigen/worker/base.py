@@ -125,6 +125,8 @@ def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
     runtime = InfiniGenRuntime(
         dataclasses.replace(config, alpha=config.resolved_alpha()), sources, device,
         data_path, layout=layout, rank=rank, prompt_lens_of=prompt_lens_of)
+    # vLLM sums the ranks' counters: a head replicated on several ranks counts on each
+    runtime.total_kv_heads = setup.kv_heads_all_ranks
     install(runtime, sources)
     return runtime
 
@@ -198,6 +200,10 @@ class InfiniGenWorkerMixin:
             ValueError: On a setting prefix caching cannot run with, when on.
         """
         policy = changes.get("policy")
+        if policy not in (None, "infinigen") and self.infinigen.kv_dtype_bytes == 1:
+            raise ValueError(f"{flag('policy')} {policy} reads the pool with torch in the "
+                             "model's dtype, and this engine's K/V is FP8 (--kv-cache-dtype); "
+                             f"start the engine without --kv-cache-dtype to run {policy}")
         uncapped = _uncapped_only(policy) if policy in POLICY_TRAITS else None
         if uncapped and self.infinigen_runtime.pool_index.row_map_of(0) is not None:
             raise ValueError(f"{uncapped} runs on an uncapped pool, and this engine's pool "

@@ -207,10 +207,10 @@ class InfiniGenRuntime:
         config = dataclasses.replace(self.config, **changes)
         # alpha None: off, resolved as at start-up (the kernels take a number)
         config = dataclasses.replace(config, alpha=config.resolved_alpha())
+        policy = self.policies.get(config.policy)  # first: a refusal changes nothing
         self.data_path.configure(config)
-        self.config = config
+        self.config, self.policy = config, policy
         self.pool_index.set_eviction(self.config.eviction)
-        self.policy = self.policies.get(self.config.policy)
         self._plan_source = None
 
     def take_counters(self, wait: bool = False, full: bool = False) -> dict[str, float]:
