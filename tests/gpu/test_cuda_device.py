@@ -156,7 +156,10 @@ def test_select_counts_the_bound_units_and_finds_the_threshold(radix):
             assert torch.equal(got_part.cpu(), expected_part), (alpha, budget)
 
 
-def test_lookup_lru_equals_the_reference_over_steps():
+@pytest.mark.parametrize("shared", [False, True])
+def test_lookup_lru_equals_the_reference_over_steps(shared):
+    """Shared: the rows' first two blocks the same (a prefix-cache hit's), claimed by
+    the first copy with an atomic minimum while the warps run in parallel."""
     from vllm_infinigen.platforms.cuda.block_cache import DeviceBlockCache
 
     gen = torch.Generator().manual_seed(9)
@@ -166,6 +169,8 @@ def test_lookup_lru_equals_the_reference_over_steps():
     for step in range(8):
         ids = torch.stack([torch.randperm(20, generator=gen)[:5] + 20 * row
                            for row in range(2) for _ in range(2)]).view(2, 2, 5)
+        if shared:
+            ids[1, :, :2] = ids[0, :, :2]
         seq_lens = torch.randint(1, 20, (4,), generator=gen, dtype=torch.int32)
         context_lens = torch.tensor([17, 30])
         got = [cache.place(0, ids.to(cache.device), seq_lens.to(cache.device),
