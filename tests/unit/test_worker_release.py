@@ -91,3 +91,30 @@ def test_with_prefix_caching_a_preempted_requests_stale_ids_keep_nothing_live():
     pool.admit(torch.arange(5 * BLOCK, 6 * BLOCK))
     worker.execute_model(_step(finished={"y"}))
     assert pool.num_retired.sum() == BLOCK and pool.occupancy()[0] == 0
+
+
+def test_preempted_and_resumed_in_one_step_frees_the_old_blocks_and_later_the_new():
+    """vLLM's ``reset_prefix_cache`` of running requests preempts and resumes them in
+    one step: the old blocks go then, the new ones when the request finishes."""
+    worker, pool = _worker(False)
+    worker.model_runner.requests["x"] = SimpleNamespace(block_ids=[[2]])
+    pool.admit(torch.arange(2 * BLOCK, 3 * BLOCK))
+    worker.execute_model(_step(preempted={"x"}, resumed={"x"}))
+    assert not _holds(pool, 2)
+    worker.model_runner.requests["x"].block_ids = [[5]]
+    pool.admit(torch.arange(5 * BLOCK, 6 * BLOCK))
+    worker.execute_model(_step(finished={"x"}))
+    assert not _holds(pool, 5)
+
+
+def test_a_resumed_requests_old_ids_keep_nothing_live_in_its_resume_step():
+    """x preempted; a takes x's old block and finishes in the step x resumes (the
+    runner still holds x's old ids then): a's entries are retired."""
+    worker, pool = _worker(True)
+    worker.model_runner.requests["x"] = SimpleNamespace(block_ids=[[2]])
+    pool.admit(torch.arange(2 * BLOCK, 3 * BLOCK))
+    worker.execute_model(_step(preempted={"x"}))
+    worker.model_runner.requests["a"] = SimpleNamespace(block_ids=[[2]])
+    pool.admit(torch.arange(2 * BLOCK, 3 * BLOCK))
+    worker.execute_model(_step(finished={"a"}, resumed={"x"}))
+    assert pool.num_retired.sum() == BLOCK

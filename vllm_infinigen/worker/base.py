@@ -275,9 +275,9 @@ class InfiniGenWorkerMixin:
         caching keeps them: ``_keep_cached_rows``); empties the sparse rows of
         requests whose blocks come back (``worker/restore.py``) before the
         runner appends them."""
-        gone = self._gone_since_last_step(scheduler_output)
+        gone, stale = self._gone_since_last_step(scheduler_output)
         if self.cache_config.enable_prefix_caching:
-            self._keep_cached_rows(scheduler_output, gone)
+            self._keep_cached_rows(scheduler_output, gone, stale)
         else:
             for req_id in gone:
                 request = self.model_runner.requests.get(req_id)
@@ -289,22 +289,26 @@ class InfiniGenWorkerMixin:
                                metadata.cleared)
         return super().execute_model(scheduler_output)
 
-    def _gone_since_last_step(self, scheduler_output) -> set[str]:
-        """The requests whose blocks went since the last step: finished or
-        preempted. A preempted request keeps its old block ids in the runner's
-        state until it resumes; finished (aborted) before that, its blocks went
-        at the preemption and may be another request's now: not again."""
+    def _gone_since_last_step(self, scheduler_output) -> tuple[set[str], set[str]]:
+        """The requests whose blocks went since the last step (finished or
+        preempted), and those whose block ids in the runner's state are not
+        theirs in this step. A preempted request keeps its old ids there until
+        it resumes (the runner takes the new ones inside the step); finished
+        (aborted) before that, its blocks went at the preemption and may be
+        another request's now: not again."""
         released = self.__dict__.setdefault("_released_at_preemption", set())
         preempted = scheduler_output.preempted_req_ids or set()
         finished = scheduler_output.finished_req_ids
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        released.difference_update(getattr(cached, "resumed_req_ids", ()))
+        # (preempted and resumed in one step: vLLM's reset_prefix_cache of running requests)
+        resumed = set(getattr(cached, "resumed_req_ids", ()))
+        stale = released | resumed | finished | preempted
         gone = (finished - released) | preempted
-        released.difference_update(finished)
-        released.update(preempted - finished)
-        return gone
+        released.difference_update(finished | resumed)
+        released.update(preempted - finished - resumed)
+        return gone, stale
 
-    def _keep_cached_rows(self, scheduler_output, gone: set[str]) -> None:
+    def _keep_cached_rows(self, scheduler_output, gone: set[str], stale: set[str]) -> None:
         """With prefix caching vLLM keeps a freed block's K/V for a later hit, and
         the pool's rows of it stay too: a capped pool retires those no live
         request holds (first to go) and revives those a request of this step
@@ -318,8 +322,7 @@ class InfiniGenWorkerMixin:
             runtime.data_path.release_blocks(freed)
         if runtime.pool_index.row_map_of(0) is None:
             return  # a slot's row is the slot id: nothing to keep or revive
-        if freed:  # (a preempted request's ids are stale until it resumes)
-            stale = gone | self._released_at_preemption
+        if freed:  # (a resumed request's hit blocks are revived below)
             live = {block for req_id, request in requests.items() if req_id not in stale
                     for block in request.block_ids[group]}
             runtime.pool_index.retire_blocks([block for block in freed if block not in live])
