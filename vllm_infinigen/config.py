@@ -339,6 +339,8 @@ def kv_manager_of(additional_config: dict[str, Any] | None) -> str:
 
 def infinigen_config_of(additional_config: dict[str, Any] | None) -> InfiniGenConfig | None:
     """The InfiniGen config in vLLM's ``additional_config``, or None when off."""
+    if additional_config is not None and not isinstance(additional_config, dict):
+        return None  # vLLM also accepts a hashable config object: not ours
     if kv_manager_of(additional_config) != "infinigen":
         if (additional_config or {}).get("infinigen"):
             raise ValueError(

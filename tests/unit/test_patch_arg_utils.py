@@ -123,6 +123,27 @@ def test_cli_flags_merge_with_additional_config_flag():
     }
 
 
+def test_cli_flags_reach_the_processes_vllm_spawns_with_the_arguments():
+    """``--api-server-count`` > 1 and data parallelism hand the parsed arguments to
+    new processes, which build their engine arguments before loading this plugin
+    (vLLM's stock ``from_cli_args``): the settings travel in --additional-config."""
+    parser = FlexibleArgumentParser()
+    AsyncEngineArgs.add_cli_args(parser)
+    namespace = parser.parse_args(["--model", "x", "--kv-manager", "infinigen",
+                                   "--infinigen-budget", "0.1"])
+    AsyncEngineArgs.from_cli_args(namespace)  # the parent's
+    child = patch_arg_utils._original_from_cli_args.__func__(AsyncEngineArgs, namespace)
+    assert child.additional_config == {"kv_manager": "infinigen", "infinigen": {"budget": 0.1}}
+    assert AsyncEngineArgs.from_cli_args(namespace).additional_config == child.additional_config
+
+
+def test_a_config_object_in_additional_config_is_stock():
+    """vLLM takes any hashable config object there (``SupportsHash``)."""
+    from vllm_infinigen.config import infinigen_config_of
+
+    assert infinigen_config_of(type("Custom", (), {"compute_hash": lambda self: "x"})()) is None
+
+
 def test_cli_bad_flag_value_names_flag():
     with pytest.raises(ValueError, match="--infinigen-budget"):
         parse(["--model", "x", "--kv-manager", "infinigen", "--infinigen-budget", "1.5"])

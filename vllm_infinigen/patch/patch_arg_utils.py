@@ -69,9 +69,13 @@ def _add_cli_args(parser):
 
 def _from_cli_args(cls, args: argparse.Namespace):
     engine_args = _original_from_cli_args.__func__(cls, args)
-    engine_args.additional_config = fold_into_additional_config(
-        engine_args.additional_config, extras_from_cli(args)
-    )
+    folded = fold_into_additional_config(engine_args.additional_config, extras_from_cli(args))
+    if folded != engine_args.additional_config:
+        # Back into the arguments too: vLLM hands them to the processes it spawns
+        # (``--api-server-count``, data parallelism), which parse them before they
+        # load this plugin; they then read the settings from --additional-config.
+        args.additional_config = folded
+    engine_args.additional_config = folded
     return engine_args
 
 
