@@ -49,6 +49,22 @@ def test_binding_keeps_the_budget_and_the_cap_bounds_it():
     assert _select(CAP_BINDING_ALPHA, 1.0, token_cap=30).tolist() == [[30, 30], [30, 30]]
 
 
+def test_the_control_selects_every_token_whatever_the_scores_spread():
+    """The select-all control runs at alpha infinite: at 1,000 (the budget binding's) a
+    score further below the best was dropped (the 12-layer recall models' layers 8-10
+    span about 1,560), and the mean count made the other head drop its lowest too."""
+    eye = [(torch.zeros(4, 1, 8), torch.zeros(2, 1, 8))]
+    form = KeyForm(FormSpec("fp32", "identity", "fp32", 1.0), eye, 1, [0])
+    keys = torch.randn(2, 50, 8, generator=torch.Generator().manual_seed(0))
+    keys[0, 7] *= -1e4  # far below the best
+    query = torch.ones(4, 1, 8)
+    positions = torch.tensor([50])
+    binding = make_selector(form, scale=1.0, alpha=CAP_BINDING_ALPHA, budget=1.0)
+    assert binding(0, query, keys, positions).sum() < 100  # the case the control met
+    select_all = make_selector(form, scale=1.0, alpha=frontier.CONTROL_RULE.alpha, budget=1.0)
+    assert select_all(0, query, keys, positions).sum() == 100
+
+
 def test_the_floor_raises_the_count_under_the_cap():
     small = _select(1e-6, 0.2)  # a tiny alpha counts only the best token
     assert small.max() <= 1
