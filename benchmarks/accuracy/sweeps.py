@@ -135,12 +135,16 @@ def selection_grid(budgets: Sequence[float], policies: Sequence[str] = ("infinig
     they also work on runtimes without ``--infinigen-policy``); otherwise every
     setting names its policy, since a switched policy stays in force. The
     select-all control is InfiniGen's rule and comes last (its alpha stays).
+    Beside a baseline, InfiniGen's settings keep no recent window (``recent_tokens``
+    0): its default 16 tokens come on top of the budget, which no baseline has.
     """
     unknown = set(policies) - set(POLICIES)
     if unknown:
         raise ValueError(f"unknown policies {sorted(unknown)}; known: {POLICIES}")
     explicit = list(policies) != ["infinigen"]
-    grid = [{**({"policy": policy} if explicit else {}), "budget": budget}
+    fair = {"recent_tokens": 0} if set(policies) - {"infinigen"} else {}
+    grid = [{**({"policy": policy} if explicit else {}), "budget": budget,
+             **(fair if policy == "infinigen" else {})}
             for policy in policies for budget in budgets]
     if select_all_control:
         grid.append({**({"policy": "infinigen"} if explicit else {}), **SELECT_ALL})

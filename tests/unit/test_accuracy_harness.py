@@ -434,7 +434,9 @@ def test_selection_grid_names_policies_only_when_swept():
     assert sweeps.selection_grid([0.1], select_all_control=True) == [
         {"budget": 0.1}, {"budget": 1.0, "alpha": 1e4}]
     grid = sweeps.selection_grid([0.1, 0.2], ["infinigen", "h2o"], select_all_control=True)
-    assert grid == [{"policy": "infinigen", "budget": 0.1}, {"policy": "infinigen", "budget": 0.2},
+    # beside a baseline InfiniGen keeps no recent window on top of the budget
+    assert grid == [{"policy": "infinigen", "budget": 0.1, "recent_tokens": 0},
+                    {"policy": "infinigen", "budget": 0.2, "recent_tokens": 0},
                     {"policy": "h2o", "budget": 0.1}, {"policy": "h2o", "budget": 0.2},
                     {"policy": "infinigen", "budget": 1.0, "alpha": 1e4}]
     assert [sweeps.policy_of(s) for s in grid] == ["infinigen"] * 2 + ["h2o"] * 2 + ["infinigen"]
