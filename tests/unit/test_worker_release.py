@@ -35,6 +35,7 @@ def _worker(prefix_caching: bool):
     runtime.release_blocks = lambda block_ids: InfiniGenRuntime.release_blocks(runtime, block_ids)
     worker = object.__new__(_Worker)
     worker.infinigen_runtime, worker._dense_group = runtime, 0
+    worker._released_at_preemption = set()  # (load_model's)
     worker.cache_config = SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BLOCK)
     worker.model_runner = SimpleNamespace(requests={})
     return worker, pool

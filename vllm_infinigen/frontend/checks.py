@@ -32,6 +32,7 @@ from vllm_infinigen.config import (
 )
 from vllm_infinigen.layout import FP8_KV_CACHE_DTYPES, ModelLayout
 from vllm_infinigen.platforms import WORKERS, platform_name, refusal_for, worker_cls_for
+from vllm_infinigen.policies import FP8_KV_REFUSAL, POLICY_TRAITS
 
 logger = init_logger(__name__)
 
@@ -126,10 +127,9 @@ def check_engine_args(args: EngineArgs, config: InfiniGenConfig | None = None,
         if args.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
             refuse(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported; use auto or "
                    f"one of {', '.join(FP8_KV_CACHE_DTYPES)}")
-        if config.policy != "infinigen":
+        if not POLICY_TRAITS[config.policy].supports_fp8_kv:
             refuse(f"--kv-cache-dtype {args.kv_cache_dtype}: {flag('policy')} {config.policy} "
-                   f"reads the pool with torch in the model's dtype; use --kv-cache-dtype auto "
-                   f"or {flag('policy')} infinigen")
+                   f"{FP8_KV_REFUSAL}; use --kv-cache-dtype auto or {flag('policy')} infinigen")
     model_config = None  # built once, after the refusals that need none
     if hf_config is None:
         model_config = args.create_model_config()

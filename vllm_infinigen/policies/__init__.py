@@ -31,6 +31,8 @@ class PolicyTraits:
     path: str  # "module:class" of its ``SelectionPolicy``
     # Runs on a pool capped by --infinigen-cpu-pool-gib (tokens may be evicted).
     supports_capped_pool: bool = False
+    # Runs over FP8 K/V (--kv-cache-dtype fp8*); otherwise ``FP8_KV_REFUSAL``.
+    supports_fp8_kv: bool = False
     # Why --infinigen-eval-dense-prefix cannot measure it (None: it can).
     eval_mode_refusal: str | None = None
     # Tokens per page of its per-slot state (pages of slot ids): the block
@@ -46,7 +48,7 @@ class PolicyTraits:
 
 _REGISTRY = {
     "infinigen": PolicyTraits("vllm_infinigen.policies.infinigen:InfiniGenPolicy",
-                              supports_capped_pool=True),
+                              supports_capped_pool=True, supports_fp8_kv=True),
     "h2o": PolicyTraits(
         "vllm_infinigen.policies.h2o:H2OPolicy",
         eval_mode_refusal="H2O's scores accumulate over decode steps one token at a time, "
@@ -63,6 +65,8 @@ _REGISTRY = {
 }
 POLICY_NAMES = tuple(_REGISTRY)
 POLICY_TRAITS = _REGISTRY
+# Why a policy without ``supports_fp8_kv`` cannot run over FP8 K/V.
+FP8_KV_REFUSAL = "reads the pool with torch in the model's dtype"
 
 
 def check_block_size(block_size: int) -> None:

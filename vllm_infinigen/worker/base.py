@@ -35,7 +35,7 @@ from vllm_infinigen.engine_setup import EngineSetup, engine_setup
 from vllm_infinigen.layout import kv_dtype
 from vllm_infinigen.memory import BlockCosts, block_costs, cap_rows, plan_pool
 from vllm_infinigen.patch import patch_seeded_sampling
-from vllm_infinigen.policies import POLICY_TRAITS
+from vllm_infinigen.policies import FP8_KV_REFUSAL, POLICY_TRAITS
 from vllm_infinigen.scheduler.spec import InfiniGenSparseSpec, dense_group_index
 from vllm_infinigen.skewing.tables import load_skew_tables, model_files, model_fingerprint
 from vllm_infinigen.worker import restore
@@ -167,6 +167,8 @@ class InfiniGenWorkerMixin:
     def load_model(self, *args, **kwargs) -> None:
         self.infinigen = engine_setup(self.vllm_config)
         self._pool_budget: tuple[int | None, str] = (None, "")
+        # Requests whose blocks went at their preemption, not yet resumed or finished.
+        self._released_at_preemption: set[str] = set()
         sparse = set(self.infinigen.layout.sparse_layers)
         with self.capture_query_weights(sparse) as query_weights:
             super().load_model(*args, **kwargs)
@@ -200,10 +202,11 @@ class InfiniGenWorkerMixin:
             ValueError: On a setting prefix caching cannot run with, when on.
         """
         policy = changes.get("policy")
-        if policy not in (None, "infinigen") and self.infinigen.kv_dtype_bytes == 1:
-            raise ValueError(f"{flag('policy')} {policy} reads the pool with torch in the "
-                             "model's dtype, and this engine's K/V is FP8 (--kv-cache-dtype); "
-                             f"start the engine without --kv-cache-dtype to run {policy}")
+        if (policy in POLICY_TRAITS and not POLICY_TRAITS[policy].supports_fp8_kv
+                and self.infinigen.kv_dtype_bytes == 1):
+            raise ValueError(f"{flag('policy')} {policy} {FP8_KV_REFUSAL}, and this engine's "
+                             "K/V is FP8 (--kv-cache-dtype); start the engine without "
+                             f"--kv-cache-dtype to run {policy}")
         uncapped = _uncapped_only(policy) if policy in POLICY_TRAITS else None
         if uncapped and self.infinigen_runtime.pool_index.row_map_of(0) is not None:
             raise ValueError(f"{uncapped} runs on an uncapped pool, and this engine's pool "
@@ -296,7 +299,7 @@ class InfiniGenWorkerMixin:
         it resumes (the runner takes the new ones inside the step); finished
         (aborted) before that, its blocks went at the preemption and may be
         another request's now: not again."""
-        released = self.__dict__.setdefault("_released_at_preemption", set())
+        released = self._released_at_preemption
         preempted = scheduler_output.preempted_req_ids or set()
         finished = scheduler_output.finished_req_ids
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
