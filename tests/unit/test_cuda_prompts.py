@@ -117,6 +117,18 @@ def test_a_chunked_prompt_attends_over_its_cached_blocks_without_staging(monkeyp
             assert (cache.slot_of[0, block * KV_HEADS:(block + 1) * KV_HEADS] >= 0).all()
 
 
+def test_a_prompts_one_token_last_chunk_attends_its_whole_prompt():
+    """A one-token chunk (a prefill's remainder, or all but the last token a
+    prefix-cache hit) is a prompt row: it attends the whole prompt, as on the CPU
+    (the CUDA worker plans such a step on the host: ``cuda/worker.py``)."""
+    pair = _Prompts()
+    pair.step([15], torch.randn(15, HEADS, DIM))
+    assert pair.plan([16]).prompt_requests.tolist() == [0]
+    got, expected = pair.step([16], torch.randn(1, HEADS, DIM))
+    torch.testing.assert_close(got, expected)
+    assert got.abs().sum() > 0
+
+
 def test_the_cached_copies_hold_the_pools_bytes():
     """The write stores the prompt's tokens into the blocks placed for it: every
     cached copy equals its pool unit (FP8 bytes included)."""

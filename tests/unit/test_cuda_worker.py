@@ -101,3 +101,99 @@ def test_the_device_block_cache_at_vllms_defaults_and_with_a_cap():
     assert round(gib(256, 8192, None)) == 241  # every block below the min context
     assert round(gib(256, 131072, 4096)) == 244
     assert round(gib(32, 131072, 4096), 1) == 30.4
+
+
+class _Dispatcher:
+    """vLLM's CUDA graph dispatcher as the runner asks it: a full graph for a
+    uniform decode batch, piecewise for a mixed one."""
+
+    def dispatch(self, num_tokens, uniform_decode, **_):
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import BatchDescriptor
+
+        mode = CUDAGraphMode.FULL if uniform_decode else CUDAGraphMode.PIECEWISE
+        return mode, BatchDescriptor(num_tokens=num_tokens, uniform=uniform_decode)
+
+
+def _runner(computed, prompts):
+    """vLLM's own batch decision (GPUModelRunner's methods) over an input batch
+    of these computed and prompt token counts."""
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class Runner:
+        _is_uniform_decode = staticmethod(GPUModelRunner._is_uniform_decode)
+        _determine_batch_execution_and_padding = (
+            GPUModelRunner._determine_batch_execution_and_padding)
+
+    runner = Runner()
+    runner.uniform_decode_query_len = 1
+    runner.cudagraph_dispatcher = _Dispatcher()
+    runner.model_config = SimpleNamespace(is_encoder_decoder=False)
+    runner.vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_size=1),
+        observability_config=SimpleNamespace(cudagraph_metrics=False))
+    runner.input_batch = SimpleNamespace(
+        lora_id_to_lora_request={},
+        num_computed_tokens_cpu=np.array(computed + [7, 7], dtype=np.int32),  # stale rows
+        num_prompt_tokens=np.array(prompts + [9, 9], dtype=np.int32))
+    return runner
+
+
+def _decide(runner, num_reqs, **kwargs):
+    import numpy as np
+
+    mode, batch, *_ = runner._determine_batch_execution_and_padding(
+        num_tokens=num_reqs, num_reqs=num_reqs, max_num_scheduled_tokens=1,
+        num_scheduled_tokens_np=np.ones(num_reqs, dtype=np.int32), **kwargs)
+    return mode.name, batch.uniform
+
+
+def test_a_one_token_prompt_chunk_among_decodes_is_dispatched_and_planned_as_a_prompt():
+    """A prompt's one-token last chunk (here: 99 of its 100 tokens computed, a
+    prefix-cache hit or a chunked prefill's remainder) beside a decode row: vLLM
+    calls the step a uniform decode by its query lengths and would replay the
+    full decode graph, whose device plan attends every row over a selection.
+    The CUDA worker makes vLLM dispatch it as a mixed batch, planned on the host."""
+    from vllm_infinigen.platforms.cuda.worker import dispatch_prompt_rows_as_prompts
+
+    # row 0 decodes (its 120 tokens past a 100-token prompt), row 1 a prompt's last token
+    stock = _runner([120, 99], [100, 100])
+    assert _decide(stock, 2) == ("FULL", True)  # vLLM's own decision
+
+    runtime = SimpleNamespace(plan_on_host=None)
+    runner = _runner([120, 99], [100, 100])
+    dispatch_prompt_rows_as_prompts(runner, runtime)
+    assert _decide(runner, 2) == ("PIECEWISE", False)
+    assert runtime.plan_on_host is True
+    # every row past its prompt: the full decode graph and the device plan, as stock
+    # (the batch's stale rows beyond num_reqs are not read)
+    decoding = _runner([120, 100], [100, 100])
+    dispatch_prompt_rows_as_prompts(decoding, runtime)
+    assert _decide(decoding, 2) == ("FULL", True)
+    assert runtime.plan_on_host is False
+    # vLLM's captures force their decision: left as they are
+    assert _decide(runner, 2, force_uniform_decode=True) == ("FULL", True)
+    assert runtime.plan_on_host is False
+
+
+def test_the_runtime_plans_a_step_on_the_host_when_the_worker_says_so():
+    """The same uniform step's plan: on the device (every row selects), or on
+    the host, where the prompt's last token is a prompt row."""
+    from vllm_infinigen.config import InfiniGenConfig
+    from vllm_infinigen.worker.runtime import InfiniGenRuntime
+
+    runtime = SimpleNamespace(
+        _plan_source=None, plan_on_host=False, config=InfiniGenConfig(alpha=1.0, min_context=0),
+        data_path=SimpleNamespace(plans_on_device=True),
+        prompt_lens_of=lambda num_reqs: torch.tensor([100, 100])[:num_reqs])
+    metadata = SimpleNamespace(seq_lens=torch.tensor([121, 100], dtype=torch.int32),
+                               query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+                               block_table=torch.zeros((2, 8), dtype=torch.int32),
+                               max_query_len=1)
+    plan = InfiniGenRuntime.plan_for(runtime, metadata, 16)
+    assert plan.on_device and plan.num_decodes == 2
+    runtime._plan_source, runtime.plan_on_host = None, True
+    plan = InfiniGenRuntime.plan_for(runtime, metadata, 16)
+    assert not plan.on_device and plan.num_decodes == 1
+    assert plan.prompt_requests.tolist() == [1] and plan.tokens.tolist() == [0]

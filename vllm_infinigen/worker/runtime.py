@@ -13,14 +13,13 @@ Data path of one decode step, for a model with L layers and ``dense_layers=2``::
 Sparse layers hold no blocks in vLLM's cache (``scheduler/spec.py``); their K/V and
 speculation keys live in ``LayerState`` buffers addressed by the dense group's
 block ids. In models with sliding-window layers beside full-attention ones
-(Gemma 3, ``layout.window_layers``) the windowed layers are left to vLLM and
-the split above runs over the full-attention layers alone: layer i is then the
-i-th full-attention layer, and it speculates for the next full-attention
-layer from its own attention input. Rows with a context shorter than ``min_context`` attend densely
-over the pool; prompt rows attend causally over it. Where the bytes live and
-how they move, and the selecting, is the platform's ``DataPath``
-(``data_path.py``; the CPU's compiled kernels in ``platforms/cpu/kernels/``,
-CUDA's Triton kernels in ``platforms/cuda/kernels/``).
+(Gemma 3, ``layout.window_layers``) the windowed layers are left to vLLM and the
+split above runs over the full-attention layers alone: layer i is then the i-th
+full-attention layer, and it speculates for the next one from its own attention
+input. Rows with a context shorter than ``min_context`` attend densely over the
+pool; prompt rows attend causally over it. Where the bytes live and how they
+move, and the selecting, is the platform's ``DataPath`` (``data_path.py``; the
+CPU's kernels in ``platforms/cpu/kernels/``, CUDA's in ``platforms/cuda/kernels/``).
 """
 
 from __future__ import annotations
@@ -108,6 +107,7 @@ class InfiniGenRuntime:
         self._closing: tuple[torch.Tensor, bool] | None = None
         self._plan_source: object | None = None
         self._plan: StepPlan | None = None
+        self.plan_on_host = False  # a prompt row vLLM calls a decode (``cuda/worker.py``)
 
     def _layer_states(self, sources: Sequence[LayerSource]) -> list[LayerState]:
         """Layer states, built last first: the full-attention layer before a
@@ -205,8 +205,7 @@ class InfiniGenRuntime:
             raise ValueError(f"{sorted(set(changes) - allowed)}: only {sorted(allowed)} can "
                              "change at run time; start the engine with the others' flags")
         config = dataclasses.replace(self.config, **changes)
-        # alpha None: off, resolved as at start-up (the kernels take a number)
-        config = dataclasses.replace(config, alpha=config.resolved_alpha())
+        config = dataclasses.replace(config, alpha=config.resolved_alpha())  # None: off
         policy = self.policies.get(config.policy)  # first: a refusal changes nothing
         self.data_path.configure(config)
         self.config, self.policy = config, policy
@@ -304,8 +303,9 @@ class InfiniGenRuntime:
     def plan_for(self, attn_metadata, block_size: int) -> StepPlan:
         """The step's rows, from the dense group's metadata (cached per step)."""
         if self._plan_source is not attn_metadata:
+            on_device = self.data_path.plans_on_device and not self.plan_on_host
             self._plan = build_plan(attn_metadata, self.config, block_size, self.prompt_lens_of,
-                                    on_device=self.data_path.plans_on_device)
+                                    on_device=on_device)
             self._plan_source = attn_metadata
         return self._plan
 

@@ -10,6 +10,8 @@ imports on the CPU build, whose own worker extends the same
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu_worker import Worker
@@ -39,6 +41,10 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
 
     def infinigen_data_path(self, config: InfiniGenConfig) -> CudaDataPath:
         return CudaDataPath(self.device, self._cache_slots_per_head(config))
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        dispatch_prompt_rows_as_prompts(self.model_runner, self.infinigen_runtime)
 
     def compile_or_warm_up_model(self):
         """vLLM's, with ``--infinigen-residency device-first`` capturing the
@@ -95,3 +101,32 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
             available / 2**30, split.kv_space / 2**30, layout.group_size,
             split.speculation / 2**30, split.cache / 2**30, slots)
         return split.kv_space, None, "host memory, a row per slot of the dense group"
+
+
+def dispatch_prompt_rows_as_prompts(runner, runtime) -> None:
+    """vLLM calls a step a uniform decode by its query lengths alone, so a prompt
+    whose last chunk is one token (a chunked prefill's remainder, or a prefix-cache
+    hit of all but its last token) beside decode rows would replay the full decode
+    graph, whose device plan attends every row over a selection. Such a step is
+    dispatched as a mixed batch instead (``force_uniform_decode=False``: vLLM's
+    piecewise graphs, or eager) and planned on the host (``runtime.plan_on_host``),
+    where the row is a prompt row and attends the whole prompt. The input batch's
+    computed counts are the step's, host arrays (no device read)."""
+    decide = runner._determine_batch_execution_and_padding
+    signature = inspect.signature(decide)
+
+    def determine(*args, **kwargs):
+        step = signature.bind(*args, **kwargs).arguments
+        num_reqs = step["num_reqs"]
+        batch = runner.input_batch
+        runtime.plan_on_host = (
+            step.get("force_uniform_decode") is None  # (vLLM's captures force it)
+            and step["max_num_scheduled_tokens"] == 1
+            and bool((batch.num_computed_tokens_cpu[:num_reqs]
+                      < batch.num_prompt_tokens[:num_reqs]).any()))
+        if runtime.plan_on_host:
+            kwargs = {**step, "force_uniform_decode": False}
+            args = ()
+        return decide(*args, **kwargs)
+
+    runner._determine_batch_execution_and_padding = determine
