@@ -104,13 +104,19 @@ def test_cuda_refuses_a_piecewise_graph_around_host_planning(monkeypatch, kwargs
     ({"policy": "h2o"}, "--infinigen-policy"),
     ({"transfer": "copy"}, "--infinigen-transfer"),
     ({"residency": "device-first"}, "--enable-dbo"),
-], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo"])
+    ({}, "--enable-dbo"),
+    ({"ubatch_size": 2}, "--ubatch-size"),
+], ids=["capped-pool", "baseline", "transfer", "residency-with-dbo", "dbo", "ubatch"])
 def test_cuda_refuses_what_its_data_path_cannot_run(monkeypatch, settings, flag):
-    """With vLLM's default graphs, through the front end (platform faked)."""
+    """With vLLM's default graphs, through the front end (platform faked).
+    Micro-batching in any residency: its two parts of a step run layer by layer in
+    turn, and each layer keeps one selection (the first part's taken by the second)."""
     from vllm.platforms import current_platform
 
+    settings = dict(settings)
+    kwargs = ({"ubatch_size": settings.pop("ubatch_size")} if "ubatch_size" in settings
+              else {"enable_dbo": True} if flag == "--enable-dbo" else {})
     config = InfiniGenConfig(**settings)
-    kwargs = {"enable_dbo": True} if "residency" in settings else {}
     assert refusal_for("cpu", _args(**kwargs), config) is None
     assert flag in refusal_for("cuda", _args(**kwargs), config)
     monkeypatch.setattr(current_platform, "_enum", PlatformEnum.CUDA)

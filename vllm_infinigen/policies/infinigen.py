@@ -55,7 +55,10 @@ def partial_query(target: LayerState, hidden: torch.Tensor,
     if projection is not None:  # only the query rows (a platform's copy)
         query = projection(hidden)
     else:
-        qkv, _ = target.qkv_proj.forward(hidden)  # not __call__: skip its capture hook
+        # vLLM's LoRA wraps qkv_proj (its kernels index the step's every token, not
+        # these rows): the base weights, as the CPU build's copy (README, Limits)
+        module = getattr(target.qkv_proj, "base_layer", target.qkv_proj)
+        qkv, _ = module.forward(hidden)  # not __call__: skip its capture hook
         query = qkv[:, :num_heads * head_size]
     if target.q_norm is not None:
         # query: [S, H_q * D] -> per head [S, H_q, D], as vLLM's Qwen3Attention.

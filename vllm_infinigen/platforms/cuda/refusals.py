@@ -40,10 +40,11 @@ def refusal(args: EngineArgs, config: InfiniGenConfig) -> str | None:
     if config.cpu_pool_gib is not None:
         return (f"{flag('cpu_pool_gib')} is not supported on CUDA (the device block cache "
                 f"gathers whole blocks from a pool with a row per slot); remove it")
-    if config.device_first and getattr(args, "enable_dbo", False):
-        return (f"{flag('residency')} device-first keeps two sets of full CUDA graphs, which "
-                f"vLLM's micro-batching wrapper does not expose; remove --enable-dbo or "
-                f"{flag('residency')}")
+    if getattr(args, "enable_dbo", False) or (getattr(args, "ubatch_size", 0) or 0) > 1:
+        # (and device-first's two sets of full graphs, which its wrapper does not expose)
+        return ("vLLM's micro-batching (--enable-dbo, --ubatch-size) runs two parts of a "
+                "step in turn, layer by layer, and InfiniGen keeps one selection per layer "
+                "and step: remove --enable-dbo and --ubatch-size")
     if config.policy != "infinigen":
         return (f"{flag('policy')} {config.policy} runs on the CPU build only; on CUDA use "
                 f"{flag('policy')} infinigen")
