@@ -66,8 +66,11 @@ CONTROL = speculation_keys.CONTROL
 # The bytes column: a Llama-3-8B-like head (128 channels) with the int keys a
 # bfloat16 cache stores (2 bits; 48 B per token and KV head).
 BYTES_HEAD_DIM, BYTES_BITS = 128, 2
-DEFAULT_SPEED = [paths.RESULTS / "decode_paired_gqa128.json",
-                 paths.RESULTS / "decode_paired_gqa128_density.json"]
+# The CPU step with the product's default keys (bounds), float32, 16K x 1: the
+# default layers at budget 0.2 and at 1.6 % kept; one dense layer, previous- and
+# same-layer. A rule's estimate reads the points of its own layers and speculation.
+DEFAULT_SPEED = [paths.RESULTS / f"decode_paired_gqa128_{name}.json" for name in (
+    "default_16k", "query_op_low", "dense1_low", "dense1_same_layer_low")]
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,8 @@ def selection_bytes(rule: Rule, result: dict, head_dim: int = BYTES_HEAD_DIM,
 
 def speed_points(paths_: list[Path], context: int, dtype: str) -> list[dict]:
     """(selected fraction, ms per step, ÷ dense) of InfiniGen's rows at ``context`` x 1,
-    from paired decode results files that exist (their provenance kept)."""
+    from paired decode results files that exist (their provenance, dense layers and
+    speculation kept: ``frontier_report`` estimates a rule from its own)."""
     points = []
     for path in paths_:
         if not Path(path).exists():
@@ -282,7 +286,10 @@ def speed_points(paths_: list[Path], context: int, dtype: str) -> list[dict]:
                            "ms_per_step": row["decode_ms_per_step"],
                            "vs_dense": 1.0 / row["paired_speedup"], "config": row["config"],
                            "file": str(Path(path).name),
-                           "commit": saved["meta"].get("repo_commit")})
+                           "commit": saved["meta"].get("repo_commit"),
+                           "dense_layers": saved["settings"].get("dense_layers"),
+                           "speculation": (saved["settings"].get("speculation")
+                                           or "previous-layer")})
     return sorted(points, key=lambda p: p["density"])
 
 

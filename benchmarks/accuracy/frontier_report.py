@@ -55,12 +55,32 @@ def ratio(row: dict, dense: dict, bucket: str | None = None) -> float:
     return value / base if base else math.nan
 
 
+def speculation_of(rule: str) -> str:
+    """A rule's speculation: its name says same-layer (the report's convention)."""
+    return "same-layer" if "same-layer" in rule else "previous-layer"
+
+
+def dense_layers_of(payload: dict) -> int:
+    """The run's dense layers: the first sparse layer's index (every task alike)."""
+    return min(min(info["sparse_layers"]) for info in payload["tasks"].values())
+
+
+def points_for(points: list[dict], dense_layers: int, speculation: str) -> list[dict]:
+    """The speed points measured with these dense layers and speculation (points
+    that do not say, from files before they did, are none's)."""
+    return [p for p in points if p.get("dense_layers") == dense_layers
+            and p.get("speculation") == speculation]
+
+
 def frontier_rows(payload: dict) -> list[dict]:
-    """One row per setting: its ratios on every task, densities and the speed estimate."""
+    """One row per setting: its ratios on every task, densities and the speed
+    estimate from the points of its own dense layers and speculation (none if
+    no paired run measured them)."""
     tasks = _by_task(payload)
     labels = [row["label"] for row in payload["results"] if "label" in row]
     labels = list(dict.fromkeys(labels))
     points = payload.get("speed", [])
+    dense_layers = dense_layers_of(payload)
     rows = []
     for label in labels:
         entry: dict = {"label": label, "ratios": {}, "first_quarter": {}, "density": {},
@@ -80,7 +100,9 @@ def frontier_rows(payload: dict) -> list[dict]:
         if entry.get("token_cap"):
             base = min(base, entry["token_cap"] / SPEED_CONTEXT)
         entry["density_16k"] = base
-        estimate = interpolate(points, base)
+        rule = next(row["rule"] for rows_of in tasks.values() for key, row in rows_of.items()
+                    if key == label)
+        estimate = interpolate(points_for(points, dense_layers, speculation_of(rule)), base)
         entry["vs_dense_16k"], entry["extrapolated"] = estimate if estimate else (None, None)
         entry["meets"] = meets(entry)
         rows.append(entry)
@@ -112,8 +134,9 @@ def sections(payload: dict, plot_name: str = "frontier.png") -> list[str]:
         "book: perplexity / dense (1 = no loss). Density: selected / context entries over "
         "the sparse layers, rows and KV heads. Speed: the 16K x 1 float32 decode step over "
         f"dense's at the density kept on {DENSITY_TASK} (a token cap bounds it to cap / "
-        "16K), interpolated between paired decode runs' measured points (`*`: outside them, "
-        f"extrapolated). Meets: retrieval >= {RECALL_TARGET}x dense on both 12-layer models "
+        "16K), interpolated between the measured points of paired decode runs with the "
+        "setting's dense layers and speculation, the product's default keys (`*`: outside "
+        "them, extrapolated; empty: no run measured them). Meets: retrieval >= {RECALL_TARGET}x dense on both 12-layer models "
         f"overall and first ¼, perplexity <= {PERPLEXITY_TARGET}x. B / token: the bytes "
         "the selection reads per context token and KV head per step at head_dim 128 with "
         "the 2-bit int keys of a bfloat16 cache (48 B; 4-bit: 80), the bounds' 8 / 4-bit "
@@ -173,9 +196,11 @@ def sections(payload: dict, plot_name: str = "frontier.png") -> list[str]:
     points = payload.get("speed", [])
     if points:
         out.append("## Speed points (paired decode, 16K x 1)\n\n" + report.markdown_table(
-            ["file", "commit", "config", "density", "ms per step", "÷ dense"],
-            [[p["file"], str(p["commit"])[:10], p["config"], f"{p['density']:.4f}",
-              f"{p['ms_per_step']:.1f}", f"{p['vs_dense']:.2f}"] for p in points]))
+            ["file", "commit", "config", "dense layers", "speculation", "density",
+             "ms per step", "÷ dense"],
+            [[p["file"], str(p["commit"])[:10], p["config"], str(p.get("dense_layers", "")),
+              p.get("speculation", ""), f"{p['density']:.4f}", f"{p['ms_per_step']:.1f}",
+              f"{p['vs_dense']:.2f}"] for p in points]))
     out.append(f"![accuracy against the step]({plot_name})")
     return out
 

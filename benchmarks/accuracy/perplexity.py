@@ -222,8 +222,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweeps.add_selection_options(parser, [0.05, 0.1, 0.2, 0.4], sweeps.POLICIES)
     parser.add_argument("--alpha", type=float, default=None,
                         help="InfiniGen alpha (default: the paper's value)")
-    parser.add_argument("--sink-tokens", type=int, default=0)
-    parser.add_argument("--recent-tokens", type=int, default=0)
+    parser.add_argument("--sink-tokens", type=int, default=None,
+                        help="--infinigen-sink-tokens (default: the engine's)")
+    parser.add_argument("--recent-tokens", type=int, default=None,
+                        help="--infinigen-recent-tokens (default: the engine's; 0 for "
+                             "InfiniGen beside a baseline policy)")
     parser.add_argument("--scoring", choices=SCORINGS, default="decode")
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="P: dense-prefill tokens per window")
@@ -243,7 +246,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.text is None:
         args.text = FRANKENSTEIN if args.model == GUTENBERG else TINYSTORIES
     sweeps.check_budgets(parser, args.budget)
-    if min(args.sink_tokens, args.recent_tokens) < 0:
+    if min(args.sink_tokens or 0, args.recent_tokens or 0) < 0:
         parser.error("--sink-tokens and --recent-tokens must be >= 0")
     if args.prompt_tokens < 1 or args.score_tokens < 1:
         parser.error("--prompt-tokens and --score-tokens must be >= 1")

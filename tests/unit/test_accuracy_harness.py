@@ -29,7 +29,7 @@ from benchmarks.accuracy import (
     perplexity,
     retrieval,
 )
-from benchmarks.harness import report
+from benchmarks.harness import engines, report
 from benchmarks.accuracy.teacher_forcing import split_for_decode
 from tests.reference import lm_eval_requests
 from tests.reference.lm_eval_requests import COPA, OBQA, PIQA, RTE, WINO
@@ -252,6 +252,30 @@ def test_a_linear_rope_factor_reaches_both_engines(monkeypatch, tmp_path):
     linear = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}
     assert started == [("vllm", linear), ("infinigen", linear)]
     assert retrieval.rope_overrides(tmp_path, None) == {}
+
+
+def test_perplexity_starts_infinigen_with_the_engines_sink_and_recent_window(
+        monkeypatch, tmp_path):
+    """A perplexity run of the default selection is the product's default (its
+    16 recent tokens): the harness passes no window of its own unless asked
+    (it passed 0, so `perplexity_default` ran without the window)."""
+    started = []
+
+    @contextlib.contextmanager
+    def start_engine(model, kv_manager, **kwargs):
+        started.append(kwargs["infinigen"])
+        yield None
+
+    monkeypatch.setattr(perplexity.sweeps, "start_engine", start_engine)
+    monkeypatch.setattr(perplexity.sweeps, "sweep", lambda llm, kv_manager, settings: [])
+    model = ["--model", str(tmp_path), "--text", str(tmp_path)]
+    perplexity.run_engine(perplexity.parse_args(model), "infinigen", [])
+    perplexity.run_engine(perplexity.parse_args([*model, "--recent-tokens", "0"]),
+                          "infinigen", [])
+    kwargs = [engines.infinigen_kwargs(settings) for settings in started]
+    assert "infinigen_recent_tokens" not in kwargs[0]
+    assert "infinigen_sink_tokens" not in kwargs[0]
+    assert kwargs[1]["infinigen_recent_tokens"] == 0
 
 
 def test_bucket_accuracy_and_recent_window():

@@ -109,13 +109,27 @@ def test_targets_need_both_models_first_quarter_and_the_book():
                 _row("recall-llama-12l", "c @ 0.2, cap 256", 1.0, 1.0, cap=256),
                 _row("recall-llama-12l-4k", "c @ 0.2, cap 256", 0.8, 0.8, density=0.06,
                      cap=256),
-                _row("gutenberg-llama-2k", "c @ 0.2, cap 256", 103.0, cap=256)]  # 1.03x
-    payload = {"results": results, "speed": [{"density": 0.0, "vs_dense": 0.5},
-                                             {"density": 0.2, "vs_dense": 0.9}]}
+                _row("gutenberg-llama-2k", "c @ 0.2, cap 256", 103.0, cap=256),  # 1.03x
+                _row("recall-llama-12l", "d, same-layer @ 0.2", 1.0, 1.0)]
+    two = {"dense_layers": 2, "speculation": "previous-layer"}
+    payload = {"results": results,
+               "tasks": {name: {"sparse_layers": [2, 3]} for name in (
+                   "recall-llama-12l", "recall-llama-12l-4k", "gutenberg-llama-2k")},
+               "speed": [{"density": 0.0, "vs_dense": 0.5, **two},
+                         {"density": 0.2, "vs_dense": 0.9, **two},
+                         {"density": 0.2, "vs_dense": 0.3, **two, "dense_layers": 1},
+                         {"density": 0.1, "vs_dense": 0.6}]}  # (a file before they said)
     rows = {e["label"]: e for e in frontier_report.frontier_rows(payload)}
     assert rows["a @ 0.2"]["meets"] and not rows["b @ 0.2"]["meets"]
     assert not rows["c @ 0.2, cap 256"]["meets"]
+    # each rule's estimate from its own dense layers and speculation, none if unmeasured
     assert rows["a @ 0.2"]["vs_dense_16k"] == pytest.approx(0.9)
+    assert rows["d, same-layer @ 0.2"]["vs_dense_16k"] is None
+    payload["tasks"] = {name: {"sparse_layers": [1, 2, 3]} for name in payload["tasks"]}
+    rows = {e["label"]: e for e in frontier_report.frontier_rows(payload)}
+    assert rows["a @ 0.2"]["vs_dense_16k"] == pytest.approx(0.3)
+    payload["tasks"] = {name: {"sparse_layers": [2, 3]} for name in payload["tasks"]}
+    rows = {e["label"]: e for e in frontier_report.frontier_rows(payload)}
     # a token cap bounds the density at 16K to cap / 16K
     assert rows["c @ 0.2, cap 256"]["density_16k"] == pytest.approx(256 / 16384)
 
