@@ -22,12 +22,18 @@ DENSITY_TASK = "recall-llama-12l-4k"
 SPEED_CONTEXT = 16384
 
 
+REACH = 0.1  # how far past the measured densities an estimate extrapolates (relative)
+
+
 def interpolate(points: list[dict], density: float) -> tuple[float, bool] | None:
-    """(step / dense, extrapolated?) at ``density``, linear between the measured points."""
+    """(step / dense, extrapolated?) at ``density``, linear between the measured points;
+    None without points or more than ``REACH`` (relative) outside their densities."""
     if not points:
         return None
     xs = [p["density"] for p in points]
     ys = [p["vs_dense"] for p in points]
+    if not xs[0] * (1 - REACH) <= density <= xs[-1] * (1 + REACH):
+        return None
     if len(points) == 1:
         return ys[0], density != xs[0]
     if density <= xs[0] or density >= xs[-1]:
@@ -135,8 +141,10 @@ def sections(payload: dict, plot_name: str = "frontier.png") -> list[str]:
         "the sparse layers, rows and KV heads. Speed: the 16K x 1 float32 decode step over "
         f"dense's at the density kept on {DENSITY_TASK} (a token cap bounds it to cap / "
         "16K), interpolated between the measured points of paired decode runs with the "
-        "setting's dense layers and speculation, the product's default keys (`*`: outside "
-        "them, extrapolated; empty: no run measured them). Meets: retrieval >= {RECALL_TARGET}x dense on both 12-layer models "
+        "setting's dense layers and speculation, the product's default keys (`*`: "
+        f"extrapolated, at most {REACH:.0%} past them; empty: no run measured near it). "
+        "Meets: retrieval >= "
+        f"{RECALL_TARGET}x dense on both 12-layer models "
         f"overall and first ¼, perplexity <= {PERPLEXITY_TARGET}x. B / token: the bytes "
         "the selection reads per context token and KV head per step at head_dim 128 with "
         "the 2-bit int keys of a bfloat16 cache (48 B; 4-bit: 80), the bounds' 8 / 4-bit "

@@ -77,9 +77,14 @@ def test_interpolation_is_linear_between_points_and_says_when_outside():
     points = [{"density": 0.0, "vs_dense": 0.5}, {"density": 0.2, "vs_dense": 0.9}]
     value, outside = frontier_report.interpolate(points, 0.1)
     assert value == pytest.approx(0.7) and not outside
-    value, outside = frontier_report.interpolate(points, 0.3)
-    assert value == pytest.approx(1.1) and outside
+    value, outside = frontier_report.interpolate(points, 0.21)
+    assert value == pytest.approx(0.92) and outside
+    # no estimate far from what was measured (one point: only near it)
+    assert frontier_report.interpolate(points, 0.3) is None
     assert frontier_report.interpolate([], 0.1) is None
+    one = [{"density": 0.016, "vs_dense": 0.4}]
+    assert frontier_report.interpolate(one, 0.0156) == (0.4, True)
+    assert frontier_report.interpolate(one, 0.2) is None
 
 
 def _row(task, label, value, first=None, density=0.1, budget=0.2, cap=None):
