@@ -172,7 +172,9 @@ class InfiniGenConfig:
     # otherwise rank like any other (gutenberg-llama-2k perplexity 1.021x ->
     # 1.011x dense at budget 0.2, benchmarks/results/frontier_recent.md).
     recent_tokens: int = setting(16, "Last context tokens always attended, on top of the "
-                                 "budget.", check=_count(0), runtime=True)
+                                 "budget (the bound keys count the row's own unit of 16 "
+                                 "in the budget: the window adds the tokens before it).",
+                                 check=_count(0), runtime=True)
     transfer: str = setting(
         "auto", "How selected KV reaches the attention: in-place (CPU: read from the "
         "pool), copy (staged by a copy worker), auto (the platform's own).", choices=TRANSFERS)

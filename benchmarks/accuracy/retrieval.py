@@ -16,12 +16,13 @@ length: first quarter < 0.25 <= middle < 0.75 <= last quarter).
 
 Settings: dense vLLM; each ``--policy`` (InfiniGen, or the runtime's
 baselines H2O, StreamingLLM, Quest) at each ``--budget`` (one engine per
-``--dense-layers`` and ``--calibration`` value, budgets swept on it). The
-skew (partial-channel choice) is calibrated on text: ``default`` is the
-engine's bundled English text, which this model's word-level tokenizer turns
-into ``<unk>`` only; ``synthetic`` is one 1,024-token sequence in the task's
+``--dense-layers`` and ``--calibration`` value, budgets swept on it).
+``--calibration default`` (the default) runs the engine's own speculation keys
+(the bounds, no skew); ``synthetic`` runs the partial keys with a skew
+(partial-channel choice) calibrated on one 1,024-token sequence in the task's
 format from a seeded generator (not from the evaluation file), prepared with
-``vllm_infinigen.skewing`` as ``vllm-infinigen prepare`` does. With ``--streaming-approx``,
+``vllm_infinigen.skewing`` as ``vllm-infinigen prepare`` does (results files
+before the bounds were the product's default ran ``synthetic``, labelled so). With ``--streaming-approx``,
 InfiniGen at budget 0.001 (1 selected token) plus sink 4 + recent 128: an
 *approximation* of a StreamingLLM cache (first 4 + last 128 tokens) in the
 sparse layers only (the dense layers still see everything, and the current
@@ -333,9 +334,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speculation", default=None, choices=SPECULATIONS,
                         help="--infinigen-speculation (default: the engine's, previous-layer)")
     sweeps.add_kv_cache_dtype_option(parser)
-    parser.add_argument("--calibration", nargs="+", default=["synthetic"],
+    parser.add_argument("--calibration", nargs="+", default=["default"],
                         choices=["default", "synthetic"],
-                        help="skew calibration text; one engine per value")
+                        help="default: the engine's speculation keys; synthetic: partial "
+                             "keys with a skew calibrated on a synthetic recall sequence; "
+                             "one engine per value")
     parser.add_argument("--streaming-approx", action="store_true",
                         help="also budget 0.001 + sink 4 + recent 128 (StreamingLLM-like, "
                              "sparse layers only)")
