@@ -175,8 +175,7 @@ std::tuple<at::Tensor, at::Tensor> select_bounds(
   const int64_t max_units = max_len / unit;  // complete units of the longest row
   const int64_t num_blocks_max = (max_len + block_size - 1) / block_size;
   static thread_local std::vector<float> score_buffer;  // [B, H_kv, max_units]
-  score_buffer.resize(std::max<int64_t>(1, num_rows * num_heads * max_units));
-  float* scores = score_buffer.data();
+  float* scores = scratch_floats(score_buffer, num_rows * num_heads * max_units);
   const float* queries = query.data_ptr<float>();
   const uint8_t* code_data = bounds.data_ptr<uint8_t>();
   const at::Half* scale_data = scales.data_ptr<at::Half>();

@@ -24,6 +24,18 @@ constexpr int64_t kVecSize = fVec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
+// A calling thread's scratch of n floats, kept across calls (a selection op's
+// scores: rows x KV heads x the longest context). Given back when a call needs
+// under a quarter of a large one, or one burst of long contexts would hold its
+// peak for the process's life (1 GiB at 32 rows x 8 heads x 1M tokens).
+inline float* scratch_floats(std::vector<float>& buffer, int64_t n) {
+  constexpr size_t kKeep = size_t{1} << 22;  // 16 MiB: kept whatever the need
+  const size_t need = static_cast<size_t>(std::max<int64_t>(1, n));
+  if (buffer.capacity() > kKeep && need < buffer.capacity() / 4) std::vector<float>().swap(buffer);
+  buffer.resize(need);
+  return buffer.data();
+}
+
 // kVecSize elements of p as floats.
 template <typename T>
 inline fVec load_float(const T* p);

@@ -269,8 +269,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens_int(
   for (int64_t b = 0; b < num_rows; ++b) max_len = std::max(max_len, lens[b]);
   const int64_t num_blocks_max = (max_len + block_size - 1) / block_size;
   static thread_local std::vector<float> score_buffer;  // [B, H_kv, max_len]
-  score_buffer.resize(std::max<int64_t>(1, num_rows * num_heads * max_len));
-  float* scores = score_buffer.data();
+  float* scores = scratch_floats(score_buffer, num_rows * num_heads * max_len);
   const float* queries = query.data_ptr<float>();
   const uint8_t* code_data = codes.data_ptr<uint8_t>();
   const at::Half* scale_data = scales.data_ptr<at::Half>();

@@ -173,8 +173,7 @@ std::tuple<at::Tensor, at::Tensor> select_tokens(
   const int64_t num_blocks_max = (max_len + block_size - 1) / block_size;
   // scores: [B, H_kv, max_len], reused across calls by this thread.
   static thread_local std::vector<float> score_buffer;
-  score_buffer.resize(std::max<int64_t>(1, num_rows * num_heads * max_len));
-  float* scores = score_buffer.data();
+  float* scores = scratch_floats(score_buffer, num_rows * num_heads * max_len);
   const float* query = partial_query.data_ptr<float>();
   const float scale_f = static_cast<float>(scale);
 
