@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 # gives it): the rest stays for the process and the OS.
 FREE_MEMORY_SHARE = 0.9
 CAP_FLAG = "--infinigen-cpu-pool-gib"
+# A capped pool's row map (``platforms/cpu/pool_index.py``), per (sparse layer,
+# KV head): an int32 row per slot of the dense group, and per row five int64
+# (owner, inserted, last use, count, the free stack).
+INDEX_BYTES_PER_SLOT = 4
+INDEX_BYTES_PER_ROW = 40
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class PoolPlan:
     block_size: int
     num_bytes: int  # host bytes of every sparse layer's pool on this worker
     sized_by: str  # the setting that decided it, for the start-up log
+    index_bytes: int = 0  # a capped pool's row map beside it (host bytes)
 
     @property
     def capped(self) -> bool:
@@ -113,20 +119,27 @@ class PoolPlan:
 
 def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_tokens: int,
               cap: int | None, budget: int | None, sized_by: str, free: int,
-              uncapped_only: str | None = None, cappable: bool = True) -> PoolPlan:
+              uncapped_only: str | None = None, cappable: bool = True,
+              entries_per_token: int = 0, beside: int = 0, ranks: int = 1) -> PoolPlan:
     """Decides the pool of a worker whose dense group has ``num_blocks`` blocks.
 
     Args:
         bytes_per_token: K/V bytes of every sparse layer for one token, this
             worker's KV heads.
         cap: ``cap_rows`` of the flag (None: unset).
-        budget: Bytes the platform gives the pool (None: a row per slot, or
-            the flag's cap).
+        budget: Bytes the platform gives the pool, its row map included
+            (None: a row per slot, or the flag's cap).
         sized_by: The setting that granted them, for the log and the errors.
         free: Free host memory now, in bytes.
         uncapped_only: The policy's flag where it cannot run on a pool that
             evicts (None: it can).
         cappable: The platform takes ``CAP_FLAG`` (CUDA's pool has a row per slot).
+        entries_per_token: Sparse layers x this worker's KV heads (a capped
+            pool's row map has ``INDEX_BYTES_PER_*`` for each).
+        beside: Host bytes allocated with the pool and not yet out of ``free``
+            (the CPU build's speculation keys).
+        ranks: Workers of this host planning alike at the same time, each
+            against the same free memory.
 
     Raises:
         ValueError: When a budget cannot hold one step's tokens, or the pool
@@ -137,6 +150,10 @@ def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_to
         rows = num_slots if cap is None else min(cap, num_slots)
     else:
         rows = min(num_slots, budget // bytes_per_token)
+        if rows < num_slots:  # capped: its row map comes out of the budget too
+            slot_map = entries_per_token * INDEX_BYTES_PER_SLOT * num_slots
+            rows = max(0, budget - slot_map) // (
+                bytes_per_token + entries_per_token * INDEX_BYTES_PER_ROW)
         if rows < min(step_tokens, num_slots):
             raise ValueError(
                 f"InfiniGen's pool gets {budget / 2**30:.3f} GiB from {sized_by}: {rows} "
@@ -151,18 +168,26 @@ def plan_pool(*, num_blocks: int, block_size: int, bytes_per_token: int, step_to
             f"gets from {sized_by} hold {rows} of the dense layers' {num_slots} tokens: "
             "raise --gpu-memory-utilization or lower --kv-cache-memory-bytes")
     units = -(-rows // block_size) if capped else num_blocks
+    index = (entries_per_token * (INDEX_BYTES_PER_SLOT * num_slots + INDEX_BYTES_PER_ROW * rows)
+             if capped else 0)
     plan = PoolPlan(rows, num_slots, block_size, units * block_size * bytes_per_token,
-                    sized_by or "the dense group's slots")
-    if plan.num_bytes > FREE_MEMORY_SHARE * free:
+                    sized_by or "the dense group's slots", index)
+    needed = plan.num_bytes + index + beside
+    if ranks * needed > FREE_MEMORY_SHARE * free:
         if cap is not None:
             fix = f"lower {CAP_FLAG}"
         elif cappable:
-            fix = f"set {CAP_FLAG} or lower --kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE)"
+            fix = (f"set {CAP_FLAG}, or lower --gpu-memory-utilization or "
+                   "--kv-cache-memory-bytes (VLLM_CPU_KVCACHE_SPACE)")
         else:
             fix = (f"lower --gpu-memory-utilization or --kv-cache-memory-bytes (this "
                    f"platform refuses {CAP_FLAG})")
+        parts = [f"{plan.num_bytes / 2**30:.2f} GiB of K/V"] + [
+            f"{size / 2**30:.2f} GiB {what}" for size, what in (
+                (index, "row map"), (beside, "speculation keys")) if size]
+        each = f", on each of this host's {ranks} workers" if ranks > 1 else ""
         raise ValueError(
-            f"InfiniGen's pool for {rows} tokens needs {plan.num_bytes / 2**30:.2f} GiB "
-            f"of host memory, {free / 2**30:.2f} GiB is free; {fix} (sized by "
-            f"{plan.sized_by})")
+            f"InfiniGen's pool for {rows} tokens needs {needed / 2**30:.2f} GiB "
+            f"of host memory ({', '.join(parts)}{each}), {free / 2**30:.2f} GiB is free; "
+            f"{fix} (sized by {plan.sized_by})")
     return plan

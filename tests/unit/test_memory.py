@@ -57,7 +57,8 @@ def test_explicit_kv_bytes_keep_the_kv_space_and_the_pool_gets_what_is_left():
 
 
 def test_explicit_kv_bytes_pool_is_bounded_by_free_memory_and_never_negative():
-    assert plan(GIB, explicit_kv=True, free=GIB).pool_budget == int(0.9 * GIB)
+    assert plan(GIB, explicit_kv=True, free=2 * GIB).pool_budget == int(0.9 * 2 * GIB) - GIB
+    assert plan(GIB, explicit_kv=True, free=GIB).pool_budget == 0
     assert plan(3 * GIB, explicit_kv=True).pool_budget == 0
 
 
@@ -132,8 +133,9 @@ def test_a_pool_beyond_free_memory_names_the_flags_of_the_platform():
                          cap=None, budget=None, sized_by="", free=free, **cappable)
 
     assert pool(GIB, cappable=False).num_bytes == 5000 * 2048  # fits in the free GiB
-    with pytest.raises(ValueError, match=r"needs 0\.01 GiB of host memory, 0\.00 GiB is free; "
-                       "set --infinigen-cpu-pool-gib or lower --kv-cache-memory-bytes"):
+    with pytest.raises(ValueError, match=r"needs 0\.01 GiB of host memory \(0\.01 GiB of "
+                       r"K/V\), 0\.00 GiB is free; set --infinigen-cpu-pool-gib, or lower "
+                       "--gpu-memory-utilization or --kv-cache-memory-bytes"):
         pool(2**20)
     with pytest.raises(ValueError, match="is free; lower --gpu-memory-utilization or "
                        r"--kv-cache-memory-bytes \(this platform refuses --infinigen-cpu-pool-gib"):
@@ -163,3 +165,70 @@ def test_the_pool_flag_counts_a_replicated_heads_copies(ranks, heads):
     assert setup.kv_heads_all_ranks == heads
     rank_bytes = setup.layout.pool_bytes_per_token(setup.kv_dtype_bytes, max(1, 4 // ranks))
     assert setup.pool_bytes_per_token == ranks * rank_bytes
+
+
+def test_a_capped_pools_row_map_comes_out_of_its_budget_and_matches_the_index():
+    """A capped pool's row map (an int32 per slot, five int64 per row, per layer
+    and KV head) is paid from the same budget as its K/V rows, and counted by
+    the free-memory check; the constants are what the CPU pool index holds."""
+    from vllm_infinigen.platforms.cpu.pool_index import CappedPoolIndex
+
+    entries = 2 * 4  # two sparse layers x 4 KV heads
+    plan = plan_pool(num_blocks=625, block_size=8, bytes_per_token=2048, step_tokens=256,
+                     cap=None, budget=2048 * 1000, sized_by="--gpu-memory-utilization 0.3",
+                     free=2**50, entries_per_token=entries)
+    slot_map = entries * 4 * 5000
+    assert plan.num_rows == (2048 * 1000 - slot_map) // (2048 + entries * 40) == 797
+    assert plan.index_bytes == entries * (4 * 5000 + 40 * 797)
+    index = CappedPoolIndex(2, 4, 5000, plan.num_rows, "lru", block_size=8)
+    held = sum(t.numel() * t.element_size() for t in (
+        index.row_map, index.owner, index.inserted, index.last_used, index.count,
+        index.free_rows))
+    assert held == plan.index_bytes
+    # (the K/V rows rounded up to whole blocks: at most one block past the budget)
+    assert plan.num_bytes + plan.index_bytes <= 2048 * 1000 + 8 * 2048
+    # uncapped: no row map
+    assert plan_pool(num_blocks=625, block_size=8, bytes_per_token=2048, step_tokens=256,
+                     cap=None, budget=2048 * 5000, sized_by="", free=2**50,
+                     entries_per_token=entries).index_bytes == 0
+
+
+def test_the_free_memory_check_counts_the_keys_the_row_map_and_the_hosts_workers():
+    """What is allocated with the pool (the CPU build's speculation keys, a capped
+    pool's row map) and every worker of the host planning at once count against
+    free memory: each alone fit, and the host ran out at run time."""
+    def pool(free, **kwargs):
+        return plan_pool(num_blocks=625, block_size=8, bytes_per_token=2048, step_tokens=256,
+                         cap=4000, budget=None, sized_by="--infinigen-cpu-pool-gib 0.008",
+                         free=free, entries_per_token=8, **kwargs)
+
+    alone = pool(2**50)
+    need = alone.num_bytes + alone.index_bytes
+    enough = int(need / 0.9) + 1
+    assert pool(enough).num_rows == 4000
+    with pytest.raises(ValueError, match=r"GiB of host memory \(0\.01 GiB of K/V, 0\.00 GiB "
+                       r"row map, 0\.00 GiB speculation keys\)"):
+        pool(enough, beside=2**20)
+    with pytest.raises(ValueError, match="on each of this host's 2 workers.*lower "
+                       "--infinigen-cpu-pool-gib"):
+        pool(enough, ranks=2)
+    assert pool(2 * enough, ranks=2).num_rows == 4000
+
+
+def test_explicit_kv_bytes_pool_shares_free_memory_among_the_hosts_workers():
+    """The budget is what free memory holds after the KV space (vLLM makes it
+    before the pool), split among the host's workers."""
+    assert plan(GIB, explicit_kv=True, free=3 * GIB).pool_budget == int(0.9 * 3 * GIB) - GIB
+    assert plan(GIB, explicit_kv=True, free=3 * GIB, ranks=2).pool_budget == (
+        int(0.9 * 3 * GIB) // 2 - GIB)
+
+
+def test_host_ranks_are_vllms_local_world_and_one_under_ray():
+    from types import SimpleNamespace
+
+    from vllm_infinigen.worker.base import host_ranks
+
+    assert host_ranks(SimpleNamespace(distributed_executor_backend="mp",
+                                      local_world_size=4)) == 4
+    assert host_ranks(SimpleNamespace(distributed_executor_backend="ray",
+                                      local_world_size=4)) == 1

@@ -93,6 +93,15 @@ def rank_block_costs(setup: EngineSetup, block_size: int,
                        setup.kv_dtype_bytes)
 
 
+def host_ranks(parallel_config) -> int:
+    """Workers of this engine on this host, each planning its pool at the same
+    time against the same free memory: vLLM's local world (Ray places its
+    workers itself, on hosts this worker does not see: 1, each rank alone)."""
+    if parallel_config.distributed_executor_backend == "ray":
+        return 1
+    return max(1, parallel_config.local_world_size)
+
+
 def build_runtime(model: torch.nn.Module, vllm_config, device: torch.device,
                   data_path: DataPath,
                   query_weights: dict[int, torch.nn.Module] | None = None,
@@ -141,6 +150,8 @@ class InfiniGenWorkerMixin:
 
     # It takes --infinigen-cpu-pool-gib (CUDA's pool has a row per slot: refused there).
     infinigen_pool_cappable = True
+    # Its speculation keys are in host memory beside the pool (CUDA: on the device).
+    infinigen_keys_in_host_memory = True
 
     def infinigen_device(self) -> torch.device:
         raise NotImplementedError
@@ -238,6 +249,10 @@ class InfiniGenWorkerMixin:
         runtime, setup = self.infinigen_runtime, self.infinigen
         budget, sized_by = self._pool_budget
         kv_heads = rank_kv_heads(runtime)
+        # the speculation keys, allocated with the pool
+        keys = (kv_cache_config.num_blocks
+                * rank_block_costs(setup, self.cache_config.block_size, runtime).partial
+                if self.infinigen_keys_in_host_memory else 0)
         plan = plan_pool(
             num_blocks=kv_cache_config.num_blocks, block_size=self.cache_config.block_size,
             bytes_per_token=setup.layout.pool_bytes_per_token(setup.kv_dtype_bytes, kv_heads),
@@ -246,7 +261,9 @@ class InfiniGenWorkerMixin:
                          setup.step_tokens),
             budget=budget, sized_by=sized_by, free=psutil.virtual_memory().available,
             uncapped_only=_uncapped_only(setup.config.policy),
-            cappable=self.infinigen_pool_cappable)
+            cappable=self.infinigen_pool_cappable,
+            entries_per_token=setup.layout.num_sparse * kv_heads, beside=keys,
+            ranks=host_ranks(self.parallel_config))
         runtime.allocate_pool(plan, kv_cache_config.num_blocks, self.model_config.dtype,
                               kv_dtype(self.cache_config.cache_dtype, self.model_config.dtype))
         if not runtime.data_path.plans_on_device:  # (the CPU's; CUDA's graphs left as they are)

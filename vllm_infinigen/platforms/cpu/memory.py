@@ -16,7 +16,8 @@ covers both (``split_grant``):
 - ``--kv-cache-memory-bytes`` (or ``VLLM_CPU_KVCACHE_SPACE``): the KV space
   is what the user set (vLLM's blocks and the partial keys), and the pool
   gets what the memory fraction leaves after the worker's resident memory
-  and the KV space, at most 90% of free memory. When the dense group holds
+  and the KV space, at most 90% of free memory less the KV space (shared by
+  the host's workers). When the dense group holds
   more tokens than that pays for, the pool caps itself and evicts with
   ``--infinigen-eviction``.
 - ``--infinigen-cpu-pool-gib``: the pool is what the user set, beside the KV
@@ -43,7 +44,7 @@ class GrantSplit:
 
 def split_grant(granted: int, costs: BlockCosts, *, explicit_kv: bool,
                 explicit_pool: bool, requested: int, resident: int, free: int,
-                fraction: float) -> GrantSplit:
+                fraction: float, ranks: int = 1) -> GrantSplit:
     """Splits the worker's memory grant.
 
     Args:
@@ -53,8 +54,9 @@ def split_grant(granted: int, costs: BlockCosts, *, explicit_kv: bool,
         explicit_pool: ``--infinigen-cpu-pool-gib`` is set.
         requested: Bytes the memory fraction grants the worker.
         resident: Bytes the worker already holds (model, buffers).
-        free: Free host memory now.
+        free: Free host memory now (before vLLM's blocks are made).
         fraction: ``--gpu-memory-utilization``, for the log.
+        ranks: Workers of this host, each taking a share of ``free``.
     """
     with_partial = costs.pages + costs.partial
     if explicit_pool or explicit_kv:
@@ -62,7 +64,8 @@ def split_grant(granted: int, costs: BlockCosts, *, explicit_kv: bool,
         partial = granted - kv_space
         if explicit_pool:
             return GrantSplit(kv_space, partial, None, "--infinigen-cpu-pool-gib")
-        budget = max(0, min(requested - resident - granted, int(FREE_MEMORY_SHARE * free)))
+        free_share = int(FREE_MEMORY_SHARE * free) // ranks - granted
+        budget = max(0, min(requested - resident - granted, free_share))
         return GrantSplit(kv_space, partial, budget,
                           f"--gpu-memory-utilization {fraction} less the worker's "
                           f"{resident / 2**30:.2f} GiB and the KV space of "

@@ -14,7 +14,7 @@ from vllm_infinigen.config import InfiniGenConfig
 from vllm_infinigen.platforms.cpu.data_path import CpuDataPath
 from vllm_infinigen.platforms.cpu.memory import split_grant
 from vllm_infinigen.platforms.cpu.query_weights import capture_query_weights
-from vllm_infinigen.worker.base import InfiniGenWorkerMixin, rank_block_costs
+from vllm_infinigen.worker.base import InfiniGenWorkerMixin, host_ranks, rank_block_costs
 
 logger = init_logger(__name__)
 
@@ -49,7 +49,8 @@ class InfiniGenCPUWorker(InfiniGenWorkerMixin, CPUWorker):
             requested=self.requested_cpu_memory,
             resident=psutil.Process().memory_info().rss,
             free=psutil.virtual_memory().available,
-            fraction=self.cache_config.gpu_memory_utilization)
+            fraction=self.cache_config.gpu_memory_utilization,
+            ranks=host_ranks(self.parallel_config))
         logger.info(
             "InfiniGen: KV space %.3f GiB = %.3f GiB vLLM blocks (%d pages per "
             "block id) + %.3f GiB speculation keys%s",

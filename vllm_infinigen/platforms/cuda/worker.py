@@ -35,6 +35,7 @@ class InfiniGenCUDAWorker(InfiniGenWorkerMixin, Worker):
     filled from a pinned host pool (``data_path.py``)."""
 
     infinigen_pool_cappable = False  # platforms/cuda/refusals.py
+    infinigen_keys_in_host_memory = False  # (out of vLLM's GPU grant: split_memory)
 
     def infinigen_device(self) -> torch.device:
         return self.device
