@@ -124,7 +124,8 @@ class CpuDataPath:
                         positions: torch.Tensor, row_map: torch.Tensor | None,
                         probs: torch.Tensor | None,
                         out: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """(``out`` is never given: this platform plans on the host.)"""
+        """(``out``, given where the rows are the step's first, is not written in
+        place here: the kernel returns a new tensor, which the runtime copies.)"""
         staged, waited = self.transfer.wait(layer.layer_idx)
         if staged is None:
             out = kernels.attend_decode(
