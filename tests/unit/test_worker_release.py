@@ -20,7 +20,10 @@ BLOCK = 4
 
 class _Stock:
     def execute_model(self, scheduler_output):
-        return None
+        """vLLM's runner forgets finished requests in the step (a preempted one keeps
+        its state, its old block ids included, until it resumes)."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.model_runner.requests.pop(req_id, None)
 
 
 class _Worker(InfiniGenWorkerMixin, _Stock):
@@ -30,8 +33,9 @@ class _Worker(InfiniGenWorkerMixin, _Stock):
 def _worker(prefix_caching: bool):
     pool = CappedPoolIndex(1, 1, num_slots=8 * BLOCK, num_rows=16, policy="fifo",
                            block_size=BLOCK)
+    released = []  # the data path's releases (CUDA: its device block cache's copies)
     runtime = SimpleNamespace(pool_index=pool, data_path=SimpleNamespace(
-        release_blocks=lambda block_ids: None))
+        release_blocks=released.extend, released=released))
     runtime.release_blocks = lambda block_ids: InfiniGenRuntime.release_blocks(runtime, block_ids)
     worker = object.__new__(_Worker)
     worker.infinigen_runtime, worker._dense_group = runtime, 0
@@ -60,12 +64,31 @@ def test_a_request_aborted_after_its_preemption_frees_nothing_again(prefix_cachi
     pool.admit(torch.arange(2 * BLOCK, 3 * BLOCK))  # x's tokens in block 2
     worker.execute_model(_step(preempted={"x"}))
     assert _holds(pool, 2) == prefix_caching  # (retired: kept for a hit, first to go)
+    released = worker.infinigen_runtime.data_path.released
+    assert released == [2]
     worker.model_runner.requests["y"] = SimpleNamespace(block_ids=[[2]])  # vLLM reuses it
     pool.admit(torch.arange(2 * BLOCK, 3 * BLOCK))
     worker.execute_model(_step(finished={"x"}))  # x aborted while waiting
-    assert _holds(pool, 2)
+    assert _holds(pool, 2) and released == [2]  # y's block: not released again
+    assert pool.num_retired.sum() == 0  # nor retired (y holds it)
     worker.execute_model(_step(finished={"y"}))
-    assert prefix_caching or not _holds(pool, 2)
+    assert released == [2, 2]
+    if prefix_caching:
+        assert pool.num_retired.sum() == BLOCK  # kept for a hit, first to go
+    else:
+        assert not _holds(pool, 2)
+
+
+def test_a_finished_requests_block_a_live_request_shares_is_not_retired():
+    """With prefix caching a running request may hold a finished one's block (a
+    hit on its prompt): only the finished request's own blocks are retired."""
+    worker, pool = _worker(True)
+    worker.model_runner.requests["x"] = SimpleNamespace(block_ids=[[2, 3]])
+    worker.model_runner.requests["y"] = SimpleNamespace(block_ids=[[2, 4]])  # y hit block 2
+    pool.admit(torch.arange(2 * BLOCK, 5 * BLOCK))
+    worker.execute_model(_step(finished={"x"}))
+    assert pool.num_retired.sum() == BLOCK  # block 3's rows; block 2 is y's too
+    assert _holds(pool, 2) and _holds(pool, 4)
 
 
 def test_a_resumed_request_frees_its_new_blocks_when_it_finishes():
