@@ -97,7 +97,7 @@ def frontier_rows(payload: dict) -> list[dict]:
             row, dense = rows_of[label], rows_of["dense"]
             entry["ratios"][name] = ratio(row, dense)
             entry["density"][name] = row["density"]
-            entry.update(budget=row["budget"], token_cap=row.get("token_cap"))
+            entry.update(budget=row["budget"], token_cap=row.get("token_cap"), rule=row["rule"])
             if row.get("bytes_per_token") is not None:  # the largest over the tasks
                 entry["bytes"] = max(entry["bytes"] or 0.0, row["bytes_per_token"])
             if "buckets" in row:
@@ -106,9 +106,8 @@ def frontier_rows(payload: dict) -> list[dict]:
         if entry.get("token_cap"):
             base = min(base, entry["token_cap"] / SPEED_CONTEXT)
         entry["density_16k"] = base
-        rule = next(row["rule"] for rows_of in tasks.values() for key, row in rows_of.items()
-                    if key == label)
-        estimate = interpolate(points_for(points, dense_layers, speculation_of(rule)), base)
+        estimate = interpolate(points_for(points, dense_layers, speculation_of(entry["rule"])),
+                               base)
         entry["vs_dense_16k"], entry["extrapolated"] = estimate if estimate else (None, None)
         entry["meets"] = meets(entry)
         rows.append(entry)
